@@ -1,0 +1,199 @@
+//! A fixed pool of worker threads for data-parallel kernels.
+//!
+//! Matrix kernels split their output rows over every thread of the machine many thousand times a
+//! second (30 layers × 7 matrices per forward step), so a dispatch must cost microseconds: the
+//! workers spin briefly on an epoch counter before parking, and the caller takes a share of the
+//! work itself instead of sleeping.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+type Job = dyn Fn(usize, usize) + Sync;
+
+struct Shared {
+    /// Bumped once per dispatched job; workers run the job when they see a new value.
+    epoch: AtomicUsize,
+    /// Workers still running the current job.
+    pending: AtomicUsize,
+    /// The current job, valid while `pending > 0` (erased lifetime, see `run`).
+    job: Mutex<Option<&'static Job>>,
+    wake: Condvar,
+    shutdown: std::sync::atomic::AtomicBool,
+}
+
+/// A pool of `n - 1` worker threads plus the calling thread.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    n_threads: usize,
+    /// Serialises `run` calls from different threads; a pool runs one job at a time.
+    dispatch: Mutex<()>,
+}
+
+const SPIN_ITERS: usize = 20_000;
+
+impl ThreadPool {
+    /// A pool with `n_threads` participants (at least 1); `0` means one per available core.
+    pub fn new(n_threads: usize) -> Self {
+        let n_threads = if n_threads == 0 { default_threads() } else { n_threads };
+        let shared = Arc::new(Shared {
+            epoch: AtomicUsize::new(0),
+            pending: AtomicUsize::new(0),
+            job: Mutex::new(None),
+            wake: Condvar::new(),
+            shutdown: std::sync::atomic::AtomicBool::new(false),
+        });
+        let workers = (1..n_threads)
+            .map(|idx| {
+                let shared = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("duet-kernel-{idx}"))
+                    .spawn(move || worker_loop(shared, idx, n_threads))
+                    .expect("spawning a kernel thread")
+            })
+            .collect();
+        Self { shared, workers, n_threads, dispatch: Mutex::new(()) }
+    }
+
+    pub fn n_threads(&self) -> usize {
+        self.n_threads
+    }
+
+    /// Runs `f(thread_index, n_threads)` on every participant and returns when all are done.
+    pub fn run<F: Fn(usize, usize) + Sync>(&self, f: F) {
+        if self.n_threads == 1 {
+            f(0, 1);
+            return;
+        }
+        let _guard = self.dispatch.lock().unwrap_or_else(|e| e.into_inner());
+        let job: &(dyn Fn(usize, usize) + Sync + '_) = &f;
+        // SAFETY: the reference is only used by workers between the epoch bump below and the
+        // moment `pending` reaches zero, and we do not return (or unwind) before that.
+        let job: &'static Job = unsafe {
+            std::mem::transmute::<&(dyn Fn(usize, usize) + Sync + '_), &'static Job>(job)
+        };
+        *self.shared.job.lock().unwrap() = Some(job);
+        self.shared.pending.store(self.n_threads - 1, Ordering::SeqCst);
+        {
+            let _g = self.shared.job.lock().unwrap();
+            self.shared.epoch.fetch_add(1, Ordering::SeqCst);
+            self.shared.wake.notify_all();
+        }
+        // A panic in our share must not free `f` while workers still use it.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(0, self.n_threads)));
+        let mut spins = 0usize;
+        while self.shared.pending.load(Ordering::Acquire) != 0 {
+            spins += 1;
+            if spins < SPIN_ITERS {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        *self.shared.job.lock().unwrap() = None;
+        if let Err(panic) = result {
+            std::panic::resume_unwind(panic);
+        }
+    }
+
+    /// Splits `0..n` into contiguous ranges, one per participant, and runs `f(range)` on each.
+    pub fn for_each_range<F: Fn(std::ops::Range<usize>) + Sync>(&self, n: usize, f: F) {
+        self.run(|idx, count| {
+            let r = split_range(n, idx, count);
+            if !r.is_empty() {
+                f(r)
+            }
+        });
+    }
+}
+
+/// The `idx`-th of `count` near-equal contiguous parts of `0..n`.
+pub fn split_range(n: usize, idx: usize, count: usize) -> std::ops::Range<usize> {
+    let base = n / count;
+    let extra = n % count;
+    let start = idx * base + idx.min(extra);
+    let len = base + usize::from(idx < extra);
+    start..start + len
+}
+
+/// One thread per core the process may use.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+fn worker_loop(shared: Arc<Shared>, idx: usize, n_threads: usize) {
+    let mut seen = 0usize;
+    loop {
+        let mut spins = 0usize;
+        let epoch = loop {
+            let e = shared.epoch.load(Ordering::Acquire);
+            if e != seen {
+                break e;
+            }
+            if shared.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            spins += 1;
+            if spins < SPIN_ITERS {
+                std::hint::spin_loop();
+            } else {
+                let guard = shared.job.lock().unwrap();
+                if shared.epoch.load(Ordering::Acquire) == seen && !shared.shutdown.load(Ordering::Acquire) {
+                    drop(shared.wake.wait(guard).unwrap());
+                }
+            }
+        };
+        seen = epoch;
+        let job = *shared.job.lock().unwrap();
+        if let Some(job) = job {
+            // A panicking kernel is a bug; keep the pool consistent and let the caller's own share
+            // (or the next debug run) surface it.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(idx, n_threads)));
+        }
+        shared.pending.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        {
+            let _g = self.shared.job.lock().unwrap();
+            self.shared.shutdown.store(true, Ordering::SeqCst);
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_participant_runs_once_per_job() {
+        let pool = ThreadPool::new(3);
+        for _ in 0..1000 {
+            let hits = AtomicUsize::new(0);
+            pool.run(|_, n| {
+                assert_eq!(n, 3);
+                hits.fetch_add(1, Ordering::Relaxed);
+            });
+            assert_eq!(hits.load(Ordering::Relaxed), 3);
+        }
+    }
+
+    #[test]
+    fn ranges_cover_everything_once() {
+        let pool = ThreadPool::new(2);
+        let seen: Vec<AtomicUsize> = (0..101).map(|_| AtomicUsize::new(0)).collect();
+        pool.for_each_range(101, |r| {
+            for i in r {
+                seen[i].fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+    }
+}
