@@ -1,1 +1,60 @@
-fn main() {}
+//! `duet`: fetch the default model, generate text, benchmark the engine.
+
+mod bench;
+mod fetch;
+mod generate;
+mod model_path;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "duet", version, about = "Disaggregated LLM serving: prefill and decode pools", long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Manage model files.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+    /// Generate text from a prompt, streaming it as it is made.
+    Generate(generate::GenerateArgs),
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum ModelCommand {
+    /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) into the models directory.
+    Fetch(fetch::FetchArgs),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Prefill and decode throughput of the engine alone (no services).
+    Engine(bench::EngineBenchArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Model {
+            command: ModelCommand::Fetch(args),
+        } => fetch::run(args),
+        Command::Generate(args) => generate::run(args),
+        Command::Bench {
+            command: BenchCommand::Engine(args),
+        } => bench::run_engine(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -16,13 +16,19 @@ pub struct WeightBytes {
 impl WeightBytes {
     /// Bytes `range` of a shared mapping (or any shared buffer).
     pub fn shared(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, range: Range<usize>) -> Self {
-        assert!(range.end <= (*owner).as_ref().len(), "weight range past the end of its buffer");
+        assert!(
+            range.end <= (*owner).as_ref().len(),
+            "weight range past the end of its buffer"
+        );
         Self { owner, range }
     }
 
     pub fn from_vec(bytes: Vec<u8>) -> Self {
         let len = bytes.len();
-        Self { owner: Arc::new(bytes), range: 0..len }
+        Self {
+            owner: Arc::new(bytes),
+            range: 0..len,
+        }
     }
 }
 

@@ -36,7 +36,11 @@ const SPIN_ITERS: usize = 20_000;
 impl ThreadPool {
     /// A pool with `n_threads` participants (at least 1); `0` means one per available core.
     pub fn new(n_threads: usize) -> Self {
-        let n_threads = if n_threads == 0 { default_threads() } else { n_threads };
+        let n_threads = if n_threads == 0 {
+            default_threads()
+        } else {
+            n_threads
+        };
         let shared = Arc::new(Shared {
             epoch: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
@@ -53,7 +57,12 @@ impl ThreadPool {
                     .expect("spawning a kernel thread")
             })
             .collect();
-        Self { shared, workers, n_threads, dispatch: Mutex::new(()) }
+        Self {
+            shared,
+            workers,
+            n_threads,
+            dispatch: Mutex::new(()),
+        }
     }
 
     pub fn n_threads(&self) -> usize {
@@ -74,14 +83,17 @@ impl ThreadPool {
             std::mem::transmute::<&(dyn Fn(usize, usize) + Sync + '_), &'static Job>(job)
         };
         *self.shared.job.lock().unwrap() = Some(job);
-        self.shared.pending.store(self.n_threads - 1, Ordering::SeqCst);
+        self.shared
+            .pending
+            .store(self.n_threads - 1, Ordering::SeqCst);
         {
             let _g = self.shared.job.lock().unwrap();
             self.shared.epoch.fetch_add(1, Ordering::SeqCst);
             self.shared.wake.notify_all();
         }
         // A panic in our share must not free `f` while workers still use it.
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(0, self.n_threads)));
+        let result =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(0, self.n_threads)));
         let mut spins = 0usize;
         while self.shared.pending.load(Ordering::Acquire) != 0 {
             spins += 1;
@@ -119,7 +131,9 @@ pub fn split_range(n: usize, idx: usize, count: usize) -> std::ops::Range<usize>
 
 /// One thread per core the process may use.
 pub fn default_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }
 
 fn worker_loop(shared: Arc<Shared>, idx: usize, n_threads: usize) {
@@ -139,7 +153,9 @@ fn worker_loop(shared: Arc<Shared>, idx: usize, n_threads: usize) {
                 std::hint::spin_loop();
             } else {
                 let guard = shared.job.lock().unwrap();
-                if shared.epoch.load(Ordering::Acquire) == seen && !shared.shutdown.load(Ordering::Acquire) {
+                if shared.epoch.load(Ordering::Acquire) == seen
+                    && !shared.shutdown.load(Ordering::Acquire)
+                {
                     drop(shared.wake.wait(guard).unwrap());
                 }
             }

@@ -1,0 +1,367 @@
+//! A pool of fixed-size KV blocks with reference counts and a prefix cache.
+//!
+//! A block is in exactly one of three states:
+//! - **in use**: `ref_count > 0`, held by one or more sequences (shared prefix blocks);
+//! - **cached**: `ref_count == 0` but its content hash is registered, so a later prompt with the
+//!   same prefix can take it back; it sits in the LRU order and is evicted when space is needed;
+//! - **free**: `ref_count == 0` and no hash.
+//!
+//! Allocation takes free blocks first and then evicts the least recently used cached block.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::BlockHash;
+
+/// Index of a block in the pool (and in the KV storage that mirrors it).
+pub type BlockId = u32;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KvError {
+    #[error("KV cache exhausted: {requested} blocks requested, {available} available")]
+    Exhausted { requested: usize, available: usize },
+    #[error("block {0} is not in use (double free or foreign block id)")]
+    NotInUse(BlockId),
+    #[error("block {block} out of range for a pool of {num_blocks} blocks")]
+    OutOfRange { block: BlockId, num_blocks: usize },
+}
+
+#[derive(Clone, Debug, Default)]
+struct BlockMeta {
+    ref_count: u32,
+    hash: Option<BlockHash>,
+    /// Position in the LRU order while cached.
+    lru_tick: Option<u64>,
+}
+
+/// Counts for metrics and admission decisions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolStats {
+    pub num_blocks: usize,
+    pub in_use: usize,
+    pub cached: usize,
+    pub free: usize,
+}
+
+pub struct BlockPool {
+    block_size: usize,
+    blocks: Vec<BlockMeta>,
+    free: Vec<BlockId>,
+    /// Cached blocks by last use (oldest first).
+    lru: BTreeMap<u64, BlockId>,
+    next_tick: u64,
+    by_hash: HashMap<BlockHash, BlockId>,
+    in_use: usize,
+}
+
+impl BlockPool {
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        assert!(block_size > 0, "block size must be positive");
+        assert!(num_blocks <= BlockId::MAX as usize, "too many blocks");
+        Self {
+            block_size,
+            blocks: vec![BlockMeta::default(); num_blocks],
+            // Pop from the end: hand out low ids first.
+            free: (0..num_blocks as BlockId).rev().collect(),
+            lru: BTreeMap::new(),
+            next_tick: 0,
+            by_hash: HashMap::new(),
+            in_use: 0,
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Blocks that an allocation could obtain now (free plus evictable cached).
+    pub fn available(&self) -> usize {
+        self.free.len() + self.lru.len()
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        PoolStats {
+            num_blocks: self.blocks.len(),
+            in_use: self.in_use,
+            cached: self.lru.len(),
+            free: self.free.len(),
+        }
+    }
+
+    /// Takes `n` blocks (reference count 1 each), or none at all if fewer are available.
+    pub fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, KvError> {
+        if n > self.available() {
+            return Err(KvError::Exhausted {
+                requested: n,
+                available: self.available(),
+            });
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = match self.free.pop() {
+                Some(id) => id,
+                None => self.evict_oldest(),
+            };
+            let meta = &mut self.blocks[id as usize];
+            debug_assert_eq!(meta.ref_count, 0);
+            meta.ref_count = 1;
+            self.in_use += 1;
+            out.push(id);
+        }
+        Ok(out)
+    }
+
+    fn evict_oldest(&mut self) -> BlockId {
+        let (_, id) = self
+            .lru
+            .pop_first()
+            .expect("available() counted a cached block");
+        let meta = &mut self.blocks[id as usize];
+        meta.lru_tick = None;
+        if let Some(h) = meta.hash.take() {
+            self.by_hash.remove(&h);
+        }
+        id
+    }
+
+    /// Drops one reference to each block. Blocks that reach zero become cached (if hashed) or
+    /// free. Validates every id before changing anything.
+    pub fn release(&mut self, blocks: &[BlockId]) -> Result<(), KvError> {
+        for &b in blocks {
+            self.check(b)?;
+            if self.blocks[b as usize].ref_count == 0 {
+                return Err(KvError::NotInUse(b));
+            }
+        }
+        for &b in blocks {
+            let meta = &mut self.blocks[b as usize];
+            // The same id twice in one call must not underflow.
+            if meta.ref_count == 0 {
+                return Err(KvError::NotInUse(b));
+            }
+            meta.ref_count -= 1;
+            if meta.ref_count == 0 {
+                self.in_use -= 1;
+                if meta.hash.is_some() {
+                    let tick = self.next_tick;
+                    self.next_tick += 1;
+                    meta.lru_tick = Some(tick);
+                    self.lru.insert(tick, b);
+                } else {
+                    self.free.push(b);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Registers the content hash of a block whose KV is now fully written, making it findable
+    /// by [`lookup_prefix`](Self::lookup_prefix). If another block already holds this content,
+    /// this one stays anonymous (it is freed normally later). Returns whether it was registered.
+    pub fn register_hash(&mut self, block: BlockId, hash: BlockHash) -> Result<bool, KvError> {
+        self.check(block)?;
+        if self.blocks[block as usize].ref_count == 0 {
+            return Err(KvError::NotInUse(block));
+        }
+        if self.by_hash.contains_key(&hash) || self.blocks[block as usize].hash.is_some() {
+            return Ok(false);
+        }
+        self.by_hash.insert(hash, block);
+        self.blocks[block as usize].hash = Some(hash);
+        Ok(true)
+    }
+
+    /// Number of leading `hashes` whose blocks are present (in use or cached), without taking them.
+    pub fn cached_prefix_len(&self, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.by_hash.contains_key(h))
+            .count()
+    }
+
+    /// Takes a reference to the blocks of the longest present prefix of `hashes` and returns them
+    /// in order (possibly none).
+    pub fn lookup_prefix(&mut self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        for h in hashes {
+            let Some(&id) = self.by_hash.get(h) else {
+                break;
+            };
+            let meta = &mut self.blocks[id as usize];
+            if meta.ref_count == 0 {
+                if let Some(tick) = meta.lru_tick.take() {
+                    self.lru.remove(&tick);
+                }
+                self.in_use += 1;
+            }
+            meta.ref_count += 1;
+            out.push(id);
+        }
+        out
+    }
+
+    /// The content hash registered for a block, if any.
+    pub fn hash_of(&self, block: BlockId) -> Option<BlockHash> {
+        self.blocks.get(block as usize).and_then(|m| m.hash)
+    }
+
+    pub fn ref_count(&self, block: BlockId) -> u32 {
+        self.blocks.get(block as usize).map_or(0, |m| m.ref_count)
+    }
+
+    /// Forgets every cached block (their KV may be overwritten); in-use blocks keep their hashes.
+    pub fn clear_cache(&mut self) {
+        while !self.lru.is_empty() {
+            let id = self.evict_oldest();
+            self.free.push(id);
+        }
+    }
+
+    fn check(&self, block: BlockId) -> Result<(), KvError> {
+        if (block as usize) < self.blocks.len() {
+            Ok(())
+        } else {
+            Err(KvError::OutOfRange {
+                block,
+                num_blocks: self.blocks.len(),
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocates_until_exhausted_and_all_or_nothing() {
+        let mut pool = BlockPool::new(4, 16);
+        let a = pool.allocate(3).unwrap();
+        assert_eq!(a.len(), 3);
+        assert_eq!(
+            pool.allocate(2),
+            Err(KvError::Exhausted {
+                requested: 2,
+                available: 1
+            })
+        );
+        assert_eq!(pool.stats().in_use, 3, "a failed allocation takes nothing");
+        let b = pool.allocate(1).unwrap();
+        assert!(!a.contains(&b[0]));
+        assert_eq!(pool.available(), 0);
+    }
+
+    #[test]
+    fn freeing_returns_blocks_and_rejects_double_free() {
+        let mut pool = BlockPool::new(2, 16);
+        let a = pool.allocate(2).unwrap();
+        pool.release(&a).unwrap();
+        assert_eq!(pool.available(), 2);
+        assert_eq!(pool.release(&a[..1]), Err(KvError::NotInUse(a[0])));
+        assert_eq!(
+            pool.release(&[9]),
+            Err(KvError::OutOfRange {
+                block: 9,
+                num_blocks: 2
+            })
+        );
+        let b = pool.allocate(1).unwrap();
+        assert_eq!(pool.release(&[b[0], b[0]]), Err(KvError::NotInUse(b[0])));
+    }
+
+    #[test]
+    fn prefix_hits_share_blocks_and_survive_release() {
+        let mut pool = BlockPool::new(4, 16);
+        let a = pool.allocate(2).unwrap();
+        assert!(pool.register_hash(a[0], 100).unwrap());
+        assert!(pool.register_hash(a[1], 200).unwrap());
+        // A second sequence shares the prefix while the first still runs.
+        let shared = pool.lookup_prefix(&[100, 200, 300]);
+        assert_eq!(shared, a);
+        assert_eq!(pool.ref_count(a[0]), 2);
+        pool.release(&a).unwrap();
+        pool.release(&shared).unwrap();
+        // Released hashed blocks stay findable as cache.
+        assert_eq!(
+            pool.stats(),
+            PoolStats {
+                num_blocks: 4,
+                in_use: 0,
+                cached: 2,
+                free: 2
+            }
+        );
+        assert_eq!(pool.cached_prefix_len(&[100, 200]), 2);
+        assert_eq!(
+            pool.cached_prefix_len(&[100, 999, 200]),
+            1,
+            "a prefix stops at the first miss"
+        );
+        let again = pool.lookup_prefix(&[100]);
+        assert_eq!(again, vec![a[0]]);
+        assert_eq!(pool.stats().cached, 1);
+    }
+
+    #[test]
+    fn duplicate_content_stays_anonymous() {
+        let mut pool = BlockPool::new(2, 16);
+        let a = pool.allocate(2).unwrap();
+        assert!(pool.register_hash(a[0], 7).unwrap());
+        assert!(!pool.register_hash(a[1], 7).unwrap());
+        pool.release(&a).unwrap();
+        assert_eq!(pool.stats().cached, 1);
+        assert_eq!(pool.stats().free, 1);
+    }
+
+    #[test]
+    fn evicts_least_recently_used_cached_block_first() {
+        let mut pool = BlockPool::new(3, 16);
+        let blocks = pool.allocate(3).unwrap();
+        for (i, &b) in blocks.iter().enumerate() {
+            pool.register_hash(b, 10 + i as u64).unwrap();
+        }
+        // Release in order 1, 0, 2: block 1 is the oldest cached.
+        pool.release(&[blocks[1]]).unwrap();
+        pool.release(&[blocks[0]]).unwrap();
+        pool.release(&[blocks[2]]).unwrap();
+        // A hit on block 0 followed by its release makes it the newest.
+        let hit = pool.lookup_prefix(&[10]);
+        assert_eq!(hit, vec![blocks[0]]);
+        pool.release(&hit).unwrap();
+        let taken = pool.allocate(1).unwrap();
+        assert_eq!(
+            taken,
+            vec![blocks[1]],
+            "oldest cached block is evicted first"
+        );
+        assert_eq!(pool.hash_of(blocks[1]), None, "eviction forgets the hash");
+        assert_eq!(pool.cached_prefix_len(&[11]), 0);
+        assert_eq!(pool.allocate(1).unwrap(), vec![blocks[2]]);
+        assert_eq!(pool.allocate(1).unwrap(), vec![blocks[0]]);
+        assert!(matches!(pool.allocate(1), Err(KvError::Exhausted { .. })));
+    }
+
+    #[test]
+    fn clear_cache_frees_cached_blocks_only() {
+        let mut pool = BlockPool::new(3, 16);
+        let a = pool.allocate(2).unwrap();
+        pool.register_hash(a[0], 1).unwrap();
+        pool.register_hash(a[1], 2).unwrap();
+        pool.release(&a[..1]).unwrap();
+        pool.clear_cache();
+        assert_eq!(
+            pool.stats(),
+            PoolStats {
+                num_blocks: 3,
+                in_use: 1,
+                cached: 0,
+                free: 2
+            }
+        );
+        assert_eq!(pool.cached_prefix_len(&[1]), 0);
+        assert_eq!(pool.hash_of(a[1]), Some(2));
+    }
+}

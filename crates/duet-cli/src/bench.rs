@@ -1,0 +1,318 @@
+//! `duet bench engine`: prefill and decode throughput of the engine alone, single stream and
+//! batched, resident memory, and (optionally) llama.cpp on the same file in the same run.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use duet_engine::engine::{Engine, SeqId};
+use duet_engine::generation::StopCriteria;
+use duet_engine::sampling::SamplingParams;
+use serde::Serialize;
+
+use crate::generate::EngineArgs;
+use crate::model_path::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct EngineBenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Batch sizes to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub batch: Vec<usize>,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 200)]
+    pub prompt_tokens: usize,
+    /// Prompt length of each sequence in the decode measurement.
+    #[arg(long, default_value_t = 64)]
+    pub decode_context: usize,
+    /// Decode steps timed per batch size.
+    #[arg(long, default_value_t = 64)]
+    pub decode_steps: usize,
+    /// Repetitions of each measurement (the best is reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Also run llama.cpp (Python package llama-cpp-python) on the same model file.
+    #[arg(long)]
+    pub compare_llamacpp: bool,
+    /// Script that measures llama.cpp.
+    #[arg(long, default_value = "bench/llamacpp_engine.py")]
+    pub llamacpp_script: PathBuf,
+    /// Python interpreter for the llama.cpp script.
+    #[arg(long, env = "DUET_PYTHON", default_value = "python3")]
+    pub python: String,
+    /// Write the JSON report here too.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+}
+
+#[derive(Serialize, Clone)]
+struct Row {
+    batch: usize,
+    prefill_tokens_per_s: f64,
+    decode_tokens_per_s: f64,
+}
+
+#[derive(Serialize, serde::Deserialize, Clone)]
+struct PeerResult {
+    prefill_tokens_per_s: f64,
+    decode_tokens_per_s: f64,
+    #[serde(default)]
+    version: String,
+}
+
+#[derive(Serialize)]
+struct Report {
+    model: String,
+    threads: usize,
+    prompt_tokens: usize,
+    decode_context: usize,
+    decode_steps: usize,
+    rows: Vec<Row>,
+    batched_decode_speedup_max: f64,
+    model_file_bytes: u64,
+    kv_pool_bytes: u64,
+    peak_rss_bytes: u64,
+    rss_after_load_bytes: u64,
+    llamacpp: Option<PeerResult>,
+}
+
+pub fn run_engine(args: EngineBenchArgs) -> Result<()> {
+    let path = args.model.resolve()?;
+    let options = args.engine.options();
+    let needed = args.batch.iter().max().copied().unwrap_or(1)
+        * (args.prompt_tokens.max(args.decode_context) + args.decode_steps + 1);
+    if options.kv_cache_tokens < needed {
+        bail!(
+            "--kv-cache-tokens {} is too small for this run: it needs {needed}",
+            options.kv_cache_tokens
+        );
+    }
+    eprintln!("loading {}", path.display());
+    let mut engine = Engine::load(&path, options.clone())?;
+    let rss_after_load = rss_bytes("VmRSS");
+    let threads = if options.threads == 0 {
+        duet_engine::threadpool::default_threads()
+    } else {
+        options.threads
+    };
+    let vocab = engine.config().vocab_size as u32;
+    let mut seed = 1u64;
+    let mut prompt = |len: usize| -> Vec<u32> {
+        seed += 1;
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Skip the low ids (special tokens).
+                300 + (x % (vocab as u64 - 300)) as u32
+            })
+            .collect()
+    };
+
+    let mut rows = Vec::new();
+    for &batch in &args.batch {
+        // Prefill: `batch` fresh prompts (never cached) until each has its first token.
+        let mut best_prefill = 0f64;
+        for _ in 0..args.repeats {
+            let ids = add(&mut engine, batch, args.prompt_tokens, 1, &mut prompt)?;
+            let t = Instant::now();
+            run_until_tokens(&mut engine, &ids, 1)?;
+            let rate = (batch * args.prompt_tokens) as f64 / t.elapsed().as_secs_f64();
+            best_prefill = best_prefill.max(rate);
+            remove(&mut engine, &ids)?;
+        }
+        // Decode: `batch` sequences past their prompt, then `decode_steps` timed steps.
+        let mut best_decode = 0f64;
+        for _ in 0..args.repeats {
+            let ids = add(
+                &mut engine,
+                batch,
+                args.decode_context,
+                args.decode_steps + 1,
+                &mut prompt,
+            )?;
+            run_until_tokens(&mut engine, &ids, 1)?;
+            let t = Instant::now();
+            for _ in 0..args.decode_steps {
+                engine.step()?;
+            }
+            let rate = (batch * args.decode_steps) as f64 / t.elapsed().as_secs_f64();
+            best_decode = best_decode.max(rate);
+            remove(&mut engine, &ids)?;
+        }
+        eprintln!(
+            "batch {batch:>3}: prefill {best_prefill:8.1} tok/s, decode {best_decode:8.1} tok/s"
+        );
+        rows.push(Row {
+            batch,
+            prefill_tokens_per_s: best_prefill,
+            decode_tokens_per_s: best_decode,
+        });
+    }
+
+    let llamacpp = if args.compare_llamacpp {
+        Some(run_llamacpp(&args, &path, threads)?)
+    } else {
+        None
+    };
+    let single = rows
+        .iter()
+        .find(|r| r.batch == 1)
+        .map(|r| r.decode_tokens_per_s);
+    let speedup = match single {
+        Some(s) if s > 0.0 => rows
+            .iter()
+            .map(|r| r.decode_tokens_per_s / s)
+            .fold(0.0, f64::max),
+        _ => 0.0,
+    };
+    let layout = engine
+        .model()
+        .kv_layout(options.block_size, engine.block_pool().num_blocks());
+    let report = Report {
+        model: path.display().to_string(),
+        threads,
+        prompt_tokens: args.prompt_tokens,
+        decode_context: args.decode_context,
+        decode_steps: args.decode_steps,
+        rows: rows.clone(),
+        batched_decode_speedup_max: speedup,
+        model_file_bytes: std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0),
+        kv_pool_bytes: (layout.num_blocks * layout.block_size * layout.values_per_token() * 4)
+            as u64,
+        peak_rss_bytes: rss_bytes("VmHWM"),
+        rss_after_load_bytes: rss_after_load,
+        llamacpp: llamacpp.clone(),
+    };
+
+    println!("engine benchmark: {} ({} threads)", report.model, threads);
+    println!(
+        "{:>6} {:>16} {:>16} {:>12}",
+        "batch", "prefill tok/s", "decode tok/s", "decode ×b1"
+    );
+    for r in &rows {
+        let x = single.map(|s| r.decode_tokens_per_s / s).unwrap_or(0.0);
+        println!(
+            "{:>6} {:>16.1} {:>16.1} {:>12.2}",
+            r.batch, r.prefill_tokens_per_s, r.decode_tokens_per_s, x
+        );
+    }
+    if let (Some(peer), Some(b1)) = (&llamacpp, rows.iter().find(|r| r.batch == 1)) {
+        println!(
+            "llama.cpp {}: prefill {:.1} tok/s, decode {:.1} tok/s → duet/llama.cpp: prefill {:.2}×, decode {:.2}×",
+            peer.version,
+            peer.prefill_tokens_per_s,
+            peer.decode_tokens_per_s,
+            b1.prefill_tokens_per_s / peer.prefill_tokens_per_s,
+            b1.decode_tokens_per_s / peer.decode_tokens_per_s
+        );
+    }
+    let budget = 1.3 * report.model_file_bytes as f64 + report.kv_pool_bytes as f64;
+    println!(
+        "memory: peak RSS {:.0} MiB; model file {:.0} MiB, KV pool {:.0} MiB → RSS / (1.3×file + KV) = {:.2}",
+        mib(report.peak_rss_bytes),
+        mib(report.model_file_bytes),
+        mib(report.kv_pool_bytes),
+        report.peak_rss_bytes as f64 / budget
+    );
+    let json = serde_json::to_string_pretty(&report)?;
+    println!("{json}");
+    if let Some(out) = &args.json_out {
+        std::fs::write(out, &json).with_context(|| format!("writing {}", out.display()))?;
+    }
+    Ok(())
+}
+
+fn add(
+    engine: &mut Engine,
+    n: usize,
+    len: usize,
+    max_tokens: usize,
+    prompt: &mut impl FnMut(usize) -> Vec<u32>,
+) -> Result<Vec<SeqId>> {
+    let stop = StopCriteria {
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    (0..n)
+        .map(|_| Ok(engine.add_sequence(prompt(len), SamplingParams::greedy(), stop.clone())?))
+        .collect()
+}
+
+/// Steps until every sequence in `ids` has generated at least `n` tokens.
+fn run_until_tokens(engine: &mut Engine, ids: &[SeqId], n: usize) -> Result<()> {
+    let mut counts = vec![0usize; ids.len()];
+    while counts.iter().any(|&c| c < n) {
+        for out in engine.step()? {
+            if let Some(i) = ids.iter().position(|&id| id == out.seq) {
+                counts[i] += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn remove(engine: &mut Engine, ids: &[SeqId]) -> Result<()> {
+    for &id in ids {
+        engine.remove_sequence(id)?;
+    }
+    Ok(())
+}
+
+fn run_llamacpp(
+    args: &EngineBenchArgs,
+    model: &std::path::Path,
+    threads: usize,
+) -> Result<PeerResult> {
+    eprintln!(
+        "running llama.cpp through {}",
+        args.llamacpp_script.display()
+    );
+    let out = Command::new(&args.python)
+        .arg(&args.llamacpp_script)
+        .arg("--model")
+        .arg(model)
+        .args(["--threads", &threads.to_string()])
+        .args(["--prompt-tokens", &args.prompt_tokens.to_string()])
+        .args(["--decode-steps", &args.decode_steps.to_string()])
+        .args(["--repeats", &args.repeats.to_string()])
+        .output()
+        .with_context(|| format!("running {}", args.python))?;
+    if !out.status.success() {
+        bail!(
+            "the llama.cpp benchmark failed (is llama-cpp-python installed? `pip install llama-cpp-python`):\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))
+        .context("llama.cpp script printed no JSON")?;
+    Ok(serde_json::from_str(line)?)
+}
+
+fn rss_bytes(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1 << 20) as f64
+}

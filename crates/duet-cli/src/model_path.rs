@@ -1,0 +1,47 @@
+//! Where models live and how commands find the default one.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Result, bail};
+use clap::Args;
+
+/// The default model: file name inside the models directory.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Model to load: a GGUF file or a Hugging Face directory (config.json, *.safetensors,
+    /// tokenizer.json). Defaults to the fetched default model.
+    #[arg(long, env = "DUET_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Directory holding fetched models.
+    #[arg(long, env = "DUET_MODELS_DIR", default_value = "models")]
+    pub models_dir: PathBuf,
+}
+
+impl ModelArgs {
+    /// The model path to load, or an error that says how to get the default model.
+    pub fn resolve(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(p) if p.exists() => Ok(p.clone()),
+            Some(p) => bail!("model {} does not exist", p.display()),
+            None => default_model(&self.models_dir),
+        }
+    }
+}
+
+pub fn default_model(models_dir: &Path) -> Result<PathBuf> {
+    let path = models_dir.join(DEFAULT_MODEL_FILE);
+    if path.exists() {
+        return Ok(path);
+    }
+    bail!(
+        "the default model is not installed (looked for {}); fetch it with `duet model fetch`{}",
+        path.display(),
+        if models_dir == Path::new("models") {
+            String::new()
+        } else {
+            format!(" --models-dir {}", models_dir.display())
+        }
+    )
+}

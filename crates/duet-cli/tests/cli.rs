@@ -1,0 +1,140 @@
+//! The `duet` command as a user runs it.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn duet() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_duet"))
+}
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+#[test]
+fn generate_json_prints_exactly_one_object() {
+    let out = duet()
+        .args([
+            "generate",
+            "--json",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "5",
+            "--ignore-eos",
+            "--prompt",
+            "hello world",
+        ])
+        .arg("--model")
+        .arg(fixture("tiny-llama"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(
+        stdout.trim().lines().count(),
+        1,
+        "one JSON object on one line: {stdout}"
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(v["token_ids"].as_array().unwrap().len(), 5);
+    assert_eq!(v["finish_reason"], "length");
+    assert!(!v["prompt_token_ids"].as_array().unwrap().is_empty());
+    assert!(v["text"].is_string());
+    for key in [
+        "prefill_ms",
+        "decode_ms",
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+    ] {
+        assert!(v["timings"][key].as_f64().unwrap() >= 0.0, "timings.{key}");
+    }
+}
+
+#[test]
+fn greedy_generation_is_deterministic_and_seeded_sampling_repeats() {
+    let run = |extra: &[&str]| {
+        let out = duet()
+            .args([
+                "generate",
+                "--json",
+                "--max-tokens",
+                "8",
+                "--ignore-eos",
+                "--prompt",
+                "the cat",
+            ])
+            .arg("--model")
+            .arg(fixture("tiny-llama"))
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["token_ids"].clone()
+    };
+    assert_eq!(run(&["--temperature", "0"]), run(&["--temperature", "0"]));
+    assert_eq!(run(&["--seed", "7"]), run(&["--seed", "7"]));
+}
+
+#[test]
+fn missing_default_model_says_how_to_fetch_it() {
+    let empty = tempfile::tempdir().unwrap();
+    let out = duet()
+        .args(["generate", "--prompt", "hi"])
+        .arg("--models-dir")
+        .arg(empty.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("duet model fetch"), "{err}");
+}
+
+#[test]
+fn bad_sampling_parameters_are_rejected_with_the_field_named() {
+    for (flag, value, field) in [
+        ("--temperature", "-1", "temperature"),
+        ("--top-p", "0", "top_p"),
+        ("--max-tokens", "0", "max_tokens"),
+    ] {
+        let out = duet()
+            .args(["generate", "--prompt", "hi", flag, value])
+            .arg("--model")
+            .arg(fixture("tiny-llama"))
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{flag} {value} was accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(field), "{flag} {value}: {err}");
+    }
+}
+
+#[test]
+fn corrupt_model_file_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.gguf");
+    std::fs::write(&bad, b"NOPE this is not a gguf file").unwrap();
+    let out = duet()
+        .args(["generate", "--prompt", "hi"])
+        .arg("--model")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bad.gguf") && err.to_lowercase().contains("magic"),
+        "{err}"
+    );
+}

@@ -1,0 +1,111 @@
+//! The operations a Llama-family forward pass needs from a device.
+//!
+//! The model (`llama.rs`) is written once over this trait; a backend owns its memory (weights,
+//! activations, the paged KV store) and implements each op for its device. Batch metadata
+//! ([`ForwardBatch`]) is plain host data that a device backend uploads as it sees fit.
+
+use crate::EngineError;
+use crate::batch::ForwardBatch;
+use crate::quant::QuantType;
+use crate::storage::WeightBytes;
+
+/// Geometry of the paged KV store: `num_blocks` blocks of `block_size` token slots, for every
+/// layer, K and V, `num_kv_heads × head_dim` values per slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+impl KvLayout {
+    /// Values (K and V, all layers) stored per token slot.
+    pub fn values_per_token(&self) -> usize {
+        2 * self.num_layers * self.num_kv_heads * self.head_dim
+    }
+}
+
+/// Attention geometry of one layer.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+pub trait Backend: Send + Sync {
+    /// A weight matrix `[rows (out), cols (in)]`.
+    type Matrix: Send + Sync;
+    /// A weight vector (norm weights, biases).
+    type Vector: Send + Sync;
+    /// Activations `[rows, cols]`.
+    type Activations;
+    /// The paged KV store.
+    type KvStore: Send;
+
+    fn name(&self) -> &'static str;
+
+    fn load_matrix(
+        &self,
+        name: &str,
+        ty: QuantType,
+        rows: usize,
+        cols: usize,
+        bytes: WeightBytes,
+    ) -> Result<Self::Matrix, EngineError>;
+    /// Stacks matrices with equal `cols` into one (rows concatenated), so that projections of the
+    /// same input run as one product. `None` when the backend cannot (e.g. mixed types).
+    fn stack_matrices(&self, parts: &[&Self::Matrix]) -> Option<Self::Matrix>;
+    fn matrix_rows(&self, m: &Self::Matrix) -> usize;
+    fn load_vector(&self, values: Vec<f32>) -> Result<Self::Vector, EngineError>;
+
+    fn alloc_kv(&self, layout: KvLayout) -> Result<Self::KvStore, EngineError>;
+    fn alloc(&self, rows: usize, cols: usize) -> Self::Activations;
+
+    /// `out[i] = table[tokens[i]]`.
+    fn embed(&self, table: &Self::Matrix, tokens: &[u32], out: &mut Self::Activations);
+    /// `out = x / rms(x) * w`, row-wise.
+    fn rms_norm(
+        &self,
+        x: &Self::Activations,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Activations,
+    );
+    /// `out = x · wᵀ`.
+    fn matmul(&self, w: &Self::Matrix, x: &Self::Activations, out: &mut Self::Activations);
+    /// Splits the columns of `x` into consecutive parts of the given widths.
+    fn split_cols(&self, x: &Self::Activations, parts: &mut [&mut Self::Activations]);
+    /// `x += bias`, row-wise.
+    fn add_bias(&self, x: &mut Self::Activations, bias: &Self::Vector);
+    /// Rotary embedding (rotate-half convention) of each head of each row at its position.
+    fn rope(&self, x: &mut Self::Activations, head_dim: usize, theta: f32, batch: &ForwardBatch);
+    /// Stores each row's K and V into its cache slot for `layer`.
+    fn write_kv(
+        &self,
+        kv: &mut Self::KvStore,
+        layer: usize,
+        k: &Self::Activations,
+        v: &Self::Activations,
+        batch: &ForwardBatch,
+    );
+    /// Causal attention of each row over its sequence's cached positions `0..=position`.
+    fn attention(
+        &self,
+        q: &Self::Activations,
+        kv: &Self::KvStore,
+        layer: usize,
+        shape: AttentionShape,
+        batch: &ForwardBatch,
+        out: &mut Self::Activations,
+    );
+    /// `gate = silu(gate) * up`.
+    fn silu_mul(&self, gate: &mut Self::Activations, up: &Self::Activations);
+    /// `x += y`.
+    fn add(&self, x: &mut Self::Activations, y: &Self::Activations);
+    /// `out[i] = x[rows[i]]`.
+    fn gather_rows(&self, x: &Self::Activations, rows: &[usize], out: &mut Self::Activations);
+    fn to_host(&self, x: &Self::Activations) -> Vec<f32>;
+}

@@ -1,0 +1,510 @@
+//! Chat templates: the model's Jinja template (from GGUF `tokenizer.chat_template` or HF
+//! `tokenizer_config.json`), rendered with minijinja the way HF `apply_chat_template` does
+//! (trim_blocks, lstrip_blocks, `raise_exception`, common Python string methods).
+
+use std::path::Path;
+
+use minijinja::value::{Value, ValueKind};
+use minijinja::{Environment, Error, ErrorKind, State};
+use serde::Serialize;
+
+use crate::gguf::GgufFile;
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// Used when the model has no template of its own.
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    #[error("chat template {origin}: does not compile: {why}")]
+    Syntax { origin: String, why: String },
+    #[error("chat template {origin}: rendering failed: {why}")]
+    Render { origin: String, why: String },
+    /// The template itself rejected the conversation (`raise_exception`).
+    #[error("chat template {origin}: {message}")]
+    Rejected { origin: String, message: String },
+    #[error("unknown chat role {role:?} (expected system, user, assistant or tool)")]
+    UnknownRole { role: String },
+    #[error("{origin}: cannot read chat template: {why}")]
+    Load { origin: String, why: String },
+}
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    source: String,
+    origin: String,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("origin", &self.origin)
+            .field("len", &self.source.len())
+            .finish()
+    }
+}
+
+/// Marker put in front of `raise_exception` messages so they can be told apart from other
+/// render errors.
+const RAISE_MARKER: &str = "\u{1}raise_exception:";
+
+fn raise_exception(msg: String) -> Result<Value, Error> {
+    Err(Error::new(
+        ErrorKind::InvalidOperation,
+        format!("{RAISE_MARKER}{msg}"),
+    ))
+}
+
+fn tojson(value: Value, indent: Option<usize>) -> Result<Value, Error> {
+    let r = match indent {
+        Some(n) => {
+            let ind = vec![b' '; n];
+            let mut out = Vec::new();
+            let fmt = serde_json::ser::PrettyFormatter::with_indent(&ind);
+            let mut ser = serde_json::Serializer::with_formatter(&mut out, fmt);
+            value
+                .serialize(&mut ser)
+                .map(|_| String::from_utf8(out).unwrap_or_default())
+        }
+        None => serde_json::to_string(&value),
+    };
+    r.map(Value::from_safe_string)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))
+}
+
+fn arg_str<'a>(args: &'a [Value], i: usize, method: &str) -> Result<Option<&'a str>, Error> {
+    match args.get(i) {
+        None => Ok(None),
+        Some(v) if v.is_none() || v.is_undefined() => Ok(None),
+        Some(v) => v.as_str().map(Some).ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidOperation,
+                format!("{method}: argument {i} is not a string"),
+            )
+        }),
+    }
+}
+
+/// Python `str` / `dict` methods templates commonly call (minijinja implements a few natively;
+/// this covers the rest that HF chat templates use).
+fn python_methods(
+    state: &State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, Error> {
+    if let Some(s) = value.as_str() {
+        let chars = arg_str(args, 0, method)?;
+        let strip_set = |c: char| chars.is_some_and(|set| set.contains(c));
+        return Ok(match method {
+            "strip" => Value::from(match chars {
+                Some(_) => s.trim_matches(strip_set),
+                None => s.trim(),
+            }),
+            "lstrip" => Value::from(match chars {
+                Some(_) => s.trim_start_matches(strip_set),
+                None => s.trim_start(),
+            }),
+            "rstrip" => Value::from(match chars {
+                Some(_) => s.trim_end_matches(strip_set),
+                None => s.trim_end(),
+            }),
+            "startswith" | "endswith" => {
+                let pats: Vec<String> = match args.first() {
+                    Some(v) if v.kind() == ValueKind::Seq => v
+                        .try_iter()?
+                        .filter_map(|x| x.as_str().map(str::to_string))
+                        .collect(),
+                    _ => vec![chars.unwrap_or_default().to_string()],
+                };
+                let hit = pats.iter().any(|p| {
+                    if method == "startswith" {
+                        s.starts_with(p)
+                    } else {
+                        s.ends_with(p)
+                    }
+                });
+                Value::from(hit)
+            }
+            "upper" => Value::from(s.to_uppercase()),
+            "lower" => Value::from(s.to_lowercase()),
+            "title" => state.apply_filter("title", std::slice::from_ref(value))?,
+            "capitalize" => state.apply_filter("capitalize", std::slice::from_ref(value))?,
+            "replace" => {
+                let from = arg_str(args, 0, method)?.unwrap_or_default();
+                let to = arg_str(args, 1, method)?.unwrap_or_default();
+                Value::from(s.replace(from, to))
+            }
+            "split" => {
+                let parts: Vec<Value> = match chars {
+                    Some(sep) => s.split(sep).map(Value::from).collect(),
+                    None => s.split_whitespace().map(Value::from).collect(),
+                };
+                Value::from(parts)
+            }
+            "find" => {
+                let needle = chars.unwrap_or_default();
+                Value::from(
+                    s.find(needle)
+                        .map(|b| s[..b].chars().count() as i64)
+                        .unwrap_or(-1),
+                )
+            }
+            "count" => Value::from(s.matches(chars.unwrap_or_default()).count()),
+            "isspace" => Value::from(!s.is_empty() && s.chars().all(char::is_whitespace)),
+            "isdigit" => Value::from(!s.is_empty() && s.chars().all(|c| c.is_ascii_digit())),
+            "join" => {
+                let items = args
+                    .first()
+                    .ok_or_else(|| Error::new(ErrorKind::MissingArgument, "join"))?;
+                let parts: Vec<String> = items.try_iter()?.map(|v| v.to_string()).collect();
+                Value::from(parts.join(s))
+            }
+            _ => return Err(Error::from(ErrorKind::UnknownMethod)),
+        });
+    }
+    if value.kind() == ValueKind::Map {
+        return match method {
+            "items" => state.apply_filter("items", std::slice::from_ref(value)),
+            "keys" => Ok(Value::from(value.try_iter()?.collect::<Vec<_>>())),
+            "values" => {
+                let vals: Result<Vec<Value>, Error> =
+                    value.try_iter()?.map(|k| value.get_item(&k)).collect();
+                Ok(Value::from(vals?))
+            }
+            "get" => {
+                let key = args
+                    .first()
+                    .ok_or_else(|| Error::new(ErrorKind::MissingArgument, "get"))?;
+                let v = value.get_item(key)?;
+                Ok(if v.is_undefined() {
+                    args.get(1).cloned().unwrap_or(Value::from(()))
+                } else {
+                    v
+                })
+            }
+            _ => Err(Error::from(ErrorKind::UnknownMethod)),
+        };
+    }
+    Err(Error::from(ErrorKind::UnknownMethod))
+}
+
+impl ChatTemplate {
+    /// Compiles `source`.
+    pub fn new(source: &str) -> Result<Self, ChatError> {
+        Self::with_origin(source, "(inline)")
+    }
+
+    /// Compiles `source`; `origin` names it in errors.
+    pub fn with_origin(source: &str, origin: &str) -> Result<Self, ChatError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_keep_trailing_newline(false);
+        env.add_function("raise_exception", raise_exception);
+        env.add_filter("tojson", tojson);
+        env.add_function("strftime_now", |fmt: String| -> Result<Value, Error> {
+            // No clock dependence in templates: a fixed, plausible date keeps output deterministic.
+            let _ = fmt;
+            Ok(Value::from("26 Jul 2024"))
+        });
+        env.set_unknown_method_callback(python_methods);
+        env.add_template_owned(TEMPLATE_NAME, source.to_string())
+            .map_err(|e| ChatError::Syntax {
+                origin: origin.into(),
+                why: format!("{e:#}"),
+            })?;
+        Ok(Self {
+            env,
+            source: source.to_string(),
+            origin: origin.to_string(),
+            bos_token: String::new(),
+            eos_token: String::new(),
+        })
+    }
+
+    /// The fallback ChatML template.
+    pub fn chatml() -> Self {
+        Self::with_origin(CHATML_TEMPLATE, "(built-in ChatML)")
+            .expect("the built-in template compiles")
+    }
+
+    /// Sets the `bos_token` / `eos_token` strings the template may refer to.
+    pub fn with_special_tokens(mut self, bos_token: &str, eos_token: &str) -> Self {
+        self.bos_token = bos_token.to_string();
+        self.eos_token = eos_token.to_string();
+        self
+    }
+
+    /// `tokenizer.chat_template` of a GGUF file, if it has one; `bos_token`/`eos_token` are set
+    /// from the GGUF token list.
+    pub fn from_gguf(file: &GgufFile) -> Result<Option<Self>, ChatError> {
+        let origin = format!("{} (tokenizer.chat_template)", file.path().display());
+        let load = |e: crate::gguf::GgufError| ChatError::Load {
+            origin: origin.clone(),
+            why: e.to_string(),
+        };
+        let Some(src) = file.get_str("tokenizer.chat_template").map_err(load)? else {
+            return Ok(None);
+        };
+        let tokens = file
+            .get_str_array("tokenizer.ggml.tokens")
+            .map_err(load)?
+            .unwrap_or(&[]);
+        let token = |key: &str| -> Result<String, ChatError> {
+            Ok(file
+                .get_u32(key)
+                .map_err(load)?
+                .and_then(|id| tokens.get(id as usize))
+                .cloned()
+                .unwrap_or_default())
+        };
+        let (bos, eos) = (
+            token("tokenizer.ggml.bos_token_id")?,
+            token("tokenizer.ggml.eos_token_id")?,
+        );
+        Ok(Some(
+            Self::with_origin(src, &origin)?.with_special_tokens(&bos, &eos),
+        ))
+    }
+
+    /// `chat_template` of a HF `tokenizer_config.json`, if it has one. A list of named templates
+    /// uses the one named "default".
+    pub fn from_hf_tokenizer_config(path: &Path) -> Result<Option<Self>, ChatError> {
+        let origin = path.display().to_string();
+        let load = |why: String| ChatError::Load {
+            origin: origin.clone(),
+            why,
+        };
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(load(e.to_string())),
+        };
+        let cfg: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| load(format!("not valid JSON: {e}")))?;
+        let src = match cfg.get("chat_template") {
+            None | Some(serde_json::Value::Null) => return Ok(None),
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Array(list)) => {
+                let named = list
+                    .iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"));
+                match named
+                    .and_then(|t| t.get("template"))
+                    .and_then(|t| t.as_str())
+                {
+                    Some(s) => s.to_string(),
+                    None => {
+                        return Err(load(
+                            "chat_template is a list without a \"default\" entry".into(),
+                        ));
+                    }
+                }
+            }
+            Some(other) => return Err(load(format!("chat_template is not a string: {other}"))),
+        };
+        let special = |k: &str| -> String {
+            match cfg.get(k) {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(serde_json::Value::Object(o)) => o
+                    .get("content")
+                    .and_then(|c| c.as_str())
+                    .unwrap_or_default()
+                    .to_string(),
+                _ => String::new(),
+            }
+        };
+        let origin = format!("{origin} (chat_template)");
+        Ok(Some(Self::with_origin(&src, &origin)?.with_special_tokens(
+            &special("bos_token"),
+            &special("eos_token"),
+        )))
+    }
+
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Renders the conversation; with `add_generation_prompt` the assistant turn is opened.
+    pub fn apply(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatError> {
+        if let Some(m) = messages.iter().find(|m| !ROLES.contains(&m.role.as_str())) {
+            return Err(ChatError::UnknownRole {
+                role: m.role.clone(),
+            });
+        }
+        let tmpl = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| ChatError::Render {
+                origin: self.origin.clone(),
+                why: e.to_string(),
+            })?;
+        let ctx = minijinja::context! {
+            messages => Value::from_serialize(messages),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.clone(),
+            eos_token => self.eos_token.clone(),
+        };
+        tmpl.render(ctx).map_err(|e| {
+            let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+            while let Some(err) = cur {
+                let text = err.to_string();
+                if let Some(pos) = text.find(RAISE_MARKER) {
+                    let msg = text[pos + RAISE_MARKER.len()..]
+                        .lines()
+                        .next()
+                        .unwrap_or_default();
+                    // minijinja appends the location: "... (in chat:1)".
+                    let msg = match msg.rfind(" (in ") {
+                        Some(i) if msg.ends_with(')') => &msg[..i],
+                        _ => msg,
+                    };
+                    return ChatError::Rejected {
+                        origin: self.origin.clone(),
+                        message: msg.to_string(),
+                    };
+                }
+                cur = err.source();
+            }
+            ChatError::Render {
+                origin: self.origin.clone(),
+                why: format!("{e:#}"),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msgs(list: &[(&str, &str)]) -> Vec<ChatMessage> {
+        list.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()
+    }
+
+    const SMOL_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+    const SMOL_EXPECTED: &str = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n";
+
+    #[test]
+    fn smollm_template() {
+        let t = ChatTemplate::new(SMOL_TEMPLATE).unwrap();
+        assert_eq!(
+            t.apply(&msgs(&[("user", "Hi there")]), true).unwrap(),
+            SMOL_EXPECTED
+        );
+        let out = t
+            .apply(&msgs(&[("system", "Be brief."), ("user", "Hi")]), false)
+            .unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        );
+    }
+
+    #[test]
+    fn chatml_fallback_and_roles() {
+        let t = ChatTemplate::chatml();
+        let out = t
+            .apply(
+                &msgs(&[("user", "a"), ("assistant", "b"), ("tool", "c")]),
+                true,
+            )
+            .unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n<|im_start|>tool\nc<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let e = t.apply(&msgs(&[("wizard", "x")]), true).unwrap_err();
+        assert!(
+            matches!(e, ChatError::UnknownRole { ref role } if role == "wizard"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn raise_exception_and_python_methods() {
+        let src = "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}[{{ m.content.strip() }}|{{ m.content.lstrip('x') }}|{{ m.role.startswith('us') }}|{{ m.content.split(',') | length }}|{{ m.content.upper() }}]{% endfor %}{{ eos_token }}";
+        let t = ChatTemplate::new(src)
+            .unwrap()
+            .with_special_tokens("<s>", "</s>");
+        let out = t.apply(&msgs(&[("user", "  xa,b  ")]), false).unwrap();
+        // Booleans print as Python does.
+        assert_eq!(out, "<s>[xa,b|  xa,b  |True|2|  XA,B  ]</s>");
+        let e = t.apply(&msgs(&[("system", "s")]), false).unwrap_err();
+        match e {
+            ChatError::Rejected { message, .. } => assert_eq!(message, "System role not supported"),
+            other => panic!("{other}"),
+        }
+    }
+
+    #[test]
+    fn trim_blocks_and_tojson() {
+        let src = "{% for m in messages %}\n  {% if m.role == 'user' %}\nU:{{ m.content | tojson }}\n  {% endif %}\n{% endfor %}";
+        let t = ChatTemplate::new(src).unwrap();
+        assert_eq!(
+            t.apply(&msgs(&[("user", "q\"")]), false).unwrap(),
+            "U:\"q\\\"\"\n"
+        );
+        let e = ChatTemplate::new("{% for %}").unwrap_err();
+        assert!(matches!(e, ChatError::Syntax { .. }), "{e}");
+    }
+
+    #[test]
+    fn hf_tokenizer_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("tokenizer_config.json");
+        assert!(
+            ChatTemplate::from_hf_tokenizer_config(&p)
+                .unwrap()
+                .is_none()
+        );
+        let cfg = serde_json::json!({"chat_template": "{{ bos_token }}{{ messages[0].content }}", "bos_token": {"content": "<s>"}});
+        std::fs::write(&p, cfg.to_string()).unwrap();
+        let t = ChatTemplate::from_hf_tokenizer_config(&p).unwrap().unwrap();
+        assert_eq!(t.apply(&msgs(&[("user", "x")]), false).unwrap(), "<s>x");
+    }
+
+    #[test]
+    fn real_model_template() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if !p.exists() {
+            eprintln!("skipping real_model_template: {} not present", p.display());
+            return;
+        }
+        let f = GgufFile::open(&p).unwrap();
+        let t = ChatTemplate::from_gguf(&f)
+            .unwrap()
+            .expect("SmolLM2 has a chat template");
+        assert_eq!(
+            t.apply(&msgs(&[("user", "Hi there")]), true).unwrap(),
+            SMOL_EXPECTED
+        );
+    }
+}

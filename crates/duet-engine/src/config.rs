@@ -1,0 +1,605 @@
+//! The model's hyper-parameters, read from a HF `config.json` or from GGUF metadata.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::gguf::{GgufError, GgufFile};
+
+/// The decoder families we run. SmolLM and Llama 2/3 are `Llama`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Architecture {
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+impl Architecture {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Mistral => "mistral",
+            Self::Qwen2 => "qwen2",
+        }
+    }
+}
+
+impl std::fmt::Display for Architecture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rope_theta: f32,
+    pub rms_norm_eps: f32,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections carry a bias (Qwen2).
+    pub attention_bias: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{origin}: cannot read model config: {source}")]
+    Io {
+        origin: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{origin}: model config is not valid JSON: {source}")]
+    Json {
+        origin: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("{origin}: unsupported architecture {found:?} (supported: {supported})")]
+    UnsupportedArchitecture {
+        origin: String,
+        found: String,
+        supported: &'static str,
+    },
+    #[error("{origin}: required field {field:?} is missing")]
+    Missing { origin: String, field: String },
+    #[error("{origin}: field {field:?} has a bad value {value}: {why}")]
+    BadValue {
+        origin: String,
+        field: String,
+        value: String,
+        why: String,
+    },
+    #[error("{origin}: unsupported: {what}")]
+    Unsupported { origin: String, what: String },
+    #[error("{origin}: inconsistent config: {why}")]
+    Invalid { origin: String, why: String },
+}
+
+impl ModelConfig {
+    /// Width of the concatenated query heads.
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    /// Width of the concatenated key (or value) heads.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Reads a HF `config.json`.
+    pub fn from_hf_config_file(path: &Path) -> Result<Self, ConfigError> {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            origin: origin.clone(),
+            source,
+        })?;
+        Self::from_hf_json(&text, &origin)
+    }
+
+    /// Parses the text of a HF `config.json`; `origin` names it in errors.
+    pub fn from_hf_json(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let o = || origin.to_string();
+        let v: Value = serde_json::from_str(text).map_err(|source| ConfigError::Json {
+            origin: o(),
+            source,
+        })?;
+        let Some(obj) = v.as_object() else {
+            return Err(ConfigError::Invalid {
+                origin: o(),
+                why: "top level is not a JSON object".into(),
+            });
+        };
+        let model_type = obj
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ConfigError::Missing {
+                origin: o(),
+                field: "model_type".into(),
+            })?;
+        let architecture = match model_type {
+            "llama" => Architecture::Llama,
+            "mistral" => Architecture::Mistral,
+            "qwen2" => Architecture::Qwen2,
+            other => {
+                return Err(ConfigError::UnsupportedArchitecture {
+                    origin: o(),
+                    found: other.into(),
+                    supported: "llama, mistral, qwen2",
+                });
+            }
+        };
+        let bad = |field: &str, value: &Value, why: &str| ConfigError::BadValue {
+            origin: o(),
+            field: field.into(),
+            value: value.to_string(),
+            why: why.into(),
+        };
+        let opt_usize = |field: &str| -> Result<Option<usize>, ConfigError> {
+            match obj.get(field) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|x| usize::try_from(x).ok())
+                    .map(Some)
+                    .ok_or_else(|| bad(field, v, "expected a non-negative integer")),
+            }
+        };
+        let req_usize = |field: &str| -> Result<usize, ConfigError> {
+            opt_usize(field)?.ok_or_else(|| ConfigError::Missing {
+                origin: o(),
+                field: field.into(),
+            })
+        };
+        let opt_f32 = |field: &str| -> Result<Option<f32>, ConfigError> {
+            match obj.get(field) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_f64()
+                    .map(|x| Some(x as f32))
+                    .ok_or_else(|| bad(field, v, "expected a number")),
+            }
+        };
+        let opt_bool = |field: &str| -> Result<Option<bool>, ConfigError> {
+            match obj.get(field) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_bool()
+                    .map(Some)
+                    .ok_or_else(|| bad(field, v, "expected true or false")),
+            }
+        };
+        let token_id = |v: &Value, field: &str| -> Result<u32, ConfigError> {
+            v.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| bad(field, v, "expected a token id"))
+        };
+
+        match obj.get("rope_scaling") {
+            None | Some(Value::Null) => {}
+            Some(v) => {
+                return Err(ConfigError::Unsupported {
+                    origin: o(),
+                    what: format!("rope_scaling {v} (only plain RoPE is implemented)"),
+                });
+            }
+        }
+
+        let hidden_size = req_usize("hidden_size")?;
+        let num_heads = req_usize("num_attention_heads")?;
+        let num_kv_heads = opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
+        let head_dim = match opt_usize("head_dim")? {
+            Some(h) => h,
+            None if num_heads > 0 => hidden_size / num_heads,
+            None => 0,
+        };
+        let bos_token_id = match obj.get("bos_token_id") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(token_id(v, "bos_token_id")?),
+        };
+        let eos_token_ids = match obj.get("eos_token_id") {
+            None | Some(Value::Null) => vec![],
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| token_id(v, "eos_token_id"))
+                .collect::<Result<_, _>>()?,
+            Some(v) => vec![token_id(v, "eos_token_id")?],
+        };
+        let cfg = Self {
+            architecture,
+            hidden_size,
+            intermediate_size: req_usize("intermediate_size")?,
+            num_layers: req_usize("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: req_usize("vocab_size")?,
+            rope_theta: opt_f32("rope_theta")?.unwrap_or(10_000.0),
+            rms_norm_eps: opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
+            max_position_embeddings: opt_usize("max_position_embeddings")?.unwrap_or(2048),
+            tie_word_embeddings: opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            attention_bias: match architecture {
+                // Qwen2 always has q/k/v biases (its config has no switch for it).
+                Architecture::Qwen2 => true,
+                _ => opt_bool("attention_bias")?.unwrap_or(false),
+            },
+            bos_token_id,
+            eos_token_ids,
+        };
+        cfg.validate(origin)?;
+        Ok(cfg)
+    }
+
+    /// Reads the hyper-parameters from GGUF metadata (`general.architecture` llama or qwen2).
+    pub fn from_gguf(file: &GgufFile) -> Result<Self, ConfigError> {
+        let origin = file.path().display().to_string();
+        let o = || origin.clone();
+        let arch_name =
+            file.require("general.architecture", file.get_str("general.architecture"))?;
+        let architecture = match arch_name {
+            "llama" => Architecture::Llama,
+            "qwen2" => Architecture::Qwen2,
+            other => {
+                return Err(ConfigError::UnsupportedArchitecture {
+                    origin: o(),
+                    found: other.into(),
+                    supported: "llama, qwen2",
+                });
+            }
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let usize_of = |k: &str| -> Result<Option<usize>, ConfigError> {
+            let k = key(k);
+            Ok(file
+                .get_u64(&k)?
+                .map(|x| usize::try_from(x).unwrap_or(usize::MAX)))
+        };
+        let req = |k: &str| -> Result<usize, ConfigError> {
+            usize_of(k)?.ok_or_else(|| ConfigError::Missing {
+                origin: o(),
+                field: key(k),
+            })
+        };
+
+        if let Some(t) = file.get_str(&key("rope.scaling.type"))? {
+            let factor = file.get_f32(&key("rope.scaling.factor"))?.unwrap_or(1.0);
+            if t != "none" && factor != 1.0 {
+                return Err(ConfigError::Unsupported {
+                    origin: o(),
+                    what: format!(
+                        "RoPE scaling {t:?} with factor {factor} (only plain RoPE is implemented)"
+                    ),
+                });
+            }
+        }
+
+        if file.tensor("rope_freqs.weight").is_some() {
+            return Err(ConfigError::Unsupported {
+                origin: o(),
+                what: "per-dimension RoPE frequency factors (rope_freqs.weight, Llama 3.1-style RoPE scaling)"
+                    .into(),
+            });
+        }
+        let hidden_size = req("embedding_length")?;
+        let num_heads = req("attention.head_count")?;
+        let num_kv_heads = usize_of("attention.head_count_kv")?.unwrap_or(num_heads);
+        let head_dim = match usize_of("attention.key_length")? {
+            Some(h) => h,
+            None => match usize_of("rope.dimension_count")? {
+                Some(h) => h,
+                None if num_heads > 0 => hidden_size / num_heads,
+                None => 0,
+            },
+        };
+        if let Some(rot) = usize_of("rope.dimension_count")?
+            && rot != head_dim
+        {
+            return Err(ConfigError::Unsupported {
+                origin: o(),
+                what: format!(
+                    "partial rotary embeddings ({} = {rot}, head dim {head_dim})",
+                    key("rope.dimension_count")
+                ),
+            });
+        }
+        if let Some(v) = usize_of("attention.value_length")?
+            && v != head_dim
+        {
+            return Err(ConfigError::Unsupported {
+                origin: o(),
+                what: format!("value head size {v} different from key head size {head_dim}"),
+            });
+        }
+        let vocab_size = match usize_of("vocab_size")? {
+            Some(v) => v,
+            None => match file.get_array("tokenizer.ggml.tokens")? {
+                Some(a) => a.len(),
+                None => {
+                    return Err(ConfigError::Missing {
+                        origin: o(),
+                        field: format!("{} (or tokenizer.ggml.tokens)", key("vocab_size")),
+                    });
+                }
+            },
+        };
+        let bos_token_id = file.get_u32("tokenizer.ggml.bos_token_id")?;
+        let mut eos_token_ids = Vec::new();
+        for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+            if let Some(id) = file.get_u32(k)?
+                && !eos_token_ids.contains(&id)
+            {
+                eos_token_ids.push(id);
+            }
+        }
+        let cfg = Self {
+            architecture,
+            hidden_size,
+            intermediate_size: req("feed_forward_length")?,
+            num_layers: req("block_count")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size,
+            rope_theta: file.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+            rms_norm_eps: file
+                .get_f32(&key("attention.layer_norm_rms_epsilon"))?
+                .ok_or_else(|| ConfigError::Missing {
+                    origin: o(),
+                    field: key("attention.layer_norm_rms_epsilon"),
+                })?,
+            max_position_embeddings: usize_of("context_length")?.unwrap_or(2048),
+            tie_word_embeddings: file.tensor("output.weight").is_none(),
+            attention_bias: file.tensor("blk.0.attn_q.bias").is_some(),
+            bos_token_id,
+            eos_token_ids,
+        };
+        cfg.validate(&origin)?;
+        Ok(cfg)
+    }
+
+    /// Checks the numbers fit together; `origin` names the source in errors.
+    pub fn validate(&self, origin: &str) -> Result<(), ConfigError> {
+        let invalid = |why: String| {
+            Err(ConfigError::Invalid {
+                origin: origin.into(),
+                why,
+            })
+        };
+        for (name, v) in [
+            ("hidden size", self.hidden_size),
+            ("intermediate size", self.intermediate_size),
+            ("layer count", self.num_layers),
+            ("attention head count", self.num_heads),
+            ("key/value head count", self.num_kv_heads),
+            ("head dim", self.head_dim),
+            ("vocabulary size", self.vocab_size),
+            ("context length", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return invalid(format!("{name} is 0"));
+            }
+        }
+        // Sanity bounds: far beyond any real model, but keep arithmetic on them from overflowing.
+        for (name, v, max) in [
+            ("hidden size", self.hidden_size, 1 << 20),
+            ("intermediate size", self.intermediate_size, 1 << 22),
+            ("layer count", self.num_layers, 4096),
+            ("attention head count", self.num_heads, 4096),
+            ("head dim", self.head_dim, 4096),
+            ("vocabulary size", self.vocab_size, 1 << 24),
+            ("context length", self.max_position_embeddings, 1 << 26),
+        ] {
+            if v > max {
+                return invalid(format!("{name} {v} is implausibly large (limit {max})"));
+            }
+        }
+        if self.num_kv_heads > self.num_heads || !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return invalid(format!(
+                "{} attention heads are not a multiple of {} key/value heads",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return invalid(format!(
+                "head dim {} is odd (RoPE rotates pairs)",
+                self.head_dim
+            ));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return invalid(format!(
+                "rope theta {} is not a positive number",
+                self.rope_theta
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return invalid(format!(
+                "rms norm epsilon {} is not a non-negative number",
+                self.rms_norm_eps
+            ));
+        }
+        for &id in self.bos_token_id.iter().chain(&self.eos_token_ids) {
+            if id as usize >= self.vocab_size {
+                return invalid(format!(
+                    "special token id {id} is outside the vocabulary of {}",
+                    self.vocab_size
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::GgufValue;
+    use crate::gguf::test_writer::GgufWriter;
+
+    const SMOL: &str = r#"{
+      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+      "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+      "rope_theta": 100000, "rms_norm_eps": 1e-05, "max_position_embeddings": 8192,
+      "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2,
+      "rope_scaling": null, "torch_dtype": "bfloat16"
+    }"#;
+
+    #[test]
+    fn hf_llama() {
+        let c = ModelConfig::from_hf_json(SMOL, "config.json").unwrap();
+        assert_eq!(c.architecture, Architecture::Llama);
+        assert_eq!(
+            (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim),
+            (30, 9, 3, 64)
+        );
+        assert_eq!(c.rope_theta, 100000.0);
+        assert!(c.tie_word_embeddings && !c.attention_bias);
+        assert_eq!(
+            (c.bos_token_id, c.eos_token_ids.clone()),
+            (Some(1), vec![2])
+        );
+        assert_eq!((c.q_dim(), c.kv_dim()), (576, 192));
+    }
+
+    #[test]
+    fn hf_variants() {
+        let j = SMOL
+            .replace("\"eos_token_id\": 2", "\"eos_token_id\": [2, 0]")
+            .replace("\"llama\"", "\"qwen2\"");
+        let c = ModelConfig::from_hf_json(&j, "x").unwrap();
+        assert_eq!(c.eos_token_ids, vec![2, 0]);
+        assert_eq!(c.architecture, Architecture::Qwen2);
+        assert!(c.attention_bias);
+        let j = SMOL.replace(
+            "\"rope_theta\": 100000,",
+            "\"rope_theta\": 100000, \"head_dim\": 128,",
+        );
+        assert_eq!(ModelConfig::from_hf_json(&j, "x").unwrap().head_dim, 128);
+        let j = SMOL.replace("\"llama\"", "\"mistral\"");
+        assert_eq!(
+            ModelConfig::from_hf_json(&j, "x").unwrap().architecture,
+            Architecture::Mistral
+        );
+    }
+
+    #[test]
+    fn hf_errors() {
+        let err = |j: &str| {
+            ModelConfig::from_hf_json(j, "dir/config.json")
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err(&SMOL.replace(
+            "\"rope_scaling\": null",
+            "\"rope_scaling\": {\"type\": \"yarn\"}",
+        ));
+        assert!(
+            e.contains("rope_scaling")
+                && e.contains("unsupported")
+                && e.contains("dir/config.json"),
+            "{e}"
+        );
+        let e = err(&SMOL.replace("\"llama\"", "\"gpt_neox\""));
+        assert!(e.contains("gpt_neox"), "{e}");
+        let e = err(&SMOL.replace("\"num_key_value_heads\": 3", "\"num_key_value_heads\": 4"));
+        assert!(e.contains("not a multiple"), "{e}");
+        let e = err(&SMOL.replace("\"hidden_size\": 576,", ""));
+        assert!(e.contains("\"hidden_size\" is missing"), "{e}");
+        let e = err(&SMOL.replace("\"vocab_size\": 49152", "\"vocab_size\": -1"));
+        assert!(e.contains("vocab_size"), "{e}");
+        let e = err(&SMOL.replace("\"eos_token_id\": 2", "\"eos_token_id\": 60000"));
+        assert!(e.contains("60000"), "{e}");
+        let e = err("{not json");
+        assert!(e.contains("not valid JSON"), "{e}");
+    }
+
+    fn gguf_meta(w: GgufWriter) -> GgufWriter {
+        w.kv("general.architecture", GgufValue::String("llama".into()))
+            .kv("llama.block_count", GgufValue::U32(2))
+            .kv("llama.embedding_length", GgufValue::U32(64))
+            .kv("llama.feed_forward_length", GgufValue::U32(128))
+            .kv("llama.attention.head_count", GgufValue::U32(4))
+            .kv("llama.attention.head_count_kv", GgufValue::U32(2))
+            .kv(
+                "llama.attention.layer_norm_rms_epsilon",
+                GgufValue::F32(1e-5),
+            )
+            .kv("llama.context_length", GgufValue::U32(256))
+            .kv("llama.rope.dimension_count", GgufValue::U32(16))
+            .kv(
+                "tokenizer.ggml.tokens",
+                GgufValue::Array(crate::gguf::GgufArray::String(vec!["a".into(); 10])),
+            )
+            .kv("tokenizer.ggml.bos_token_id", GgufValue::U32(1))
+            .kv("tokenizer.ggml.eos_token_id", GgufValue::U32(2))
+            .kv("tokenizer.ggml.eot_token_id", GgufValue::U32(3))
+    }
+
+    #[test]
+    fn from_gguf_metadata() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = gguf_meta(GgufWriter::new()).write(dir.path(), "a.gguf");
+        let c = ModelConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+        assert_eq!(c.architecture, Architecture::Llama);
+        assert_eq!(
+            (c.hidden_size, c.intermediate_size, c.num_layers),
+            (64, 128, 2)
+        );
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (4, 2, 16));
+        assert_eq!(
+            (c.vocab_size, c.rope_theta, c.max_position_embeddings),
+            (10, 10000.0, 256)
+        );
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.eos_token_ids, vec![2, 3]);
+
+        let p = gguf_meta(GgufWriter::new())
+            .kv("llama.rope.freq_base", GgufValue::F32(5e5))
+            .f32_tensor("output.weight", &[64, 10])
+            .write(dir.path(), "b.gguf");
+        let c = ModelConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+        assert!(!c.tie_word_embeddings);
+        assert_eq!(c.rope_theta, 5e5);
+
+        let p = gguf_meta(GgufWriter::new())
+            .f32_tensor("rope_freqs.weight", &[8])
+            .write(dir.path(), "r.gguf");
+        let e = ModelConfig::from_gguf(&GgufFile::open(&p).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rope_freqs.weight") && e.contains("unsupported"),
+            "{e}"
+        );
+
+        let p = GgufWriter::new()
+            .kv("general.architecture", GgufValue::String("gemma".into()))
+            .write(dir.path(), "c.gguf");
+        let e = ModelConfig::from_gguf(&GgufFile::open(&p).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("gemma") && e.contains("c.gguf"), "{e}");
+
+        let p = GgufWriter::new()
+            .kv("general.architecture", GgufValue::String("llama".into()))
+            .write(dir.path(), "d.gguf");
+        let e = ModelConfig::from_gguf(&GgufFile::open(&p).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("llama.embedding_length") && e.contains("missing"),
+            "{e}"
+        );
+    }
+}

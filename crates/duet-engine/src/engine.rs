@@ -1,0 +1,448 @@
+//! A model with its KV cache: sequences are added, and each [`Engine::step`] runs one batched
+//! forward over every sequence that has work (prompt chunks and decode tokens mixed), samples,
+//! and reports the new tokens. This is the unit the services schedule; `duet generate` and
+//! `duet bench engine` drive it directly.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use duet_kv::{BlockHash, BlockPool, BlockTable, block_hashes, hash_seed, next_block_hash};
+
+use crate::EngineError;
+use crate::backend::Backend;
+use crate::batch::{ForwardBatch, LogitsWanted, SeqInput};
+use crate::chat::{ChatMessage, ChatTemplate};
+use crate::config::ModelConfig;
+use crate::cpu::CpuBackend;
+use crate::generation::{FinishReason, StopCriteria, TextStream};
+use crate::llama::Llama;
+use crate::model_files::{ModelFiles, open_model};
+use crate::sampling::{Sampled, Sampler, SamplingParams};
+use crate::tokenizer::Tokenizer;
+
+/// Sizes of the engine's resources.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Kernel threads (0: one per core).
+    pub threads: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Token slots in the KV cache, over all sequences.
+    pub kv_cache_tokens: usize,
+    /// Most new tokens one step computes (prompts beyond it are prefilled in chunks).
+    pub max_step_tokens: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            threads: 0,
+            block_size: 16,
+            kv_cache_tokens: 16384,
+            max_step_tokens: 512,
+        }
+    }
+}
+
+/// Identifies a sequence inside one engine.
+pub type SeqId = u64;
+
+struct Sequence {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens whose KV is in the cache.
+    num_computed: usize,
+    /// Prompt tokens found in the prefix cache at admission.
+    num_cached_prompt: usize,
+    table: BlockTable,
+    /// Hashes of the full blocks registered so far.
+    hashes: Vec<BlockHash>,
+    sampler: Sampler,
+    stop: StopCriteria,
+    text: TextStream,
+    finish: Option<FinishReason>,
+}
+
+impl Sequence {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// What one step produced for one sequence.
+#[derive(Clone, Debug)]
+pub struct StepOutput {
+    pub seq: SeqId,
+    /// The sampled token, unless it was a stop token (which is not part of the output).
+    pub token: Option<Sampled>,
+    /// Newly final text.
+    pub text: String,
+    pub finish: Option<FinishReason>,
+}
+
+pub struct Engine<B: Backend = CpuBackend> {
+    model: Llama<B>,
+    kv: B::KvStore,
+    blocks: BlockPool,
+    tokenizer: Tokenizer,
+    chat: Option<ChatTemplate>,
+    options: EngineOptions,
+    hash_seed: u64,
+    fingerprint: String,
+    seqs: BTreeMap<SeqId, Sequence>,
+    next_id: SeqId,
+}
+
+impl Engine<CpuBackend> {
+    /// Loads a model (GGUF file or HF directory) onto the CPU backend.
+    pub fn load(path: &Path, options: EngineOptions) -> Result<Self, EngineError> {
+        let files = open_model(path)?;
+        let backend = CpuBackend::new(options.threads);
+        Self::with_backend(backend, files, options)
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    pub fn with_backend(
+        backend: B,
+        files: ModelFiles,
+        options: EngineOptions,
+    ) -> Result<Self, EngineError> {
+        if options.block_size == 0
+            || options.kv_cache_tokens < options.block_size
+            || options.max_step_tokens == 0
+        {
+            return Err(EngineError::Config(format!(
+                "block size {}, KV cache of {} tokens and step budget {} must all be positive, and the cache at least one block",
+                options.block_size, options.kv_cache_tokens, options.max_step_tokens
+            )));
+        }
+        let model = Llama::load(backend, &files)?;
+        let num_blocks = options.kv_cache_tokens / options.block_size;
+        let kv = model
+            .backend()
+            .alloc_kv(model.kv_layout(options.block_size, num_blocks))?;
+        let fingerprint =
+            model_fingerprint(&files.config, &files.weights_digest, options.block_size);
+        Ok(Self {
+            hash_seed: hash_seed(fingerprint.as_bytes(), None),
+            fingerprint,
+            model,
+            kv,
+            blocks: BlockPool::new(num_blocks, options.block_size),
+            tokenizer: files.tokenizer,
+            chat: files.chat_template,
+            options,
+            seqs: BTreeMap::new(),
+            next_id: 0,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    pub fn options(&self) -> &EngineOptions {
+        &self.options
+    }
+
+    /// Identifies the model and KV geometry; KV is only exchanged between equal fingerprints.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    pub fn model(&self) -> &Llama<B> {
+        &self.model
+    }
+
+    pub fn kv_store(&self) -> &B::KvStore {
+        &self.kv
+    }
+
+    pub fn block_pool(&self) -> &BlockPool {
+        &self.blocks
+    }
+
+    /// Forgets every cached prefix block (blocks held by sequences are untouched).
+    pub fn clear_prefix_cache(&mut self) {
+        self.blocks.clear_cache();
+    }
+
+    /// Formats a conversation with the model's chat template (ChatML when it has none).
+    pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
+        let fallback;
+        let template = match &self.chat {
+            Some(t) => t,
+            None => {
+                fallback = ChatTemplate::chatml();
+                &fallback
+            }
+        };
+        Ok(template.apply(messages, true)?)
+    }
+
+    /// Token ids of a prompt (special tokens such as `<|im_start|>` are recognised).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        Ok(self.tokenizer.encode(text)?)
+    }
+
+    /// Validates a request against the model and admits it, reusing cached prefix blocks.
+    pub fn add_sequence(
+        &mut self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        stop: StopCriteria,
+    ) -> Result<SeqId, EngineError> {
+        params.validate()?;
+        stop.validate()?;
+        let ctx = self.config().max_position_embeddings;
+        let vocab = self.config().vocab_size;
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary (0..{vocab})"
+            )));
+        }
+        if prompt.len() >= ctx {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt has {} tokens; the model's context is {ctx}, leaving no room to generate",
+                prompt.len()
+            )));
+        }
+        if prompt.len() + stop.max_tokens > ctx {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt ({} tokens) + max_tokens ({}) exceeds the model's context of {ctx}",
+                prompt.len(),
+                stop.max_tokens
+            )));
+        }
+        let bs = self.options.block_size;
+        let hashes = block_hashes(self.hash_seed, &prompt, bs);
+        // Leave at least one prompt token to compute: its logits give the first output token.
+        let usable = hashes.len().min((prompt.len() - 1) / bs);
+        let cached = self.blocks.lookup_prefix(&hashes[..usable]);
+        let num_cached = cached.len() * bs;
+        let id = self.next_id;
+        self.next_id += 1;
+        let sampler = Sampler::new(params, &prompt);
+        let text = TextStream::new(stop.stop_strings.clone());
+        self.seqs.insert(
+            id,
+            Sequence {
+                prompt_len: prompt.len(),
+                tokens: prompt,
+                num_computed: num_cached,
+                num_cached_prompt: num_cached,
+                hashes: hashes[..cached.len()].to_vec(),
+                table: BlockTable::from_blocks(cached),
+                sampler,
+                stop,
+                text,
+                finish: None,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Prompt tokens of a sequence that were found in the prefix cache.
+    pub fn cached_prompt_tokens(&self, id: SeqId) -> Option<usize> {
+        self.seqs.get(&id).map(|s| s.num_cached_prompt)
+    }
+
+    /// All tokens (prompt and generated) of a sequence.
+    pub fn tokens(&self, id: SeqId) -> Option<&[u32]> {
+        self.seqs.get(&id).map(|s| s.tokens.as_slice())
+    }
+
+    pub fn num_sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Whether any sequence still has work.
+    pub fn has_work(&self) -> bool {
+        self.seqs.values().any(|s| s.finish.is_none())
+    }
+
+    /// Removes a sequence (finished or not) and releases its blocks; full blocks stay in the
+    /// prefix cache.
+    pub fn remove_sequence(&mut self, id: SeqId) -> Result<(), EngineError> {
+        let mut seq = self
+            .seqs
+            .remove(&id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        self.blocks.release(&seq.table.take())?;
+        Ok(())
+    }
+
+    /// Runs one forward step over every unfinished sequence: decode tokens first, then prompt
+    /// chunks, within the step token budget. Sequences that cannot get KV blocks wait.
+    pub fn step(&mut self) -> Result<Vec<StepOutput>, EngineError> {
+        let bs = self.options.block_size;
+        let mut budget = self.options.max_step_tokens;
+        // (id, number of new tokens this step). Decoding sequences first keeps their pace.
+        let mut plan: Vec<(SeqId, usize)> = Vec::new();
+        let mut order: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.finish.is_none())
+            .map(|(&id, _)| id)
+            .collect();
+        order.sort_by_key(|id| self.seqs[id].num_computed < self.seqs[id].prompt_len);
+        for id in order {
+            if budget == 0 {
+                break;
+            }
+            let seq = &self.seqs[&id];
+            let pending = seq.tokens.len() - seq.num_computed;
+            let n = pending.min(budget);
+            let missing = seq.table.blocks_missing(seq.num_computed + n, bs);
+            if missing > self.blocks.available() {
+                continue;
+            }
+            let new_blocks = self.blocks.allocate(missing)?;
+            self.seqs
+                .get_mut(&id)
+                .expect("listed above")
+                .table
+                .extend(new_blocks);
+            plan.push((id, n));
+            budget -= n;
+        }
+        if plan.is_empty() {
+            if self.has_work() {
+                return Err(EngineError::Kv(duet_kv::KvError::Exhausted {
+                    requested: 1,
+                    available: self.blocks.available(),
+                }));
+            }
+            return Ok(Vec::new());
+        }
+
+        let inputs: Vec<SeqInput<'_>> = plan
+            .iter()
+            .map(|&(id, n)| {
+                let s = &self.seqs[&id];
+                SeqInput {
+                    tokens: &s.tokens[s.num_computed..s.num_computed + n],
+                    start_pos: s.num_computed,
+                    block_table: s.table.blocks(),
+                    logits: if s.num_computed + n == s.tokens.len() {
+                        LogitsWanted::Last
+                    } else {
+                        LogitsWanted::None
+                    },
+                }
+            })
+            .collect();
+        let cfg = self.model.config();
+        let batch = ForwardBatch::new(
+            &inputs,
+            bs,
+            self.blocks.num_blocks(),
+            cfg.vocab_size,
+            cfg.max_position_embeddings,
+        )?;
+        let logits = self.model.forward(&batch, &mut self.kv);
+
+        let mut outputs = Vec::new();
+        let mut logit_row = 0;
+        for &(id, n) in &plan {
+            let seq = self.seqs.get_mut(&id).expect("planned sequences exist");
+            seq.num_computed += n;
+            register_full_blocks(seq, &mut self.blocks, self.hash_seed, bs)?;
+            if seq.num_computed < seq.tokens.len() {
+                continue; // a prompt chunk; no token yet
+            }
+            let mut row = logits.row(logit_row).to_vec();
+            logit_row += 1;
+            let sampled = seq.sampler.sample(&mut row);
+            outputs.push(advance(
+                seq,
+                sampled,
+                &self.tokenizer,
+                cfg.max_position_embeddings,
+                id,
+            )?);
+        }
+        Ok(outputs)
+    }
+}
+
+/// Appends a sampled token to a sequence and decides whether it finished.
+fn advance(
+    seq: &mut Sequence,
+    sampled: Sampled,
+    tokenizer: &Tokenizer,
+    max_positions: usize,
+    id: SeqId,
+) -> Result<StepOutput, EngineError> {
+    let is_stop_token = seq.stop.stop_token_ids.contains(&sampled.token)
+        || (!seq.stop.ignore_eos && tokenizer.eos_token_ids().contains(&sampled.token));
+    if is_stop_token {
+        seq.finish = Some(FinishReason::Stop);
+        let text = seq.text.finish(tokenizer)?;
+        return Ok(StepOutput {
+            seq: id,
+            token: None,
+            text,
+            finish: seq.finish,
+        });
+    }
+    seq.tokens.push(sampled.token);
+    let (mut text, hit_stop_string) = seq.text.push(tokenizer, sampled.token)?;
+    if hit_stop_string {
+        seq.finish = Some(FinishReason::Stop);
+    } else if seq.generated() >= seq.stop.max_tokens || seq.tokens.len() >= max_positions {
+        seq.finish = Some(FinishReason::Length);
+        text.push_str(&seq.text.finish(tokenizer)?);
+    }
+    Ok(StepOutput {
+        seq: id,
+        token: Some(sampled),
+        text,
+        finish: seq.finish,
+    })
+}
+
+/// Registers the content hash of every block that became full with computed KV.
+fn register_full_blocks(
+    seq: &mut Sequence,
+    pool: &mut BlockPool,
+    seed: u64,
+    bs: usize,
+) -> Result<(), EngineError> {
+    let full = seq.num_computed / bs;
+    if full <= seq.hashes.len() {
+        return Ok(());
+    }
+    let mut prev = seq.hashes.last().copied();
+    for b in seq.hashes.len()..full {
+        let h = next_block_hash(seed, prev.unwrap_or(0), &seq.tokens[b * bs..(b + 1) * bs]);
+        pool.register_hash(seq.table.blocks()[b], h)?;
+        seq.hashes.push(h);
+        prev = Some(h);
+    }
+    Ok(())
+}
+
+/// Architecture, geometry, dtype, block size and weights digest in one printable string.
+fn model_fingerprint(c: &ModelConfig, digest: &[u8; 32], block_size: usize) -> String {
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{:?}/L{}/H{}/KV{}/D{}/V{}/kv-f32/bs{}/{}",
+        c.architecture,
+        c.num_layers,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+        block_size,
+        hex
+    )
+}

@@ -1,0 +1,29 @@
+//! The engine's error type: one variant per concern, each message saying what was wrong.
+
+use crate::chat::ChatError;
+use crate::model_files::LoadError;
+use crate::tokenizer::TokenizerError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Chat(#[from] ChatError),
+    #[error(transparent)]
+    Kv(#[from] duet_kv::KvError),
+    /// A request the caller can fix (empty prompt, parameter out of range, ...).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// A forward step that does not fit the cache or the model (a scheduler bug).
+    #[error("invalid batch: {0}")]
+    InvalidBatch(String),
+    #[error("bad weights: {0}")]
+    Weights(String),
+    #[error("bad engine configuration: {0}")]
+    Config(String),
+    #[error("no sequence {0} in this engine")]
+    UnknownSequence(u64),
+}

@@ -1,0 +1,146 @@
+//! When a sequence stops, and its text as it grows: max tokens, stop token ids, stop strings
+//! (never streamed partially: text that may still become a stop string is held back), and
+//! incremental detokenization that never splits a UTF-8 character.
+
+use crate::EngineError;
+use crate::tokenizer::Tokenizer;
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// An end-of-sequence token, a stop token id or a stop string.
+    Stop,
+    /// `max_tokens` generated, or the context is full.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Most stop strings a request may carry, and their longest length in bytes.
+pub const MAX_STOP_STRINGS: usize = 16;
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+
+/// When to stop generating.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StopCriteria {
+    pub max_tokens: usize,
+    /// Extra token ids that end the sequence (the model's end-of-sequence ids are added unless
+    /// `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    pub stop_strings: Vec<String>,
+    pub ignore_eos: bool,
+}
+
+impl StopCriteria {
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        if self.max_tokens == 0 {
+            return bad("max_tokens must be at least 1".into());
+        }
+        if self.stop_strings.len() > MAX_STOP_STRINGS {
+            return bad(format!(
+                "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
+                self.stop_strings.len()
+            ));
+        }
+        for s in &self.stop_strings {
+            if s.is_empty() {
+                return bad("stop strings must not be empty".into());
+            }
+            if s.len() > MAX_STOP_STRING_BYTES {
+                return bad(format!(
+                    "stop strings must be at most {MAX_STOP_STRING_BYTES} bytes, got {}",
+                    s.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The text of a sequence's generated tokens, released in pieces that are final: whole UTF-8
+/// characters, and never a piece of a (possible) stop string.
+#[derive(Clone, Debug, Default)]
+pub struct TextStream {
+    ids: Vec<u32>,
+    /// Tokens before `prefix_offset` are decoded and released; `prefix_offset..read_offset` is
+    /// decoded again each time as left context (byte-level BPE tokens can join into one char).
+    prefix_offset: usize,
+    read_offset: usize,
+    /// Decoded text not yet released because it could be the start of a stop string.
+    held: String,
+    stop_strings: Vec<String>,
+}
+
+impl TextStream {
+    pub fn new(stop_strings: Vec<String>) -> Self {
+        Self {
+            stop_strings,
+            ..Self::default()
+        }
+    }
+
+    /// Adds a token; returns the newly final text and whether a stop string was completed (the
+    /// stop string and anything after it are dropped).
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<(String, bool), EngineError> {
+        self.ids.push(id);
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
+        let full = tokenizer.decode(&self.ids[self.prefix_offset..], true)?;
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{FFFD}')
+            && full.is_char_boundary(prefix.len())
+        {
+            self.held.push_str(&full[prefix.len()..]);
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+        }
+        Ok(self.release())
+    }
+
+    /// Everything still held, at the end of the sequence (the final token may have been an
+    /// incomplete character).
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<String, EngineError> {
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
+        let full = tokenizer.decode(&self.ids[self.prefix_offset..], true)?;
+        if full.len() > prefix.len() && full.is_char_boundary(prefix.len()) {
+            self.held.push_str(&full[prefix.len()..]);
+        }
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        Ok(std::mem::take(&mut self.held))
+    }
+
+    fn release(&mut self) -> (String, bool) {
+        if let Some(pos) = self
+            .stop_strings
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
+            let out = self.held[..pos].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        // Hold back the longest tail that is a proper prefix of some stop string.
+        let mut keep = 0;
+        for s in &self.stop_strings {
+            for (i, _) in s.char_indices().skip(1) {
+                if i > keep && self.held.ends_with(&s[..i]) {
+                    keep = i;
+                }
+            }
+        }
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        (out, false)
+    }
+}

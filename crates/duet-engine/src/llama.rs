@@ -1,0 +1,287 @@
+//! The Llama-family decoder (Llama 2/3, Mistral, SmolLM, Qwen2) over any [`Backend`].
+//!
+//! RMSNorm → attention (GQA, rotate-half RoPE, optional q/k/v bias) → residual → RMSNorm →
+//! SwiGLU MLP → residual, for every layer; final norm and the (optionally tied) output
+//! projection only for the rows whose logits are wanted.
+
+use crate::EngineError;
+use crate::backend::{AttentionShape, Backend, KvLayout};
+use crate::batch::ForwardBatch;
+use crate::config::ModelConfig;
+use crate::model_files::{ModelFiles, RawTensor};
+use crate::quant::{QuantType, dequantize_row};
+
+struct Layer<B: Backend> {
+    attn_norm: B::Vector,
+    /// Q, K and V stacked into one matrix when the backend can, else separately.
+    qkv: Projection<B>,
+    qkv_bias: Option<[B::Vector; 3]>,
+    attn_output: B::Matrix,
+    ffn_norm: B::Vector,
+    /// Gate and up stacked when possible.
+    gate_up: Projection<B>,
+    ffn_down: B::Matrix,
+}
+
+enum Projection<B: Backend> {
+    Stacked(B::Matrix),
+    Separate(Vec<B::Matrix>),
+}
+
+pub struct Llama<B: Backend> {
+    backend: B,
+    config: ModelConfig,
+    embedding: B::Matrix,
+    /// `None` when tied to the embedding.
+    output: Option<B::Matrix>,
+    output_norm: B::Vector,
+    layers: Vec<Layer<B>>,
+}
+
+/// Logits for the rows a step asked for.
+#[derive(Clone, Debug)]
+pub struct Logits {
+    pub data: Vec<f32>,
+    pub vocab_size: usize,
+    /// The step row each logits row belongs to.
+    pub rows: Vec<usize>,
+}
+
+impl Logits {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab_size..(i + 1) * self.vocab_size]
+    }
+
+    pub fn num_rows(&self) -> usize {
+        self.rows.len()
+    }
+}
+
+impl<B: Backend> Llama<B> {
+    /// Builds the model on `backend` from opened model files (validated shapes).
+    pub fn load(backend: B, files: &ModelFiles) -> Result<Self, EngineError> {
+        crate::model_files::validate_llama_tensors(files)?;
+        let cfg = files.config.clone();
+        let interleaved = files.qk_rows_interleaved();
+        let tensor = |name: &str| files.tensors.get(name).map_err(EngineError::from);
+        let matrix =
+            |name: &str, unpermute_heads: Option<usize>| -> Result<B::Matrix, EngineError> {
+                let t = tensor(name)?;
+                let t = match unpermute_heads {
+                    Some(heads) if interleaved => unpermute_rows(t, heads)?,
+                    _ => t,
+                };
+                backend.load_matrix(&t.name, t.ty, t.rows, t.cols, t.bytes)
+            };
+        let vector = |name: &str| -> Result<B::Vector, EngineError> {
+            backend.load_vector(tensor_f32(&tensor(name)?))
+        };
+
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = |s: &str| format!("blk.{i}.{s}");
+            let q = matrix(&p("attn_q.weight"), Some(cfg.num_heads))?;
+            let k = matrix(&p("attn_k.weight"), Some(cfg.num_kv_heads))?;
+            let v = matrix(&p("attn_v.weight"), None)?;
+            let qkv = stack(&backend, vec![q, k, v]);
+            let qkv_bias = if cfg.attention_bias {
+                Some([
+                    vector(&p("attn_q.bias"))?,
+                    vector(&p("attn_k.bias"))?,
+                    vector(&p("attn_v.bias"))?,
+                ])
+            } else {
+                None
+            };
+            let gate_up = stack(
+                &backend,
+                vec![
+                    matrix(&p("ffn_gate.weight"), None)?,
+                    matrix(&p("ffn_up.weight"), None)?,
+                ],
+            );
+            layers.push(Layer {
+                attn_norm: vector(&p("attn_norm.weight"))?,
+                qkv,
+                qkv_bias,
+                attn_output: matrix(&p("attn_output.weight"), None)?,
+                ffn_norm: vector(&p("ffn_norm.weight"))?,
+                gate_up,
+                ffn_down: matrix(&p("ffn_down.weight"), None)?,
+            });
+        }
+        let embedding = matrix("token_embd.weight", None)?;
+        let output = if files.tensors.contains("output.weight") {
+            Some(matrix("output.weight", None)?)
+        } else {
+            None
+        };
+        let output_norm = vector("output_norm.weight")?;
+        Ok(Self {
+            backend,
+            config: cfg,
+            embedding,
+            output,
+            output_norm,
+            layers,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The KV layout this model needs for `num_blocks` blocks of `block_size` tokens.
+    pub fn kv_layout(&self, block_size: usize, num_blocks: usize) -> KvLayout {
+        KvLayout {
+            num_layers: self.config.num_layers,
+            num_kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+            block_size,
+            num_blocks,
+        }
+    }
+
+    /// Runs one step: writes every row's K/V into the cache and returns the wanted logits.
+    pub fn forward(&self, batch: &ForwardBatch, kv: &mut B::KvStore) -> Logits {
+        let b = &self.backend;
+        let c = &self.config;
+        let n = batch.num_rows();
+        let (q_dim, kv_dim) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let shape = AttentionShape {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        };
+
+        let mut x = b.alloc(n, c.hidden_size);
+        b.embed(&self.embedding, &batch.tokens, &mut x);
+        let mut h = b.alloc(n, c.hidden_size);
+        let mut q = b.alloc(n, q_dim);
+        let mut k = b.alloc(n, kv_dim);
+        let mut v = b.alloc(n, kv_dim);
+        let mut qkv = b.alloc(n, q_dim + 2 * kv_dim);
+        let mut attn = b.alloc(n, q_dim);
+        let mut o = b.alloc(n, c.hidden_size);
+        let mut gate = b.alloc(n, c.intermediate_size);
+        let mut up = b.alloc(n, c.intermediate_size);
+        let mut gate_up = b.alloc(n, 2 * c.intermediate_size);
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            b.rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut h);
+            self.project(&layer.qkv, &h, &mut qkv, &mut [&mut q, &mut k, &mut v]);
+            if let Some([bq, bk, bv]) = &layer.qkv_bias {
+                b.add_bias(&mut q, bq);
+                b.add_bias(&mut k, bk);
+                b.add_bias(&mut v, bv);
+            }
+            b.rope(&mut q, c.head_dim, c.rope_theta, batch);
+            b.rope(&mut k, c.head_dim, c.rope_theta, batch);
+            b.write_kv(kv, li, &k, &v, batch);
+            b.attention(&q, kv, li, shape, batch, &mut attn);
+            b.matmul(&layer.attn_output, &attn, &mut o);
+            b.add(&mut x, &o);
+
+            b.rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut h);
+            self.project(&layer.gate_up, &h, &mut gate_up, &mut [&mut gate, &mut up]);
+            b.silu_mul(&mut gate, &up);
+            b.matmul(&layer.ffn_down, &gate, &mut o);
+            b.add(&mut x, &o);
+        }
+
+        let m = batch.logit_rows.len();
+        if m == 0 {
+            return Logits {
+                data: Vec::new(),
+                vocab_size: c.vocab_size,
+                rows: Vec::new(),
+            };
+        }
+        let mut last = b.alloc(m, c.hidden_size);
+        b.gather_rows(&x, &batch.logit_rows, &mut last);
+        let mut normed = b.alloc(m, c.hidden_size);
+        b.rms_norm(&last, &self.output_norm, c.rms_norm_eps, &mut normed);
+        let mut logits = b.alloc(m, c.vocab_size);
+        b.matmul(
+            self.output.as_ref().unwrap_or(&self.embedding),
+            &normed,
+            &mut logits,
+        );
+        Logits {
+            data: b.to_host(&logits),
+            vocab_size: c.vocab_size,
+            rows: batch.logit_rows.clone(),
+        }
+    }
+
+    fn project(
+        &self,
+        proj: &Projection<B>,
+        x: &B::Activations,
+        stacked_out: &mut B::Activations,
+        outs: &mut [&mut B::Activations],
+    ) {
+        match proj {
+            Projection::Stacked(w) => {
+                self.backend.matmul(w, x, stacked_out);
+                self.backend.split_cols(stacked_out, outs);
+            }
+            Projection::Separate(ws) => {
+                for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                    self.backend.matmul(w, x, out);
+                }
+            }
+        }
+    }
+}
+
+fn stack<B: Backend>(backend: &B, parts: Vec<B::Matrix>) -> Projection<B> {
+    let refs: Vec<&B::Matrix> = parts.iter().collect();
+    match backend.stack_matrices(&refs) {
+        Some(m) => Projection::Stacked(m),
+        None => Projection::Separate(parts),
+    }
+}
+
+/// Undoes the row permutation GGUF converters apply to Q and K for interleaved RoPE: within each
+/// head, converted row `2i + j` is original row `j·(head_dim/2) + i`.
+fn unpermute_rows(t: RawTensor, heads: usize) -> Result<RawTensor, EngineError> {
+    let head_dim = t.rows / heads;
+    let half = head_dim / 2;
+    let row_bytes = t.ty.row_bytes(t.cols).ok_or_else(|| {
+        EngineError::Weights(format!("tensor {}: bad row length {}", t.name, t.cols))
+    })?;
+    let mut out = vec![0u8; t.bytes.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for j in 0..2 {
+                let src = h * head_dim + 2 * i + j;
+                let dst = h * head_dim + j * half + i;
+                out[dst * row_bytes..(dst + 1) * row_bytes]
+                    .copy_from_slice(&t.bytes[src * row_bytes..(src + 1) * row_bytes]);
+            }
+        }
+    }
+    Ok(RawTensor {
+        bytes: crate::storage::WeightBytes::from_vec(out),
+        ..t
+    })
+}
+
+/// A 1-D tensor (norm weight, bias) as f32, whatever its stored type.
+fn tensor_f32(t: &RawTensor) -> Vec<f32> {
+    let len = t.rows * t.cols;
+    let mut out = vec![0f32; len];
+    if t.ty == QuantType::F32 {
+        for (o, b) in out.iter_mut().zip(t.bytes.chunks_exact(4)) {
+            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+    } else {
+        dequantize_row(t.ty, &t.bytes, &mut out);
+    }
+    out
+}

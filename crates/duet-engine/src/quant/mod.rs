@@ -1,0 +1,573 @@
+//! Quantized weight matrices (GGML block formats) and the CPU matrix kernels over them.
+//!
+//! * Q4_0 / Q4_1 / Q8_0 matrices are repacked once at construction into 16-row interleaved
+//!   groups (same byte count as the file, see [`packed`]); a call quantizes the activations once
+//!   to 8-bit blocks and runs integer dot products (AVX-512 VNNI `vpdpbusd`, AVX2 `vpmaddubsw`,
+//!   or portable scalar code — all three give bit-identical results), each weight block being
+//!   read once per call and reused for a tile of tokens held in registers.
+//! * F32 / F16 / BF16 / Q4_K / Q6_K matrices stay in their GGML layout; a call dequantizes four
+//!   rows at a time into f32 and runs f32 FMA dots against every token.
+//!
+//! Output rows are split over the thread pool (each participant a contiguous range of row
+//! groups). The kernel path is chosen once by runtime CPU feature detection.
+
+mod dequant;
+mod packed;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::cell::RefCell;
+use std::sync::{Arc, OnceLock};
+
+use crate::storage::WeightBytes;
+use crate::threadpool::{ThreadPool, split_range};
+pub use dequant::dequantize_row;
+use packed::{GROUP, Packed, QActs, Tile};
+
+/// GGML tensor types we support.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types)]
+pub enum QuantType {
+    F32,
+    F16,
+    BF16,
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q6_K,
+}
+
+impl QuantType {
+    pub const ALL: [QuantType; 8] = [
+        QuantType::F32,
+        QuantType::F16,
+        QuantType::BF16,
+        QuantType::Q8_0,
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+    ];
+
+    /// The type of a GGML type id (`ggml_type`), if we support it.
+    pub fn from_ggml(id: u32) -> Option<QuantType> {
+        Some(match id {
+            0 => QuantType::F32,
+            1 => QuantType::F16,
+            2 => QuantType::Q4_0,
+            3 => QuantType::Q4_1,
+            8 => QuantType::Q8_0,
+            12 => QuantType::Q4_K,
+            14 => QuantType::Q6_K,
+            30 => QuantType::BF16,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantType::F32 => "F32",
+            QuantType::F16 => "F16",
+            QuantType::BF16 => "BF16",
+            QuantType::Q8_0 => "Q8_0",
+            QuantType::Q4_0 => "Q4_0",
+            QuantType::Q4_1 => "Q4_1",
+            QuantType::Q4_K => "Q4_K",
+            QuantType::Q6_K => "Q6_K",
+        }
+    }
+
+    /// Elements per block (1 for float types).
+    pub fn block_len(self) -> usize {
+        match self {
+            QuantType::F32 | QuantType::F16 | QuantType::BF16 => 1,
+            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => 32,
+            QuantType::Q4_K | QuantType::Q6_K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantType::F32 => 4,
+            QuantType::F16 | QuantType::BF16 => 2,
+            QuantType::Q8_0 => 34,
+            QuantType::Q4_0 => 18,
+            QuantType::Q4_1 => 20,
+            QuantType::Q4_K => 144,
+            QuantType::Q6_K => 210,
+        }
+    }
+
+    /// Bytes of a row of `cols` values; `None` if `cols` is not a multiple of the block length.
+    pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        let blocks = cols / self.block_len();
+        (blocks * self.block_len() == cols).then_some(blocks * self.block_bytes())
+    }
+}
+
+impl std::fmt::Display for QuantType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuantError {
+    #[error("{ty} matrix: {cols} columns is not a multiple of the block length {block}")]
+    BadCols {
+        ty: QuantType,
+        cols: usize,
+        block: usize,
+    },
+    #[error("{ty} matrix [{rows} x {cols}]: expected {expected} bytes, got {got}")]
+    BadSize {
+        ty: QuantType,
+        rows: usize,
+        cols: usize,
+        expected: usize,
+        got: usize,
+    },
+}
+
+/// Which kernel implementation runs a matmul.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelPath {
+    /// Portable Rust, any architecture.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+    /// x86-64 AVX-512 F/BW/VL + VNNI (+ FMA, F16C).
+    Avx512,
+}
+
+impl KernelPath {
+    /// Whether this CPU can run the path.
+    pub fn supported(self) -> bool {
+        match self {
+            KernelPath::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx512 => {
+                KernelPath::Avx2.supported()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The best path this CPU supports (detected once).
+    pub fn detect() -> KernelPath {
+        static PATH: OnceLock<KernelPath> = OnceLock::new();
+        *PATH.get_or_init(|| {
+            [KernelPath::Avx512, KernelPath::Avx2]
+                .into_iter()
+                .find(|p| p.supported())
+                .unwrap_or(KernelPath::Scalar)
+        })
+    }
+}
+
+/// A weight matrix `[rows, cols]`, row-major, each row stored in `ty` (rows = output features).
+#[derive(Clone, Debug)]
+pub struct QMatrix {
+    ty: QuantType,
+    rows: usize,
+    cols: usize,
+    data: Data,
+}
+
+#[derive(Clone, Debug)]
+enum Data {
+    /// GGML layout, used in place.
+    Raw(WeightBytes),
+    /// Q4_0 / Q4_1 / Q8_0 repacked into row groups.
+    Packed(Arc<Packed>),
+}
+
+/// A raw pointer that may cross to the pool's threads (each writes disjoint elements).
+#[derive(Clone, Copy)]
+struct SyncPtr<T>(*mut T);
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+impl<T> SyncPtr<T> {
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+thread_local! {
+    static ACTS: RefCell<QActs> = RefCell::new(QActs::default());
+    static ROWS_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Rows dequantized at once by the f32 path.
+const F32_ROWS: usize = 4;
+
+impl QMatrix {
+    /// A matrix over `bytes` (GGML layout, `rows * ty.row_bytes(cols)` bytes). Q4_0, Q4_1 and Q8_0
+    /// matrices are repacked into an owned buffer of the same size (and `bytes` is dropped);
+    /// other types keep `bytes` and use it in place.
+    pub fn new(
+        ty: QuantType,
+        rows: usize,
+        cols: usize,
+        bytes: WeightBytes,
+    ) -> Result<QMatrix, QuantError> {
+        let rb = ty.row_bytes(cols).ok_or(QuantError::BadCols {
+            ty,
+            cols,
+            block: ty.block_len(),
+        })?;
+        let expected = rows * rb;
+        if bytes.len() != expected {
+            return Err(QuantError::BadSize {
+                ty,
+                rows,
+                cols,
+                expected,
+                got: bytes.len(),
+            });
+        }
+        let data = if packed::packable(ty) {
+            Data::Packed(Arc::new(Packed::pack(ty, rows, cols, &bytes)))
+        } else {
+            Data::Raw(bytes)
+        };
+        Ok(QMatrix {
+            ty,
+            rows,
+            cols,
+            data,
+        })
+    }
+
+    pub fn ty(&self) -> QuantType {
+        self.ty
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes of the weights in GGML layout (`rows * row_bytes(cols)`); the memory held is the
+    /// same, plus at most 15 zero rows of padding for repacked types.
+    pub fn size_bytes(&self) -> usize {
+        self.rows * self.row_bytes()
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.ty
+            .row_bytes(self.cols)
+            .expect("checked at construction")
+    }
+
+    /// `out[t * rows + r] = sum_c W[r, c] * x[t * cols + c]` for `t in 0..n_tokens`.
+    pub fn matmul(&self, x: &[f32], n_tokens: usize, out: &mut [f32], pool: &ThreadPool) {
+        self.matmul_with(KernelPath::detect(), x, n_tokens, out, pool)
+    }
+
+    /// [`QMatrix::matmul`] on an explicit kernel path (tests, benchmarks). Panics if the CPU
+    /// does not support `path`.
+    pub fn matmul_with(
+        &self,
+        path: KernelPath,
+        x: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+        pool: &ThreadPool,
+    ) {
+        assert!(
+            path.supported(),
+            "kernel path {path:?} is not supported by this CPU"
+        );
+        assert_eq!(
+            x.len(),
+            n_tokens * self.cols,
+            "matmul: x has the wrong length"
+        );
+        assert_eq!(
+            out.len(),
+            n_tokens * self.rows,
+            "matmul: out has the wrong length"
+        );
+        if n_tokens == 0 || self.rows == 0 {
+            return;
+        }
+        if self.cols == 0 {
+            out.fill(0.0);
+            return;
+        }
+        match &self.data {
+            Data::Packed(p) => self.matmul_packed(p, path, x, n_tokens, out, pool),
+            Data::Raw(bytes) => self.matmul_f32(bytes, path, x, n_tokens, out, pool),
+        }
+    }
+
+    fn matmul_packed(
+        &self,
+        p: &Packed,
+        path: KernelPath,
+        x: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+        pool: &ThreadPool,
+    ) {
+        ACTS.with(|cell| {
+            let mut fresh = QActs::default();
+            let mut borrowed = cell.try_borrow_mut();
+            let acts: &mut QActs = match borrowed.as_mut() {
+                Ok(a) => a,
+                Err(_) => &mut fresh,
+            };
+            let cols = self.cols;
+            let rows = self.rows;
+            acts.resize(n_tokens, cols);
+            let nb = acts.nb;
+            if n_tokens >= 8 && pool.n_threads() > 1 {
+                let qs = SyncPtr(acts.qs.as_mut_ptr());
+                let d = SyncPtr(acts.d.as_mut_ptr());
+                let sd = SyncPtr(acts.sd.as_mut_ptr());
+                let isum = SyncPtr(acts.isum.as_mut_ptr());
+                pool.for_each_range(n_tokens, |tr| {
+                    let n = tr.len();
+                    // SAFETY: participants get disjoint token ranges of buffers sized above.
+                    unsafe {
+                        packed::quantize_acts(
+                            path,
+                            &x[tr.start * cols..tr.end * cols],
+                            std::slice::from_raw_parts_mut(qs.get().add(tr.start * cols), n * cols),
+                            std::slice::from_raw_parts_mut(d.get().add(tr.start * nb), n * nb),
+                            std::slice::from_raw_parts_mut(sd.get().add(tr.start * nb), n * nb),
+                            std::slice::from_raw_parts_mut(isum.get().add(tr.start * nb), n * nb),
+                        )
+                    }
+                });
+            } else {
+                packed::quantize_acts(
+                    path,
+                    x,
+                    &mut acts.qs,
+                    &mut acts.d,
+                    &mut acts.sd,
+                    &mut acts.isum,
+                );
+            }
+            let acts: &QActs = acts;
+            let ty = self.ty;
+            let nt_max = match path {
+                #[cfg(target_arch = "x86_64")]
+                KernelPath::Avx512 => x86::NT_512,
+                #[cfg(target_arch = "x86_64")]
+                KernelPath::Avx2 => x86::NT_256,
+                _ => 8,
+            };
+            let outp = SyncPtr(out.as_mut_ptr());
+            let w = p.bytes().as_ptr() as usize;
+            let (pnb, gb) = (p.nb, p.gb);
+            debug_assert_eq!(pnb, nb);
+            pool.run(|idx, n| {
+                for g in split_range(p.n_groups, idx, n) {
+                    let mut t0 = 0;
+                    while t0 < n_tokens {
+                        let nt = nt_max.min(n_tokens - t0);
+                        // SAFETY: all offsets are within the buffers (sizes fixed above); each
+                        // participant writes only its own rows of `out`.
+                        unsafe {
+                            let tile = Tile {
+                                w: (w as *const u8).add(g * nb * gb),
+                                nb,
+                                gb,
+                                xq: acts.qs.as_ptr().add(t0 * cols),
+                                xd: acts.d.as_ptr().add(t0 * nb),
+                                xsd: acts.sd.as_ptr().add(t0 * nb),
+                                xi: acts.isum.as_ptr().add(t0 * nb),
+                                xs: cols,
+                                out: outp.get().add(t0 * rows + g * GROUP),
+                                os: rows,
+                                nvalid: GROUP.min(rows - g * GROUP),
+                            };
+                            run_tile(path, ty, &tile, nt);
+                        }
+                        t0 += nt;
+                    }
+                }
+            });
+        });
+    }
+
+    fn matmul_f32(
+        &self,
+        bytes: &[u8],
+        path: KernelPath,
+        x: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+        pool: &ThreadPool,
+    ) {
+        let (rows, cols, ty) = (self.rows, self.cols, self.ty);
+        let rb = self.row_bytes();
+        let outp = SyncPtr(out.as_mut_ptr());
+        let n_chunks = rows.div_ceil(F32_ROWS);
+        pool.run(|idx, n| {
+            let chunks = split_range(n_chunks, idx, n);
+            if chunks.is_empty() {
+                return;
+            }
+            ROWS_F32.with(|cell| {
+                let mut fresh = Vec::new();
+                let mut borrowed = cell.try_borrow_mut();
+                let buf: &mut Vec<f32> = match borrowed.as_mut() {
+                    Ok(b) => b,
+                    Err(_) => &mut fresh,
+                };
+                buf.resize(F32_ROWS * cols, 0.0);
+                for ch in chunks {
+                    let r0 = ch * F32_ROWS;
+                    let nr = F32_ROWS.min(rows - r0);
+                    for i in 0..nr {
+                        dequantize_row_on(
+                            path,
+                            ty,
+                            &bytes[(r0 + i) * rb..(r0 + i + 1) * rb],
+                            &mut buf[i * cols..(i + 1) * cols],
+                        );
+                    }
+                    for t in 0..n_tokens {
+                        let d = dot4(path, buf, nr, cols, &x[t * cols..(t + 1) * cols]);
+                        for (i, v) in d.iter().enumerate().take(nr) {
+                            // SAFETY: rows r0..r0+nr belong to this participant only.
+                            unsafe { *outp.get().add(t * rows + r0 + i) = *v };
+                        }
+                    }
+                }
+            });
+        });
+    }
+
+    /// Dequantized row `r` into `out` (`out.len() == cols`).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.rows, "row {r} out of {} rows", self.rows);
+        assert_eq!(out.len(), self.cols, "row_f32: out has the wrong length");
+        let rb = self.row_bytes();
+        match &self.data {
+            Data::Raw(bytes) => dequantize_row(self.ty, &bytes[r * rb..(r + 1) * rb], out),
+            Data::Packed(p) => {
+                let mut raw = vec![0u8; rb];
+                p.unpack_row(self.ty, r, &mut raw);
+                dequantize_row(self.ty, &raw, out);
+            }
+        }
+    }
+
+    /// The bytes of row `r` in GGML layout.
+    pub fn row_bytes_ggml(&self, r: usize) -> Vec<u8> {
+        let rb = self.row_bytes();
+        match &self.data {
+            Data::Raw(bytes) => bytes[r * rb..(r + 1) * rb].to_vec(),
+            Data::Packed(p) => {
+                let mut raw = vec![0u8; rb];
+                p.unpack_row(self.ty, r, &mut raw);
+                raw
+            }
+        }
+    }
+
+    /// A new owned matrix whose row `i` is row `perm[i]` of `self` (whole rows move, no
+    /// requantization). The result has `perm.len()` rows.
+    pub fn permute_rows(&self, perm: &[usize]) -> QMatrix {
+        let rb = self.row_bytes();
+        let mut raw = vec![0u8; perm.len() * rb];
+        for (i, &src) in perm.iter().enumerate() {
+            assert!(
+                src < self.rows,
+                "permute_rows: row {src} out of {} rows",
+                self.rows
+            );
+            let dst = &mut raw[i * rb..(i + 1) * rb];
+            match &self.data {
+                Data::Raw(bytes) => dst.copy_from_slice(&bytes[src * rb..(src + 1) * rb]),
+                Data::Packed(p) => p.unpack_row(self.ty, src, dst),
+            }
+        }
+        QMatrix::new(self.ty, perm.len(), self.cols, WeightBytes::from_vec(raw))
+            .expect("same geometry")
+    }
+}
+
+/// Runs one token tile of one row group on `path`.
+///
+/// # Safety
+/// `t` must describe valid buffers for `nt` tokens (see [`Tile`]), and `path` must be supported.
+unsafe fn run_tile(path: KernelPath, ty: QuantType, t: &Tile, nt: usize) {
+    unsafe {
+        match path {
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx512 => x86::tile_avx512(ty, t, nt),
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2 => x86::tile_avx2(ty, t, nt),
+            _ => packed::tile_scalar(ty, t, nt),
+        }
+    }
+}
+
+/// [`dequantize_row`] compiled for `path`.
+fn dequantize_row_on(path: KernelPath, ty: QuantType, bytes: &[u8], out: &mut [f32]) {
+    match path {
+        // SAFETY: the path was checked to be supported by the caller.
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx512 => unsafe { x86::dequantize_row_avx512(ty, bytes, out) },
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2 => unsafe { x86::dequantize_row_avx2(ty, bytes, out) },
+        _ => dequantize_row(ty, bytes, out),
+    }
+}
+
+/// Dots of the first `nr` rows of `w` (row stride `cols`) with `x`.
+fn dot4(path: KernelPath, w: &[f32], nr: usize, cols: usize, x: &[f32]) -> [f32; 4] {
+    match path {
+        // SAFETY: the path was checked to be supported by the caller.
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx512 => unsafe { x86::dot4_avx512(w, nr, cols, x) },
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2 => unsafe { x86::dot4_avx2(w, nr, cols, x) },
+        _ => dot4_scalar(w, nr, cols, x),
+    }
+}
+
+fn dot4_scalar(w: &[f32], nr: usize, cols: usize, x: &[f32]) -> [f32; 4] {
+    let mut res = [0.0f32; 4];
+    for (r, res) in res.iter_mut().enumerate().take(nr) {
+        let row = &w[r * cols..(r + 1) * cols];
+        let mut lanes = [0.0f32; 8];
+        let mut rc = row.chunks_exact(8);
+        let mut xc = x.chunks_exact(8);
+        for (a, b) in (&mut rc).zip(&mut xc) {
+            for i in 0..8 {
+                lanes[i] += a[i] * b[i];
+            }
+        }
+        let mut s = lanes.iter().sum::<f32>();
+        for (a, b) in rc.remainder().iter().zip(xc.remainder()) {
+            s += a * b;
+        }
+        *res = s;
+    }
+    res
+}

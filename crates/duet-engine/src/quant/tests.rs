@@ -1,0 +1,463 @@
+use super::*;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn byte(&mut self) -> u8 {
+        (self.next() >> 32) as u8
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+fn f16b(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// Random but sane raw blocks: random quants, scales of magnitude ~0.01..0.1.
+fn random_row(ty: QuantType, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut out = Vec::new();
+    match ty {
+        QuantType::F32 => (0..cols).for_each(|_| out.extend_from_slice(&rng.f().to_le_bytes())),
+        QuantType::F16 => (0..cols).for_each(|_| out.extend_from_slice(&f16b(rng.f()))),
+        QuantType::BF16 => (0..cols).for_each(|_| {
+            let b = (rng.f().to_bits() >> 16) as u16;
+            out.extend_from_slice(&b.to_le_bytes())
+        }),
+        _ => {
+            for _ in 0..cols / ty.block_len() {
+                let mut blk: Vec<u8> = (0..ty.block_bytes()).map(|_| rng.byte()).collect();
+                let scale = 0.01 + 0.09 * rng.f().abs();
+                match ty {
+                    QuantType::Q4_0 | QuantType::Q8_0 => blk[0..2].copy_from_slice(&f16b(scale)),
+                    QuantType::Q4_1 => {
+                        blk[0..2].copy_from_slice(&f16b(scale));
+                        blk[2..4].copy_from_slice(&f16b(-8.0 * scale * (1.0 + 0.2 * rng.f())));
+                    }
+                    QuantType::Q4_K => {
+                        blk[0..2].copy_from_slice(&f16b(scale / 32.0));
+                        blk[2..4].copy_from_slice(&f16b(scale / 8.0));
+                    }
+                    QuantType::Q6_K => blk[208..210].copy_from_slice(&f16b(scale / 64.0)),
+                    _ => unreachable!(),
+                }
+                out.extend_from_slice(&blk);
+            }
+        }
+    }
+    out
+}
+
+fn random_matrix(ty: QuantType, rows: usize, cols: usize, seed: u64) -> (QMatrix, Vec<u8>) {
+    let mut rng = Rng(seed);
+    let raw: Vec<u8> = (0..rows)
+        .flat_map(|_| random_row(ty, cols, &mut rng))
+        .collect();
+    (
+        QMatrix::new(ty, rows, cols, WeightBytes::from_vec(raw.clone())).unwrap(),
+        raw,
+    )
+}
+
+/// Element `j` of a block, read straight from the GGML definitions (independent of `dequant.rs`).
+fn ref_elem(ty: QuantType, b: &[u8], j: usize) -> f32 {
+    let h = |i: usize| half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+    let nib = |byte: u8, hi: bool| if hi { byte >> 4 } else { byte & 15 };
+    match ty {
+        QuantType::F32 => f32::from_le_bytes(b[0..4].try_into().unwrap()),
+        QuantType::F16 => h(0),
+        QuantType::BF16 => f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16),
+        QuantType::Q4_0 => h(0) * (nib(b[2 + j % 16], j >= 16) as f32 - 8.0),
+        QuantType::Q4_1 => h(0) * nib(b[4 + j % 16], j >= 16) as f32 + h(2),
+        QuantType::Q8_0 => h(0) * (b[2 + j] as i8) as f32,
+        QuantType::Q4_K => {
+            let sub = j / 32; // sub-block 0..8, 64-element chunks share 32 qs bytes
+            let sc = &b[4..16];
+            let (s, m) = if sub < 4 {
+                (sc[sub] & 63, sc[sub + 4] & 63)
+            } else {
+                (
+                    (sc[sub + 4] & 15) | ((sc[sub - 4] >> 6) << 4),
+                    (sc[sub + 4] >> 4) | ((sc[sub] >> 6) << 4),
+                )
+            };
+            let q = nib(b[16 + 32 * (sub / 2) + j % 32], sub % 2 == 1);
+            h(0) * s as f32 * q as f32 - h(2) * m as f32
+        }
+        QuantType::Q6_K => {
+            let half_ = j / 128; // 0..2
+            let jj = j % 128;
+            let quarter = jj / 32; // 0..4
+            let l = jj % 32;
+            let ql = &b[64 * half_..];
+            let qh = b[128 + 32 * half_ + l];
+            let low = match quarter {
+                0 => ql[l] & 15,
+                1 => ql[l + 32] & 15,
+                2 => ql[l] >> 4,
+                _ => ql[l + 32] >> 4,
+            };
+            let q = (low | (((qh >> (2 * quarter)) & 3) << 4)) as i32 - 32;
+            let scale = b[192 + 8 * half_ + l / 16 + 2 * quarter] as i8;
+            h(208) * scale as f32 * q as f32
+        }
+    }
+}
+
+fn ref_dequant(ty: QuantType, raw: &[u8], n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|j| {
+            let (bl, bb) = (ty.block_len(), ty.block_bytes());
+            ref_elem(ty, &raw[(j / bl) * bb..(j / bl + 1) * bb], j % bl)
+        })
+        .collect()
+}
+
+fn cols_for(ty: QuantType) -> usize {
+    if ty.block_len() == 256 { 512 } else { 96 }
+}
+
+fn is_packed(ty: QuantType) -> bool {
+    matches!(ty, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0)
+}
+
+fn paths() -> Vec<KernelPath> {
+    [KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512]
+        .into_iter()
+        .filter(|p| p.supported())
+        .collect()
+}
+
+#[test]
+fn type_table() {
+    assert_eq!(QuantType::from_ggml(0), Some(QuantType::F32));
+    assert_eq!(QuantType::from_ggml(1), Some(QuantType::F16));
+    assert_eq!(QuantType::from_ggml(2), Some(QuantType::Q4_0));
+    assert_eq!(QuantType::from_ggml(3), Some(QuantType::Q4_1));
+    assert_eq!(QuantType::from_ggml(8), Some(QuantType::Q8_0));
+    assert_eq!(QuantType::from_ggml(12), Some(QuantType::Q4_K));
+    assert_eq!(QuantType::from_ggml(14), Some(QuantType::Q6_K));
+    assert_eq!(QuantType::from_ggml(30), Some(QuantType::BF16));
+    assert_eq!(QuantType::from_ggml(6), None);
+    assert_eq!(QuantType::Q4_1.name(), "Q4_1");
+    assert_eq!(QuantType::Q4_1.row_bytes(576), Some(360));
+    assert_eq!(QuantType::Q8_0.row_bytes(576), Some(612));
+    assert_eq!(QuantType::Q4_K.row_bytes(512), Some(288));
+    assert_eq!(QuantType::Q6_K.row_bytes(256), Some(210));
+    assert_eq!(QuantType::Q4_0.row_bytes(33), None);
+    assert_eq!(QuantType::BF16.row_bytes(3), Some(6));
+}
+
+#[test]
+fn constructor_checks_sizes() {
+    let e = QMatrix::new(QuantType::Q4_1, 2, 48, WeightBytes::from_vec(vec![0; 60])).unwrap_err();
+    assert!(matches!(e, QuantError::BadCols { .. }));
+    let e = QMatrix::new(QuantType::Q4_1, 2, 64, WeightBytes::from_vec(vec![0; 79])).unwrap_err();
+    assert!(matches!(
+        e,
+        QuantError::BadSize {
+            expected: 80,
+            got: 79,
+            ..
+        }
+    ));
+    assert!(QMatrix::new(QuantType::Q4_1, 2, 64, WeightBytes::from_vec(vec![0; 80])).is_ok());
+}
+
+#[test]
+fn dequantize_matches_reference_reading() {
+    for ty in QuantType::ALL {
+        let cols = cols_for(ty);
+        let mut rng = Rng(0x1234 + ty as u64);
+        let raw = random_row(ty, cols, &mut rng);
+        let mut out = vec![0.0; cols];
+        dequantize_row(ty, &raw, &mut out);
+        let want = ref_dequant(ty, &raw, cols);
+        assert_eq!(out, want, "{ty}");
+    }
+}
+
+#[test]
+fn row_f32_and_permute_rows() {
+    for ty in QuantType::ALL {
+        let (rows, cols) = (37, cols_for(ty));
+        let (m, raw) = random_matrix(ty, rows, cols, 99 + ty as u64);
+        let rb = ty.row_bytes(cols).unwrap();
+        assert_eq!(m.size_bytes(), rows * rb);
+        let mut out = vec![0.0; cols];
+        for r in [0, 1, 15, 16, 36] {
+            m.row_f32(r, &mut out);
+            assert_eq!(
+                out,
+                ref_dequant(ty, &raw[r * rb..(r + 1) * rb], cols),
+                "{ty} row {r}"
+            );
+            assert_eq!(m.row_bytes_ggml(r), raw[r * rb..(r + 1) * rb].to_vec());
+        }
+        let perm: Vec<usize> = (0..rows).map(|i| (i * 7 + 3) % rows).collect();
+        let p = m.permute_rows(&perm);
+        assert_eq!((p.rows(), p.cols(), p.ty()), (rows, cols, ty));
+        for (i, &src) in perm.iter().enumerate() {
+            p.row_f32(i, &mut out);
+            assert_eq!(
+                out,
+                ref_dequant(ty, &raw[src * rb..(src + 1) * rb], cols),
+                "{ty} permuted row {i}"
+            );
+        }
+        // and the permuted matrix multiplies like the permuted rows
+        let pool = ThreadPool::new(2);
+        let x: Vec<f32> = {
+            let mut rng = Rng(5);
+            (0..cols).map(|_| rng.f()).collect()
+        };
+        let (mut y, mut yp) = (vec![0.0; rows], vec![0.0; rows]);
+        m.matmul(&x, 1, &mut y, &pool);
+        p.matmul(&x, 1, &mut yp, &pool);
+        for (i, &src) in perm.iter().enumerate() {
+            assert_eq!(yp[i], y[src]);
+        }
+    }
+}
+
+/// Test-side activation quantization (GGML Q8_0 rule with f32 scale, ties to even).
+fn quantize_x(x: &[f32]) -> Vec<f32> {
+    x.chunks(32)
+        .flat_map(|b| {
+            let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            b.iter()
+                .map(move |v| (v * id).round_ties_even() * d)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+fn ref_matmul(w: &[f32], rows: usize, cols: usize, x: &[f32], n_tokens: usize) -> Vec<f64> {
+    let mut out = vec![0.0f64; n_tokens * rows];
+    for t in 0..n_tokens {
+        for r in 0..rows {
+            out[t * rows + r] = (0..cols)
+                .map(|c| w[r * cols + c] as f64 * x[t * cols + c] as f64)
+                .sum::<f64>();
+        }
+    }
+    out
+}
+
+fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+#[test]
+fn matmul_matches_reference_on_every_path() {
+    let pools = [ThreadPool::new(1), ThreadPool::new(2), ThreadPool::new(3)];
+    for ty in QuantType::ALL {
+        let (rows, cols) = (53, cols_for(ty));
+        let (m, raw) = random_matrix(ty, rows, cols, 7 + ty as u64);
+        let w = ref_dequant(ty, &raw, rows * cols);
+        for n_tokens in [1usize, 3, 17, 64] {
+            let mut rng = Rng(1000 + n_tokens as u64);
+            let x: Vec<f32> = (0..n_tokens * cols).map(|_| rng.f() * 2.0).collect();
+            let want = ref_matmul(&w, rows, cols, &x, n_tokens);
+            let want_q = ref_matmul(&w, rows, cols, &quantize_x(&x), n_tokens);
+            let mut scalar_out: Option<Vec<f32>> = None;
+            for path in paths() {
+                for (pi, pool) in pools.iter().enumerate() {
+                    let mut out = vec![f32::NAN; n_tokens * rows];
+                    m.matmul_with(path, &x, n_tokens, &mut out, pool);
+                    let ctx = format!("{ty} {path:?} n_tokens={n_tokens} threads={}", pi + 1);
+                    let err = rel_err(&out, &want);
+                    if is_packed(ty) {
+                        // 8-bit activations: error vs the f32 input is the activation rounding,
+                        assert!(err <= 1e-2, "{ctx}: rel err {err}");
+                        // and vs the same rounded activations only f32 accumulation error.
+                        let err_q = rel_err(&out, &want_q);
+                        assert!(err_q <= 1e-5, "{ctx}: rel err vs quantized x {err_q}");
+                        // every path is bit-identical to the scalar one
+                        match &scalar_out {
+                            None => scalar_out = Some(out.clone()),
+                            Some(s) => assert!(s == &out, "{ctx}: differs from the scalar path"),
+                        }
+                    } else {
+                        assert!(err <= 1e-5, "{ctx}: rel err {err}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn token_results_do_not_depend_on_batch() {
+    // Greedy determinism: a token's output is the same alone or inside any batch.
+    let pool = ThreadPool::new(2);
+    for ty in [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0] {
+        let (rows, cols) = (40, 64);
+        let (m, _) = random_matrix(ty, rows, cols, 3);
+        let mut rng = Rng(77);
+        let n = 13;
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+        let mut all = vec![0.0; n * rows];
+        m.matmul(&x, n, &mut all, &pool);
+        for t in 0..n {
+            let mut one = vec![0.0; rows];
+            m.matmul(&x[t * cols..(t + 1) * cols], 1, &mut one, &pool);
+            assert_eq!(&all[t * rows..(t + 1) * rows], &one[..], "{ty} token {t}");
+        }
+    }
+}
+
+#[test]
+fn exact_for_f32_weights() {
+    // Small integers: every product and partial sum is exact in f32.
+    let (rows, cols) = (19, 40);
+    let w: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 37) % 11) as f32 - 5.0)
+        .collect();
+    let x: Vec<f32> = (0..2 * cols).map(|i| ((i * 13) % 7) as f32 - 3.0).collect();
+    let raw: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let m = QMatrix::new(QuantType::F32, rows, cols, WeightBytes::from_vec(raw)).unwrap();
+    let want = ref_matmul(&w, rows, cols, &x, 2);
+    for path in paths() {
+        let mut out = vec![0.0; 2 * rows];
+        m.matmul_with(path, &x, 2, &mut out, &ThreadPool::new(2));
+        assert!(
+            out.iter().zip(&want).all(|(a, b)| *a as f64 == *b),
+            "{path:?}"
+        );
+    }
+}
+
+#[test]
+fn zero_activations_and_large_matrix_split() {
+    // Many row groups over threads, plus an all-zero activation block (scale 0).
+    let pool = ThreadPool::new(2);
+    let (rows, cols) = (16 * 21 + 1, 64);
+    let (m, raw) = random_matrix(QuantType::Q4_1, rows, cols, 11);
+    let w = ref_dequant(QuantType::Q4_1, &raw, rows * cols);
+    let mut x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    x[..32].fill(0.0);
+    let mut out = vec![0.0; rows];
+    m.matmul(&x, 1, &mut out, &pool);
+    assert!(rel_err(&out, &ref_matmul(&w, rows, cols, &x, 1)) < 1e-2);
+}
+
+/// Hand-run cross-check against the `gguf` Python package (real model tensors and synthetic
+/// blocks of every type). A small script (not committed) writes into /tmp/duet_quant_check/, per
+/// tensor, `NAME.raw` (the GGML bytes of its first rows, e.g. from `gguf.GGUFReader` on
+/// SmolLM2-135M-Instruct.Q4_1.gguf, or `gguf.quants.quantize` / random k-quant blocks),
+/// `NAME.f32` (`gguf.quants.dequantize` of them) and a line `NAME GGML_TYPE ROWS COLS` in
+/// `list.txt`; then run
+/// `cargo test -p duet-engine --release --lib quant::tests::gguf_python_cross_check -- --ignored`.
+#[test]
+#[ignore]
+fn gguf_python_cross_check() {
+    let dir = std::path::Path::new("/tmp/duet_quant_check");
+    let list = std::fs::read_to_string(dir.join("list.txt")).expect("run the dump script first");
+    let mut checked = 0;
+    for line in list.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (name, ty_id, rows, cols) = (
+            f[0],
+            f[1].parse().unwrap(),
+            f[2].parse().unwrap(),
+            f[3].parse().unwrap(),
+        );
+        let ty = QuantType::from_ggml(ty_id).unwrap();
+        let raw = std::fs::read(dir.join(format!("{name}.raw"))).unwrap();
+        let want: Vec<f32> = std::fs::read(dir.join(format!("{name}.f32")))
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let m = QMatrix::new(ty, rows, cols, WeightBytes::from_vec(raw)).unwrap();
+        let mut row = vec![0.0; cols];
+        for r in 0..rows {
+            m.row_f32(r, &mut row);
+            assert_eq!(&row[..], &want[r * cols..(r + 1) * cols], "{name} row {r}");
+        }
+        // matmul vs f64 reference over the python-dequantized weights
+        let mut rng = Rng(42);
+        let x: Vec<f32> = (0..4 * cols).map(|_| rng.f()).collect();
+        let mut out = vec![0.0; 4 * rows];
+        m.matmul(&x, 4, &mut out, &ThreadPool::new(2));
+        let err = rel_err(&out, &ref_matmul(&want, rows, cols, &x, 4));
+        let bound = if is_packed(ty) { 1e-2 } else { 1e-5 };
+        assert!(err < bound, "{name}: rel err {err}");
+        eprintln!("{name} {ty} [{rows} x {cols}] ok, matmul rel err {err:.2e}");
+        checked += 1;
+    }
+    assert!(checked > 0);
+}
+
+#[test]
+fn activation_quantization_is_identical_on_every_path() {
+    let mut rng = Rng(31);
+    let mut x: Vec<f32> = (0..32 * 40).map(|_| rng.f() * 3.0).collect();
+    x[..32].fill(0.0); // zero block
+    x[32..64]
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v = i as f32 - 15.5); // many ties
+    x[64] = 1e30;
+    x[96..128]
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v = (i as f32 - 16.0) * 127.0 / 16.0);
+    let nb = x.len() / 32;
+    let run = |path| {
+        let (mut q, mut d, mut sd, mut s) = (
+            vec![0i8; x.len()],
+            vec![0.0; nb],
+            vec![0.0; nb],
+            vec![0; nb],
+        );
+        packed::quantize_acts(path, &x, &mut q, &mut d, &mut sd, &mut s);
+        (q, d, sd, s)
+    };
+    let want = run(KernelPath::Scalar);
+    assert!(want.0[32..64].iter().all(|q| q.unsigned_abs() <= 127));
+    assert_eq!(want.0[127], 119); // 15 * 127 / 16 = 119.0625
+    for (i, q) in want.0[..32].iter().enumerate() {
+        assert_eq!(*q, 0, "{i}");
+    }
+    for path in paths() {
+        assert!(run(path) == want, "{path:?}");
+    }
+}
+
+#[test]
+fn simd_dequantization_is_identical() {
+    for ty in QuantType::ALL {
+        let cols = 3 * cols_for(ty) + if ty.block_len() == 1 { 7 } else { 0 };
+        let raw = random_row(ty, cols, &mut Rng(17 + ty as u64));
+        let mut want = vec![0.0; cols];
+        dequantize_row(ty, &raw, &mut want);
+        for path in paths() {
+            let mut got = vec![f32::NAN; cols];
+            dequantize_row_on(path, ty, &raw, &mut got);
+            assert!(got == want, "{ty} {path:?}");
+        }
+    }
+}
+
+#[test]
+fn qmatrix_is_send_sync() {
+    fn check<T: Send + Sync + Clone>() {}
+    check::<QMatrix>();
+}

@@ -1,0 +1,531 @@
+//! Turning logits into the next token: penalties, temperature, top-k, top-p, min-p, seeded
+//! sampling, and optional top-n log-probabilities.
+//!
+//! Order of operations (as in vLLM/HF): repetition penalty (prompt and output tokens), presence
+//! and frequency penalties (output tokens), then log-probabilities are taken, then temperature,
+//! top-k, top-p and min-p narrow the distribution that is sampled. Temperature 0 is greedy
+//! (ties go to the lowest id).
+
+use std::collections::HashMap;
+
+use crate::EngineError;
+
+/// How to pick each next token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 disables.
+    pub top_k: u32,
+    /// Keep the smallest set of tokens whose probability reaches `top_p`; 1 disables.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p ×` the most likely one; 0 disables.
+    pub min_p: f32,
+    /// Divides positive (multiplies negative) logits of tokens already seen; 1 disables.
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token generated so far.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated.
+    pub frequency_penalty: f32,
+    /// Same seed, same tokens. `None` draws a seed.
+    pub seed: Option<u64>,
+    /// Number of most likely alternatives to report with each token (0: none).
+    pub logprobs: u32,
+}
+
+/// Most alternatives a caller may ask log-probabilities for.
+pub const MAX_LOGPROBS: u32 = 20;
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            logprobs: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+
+    /// Checks every field's range; the error names the field and the allowed range.
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let bad = |msg: String| Err(EngineError::InvalidRequest(msg));
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
+            return bad(format!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            ));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
+        if self.logprobs > MAX_LOGPROBS {
+            return bad(format!(
+                "logprobs must be at most {MAX_LOGPROBS}, got {}",
+                self.logprobs
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One sampled token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    /// Log-probability of `token` (after penalties, before temperature and truncation).
+    pub logprob: f32,
+    /// The `logprobs` most likely tokens and their log-probabilities, most likely first.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// Per-sequence sampling state: the random stream and the token counts the penalties need.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+    /// Tokens of the prompt (repetition penalty only).
+    prompt_seen: HashMap<u32, ()>,
+    /// Generated tokens and how often.
+    output_counts: HashMap<u32, u32>,
+    scratch: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
+        let seed = params.seed.unwrap_or_else(random_seed);
+        let prompt_seen = if params.repetition_penalty != 1.0 {
+            prompt.iter().map(|&t| (t, ())).collect()
+        } else {
+            HashMap::new()
+        };
+        Self {
+            params,
+            rng: Rng::new(seed),
+            prompt_seen,
+            output_counts: HashMap::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from `logits` (modified in place) and records it as generated.
+    pub fn sample(&mut self, logits: &mut [f32]) -> Sampled {
+        self.apply_penalties(logits);
+        let (top_logprobs, lse) = if self.params.logprobs > 0 {
+            let lse = log_sum_exp(logits);
+            (
+                top_n(logits, self.params.logprobs as usize)
+                    .into_iter()
+                    .map(|(t, l)| (t, l - lse))
+                    .collect(),
+                Some(lse),
+            )
+        } else {
+            (Vec::new(), None)
+        };
+        let token = if self.params.temperature == 0.0 {
+            argmax(logits)
+        } else {
+            self.sample_random(logits)
+        };
+        let logprob = logits[token as usize] - lse.unwrap_or_else(|| log_sum_exp(logits));
+        *self.output_counts.entry(token).or_insert(0) += 1;
+        Sampled {
+            token,
+            logprob,
+            top_logprobs,
+        }
+    }
+
+    fn apply_penalties(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            let seen = self.prompt_seen.keys().chain(self.output_counts.keys());
+            for &t in seen {
+                let l = &mut logits[t as usize];
+                *l = if *l > 0.0 {
+                    *l / p.repetition_penalty
+                } else {
+                    *l * p.repetition_penalty
+                };
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &count) in &self.output_counts {
+                logits[t as usize] -= p.presence_penalty + p.frequency_penalty * count as f32;
+            }
+        }
+    }
+
+    fn sample_random(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        let inv_t = 1.0 / p.temperature;
+        let cand = &mut self.scratch;
+        cand.clear();
+        cand.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as u32, l * inv_t)),
+        );
+        if p.top_k > 0 && (p.top_k as usize) < cand.len() {
+            let k = p.top_k as usize;
+            cand.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            cand.truncate(k);
+        }
+        // Softmax over the candidates.
+        let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for c in cand.iter_mut() {
+            c.1 = (c.1 - max).exp();
+            sum += c.1;
+        }
+        for c in cand.iter_mut() {
+            c.1 /= sum;
+        }
+        if p.min_p > 0.0 {
+            let floor = p.min_p; // the most likely candidate has probability max/sum; rescale:
+            let top = cand.iter().map(|c| c.1).fold(0f32, f32::max);
+            cand.retain(|c| c.1 >= floor * top);
+        }
+        if p.top_p < 1.0 {
+            cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let mut acc = 0f32;
+            let mut keep = cand.len();
+            for (i, c) in cand.iter().enumerate() {
+                acc += c.1;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep);
+        } else {
+            // A fixed order keeps the draw independent of how selection permuted candidates.
+            cand.sort_unstable_by_key(|c| c.0);
+        }
+        let total: f32 = cand.iter().map(|c| c.1).sum();
+        let mut r = self.rng.next_f32() * total;
+        for c in cand.iter() {
+            r -= c.1;
+            if r <= 0.0 {
+                return c.0;
+            }
+        }
+        cand.last().map(|c| c.0).unwrap_or_else(|| argmax(logits))
+    }
+}
+
+/// Index of the largest logit, the lowest index among equals.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn log_sum_exp(logits: &[f32]) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    max + logits
+        .iter()
+        .map(|&l| ((l - max) as f64).exp())
+        .sum::<f64>()
+        .ln() as f32
+}
+
+/// The `n` largest logits, largest first.
+fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let mut v: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    let n = n.min(v.len());
+    if n < v.len() {
+        v.select_nth_unstable_by(n, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        v.truncate(n);
+    }
+    v.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    v
+}
+
+fn random_seed() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    nanos
+        ^ COUNTER.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
+        ^ (std::process::id() as u64) << 32
+}
+
+/// xoshiro256** seeded through SplitMix64: small, fast, and the same on every platform.
+struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        Self {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1).
+    fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        vec![1.0, 3.0, 2.0, 3.0, -1.0, 0.5]
+    }
+
+    #[test]
+    fn greedy_takes_lowest_id_among_ties() {
+        let mut s = Sampler::new(SamplingParams::greedy(), &[]);
+        assert_eq!(s.sample(&mut logits()).token, 1);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_different_seed_differs() {
+        let params = SamplingParams {
+            temperature: 1.5,
+            seed: Some(42),
+            ..Default::default()
+        };
+        let draw = |p: SamplingParams| {
+            let mut s = Sampler::new(p, &[]);
+            (0..64)
+                .map(|_| s.sample(&mut logits()).token)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(params.clone()), draw(params.clone()));
+        assert_ne!(
+            draw(params.clone()),
+            draw(SamplingParams {
+                seed: Some(43),
+                ..params
+            })
+        );
+    }
+
+    #[test]
+    fn top_k_and_top_p_restrict_the_support() {
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_k: 2,
+            seed: Some(1),
+            ..Default::default()
+        };
+        let mut s = Sampler::new(params, &[]);
+        for _ in 0..200 {
+            let t = s.sample(&mut logits()).token;
+            assert!(
+                t == 1 || t == 3,
+                "top_k=2 keeps the two 3.0 logits, got {t}"
+            );
+        }
+        // probabilities ≈ [.08,.31,.11,.31,.01,.05]: top_p 0.6 keeps ids 1 and 3 only.
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.6,
+            seed: Some(2),
+            ..Default::default()
+        };
+        let mut s = Sampler::new(params, &[]);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..300 {
+            seen.insert(s.sample(&mut logits()).token);
+        }
+        assert_eq!(seen, [1, 3].into_iter().collect());
+    }
+
+    #[test]
+    fn min_p_drops_unlikely_tokens() {
+        let params = SamplingParams {
+            temperature: 1.0,
+            min_p: 0.5,
+            seed: Some(3),
+            ..Default::default()
+        };
+        let mut s = Sampler::new(params, &[]);
+        for _ in 0..300 {
+            let t = s.sample(&mut logits()).token;
+            assert!(
+                [1, 3].contains(&t),
+                "min_p 0.5 keeps tokens within e^-0.69 of the best, got {t}"
+            );
+        }
+    }
+
+    #[test]
+    fn penalties_steer_away_from_repeats() {
+        // Repetition penalty applies to prompt tokens: 1 and 3 fall from 3.0 to 1.0.
+        let params = SamplingParams {
+            repetition_penalty: 3.0,
+            ..SamplingParams::greedy()
+        };
+        let mut s = Sampler::new(params, &[1, 3]);
+        assert_eq!(s.sample(&mut logits()).token, 2);
+        // Presence penalty applies to generated tokens only.
+        let params = SamplingParams {
+            presence_penalty: 1.5,
+            ..SamplingParams::greedy()
+        };
+        let mut s = Sampler::new(params, &[1, 3]);
+        assert_eq!(s.sample(&mut logits()).token, 1);
+        assert_eq!(
+            s.sample(&mut logits()).token,
+            3,
+            "1 was generated, so it is penalised"
+        );
+        // Frequency penalty grows with the count.
+        let params = SamplingParams {
+            frequency_penalty: 0.6,
+            ..SamplingParams::greedy()
+        };
+        let mut s = Sampler::new(params, &[]);
+        let seq: Vec<u32> = (0..4).map(|_| s.sample(&mut logits()).token).collect();
+        assert_eq!(seq, vec![1, 3, 1, 3]);
+    }
+
+    #[test]
+    fn logprobs_are_normalised_and_ordered() {
+        let params = SamplingParams {
+            logprobs: 3,
+            ..SamplingParams::greedy()
+        };
+        let mut s = Sampler::new(params, &[]);
+        let out = s.sample(&mut logits());
+        assert_eq!(
+            out.top_logprobs.iter().map(|t| t.0).collect::<Vec<_>>(),
+            vec![1, 3, 2]
+        );
+        let total: f32 = logits().iter().map(|l| l.exp()).sum();
+        assert!((out.logprob - (3.0f32.exp() / total).ln()).abs() < 1e-5);
+        assert_eq!(out.top_logprobs[0].1, out.logprob);
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let cases = [
+            (
+                SamplingParams {
+                    temperature: -0.1,
+                    ..Default::default()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    top_p: 0.0,
+                    ..Default::default()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    top_p: 1.5,
+                    ..Default::default()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    min_p: -1.0,
+                    ..Default::default()
+                },
+                "min_p",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: 0.0,
+                    ..Default::default()
+                },
+                "repetition_penalty",
+            ),
+            (
+                SamplingParams {
+                    presence_penalty: 3.0,
+                    ..Default::default()
+                },
+                "presence_penalty",
+            ),
+            (
+                SamplingParams {
+                    logprobs: 99,
+                    ..Default::default()
+                },
+                "logprobs",
+            ),
+        ];
+        for (p, field) in cases {
+            let e = p.validate().unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        }
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+}

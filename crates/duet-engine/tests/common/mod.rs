@@ -1,0 +1,124 @@
+//! Shared helpers for the engine's golden tests: fixture paths and a one-call forward.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use duet_engine::backend::Backend;
+use duet_engine::batch::{ForwardBatch, LogitsWanted, SeqInput};
+use duet_engine::cpu::{CpuBackend, CpuKvStore};
+use duet_engine::llama::{Llama, Logits};
+use duet_engine::model_files::open_model;
+
+pub fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+/// The default model, or `None` (with a message saying how to fetch it).
+pub fn default_model() -> Option<PathBuf> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if path.exists() {
+        Some(path)
+    } else {
+        eprintln!(
+            "SKIPPED: {} is missing; run `duet model fetch` (CI does)",
+            path.display()
+        );
+        None
+    }
+}
+
+pub fn read_json(name: &str) -> serde_json::Value {
+    let path = fixtures().join(name);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+pub fn floats(v: &serde_json::Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// A model with its own KV store and a trivial block allocator (blocks handed out in order).
+pub struct Harness {
+    pub model: Llama<CpuBackend>,
+    pub kv: CpuKvStore,
+    pub block_size: usize,
+    next_block: u32,
+}
+
+pub const BLOCK_SIZE: usize = 4;
+
+impl Harness {
+    pub fn load(path: &std::path::Path, threads: usize) -> Self {
+        let files = open_model(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
+        let model = Llama::load(CpuBackend::new(threads), &files).unwrap();
+        let kv = model
+            .backend()
+            .alloc_kv(model.kv_layout(BLOCK_SIZE, 512))
+            .unwrap();
+        Self {
+            model,
+            kv,
+            block_size: BLOCK_SIZE,
+            next_block: 0,
+        }
+    }
+
+    /// Fresh (non-contiguous, to exercise the block table) blocks for `tokens` positions.
+    pub fn blocks_for(&mut self, tokens: usize) -> Vec<u32> {
+        let n = tokens.div_ceil(self.block_size);
+        // Hand out every other block so tables are never the identity.
+        let out = (0..n as u32)
+            .map(|i| self.next_block + 2 * i)
+            .collect::<Vec<_>>();
+        self.next_block += 2 * n as u32;
+        out
+    }
+
+    pub fn forward(&mut self, inputs: &[SeqInput<'_>]) -> Logits {
+        let cfg = self.model.config();
+        let batch = ForwardBatch::new(
+            inputs,
+            self.block_size,
+            512,
+            cfg.vocab_size,
+            cfg.max_position_embeddings,
+        )
+        .unwrap();
+        self.model.forward(&batch, &mut self.kv)
+    }
+
+    /// Logits of every position of `tokens`, computed as one prompt.
+    pub fn prompt_logits(&mut self, tokens: &[u32]) -> Vec<Vec<f32>> {
+        let table = self.blocks_for(tokens.len());
+        let l = self.forward(&[SeqInput {
+            tokens,
+            start_pos: 0,
+            block_table: &table,
+            logits: LogitsWanted::All,
+        }]);
+        (0..l.num_rows()).map(|i| l.row(i).to_vec()).collect()
+    }
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}

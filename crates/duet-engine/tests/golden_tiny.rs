@@ -1,0 +1,177 @@
+//! The engine against logits of a tiny random Llama computed by an independent numpy forward
+//! pass (tests/reference/make_tiny_llama.py): whole prompts, token-by-token decoding through the
+//! paged KV cache, mixed-length batches, and the same model loaded from GGUF (F32 and Q8_0).
+
+mod common;
+
+use common::*;
+use duet_engine::batch::{LogitsWanted, SeqInput};
+
+const TOL: f32 = 1e-4;
+
+struct Case {
+    name: String,
+    tokens: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+}
+
+fn cases(file: &str) -> Vec<Case> {
+    read_json(file)["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Case {
+            name: c["name"].as_str().unwrap().to_string(),
+            tokens: ids(&c["token_ids"]),
+            logits: c["logits"].as_array().unwrap().iter().map(floats).collect(),
+        })
+        .collect()
+}
+
+fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: number of positions");
+    for (pos, (g, w)) in got.iter().zip(want).enumerate() {
+        let d = max_abs_diff(g, w);
+        assert!(
+            d <= tol,
+            "{what}: position {pos} differs from the reference by {d} (tolerance {tol})"
+        );
+    }
+}
+
+fn tiny_hf() -> Harness {
+    Harness::load(&fixtures().join("tiny-llama"), 2)
+}
+
+#[test]
+fn full_prompt_matches_reference() {
+    let mut h = tiny_hf();
+    for case in cases("tiny-llama-logits.json") {
+        let got = h.prompt_logits(&case.tokens);
+        assert_close(&got, &case.logits, TOL, &case.name);
+    }
+}
+
+#[test]
+fn token_by_token_decoding_through_the_cache_matches_reference() {
+    let mut h = tiny_hf();
+    let case = cases("tiny-llama-logits.json")
+        .into_iter()
+        .find(|c| c.name == "prompt12")
+        .unwrap();
+    let table = h.blocks_for(case.tokens.len());
+    let mut got = Vec::new();
+    for (pos, t) in case.tokens.iter().enumerate() {
+        let l = h.forward(&[SeqInput {
+            tokens: std::slice::from_ref(t),
+            start_pos: pos,
+            block_table: &table,
+            logits: LogitsWanted::Last,
+        }]);
+        got.push(l.row(0).to_vec());
+    }
+    assert_close(&got, &case.logits, TOL, "token by token");
+}
+
+#[test]
+fn prompt_in_chunks_matches_reference() {
+    let mut h = tiny_hf();
+    let case = cases("tiny-llama-logits.json")
+        .into_iter()
+        .find(|c| c.name == "len40")
+        .unwrap();
+    let table = h.blocks_for(case.tokens.len());
+    let mut got = Vec::new();
+    // Chunks that do not line up with the 4-token blocks.
+    let mut start = 0;
+    for len in [7, 1, 13, 19] {
+        let l = h.forward(&[SeqInput {
+            tokens: &case.tokens[start..start + len],
+            start_pos: start,
+            block_table: &table,
+            logits: LogitsWanted::All,
+        }]);
+        got.extend((0..l.num_rows()).map(|i| l.row(i).to_vec()));
+        start += len;
+    }
+    assert_close(&got, &case.logits, TOL, "chunked prompt");
+}
+
+#[test]
+fn mixed_length_batch_equals_each_solo_run() {
+    let mut h = tiny_hf();
+    let cases = cases("tiny-llama-logits.json");
+    // Step 1: every prompt but its last token, all in one batch.
+    let tables: Vec<Vec<u32>> = cases.iter().map(|c| h.blocks_for(c.tokens.len())).collect();
+    let prefill: Vec<SeqInput<'_>> = cases
+        .iter()
+        .zip(&tables)
+        .filter(|(c, _)| c.tokens.len() > 1)
+        .map(|(c, t)| SeqInput {
+            tokens: &c.tokens[..c.tokens.len() - 1],
+            start_pos: 0,
+            block_table: t,
+            logits: LogitsWanted::All,
+        })
+        .collect();
+    let l = h.forward(&prefill);
+    let mut row = 0;
+    for c in cases.iter().filter(|c| c.tokens.len() > 1) {
+        let got: Vec<Vec<f32>> = (row..row + c.tokens.len() - 1)
+            .map(|i| l.row(i).to_vec())
+            .collect();
+        assert_close(
+            &got,
+            &c.logits[..c.tokens.len() - 1],
+            TOL,
+            &format!("{} in a mixed prefill batch", c.name),
+        );
+        row += c.tokens.len() - 1;
+    }
+    // Step 2: the last token of each (a decode step for most, a whole prompt for `len1`).
+    let decode: Vec<SeqInput<'_>> = cases
+        .iter()
+        .zip(&tables)
+        .map(|(c, t)| SeqInput {
+            tokens: &c.tokens[c.tokens.len() - 1..],
+            start_pos: c.tokens.len() - 1,
+            block_table: t,
+            logits: LogitsWanted::Last,
+        })
+        .collect();
+    let l = h.forward(&decode);
+    for (i, c) in cases.iter().enumerate() {
+        let d = max_abs_diff(l.row(i), c.logits.last().unwrap());
+        assert!(
+            d <= TOL,
+            "{}: last position in a mixed decode batch differs by {d}",
+            c.name
+        );
+    }
+}
+
+#[test]
+fn gguf_f32_with_permuted_qk_matches_reference() {
+    let mut h = Harness::load(&fixtures().join("tiny-llama.gguf"), 1);
+    for case in cases("tiny-llama-logits.json") {
+        let got = h.prompt_logits(&case.tokens);
+        assert_close(&got, &case.logits, TOL, &format!("GGUF {}", case.name));
+    }
+}
+
+#[test]
+fn gguf_q8_0_matches_reference_of_dequantized_weights() {
+    // The engine quantizes activations to 8 bits for the integer dot products (as llama.cpp does),
+    // so the tolerance allows one more 8-bit rounding; a misread block (scale, offset) moves logits by
+    // whole units.
+    let mut h = Harness::load(&fixtures().join("tiny-llama-q8_0.gguf"), 2);
+    for case in cases("tiny-llama-q8_0-logits.json") {
+        let got = h.prompt_logits(&case.tokens);
+        assert_close(
+            &got,
+            &case.logits,
+            5e-2,
+            &format!("GGUF Q8_0 {}", case.name),
+        );
+    }
+}
