@@ -29,25 +29,25 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Nucleus sampling: keep the most likely tokens up to this total probability (0, 1].
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Keep only the K most likely tokens (0: all).
     #[arg(long, default_value_t = 0)]
     pub top_k: u32,
     /// Drop tokens less likely than this fraction of the most likely one.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Penalise tokens already in the prompt or output (1: off).
     #[arg(long, default_value_t = 1.0)]
     pub repetition_penalty: f32,
     /// Subtracted from the logits of tokens already generated.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub presence_penalty: f32,
     /// Subtracted per occurrence from the logits of tokens already generated.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
     /// Random seed: the same seed gives the same tokens.
     #[arg(long)]
@@ -151,9 +151,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             continue;
         };
         first_token_at.get_or_insert_with(Instant::now);
-        if let Some(t) = &out.token {
-            token_ids.push(t.token);
-        }
+        token_ids.push(out.token.token);
         if !args.json && !out.text.is_empty() {
             stdout.write_all(out.text.as_bytes())?;
             stdout.flush()?;

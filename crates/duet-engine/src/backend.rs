@@ -62,6 +62,11 @@ pub trait Backend: Send + Sync {
     fn load_vector(&self, values: Vec<f32>) -> Result<Self::Vector, EngineError>;
 
     fn alloc_kv(&self, layout: KvLayout) -> Result<Self::KvStore, EngineError>;
+    /// Bytes of one (layer, block) of KV in transfer layout: K then V, each
+    /// `[kv_head][slot][head_dim]`, little-endian.
+    fn kv_block_bytes(&self, kv: &Self::KvStore) -> usize;
+    fn read_kv_block(&self, kv: &Self::KvStore, layer: usize, block: usize, out: &mut [u8]);
+    fn write_kv_block(&self, kv: &mut Self::KvStore, layer: usize, block: usize, data: &[u8]);
     fn alloc(&self, rows: usize, cols: usize) -> Self::Activations;
 
     /// `out[i] = table[tokens[i]]`.

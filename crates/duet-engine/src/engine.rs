@@ -73,8 +73,8 @@ impl Sequence {
 #[derive(Clone, Debug)]
 pub struct StepOutput {
     pub seq: SeqId,
-    /// The sampled token, unless it was a stop token (which is not part of the output).
-    pub token: Option<Sampled>,
+    /// The sampled token (a final stop token included; its text is not).
+    pub token: Sampled,
     /// Newly final text.
     pub text: String,
     pub finish: Option<FinishReason>,
@@ -91,6 +91,7 @@ pub struct Engine<B: Backend = CpuBackend> {
     fingerprint: String,
     seqs: BTreeMap<SeqId, Sequence>,
     next_id: SeqId,
+    preemptions: u64,
 }
 
 impl Engine<CpuBackend> {
@@ -135,6 +136,7 @@ impl<B: Backend> Engine<B> {
             options,
             seqs: BTreeMap::new(),
             next_id: 0,
+            preemptions: 0,
         })
     }
 
@@ -199,29 +201,7 @@ impl<B: Backend> Engine<B> {
     ) -> Result<SeqId, EngineError> {
         params.validate()?;
         stop.validate()?;
-        let ctx = self.config().max_position_embeddings;
-        let vocab = self.config().vocab_size;
-        if prompt.is_empty() {
-            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
-        }
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::InvalidRequest(format!(
-                "token id {bad} is outside the vocabulary (0..{vocab})"
-            )));
-        }
-        if prompt.len() >= ctx {
-            return Err(EngineError::InvalidRequest(format!(
-                "the prompt has {} tokens; the model's context is {ctx}, leaving no room to generate",
-                prompt.len()
-            )));
-        }
-        if prompt.len() + stop.max_tokens > ctx {
-            return Err(EngineError::InvalidRequest(format!(
-                "prompt ({} tokens) + max_tokens ({}) exceeds the model's context of {ctx}",
-                prompt.len(),
-                stop.max_tokens
-            )));
-        }
+        self.check_prompt(&prompt, stop.max_tokens)?;
         let bs = self.options.block_size;
         let hashes = block_hashes(self.hash_seed, &prompt, bs);
         // Leave at least one prompt token to compute: its logits give the first output token.
@@ -250,9 +230,178 @@ impl<B: Backend> Engine<B> {
         Ok(id)
     }
 
+    /// A prompt the model can take, with room for `max_tokens` more.
+    fn check_prompt(&self, prompt: &[u32], max_tokens: usize) -> Result<(), EngineError> {
+        let ctx = self.config().max_position_embeddings;
+        let vocab = self.config().vocab_size;
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary (0..{vocab})"
+            )));
+        }
+        if prompt.len() >= ctx {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt has {} tokens; the model's context is {ctx}, leaving no room to generate",
+                prompt.len()
+            )));
+        }
+        if prompt.len() + max_tokens > ctx {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt ({} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {ctx}",
+                prompt.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Decode side of a transfer: holds blocks for `tokens`' KV, reusing locally cached full
+    /// prefix blocks (their KV need not be sent). The blocks stay held until
+    /// [`add_prefilled`](Self::add_prefilled) takes them or [`release`](Self::release) frees them.
+    pub fn reserve(&mut self, tokens: &[u32]) -> Result<KvReservation, EngineError> {
+        self.check_prompt(tokens, 1)?;
+        let bs = self.options.block_size;
+        let hashes = block_hashes(self.hash_seed, tokens, bs);
+        let cached = self.blocks.lookup_prefix(&hashes);
+        let needed = tokens.len().div_ceil(bs) - cached.len();
+        let fresh = match self.blocks.allocate(needed) {
+            Ok(b) => b,
+            Err(e) => {
+                self.blocks.release(&cached)?;
+                return Err(e.into());
+            }
+        };
+        let cached_blocks = cached.len();
+        let mut blocks = cached;
+        blocks.extend(fresh);
+        Ok(KvReservation {
+            blocks,
+            cached_blocks,
+            num_tokens: tokens.len(),
+        })
+    }
+
+    /// Frees a reservation that will not be used (cancelled request, expired lease, failed
+    /// transfer).
+    pub fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError> {
+        Ok(self.blocks.release(&reservation.blocks)?)
+    }
+
+    /// Starts generating for a prompt whose KV was written into `reservation` by a prefill
+    /// worker, which also sampled `first`. Returns the sequence and the output for `first`
+    /// (which may already finish it).
+    pub fn add_prefilled(
+        &mut self,
+        prompt: Vec<u32>,
+        reservation: KvReservation,
+        first: Sampled,
+        params: SamplingParams,
+        stop: StopCriteria,
+    ) -> Result<(SeqId, StepOutput), EngineError> {
+        let checked = params
+            .validate()
+            .and_then(|_| stop.validate())
+            .and_then(|_| self.check_prompt(&prompt, stop.max_tokens));
+        if let Err(e) = checked {
+            self.release(reservation)?;
+            return Err(e);
+        }
+        if reservation.num_tokens != prompt.len() {
+            self.release(reservation)?;
+            return Err(EngineError::InvalidRequest(
+                "the reservation was made for another prompt".into(),
+            ));
+        }
+        let bs = self.options.block_size;
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut sampler = Sampler::new(params, &prompt);
+        sampler.record(&[first.token]);
+        let mut seq = Sequence {
+            prompt_len: prompt.len(),
+            num_computed: prompt.len(),
+            num_cached_prompt: reservation.cached_blocks * bs,
+            tokens: prompt,
+            table: BlockTable::from_blocks(reservation.blocks),
+            hashes: Vec::new(),
+            sampler,
+            text: TextStream::new(stop.stop_strings.clone()),
+            stop,
+            finish: None,
+        };
+        register_full_blocks(&mut seq, &mut self.blocks, self.hash_seed, bs)?;
+        let out = advance(
+            &mut seq,
+            first,
+            &self.tokenizer,
+            self.config().max_position_embeddings,
+            id,
+        )?;
+        if out.finish.is_some() {
+            self.blocks.release(&seq.table.take())?;
+        }
+        self.seqs.insert(id, seq);
+        Ok((id, out))
+    }
+
+    /// Bytes of one (layer, block) of KV in transfer layout.
+    pub fn kv_block_bytes(&self) -> usize {
+        self.model.backend().kv_block_bytes(&self.kv)
+    }
+
+    /// Copies one (layer, block) of KV out, in transfer layout.
+    pub fn read_kv_block(
+        &self,
+        layer: usize,
+        block: u32,
+        out: &mut [u8],
+    ) -> Result<(), EngineError> {
+        self.check_block(layer, block, out.len())?;
+        self.model
+            .backend()
+            .read_kv_block(&self.kv, layer, block as usize, out);
+        Ok(())
+    }
+
+    /// Writes one (layer, block) of KV received from a transfer.
+    pub fn write_kv_block(
+        &mut self,
+        layer: usize,
+        block: u32,
+        data: &[u8],
+    ) -> Result<(), EngineError> {
+        self.check_block(layer, block, data.len())?;
+        self.model
+            .backend()
+            .write_kv_block(&mut self.kv, layer, block as usize, data);
+        Ok(())
+    }
+
+    fn check_block(&self, layer: usize, block: u32, len: usize) -> Result<(), EngineError> {
+        if layer >= self.config().num_layers
+            || block as usize >= self.blocks.num_blocks()
+            || len != self.kv_block_bytes()
+        {
+            return Err(EngineError::InvalidBatch(format!(
+                "KV block (layer {layer}, block {block}, {len} bytes) does not fit a cache of {} layers, {} blocks of {} bytes",
+                self.config().num_layers,
+                self.blocks.num_blocks(),
+                self.kv_block_bytes()
+            )));
+        }
+        Ok(())
+    }
+
     /// Prompt tokens of a sequence that were found in the prefix cache.
     pub fn cached_prompt_tokens(&self, id: SeqId) -> Option<usize> {
         self.seqs.get(&id).map(|s| s.num_cached_prompt)
+    }
+
+    /// The blocks holding a sequence's KV, in position order.
+    pub fn block_table(&self, id: SeqId) -> Option<&[u32]> {
+        self.seqs.get(&id).map(|s| s.table.blocks())
     }
 
     /// All tokens (prompt and generated) of a sequence.
@@ -280,59 +429,35 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Runs one forward step over every unfinished sequence: decode tokens first, then prompt
-    /// chunks, within the step token budget. Sequences that cannot get KV blocks wait.
+    /// Runs one forward step over every unfinished sequence (see [`Engine::step_with`]).
     pub fn step(&mut self) -> Result<Vec<StepOutput>, EngineError> {
+        self.step_with(&mut |_| {})
+    }
+
+    /// Runs one forward step over every unfinished sequence: decode tokens first (oldest
+    /// sequence first), then prompt chunks, within the step token budget. When the cache cannot
+    /// hold a decoding sequence's next token, the newest sequences are preempted: their blocks are
+    /// released (full ones stay in the prefix cache) and they are recomputed later. `on_layer` is
+    /// called after each layer's K/V are written, with the step's plan, so a caller can ship KV
+    /// while later layers still compute.
+    pub fn step_with(
+        &mut self,
+        on_layer: &mut dyn FnMut(&LayerDone<'_, B>),
+    ) -> Result<Vec<StepOutput>, EngineError> {
         let bs = self.options.block_size;
-        let mut budget = self.options.max_step_tokens;
-        // (id, number of new tokens this step). Decoding sequences first keeps their pace.
-        let mut plan: Vec<(SeqId, usize)> = Vec::new();
-        let mut order: Vec<SeqId> = self
-            .seqs
-            .iter()
-            .filter(|(_, s)| s.finish.is_none())
-            .map(|(&id, _)| id)
-            .collect();
-        order.sort_by_key(|id| self.seqs[id].num_computed < self.seqs[id].prompt_len);
-        for id in order {
-            if budget == 0 {
-                break;
-            }
-            let seq = &self.seqs[&id];
-            let pending = seq.tokens.len() - seq.num_computed;
-            let n = pending.min(budget);
-            let missing = seq.table.blocks_missing(seq.num_computed + n, bs);
-            if missing > self.blocks.available() {
-                continue;
-            }
-            let new_blocks = self.blocks.allocate(missing)?;
-            self.seqs
-                .get_mut(&id)
-                .expect("listed above")
-                .table
-                .extend(new_blocks);
-            plan.push((id, n));
-            budget -= n;
-        }
+        let plan = self.plan_step()?;
         if plan.is_empty() {
-            if self.has_work() {
-                return Err(EngineError::Kv(duet_kv::KvError::Exhausted {
-                    requested: 1,
-                    available: self.blocks.available(),
-                }));
-            }
             return Ok(Vec::new());
         }
-
         let inputs: Vec<SeqInput<'_>> = plan
             .iter()
-            .map(|&(id, n)| {
-                let s = &self.seqs[&id];
+            .map(|p| {
+                let s = &self.seqs[&p.seq];
                 SeqInput {
-                    tokens: &s.tokens[s.num_computed..s.num_computed + n],
-                    start_pos: s.num_computed,
+                    tokens: &s.tokens[p.start_pos..p.start_pos + p.len],
+                    start_pos: p.start_pos,
                     block_table: s.table.blocks(),
-                    logits: if s.num_computed + n == s.tokens.len() {
+                    logits: if p.start_pos + p.len == s.tokens.len() {
                         LogitsWanted::Last
                     } else {
                         LogitsWanted::None
@@ -348,30 +473,153 @@ impl<B: Backend> Engine<B> {
             cfg.vocab_size,
             cfg.max_position_embeddings,
         )?;
-        let logits = self.model.forward(&batch, &mut self.kv);
+        let mut logits = self.model.forward(&batch, &mut self.kv, &mut |layer, kv| {
+            on_layer(&LayerDone {
+                layer,
+                kv,
+                plan: &plan,
+            })
+        });
 
         let mut outputs = Vec::new();
         let mut logit_row = 0;
-        for &(id, n) in &plan {
-            let seq = self.seqs.get_mut(&id).expect("planned sequences exist");
-            seq.num_computed += n;
+        for p in &plan {
+            let seq = self.seqs.get_mut(&p.seq).expect("planned sequences exist");
+            seq.num_computed += p.len;
             register_full_blocks(seq, &mut self.blocks, self.hash_seed, bs)?;
             if seq.num_computed < seq.tokens.len() {
                 continue; // a prompt chunk; no token yet
             }
-            let mut row = logits.row(logit_row).to_vec();
+            let sampled = seq.sampler.sample(logits.row_mut(logit_row));
             logit_row += 1;
-            let sampled = seq.sampler.sample(&mut row);
-            outputs.push(advance(
+            let out = advance(
                 seq,
                 sampled,
                 &self.tokenizer,
                 cfg.max_position_embeddings,
-                id,
-            )?);
+                p.seq,
+            )?;
+            if out.finish.is_some() {
+                // Finished sequences give their blocks back at once (full ones stay cached);
+                // the record stays until the caller removes it.
+                self.blocks.release(&seq.table.take())?;
+            }
+            outputs.push(out);
         }
         Ok(outputs)
     }
+
+    /// Chooses the sequences and token counts of the next step and gives them their blocks.
+    fn plan_step(&mut self) -> Result<Vec<PlannedSeq>, EngineError> {
+        let bs = self.options.block_size;
+        let mut budget = self.options.max_step_tokens;
+        let mut order: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.finish.is_none())
+            .map(|(&id, _)| id)
+            .collect();
+        // Decoding sequences first (oldest first), then prompts (oldest first).
+        order.sort_by_key(|id| {
+            (
+                self.seqs[id].tokens.len() - self.seqs[id].num_computed > 1,
+                *id,
+            )
+        });
+        let mut plan: Vec<PlannedSeq> = Vec::new();
+        let mut preempted = Vec::new();
+        for (i, &id) in order.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            if preempted.contains(&id) {
+                continue; // recomputed in a later step
+            }
+            let seq = &self.seqs[&id];
+            let n = (seq.tokens.len() - seq.num_computed).min(budget);
+            let missing = seq.table.blocks_missing(seq.num_computed + n, bs);
+            if missing > self.blocks.available() {
+                let decoding = seq.tokens.len() - seq.num_computed == 1;
+                if !decoding {
+                    continue; // a prompt waits for room
+                }
+                // Make room by preempting the newest sequences not already in this step.
+                for &victim in order[i + 1..].iter().rev() {
+                    if missing <= self.blocks.available() {
+                        break;
+                    }
+                    if !preempted.contains(&victim) {
+                        self.preempt(victim)?;
+                        preempted.push(victim);
+                    }
+                }
+                if missing > self.blocks.available() {
+                    continue;
+                }
+            }
+            let new_blocks = self.blocks.allocate(missing)?;
+            let seq = self.seqs.get_mut(&id).expect("listed above");
+            seq.table.extend(new_blocks);
+            plan.push(PlannedSeq {
+                seq: id,
+                start_pos: seq.num_computed,
+                len: n,
+                block_table: seq.table.blocks().to_vec(),
+            });
+            budget -= n;
+        }
+        if plan.is_empty() && self.has_work() {
+            return Err(EngineError::Kv(duet_kv::KvError::Exhausted {
+                requested: 1,
+                available: self.blocks.available(),
+            }));
+        }
+        Ok(plan)
+    }
+
+    /// Releases a sequence's blocks so it is recomputed from its tokens later.
+    fn preempt(&mut self, id: SeqId) -> Result<(), EngineError> {
+        let seq = self.seqs.get_mut(&id).expect("preempting a known sequence");
+        self.blocks.release(&seq.table.take())?;
+        seq.num_computed = 0;
+        seq.hashes.clear();
+        self.preemptions += 1;
+        Ok(())
+    }
+
+    /// Sequences preempted (and recomputed) since the engine started.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+}
+
+/// KV blocks held on the decode side for a prompt whose KV is being transferred.
+#[derive(Debug, PartialEq, Eq)]
+pub struct KvReservation {
+    /// One block per `block_size` tokens of the prompt, in order.
+    pub blocks: Vec<u32>,
+    /// Leading blocks already holding the prompt's KV from the local prefix cache.
+    pub cached_blocks: usize,
+    pub num_tokens: usize,
+}
+
+/// One sequence's share of a step.
+#[derive(Clone, Debug)]
+pub struct PlannedSeq {
+    pub seq: SeqId,
+    /// Position of the first token computed.
+    pub start_pos: usize,
+    /// Tokens computed.
+    pub len: usize,
+    /// The sequence's blocks (covering at least `start_pos + len` positions).
+    pub block_table: Vec<u32>,
+}
+
+/// Passed to a step's layer callback once a layer's K/V are in the cache.
+pub struct LayerDone<'a, B: Backend> {
+    pub layer: usize,
+    pub kv: &'a B::KvStore,
+    pub plan: &'a [PlannedSeq],
 }
 
 /// Appends a sampled token to a sequence and decides whether it finished.
@@ -385,11 +633,12 @@ fn advance(
     let is_stop_token = seq.stop.stop_token_ids.contains(&sampled.token)
         || (!seq.stop.ignore_eos && tokenizer.eos_token_ids().contains(&sampled.token));
     if is_stop_token {
+        // Reported (it counts as generated) but not part of the text or the context.
         seq.finish = Some(FinishReason::Stop);
         let text = seq.text.finish(tokenizer)?;
         return Ok(StepOutput {
             seq: id,
-            token: None,
+            token: sampled,
             text,
             finish: seq.finish,
         });
@@ -404,7 +653,7 @@ fn advance(
     }
     Ok(StepOutput {
         seq: id,
-        token: Some(sampled),
+        token: sampled,
         text,
         finish: seq.finish,
     })

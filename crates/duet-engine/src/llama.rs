@@ -52,6 +52,10 @@ impl Logits {
         &self.data[i * self.vocab_size..(i + 1) * self.vocab_size]
     }
 
+    pub fn row_mut(&mut self, i: usize) -> &mut [f32] {
+        &mut self.data[i * self.vocab_size..(i + 1) * self.vocab_size]
+    }
+
     pub fn num_rows(&self) -> usize {
         self.rows.len()
     }
@@ -147,7 +151,13 @@ impl<B: Backend> Llama<B> {
     }
 
     /// Runs one step: writes every row's K/V into the cache and returns the wanted logits.
-    pub fn forward(&self, batch: &ForwardBatch, kv: &mut B::KvStore) -> Logits {
+    /// `on_layer(layer, kv)` runs as soon as a layer's K/V are in the cache.
+    pub fn forward(
+        &self,
+        batch: &ForwardBatch,
+        kv: &mut B::KvStore,
+        on_layer: &mut dyn FnMut(usize, &B::KvStore),
+    ) -> Logits {
         let b = &self.backend;
         let c = &self.config;
         let n = batch.num_rows();
@@ -182,6 +192,7 @@ impl<B: Backend> Llama<B> {
             b.rope(&mut q, c.head_dim, c.rope_theta, batch);
             b.rope(&mut k, c.head_dim, c.rope_theta, batch);
             b.write_kv(kv, li, &k, &v, batch);
+            on_layer(li, kv);
             b.attention(&q, kv, li, shape, batch, &mut attn);
             b.matmul(&layer.attn_output, &attn, &mut o);
             b.add(&mut x, &o);

@@ -103,10 +103,17 @@ impl SamplingParams {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampled {
     pub token: u32,
-    /// Log-probability of `token` (after penalties, before temperature and truncation).
+    /// Present when the parameters asked for log-probabilities.
+    pub logprobs: Option<Logprobs>,
+}
+
+/// Log-probabilities at one position (after penalties, before temperature and truncation).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logprobs {
+    /// Of the sampled token.
     pub logprob: f32,
-    /// The `logprobs` most likely tokens and their log-probabilities, most likely first.
-    pub top_logprobs: Vec<(u32, f32)>,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Per-sequence sampling state: the random stream and the token counts the penalties need.
@@ -141,33 +148,38 @@ impl Sampler {
         &self.params
     }
 
+    /// Records tokens generated elsewhere (a prefill worker's first token, tokens streamed before
+    /// a failover) as if sampled here: penalties count them and the random stream advances past
+    /// them, so the continuation is the one a single sampler would have produced.
+    pub fn record(&mut self, tokens: &[u32]) {
+        for &t in tokens {
+            if self.params.temperature != 0.0 {
+                self.rng.next_u64();
+            }
+            *self.output_counts.entry(t).or_insert(0) += 1;
+        }
+    }
+
     /// Picks the next token from `logits` (modified in place) and records it as generated.
     pub fn sample(&mut self, logits: &mut [f32]) -> Sampled {
         self.apply_penalties(logits);
-        let (top_logprobs, lse) = if self.params.logprobs > 0 {
-            let lse = log_sum_exp(logits);
-            (
-                top_n(logits, self.params.logprobs as usize)
-                    .into_iter()
-                    .map(|(t, l)| (t, l - lse))
-                    .collect(),
-                Some(lse),
-            )
-        } else {
-            (Vec::new(), None)
-        };
         let token = if self.params.temperature == 0.0 {
             argmax(logits)
         } else {
             self.sample_random(logits)
         };
-        let logprob = logits[token as usize] - lse.unwrap_or_else(|| log_sum_exp(logits));
+        let logprobs = (self.params.logprobs > 0).then(|| {
+            let lse = log_sum_exp(logits);
+            Logprobs {
+                logprob: logits[token as usize] - lse,
+                top: top_n(logits, self.params.logprobs as usize)
+                    .into_iter()
+                    .map(|(t, l)| (t, l - lse))
+                    .collect(),
+            }
+        });
         *self.output_counts.entry(token).or_insert(0) += 1;
-        Sampled {
-            token,
-            logprob,
-            top_logprobs,
-        }
+        Sampled { token, logprobs }
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {
@@ -459,14 +471,20 @@ mod tests {
             ..SamplingParams::greedy()
         };
         let mut s = Sampler::new(params, &[]);
-        let out = s.sample(&mut logits());
+        let out = s.sample(&mut logits()).logprobs.unwrap();
         assert_eq!(
-            out.top_logprobs.iter().map(|t| t.0).collect::<Vec<_>>(),
+            out.top.iter().map(|t| t.0).collect::<Vec<_>>(),
             vec![1, 3, 2]
         );
         let total: f32 = logits().iter().map(|l| l.exp()).sum();
         assert!((out.logprob - (3.0f32.exp() / total).ln()).abs() < 1e-5);
-        assert_eq!(out.top_logprobs[0].1, out.logprob);
+        assert_eq!(out.top[0].1, out.logprob);
+        let mut plain = Sampler::new(SamplingParams::greedy(), &[]);
+        assert_eq!(
+            plain.sample(&mut logits()).logprobs,
+            None,
+            "computed only when asked for"
+        );
     }
 
     #[test]

@@ -34,10 +34,12 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend with `threads` kernel threads (0: one per core).
+    /// A backend with `threads` kernel threads (0: one per core). Backends in one process with
+    /// the same thread count share one pool, so engines living side by side (`duet up` runs a
+    /// prefill and a decode worker in one process) take turns instead of oversubscribing cores.
     pub fn new(threads: usize) -> Self {
         Self {
-            pool: Arc::new(ThreadPool::new(threads)),
+            pool: shared_pool(threads),
         }
     }
 
@@ -48,6 +50,22 @@ impl CpuBackend {
     pub fn pool(&self) -> &ThreadPool {
         &self.pool
     }
+}
+
+fn shared_pool(threads: usize) -> Arc<ThreadPool> {
+    static POOLS: std::sync::Mutex<Vec<Arc<ThreadPool>>> = std::sync::Mutex::new(Vec::new());
+    let n = if threads == 0 {
+        crate::threadpool::default_threads()
+    } else {
+        threads
+    };
+    let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = pools.iter().find(|p| p.n_threads() == n) {
+        return p.clone();
+    }
+    let pool = Arc::new(ThreadPool::new(n));
+    pools.push(pool.clone());
+    pool
 }
 
 /// Rows below which an elementwise op is not worth dispatching to the pool.
@@ -103,6 +121,26 @@ impl Backend for CpuBackend {
 
     fn alloc_kv(&self, layout: KvLayout) -> Result<CpuKvStore, EngineError> {
         CpuKvStore::new(layout)
+    }
+
+    fn kv_block_bytes(&self, kv: &CpuKvStore) -> usize {
+        kv.layer_block(0, 0).len() * 4
+    }
+
+    fn read_kv_block(&self, kv: &CpuKvStore, layer: usize, block: usize, out: &mut [u8]) {
+        for (o, v) in out.chunks_exact_mut(4).zip(kv.layer_block(layer, block)) {
+            o.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    fn write_kv_block(&self, kv: &mut CpuKvStore, layer: usize, block: usize, data: &[u8]) {
+        for (v, b) in kv
+            .layer_block_mut(layer, block)
+            .iter_mut()
+            .zip(data.chunks_exact(4))
+        {
+            *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
     }
 
     fn alloc(&self, rows: usize, cols: usize) -> CpuTensor {

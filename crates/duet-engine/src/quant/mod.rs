@@ -1,12 +1,17 @@
 //! Quantized weight matrices (GGML block formats) and the CPU matrix kernels over them.
 //!
-//! * Q4_0 / Q4_1 / Q8_0 matrices are repacked once at construction into 16-row interleaved
-//!   groups (same byte count as the file, see [`packed`]); a call quantizes the activations once
-//!   to 8-bit blocks and runs integer dot products (AVX-512 VNNI `vpdpbusd`, AVX2 `vpmaddubsw`,
-//!   or portable scalar code — all three give bit-identical results), each weight block being
-//!   read once per call and reused for a tile of tokens held in registers.
-//! * F32 / F16 / BF16 / Q4_K / Q6_K matrices stay in their GGML layout; a call dequantizes four
-//!   rows at a time into f32 and runs f32 FMA dots against every token.
+//! * Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matrices are repacked once at construction into 16-row
+//!   interleaved groups (the file's byte count; Q4_K +2.8% for unpacked 6-bit scales, see
+//!   `packed.rs`); a call quantizes the activations once to 16-bit blocks of 32
+//!   (`d = amax / 32767`, so the activation rounding costs ~1e-5 relative error per matmul) and
+//!   runs integer dot products of the weight quants widened to i16 against them (AVX-512 VNNI
+//!   `vpdpwssd`, AVX2 `vpmaddwd`, or portable code — all give bit-identical results, exact i32
+//!   sums per 32-value block scaled in f32 in the same order), each weight block being read once
+//!   per call and reused for a tile of tokens held in registers. A token's outputs do not depend
+//!   on the batch it is in, the thread count or the path.
+//! * F32 / F16 / BF16 matrices stay in their layout (used in place); a call converts four rows at
+//!   a time to f32 and runs f32 FMA dots against every token (4 rows x 4 tokens register tiles
+//!   on AVX-512).
 //!
 //! Output rows are split over the thread pool (each participant a contiguous range of row
 //! groups). The kernel path is chosen once by runtime CPU feature detection.
@@ -193,7 +198,7 @@ pub struct QMatrix {
 enum Data {
     /// GGML layout, used in place.
     Raw(WeightBytes),
-    /// Q4_0 / Q4_1 / Q8_0 repacked into row groups.
+    /// Block-quantized types repacked into row groups.
     Packed(Arc<Packed>),
 }
 
@@ -217,7 +222,7 @@ thread_local! {
 const F32_ROWS: usize = 4;
 
 impl QMatrix {
-    /// A matrix over `bytes` (GGML layout, `rows * ty.row_bytes(cols)` bytes). Q4_0, Q4_1 and Q8_0
+    /// A matrix over `bytes` (GGML layout, `rows * ty.row_bytes(cols)` bytes). Block-quantized
     /// matrices are repacked into an owned buffer of the same size (and `bytes` is dropped);
     /// other types keep `bytes` and use it in place.
     pub fn new(
@@ -267,7 +272,7 @@ impl QMatrix {
     }
 
     /// Bytes of the weights in GGML layout (`rows * row_bytes(cols)`); the memory held is the
-    /// same, plus at most 15 zero rows of padding for repacked types.
+    /// same, plus at most 15 zero rows of padding for repacked types (and 2.8% for Q4_K).
     pub fn size_bytes(&self) -> usize {
         self.rows * self.row_bytes()
     }
@@ -345,6 +350,7 @@ impl QMatrix {
                 let d = SyncPtr(acts.d.as_mut_ptr());
                 let sd = SyncPtr(acts.sd.as_mut_ptr());
                 let isum = SyncPtr(acts.isum.as_mut_ptr());
+                let isum_lo = SyncPtr(acts.isum_lo.as_mut_ptr());
                 pool.for_each_range(n_tokens, |tr| {
                     let n = tr.len();
                     // SAFETY: participants get disjoint token ranges of buffers sized above.
@@ -356,6 +362,10 @@ impl QMatrix {
                             std::slice::from_raw_parts_mut(d.get().add(tr.start * nb), n * nb),
                             std::slice::from_raw_parts_mut(sd.get().add(tr.start * nb), n * nb),
                             std::slice::from_raw_parts_mut(isum.get().add(tr.start * nb), n * nb),
+                            std::slice::from_raw_parts_mut(
+                                isum_lo.get().add(tr.start * nb),
+                                n * nb,
+                            ),
                         )
                     }
                 });
@@ -367,6 +377,7 @@ impl QMatrix {
                     &mut acts.d,
                     &mut acts.sd,
                     &mut acts.isum,
+                    &mut acts.isum_lo,
                 );
             }
             let acts: &QActs = acts;
@@ -380,8 +391,7 @@ impl QMatrix {
             };
             let outp = SyncPtr(out.as_mut_ptr());
             let w = p.bytes().as_ptr() as usize;
-            let (pnb, gb) = (p.nb, p.gb);
-            debug_assert_eq!(pnb, nb);
+            let (wnb, gb) = (p.nb, p.gb);
             pool.run(|idx, n| {
                 for g in split_range(p.n_groups, idx, n) {
                     let mut t0 = 0;
@@ -391,13 +401,15 @@ impl QMatrix {
                         // participant writes only its own rows of `out`.
                         unsafe {
                             let tile = Tile {
-                                w: (w as *const u8).add(g * nb * gb),
-                                nb,
+                                w: (w as *const u8).add(g * wnb * gb),
+                                nb: wnb,
+                                anb: nb,
                                 gb,
                                 xq: acts.qs.as_ptr().add(t0 * cols),
                                 xd: acts.d.as_ptr().add(t0 * nb),
                                 xsd: acts.sd.as_ptr().add(t0 * nb),
                                 xi: acts.isum.as_ptr().add(t0 * nb),
+                                xilo: acts.isum_lo.as_ptr().add(t0 * nb),
                                 xs: cols,
                                 out: outp.get().add(t0 * rows + g * GROUP),
                                 os: rows,
@@ -449,12 +461,32 @@ impl QMatrix {
                             &mut buf[i * cols..(i + 1) * cols],
                         );
                     }
-                    for t in 0..n_tokens {
+                    let mut t = 0;
+                    #[cfg(target_arch = "x86_64")]
+                    if path == KernelPath::Avx512 {
+                        // 4 rows x 4 tokens register tile; same per-(row, token) arithmetic as
+                        // `dot4`, so results do not depend on the batch.
+                        while t + 4 <= n_tokens {
+                            // SAFETY: the path is supported; lengths are checked inside.
+                            let d = unsafe {
+                                x86::dot4x4_avx512(buf, nr, cols, &x[t * cols..(t + 4) * cols])
+                            };
+                            for (j, dj) in d.iter().enumerate() {
+                                for (i, v) in dj.iter().enumerate().take(nr) {
+                                    // SAFETY: rows r0..r0+nr belong to this participant only.
+                                    unsafe { *outp.get().add((t + j) * rows + r0 + i) = *v };
+                                }
+                            }
+                            t += 4;
+                        }
+                    }
+                    while t < n_tokens {
                         let d = dot4(path, buf, nr, cols, &x[t * cols..(t + 1) * cols]);
                         for (i, v) in d.iter().enumerate().take(nr) {
                             // SAFETY: rows r0..r0+nr belong to this participant only.
                             unsafe { *outp.get().add(t * rows + r0 + i) = *v };
                         }
+                        t += 1;
                     }
                 }
             });

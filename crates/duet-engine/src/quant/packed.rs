@@ -1,4 +1,4 @@
-//! The repacked layout of Q4_0 / Q4_1 / Q8_0 matrices, activation quantization, and the portable
+//! The repacked layout of block-quantized matrices, activation quantization, and the portable
 //! (scalar) integer kernels.
 //!
 //! Rows are taken in groups of [`GROUP`] (16); the last group is padded with zero rows. A group
@@ -6,10 +6,15 @@
 //! words — chunk `c` (64 bytes) holds, in lane `r`, bytes `4c..4c+4` of row `r`'s original `qs` —
 //! followed by the 16 `d` scales (f16) and, for Q4_1, the 16 `m` offsets (f16). One SIMD register
 //! per chunk then yields 16 per-row partial dot products at once, with no horizontal reductions,
-//! and the bytes are exactly those of the file (a Q4_1 group-block is 16 × 20 bytes).
+//! and the bytes are exactly those of the file (a Q4_1 group-block is 16 × 20 bytes). Q4_K and
+//! Q6_K (256-value super-blocks) follow the same idea, see their layout constants below.
 //!
-//! Activations are quantized once per call to 32-element blocks of i8 (`d = amax / 127`), with the
-//! block sums kept for the Q4_0 offset (−8) and the Q4_1 minimum.
+//! Activations are quantized once per call to 32-element blocks of i16 (`d = amax / 32767`,
+//! round half to even; relative rounding error ~1e-5 instead of ~4e-3 for 8 bits), stored with
+//! each group of 4 in [`PAIR_POS`] order, with the block sums kept for the Q4_0 offset (−8), the
+//! Q4_1 / Q4_K minimum and the Q6_K offset (−32, per 16-value half-block). The integer dots are
+//! i16 × (4-, 6- or 8-bit quant) products summed in i32 per 32-value block (per 16-value
+//! half-block for Q6_K), then scaled in f32; see the bounds above [`tile_scalar`].
 
 // Kernels index several parallel arrays with one counter.
 #![allow(clippy::needless_range_loop)]
@@ -45,7 +50,10 @@ impl std::fmt::Debug for Packed {
 }
 
 pub(crate) fn packable(ty: QuantType) -> bool {
-    matches!(ty, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0)
+    matches!(
+        ty,
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K
+    )
 }
 
 /// (bytes of quants, offset of d in the original block, offset of m (Q4_1), offset of qs)
@@ -59,8 +67,28 @@ fn geometry(ty: QuantType) -> (usize, usize, Option<usize>, usize) {
 }
 
 pub(crate) fn group_block_bytes(ty: QuantType) -> usize {
-    GROUP * ty.block_bytes()
+    match ty {
+        QuantType::Q4_K => Q4K_GB,
+        QuantType::Q6_K => Q6K_GB,
+        _ => GROUP * ty.block_bytes(),
+    }
 }
+
+// Q4_K group-block (16 rows x 256 values): quants as 32 chunks (chunk `8 * jj + c`, lane r =
+// bytes `32 jj + 4c .. +4` of row r's `qs`), then the 6-bit scales and mins unpacked to one byte
+// each (`[j * 16 + r]`, sub-block j), then d and dmin (f16 x 16 each).
+pub(crate) const Q4K_SC: usize = 2048;
+pub(crate) const Q4K_MN: usize = Q4K_SC + 128;
+pub(crate) const Q4K_D: usize = Q4K_MN + 128;
+pub(crate) const Q4K_DMIN: usize = Q4K_D + 32;
+const Q4K_GB: usize = Q4K_DMIN + 32;
+
+// Q6_K group-block (16 rows x 256 values, exactly 16 x 210 bytes): `ql` as 32 chunks (lane r =
+// bytes `4w..4w+4` of row r's `ql`), `qh` as 16 chunks, the 16 i8 scales (`[s * 16 + r]`), d.
+pub(crate) const Q6K_QH: usize = 2048;
+pub(crate) const Q6K_SC: usize = Q6K_QH + 1024;
+pub(crate) const Q6K_D: usize = Q6K_SC + 256;
+const Q6K_GB: usize = Q6K_D + 32;
 
 impl Packed {
     pub fn bytes(&self) -> &[u8] {
@@ -75,7 +103,7 @@ impl Packed {
 
     /// Packs `rows` rows of `cols` values stored in GGML layout (`raw.len() == rows * row_bytes`).
     pub fn pack(ty: QuantType, rows: usize, cols: usize, raw: &[u8]) -> Packed {
-        let nb = cols / 32;
+        let nb = cols / ty.block_len();
         let gb = group_block_bytes(ty);
         let n_groups = rows.div_ceil(GROUP);
         let len = n_groups * nb * gb;
@@ -111,6 +139,34 @@ impl Packed {
 }
 
 fn put_block(ty: QuantType, blk: &[u8], lane: usize, dst: &mut [u8]) {
+    if ty == QuantType::Q6_K {
+        for w in 0..32 {
+            dst[w * 64 + lane * 4..w * 64 + lane * 4 + 4].copy_from_slice(&blk[4 * w..4 * w + 4]);
+        }
+        for w in 0..16 {
+            let o = Q6K_QH + w * 64 + lane * 4;
+            dst[o..o + 4].copy_from_slice(&blk[128 + 4 * w..128 + 4 * w + 4]);
+        }
+        for sb in 0..16 {
+            dst[Q6K_SC + sb * 16 + lane] = blk[192 + sb];
+        }
+        dst[Q6K_D + 2 * lane..Q6K_D + 2 * lane + 2].copy_from_slice(&blk[208..210]);
+        return;
+    }
+    if ty == QuantType::Q4_K {
+        for q in 0..32 {
+            dst[q * 64 + lane * 4..q * 64 + lane * 4 + 4]
+                .copy_from_slice(&blk[16 + 4 * q..16 + 4 * q + 4]);
+        }
+        for j in 0..8 {
+            let (sc, m) = super::dequant::scale_min_k4(j, &blk[4..16]);
+            dst[Q4K_SC + j * 16 + lane] = sc;
+            dst[Q4K_MN + j * 16 + lane] = m;
+        }
+        dst[Q4K_D + 2 * lane..Q4K_D + 2 * lane + 2].copy_from_slice(&blk[0..2]);
+        dst[Q4K_DMIN + 2 * lane..Q4K_DMIN + 2 * lane + 2].copy_from_slice(&blk[2..4]);
+        return;
+    }
     let (nq, d_off, m_off, qs_off) = geometry(ty);
     let qbase = GROUP * nq; // scales follow the quants
     for c in 0..nq / 4 {
@@ -124,6 +180,38 @@ fn put_block(ty: QuantType, blk: &[u8], lane: usize, dst: &mut [u8]) {
 }
 
 fn get_block(ty: QuantType, src: &[u8], lane: usize, blk: &mut [u8]) {
+    if ty == QuantType::Q6_K {
+        for w in 0..32 {
+            blk[4 * w..4 * w + 4].copy_from_slice(&src[w * 64 + lane * 4..w * 64 + lane * 4 + 4]);
+        }
+        for w in 0..16 {
+            let o = Q6K_QH + w * 64 + lane * 4;
+            blk[128 + 4 * w..128 + 4 * w + 4].copy_from_slice(&src[o..o + 4]);
+        }
+        for sb in 0..16 {
+            blk[192 + sb] = src[Q6K_SC + sb * 16 + lane];
+        }
+        blk[208..210].copy_from_slice(&src[Q6K_D + 2 * lane..Q6K_D + 2 * lane + 2]);
+        return;
+    }
+    if ty == QuantType::Q4_K {
+        for q in 0..32 {
+            blk[16 + 4 * q..16 + 4 * q + 4]
+                .copy_from_slice(&src[q * 64 + lane * 4..q * 64 + lane * 4 + 4]);
+        }
+        // Inverse of get_scale_min_k4: all 96 bits of the 12 bytes are used, so this is exact.
+        let sc: [u8; 8] = std::array::from_fn(|j| src[Q4K_SC + j * 16 + lane]);
+        let m: [u8; 8] = std::array::from_fn(|j| src[Q4K_MN + j * 16 + lane]);
+        let q = &mut blk[4..16];
+        for j in 0..4 {
+            q[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
+            q[j + 4] = (m[j] & 63) | ((m[j + 4] >> 4) << 6);
+            q[j + 8] = (sc[j + 4] & 15) | ((m[j + 4] & 15) << 4);
+        }
+        blk[0..2].copy_from_slice(&src[Q4K_D + 2 * lane..Q4K_D + 2 * lane + 2]);
+        blk[2..4].copy_from_slice(&src[Q4K_DMIN + 2 * lane..Q4K_DMIN + 2 * lane + 2]);
+        return;
+    }
     let (nq, d_off, m_off, qs_off) = geometry(ty);
     let qbase = GROUP * nq;
     for c in 0..nq / 4 {
@@ -136,16 +224,30 @@ fn get_block(ty: QuantType, src: &[u8], lane: usize, blk: &mut [u8]) {
     }
 }
 
-/// Activations quantized to 32-element i8 blocks, token-major.
+/// Position of element `i` (0..4) of each 4-element group in the quantized activation storage.
+///
+/// Activations are stored as `[x0, x2, x1, x3]` per group of 4, so that the i16 pair (32-bit
+/// word) `2g` holds elements `(4g, 4g+2)` and word `2g+1` holds `(4g+1, 4g+3)`. These pair with
+/// the even / odd bytes of a row's 4-byte word in the packed weights, which the SIMD kernels
+/// widen to i16 pairs with one shift and one mask (no shuffles).
+pub(crate) const PAIR_POS: [usize; 4] = [0, 2, 1, 3];
+
+/// Largest quantized activation magnitude.
+pub(crate) const QMAX: f32 = 32767.0;
+
+/// Activations quantized to 32-element i16 blocks (`d = amax / 32767`), token-major, each group
+/// of 4 stored in [`PAIR_POS`] order.
 #[derive(Default)]
 pub(crate) struct QActs {
-    pub qs: Vec<i8>,
+    pub qs: Vec<i16>,
     /// Scale per (token, block).
     pub d: Vec<f32>,
     /// `d * sum(q)` per (token, block).
     pub sd: Vec<f32>,
-    /// `sum(q)` per (token, block).
+    /// `sum(q)` per (token, block) (|sum| <= 32 * 32767).
     pub isum: Vec<i32>,
+    /// Sum of the first 16 `q` of each (token, block).
+    pub isum_lo: Vec<i32>,
     /// Blocks per token.
     pub nb: usize,
 }
@@ -158,6 +260,7 @@ impl QActs {
         self.d.resize(n_tokens * nb, 0.0);
         self.sd.resize(n_tokens * nb, 0.0);
         self.isum.resize(n_tokens * nb, 0);
+        self.isum_lo.resize(n_tokens * nb, 0);
     }
 }
 
@@ -173,44 +276,50 @@ pub(crate) fn round_even(v: f32) -> f32 {
 pub(crate) fn quantize_acts(
     path: super::KernelPath,
     x: &[f32],
-    qs: &mut [i8],
+    qs: &mut [i16],
     d: &mut [f32],
     sd: &mut [f32],
     isum: &mut [i32],
+    isum_lo: &mut [i32],
 ) {
     assert!(
         qs.len() == x.len()
             && d.len() * 32 == x.len()
             && sd.len() == d.len()
             && isum.len() == d.len()
+            && isum_lo.len() == d.len()
     );
     match path {
         // SAFETY: the path is supported (checked by the caller) and the lengths agree (above).
         #[cfg(target_arch = "x86_64")]
         super::KernelPath::Avx512 => unsafe {
-            super::x86::quantize_acts_avx512(x, qs, d, sd, isum)
+            super::x86::quantize_acts_avx512(x, qs, d, sd, isum, isum_lo)
         },
-        _ => quantize_acts_scalar(x, qs, d, sd, isum),
+        _ => quantize_acts_scalar(x, qs, d, sd, isum, isum_lo),
     }
 }
 
 pub(crate) fn quantize_acts_scalar(
     x: &[f32],
-    qs: &mut [i8],
+    qs: &mut [i16],
     d: &mut [f32],
     sd: &mut [f32],
     isum: &mut [i32],
+    isum_lo: &mut [i32],
 ) {
     for (b, xb) in x.chunks_exact(32).enumerate() {
         let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let db = amax / 127.0;
+        let db = amax / QMAX;
         let id = if db != 0.0 { 1.0 / db } else { 0.0 };
         let q = &mut qs[b * 32..b * 32 + 32];
         let mut s = 0i32;
-        for (qv, &xv) in q.iter_mut().zip(xb) {
-            let v = (round_even(xv * id) as i32).clamp(-127, 127);
-            *qv = v as i8;
+        for (i, &xv) in xb.iter().enumerate() {
+            let v = (round_even(xv * id) as i32).clamp(-32767, 32767);
+            q[(i & !3) + PAIR_POS[i & 3]] = v as i16;
             s += v;
+            if i == 15 {
+                isum_lo[b] = s;
+            }
         }
         d[b] = db;
         isum[b] = s;
@@ -225,13 +334,17 @@ pub(crate) struct Tile {
     pub w: *const u8,
     pub nb: usize,
     pub gb: usize,
-    /// Quantized activations of token t0.
-    pub xq: *const i8,
+    /// Quantized activations of token t0 ([`PAIR_POS`] order).
+    pub xq: *const i16,
+    /// Activation blocks (of 32) per token.
+    pub anb: usize,
     /// Per-block activation data of token t0.
     pub xd: *const f32,
     pub xsd: *const f32,
     pub xi: *const i32,
-    /// Activation bytes per token (`cols`).
+    /// Sums of the first 16 quantized activations of each block.
+    pub xilo: *const i32,
+    /// Activation values per token (`cols`).
     pub xs: usize,
     pub out: *mut f32,
     /// Output stride per token (`rows`).
@@ -240,10 +353,28 @@ pub(crate) struct Tile {
     pub nvalid: usize,
 }
 
+/// Activation `e` (0..32) of a block stored in [`PAIR_POS`] order, widened.
+#[inline(always)]
+fn act(x: &[i16], e: usize) -> i32 {
+    x[(e & !3) + PAIR_POS[e & 3]] as i32
+}
+
+// Integer bounds (per block or sub-block, before any scaling): |q_x| <= 32767 and
+//   Q4_0 / Q4_1 / Q4_K: 32 products of a 4-bit quant (0..15): |sum| <= 15.7e6, minus 8 * isum;
+//   Q8_0: 32 products with |q_w| <= 128: |sum| <= 134.2e6;
+//   Q6_K: 16 products of a 6-bit quant (0..63) per half-block: <= 33.0e6, minus 32 * isum_half.
+// All far inside i32; every scale (including the Q6_K sub-block scales) is applied in f32.
+
 /// Portable kernel for `nt` tokens of one group. Same arithmetic (and same f32 operation order
 /// per output) as the SIMD kernels, so results are bit-identical. Written lane-wise over the 16
 /// rows of the group so that compilers can vectorize it (e.g. NEON on aarch64).
 pub(crate) unsafe fn tile_scalar(ty: QuantType, t: &Tile, nt: usize) {
+    if ty == QuantType::Q4_K {
+        return unsafe { tile_q4k_scalar(t, nt) };
+    }
+    if ty == QuantType::Q6_K {
+        return unsafe { tile_q6k_scalar(t, nt) };
+    }
     unsafe {
         let (nq, _, _, _) = geometry(ty);
         let qbase = GROUP * nq;
@@ -253,14 +384,14 @@ pub(crate) unsafe fn tile_scalar(ty: QuantType, t: &Tile, nt: usize) {
             for k in 0..t.nb {
                 let blk = std::slice::from_raw_parts(t.w.add(k * t.gb), t.gb);
                 let x = std::slice::from_raw_parts(xq.add(k * 32), 32);
-                let ai = ti * t.nb + k;
+                let ai = ti * t.anb + k;
                 let mut s = [0i32; GROUP];
                 if ty == QuantType::Q8_0 {
                     for c in 0..8 {
                         let ch = &blk[c * 64..c * 64 + 64];
                         for r in 0..GROUP {
                             for i in 0..4 {
-                                s[r] += (ch[r * 4 + i] as i8) as i32 * x[4 * c + i] as i32;
+                                s[r] += (ch[r * 4 + i] as i8) as i32 * act(x, 4 * c + i);
                             }
                         }
                     }
@@ -270,8 +401,8 @@ pub(crate) unsafe fn tile_scalar(ty: QuantType, t: &Tile, nt: usize) {
                         for r in 0..GROUP {
                             for i in 0..4 {
                                 let w = ch[r * 4 + i];
-                                s[r] += (w & 0x0F) as i32 * x[4 * c + i] as i32
-                                    + (w >> 4) as i32 * x[16 + 4 * c + i] as i32;
+                                s[r] += (w & 0x0F) as i32 * act(x, 4 * c + i)
+                                    + (w >> 4) as i32 * act(x, 16 + 4 * c + i);
                             }
                         }
                     }
@@ -289,6 +420,111 @@ pub(crate) unsafe fn tile_scalar(ty: QuantType, t: &Tile, nt: usize) {
                     let sdx = *t.xsd.add(ai);
                     for r in 0..GROUP {
                         acc[r] = f16_at(sc, 32 + 2 * r).mul_add(sdx, acc[r]);
+                    }
+                }
+            }
+            std::ptr::copy_nonoverlapping(acc.as_ptr(), t.out.add(ti * t.os), t.nvalid);
+        }
+    }
+}
+
+/// Portable Q4_K kernel; the operation order per output matches `x86::q4k_avx512`.
+#[inline(always)]
+pub(crate) unsafe fn tile_q4k_scalar(t: &Tile, nt: usize) {
+    unsafe {
+        for ti in 0..nt {
+            let xq = t.xq.add(ti * t.xs);
+            let mut acc = [0.0f32; GROUP];
+            for k in 0..t.nb {
+                let blk = std::slice::from_raw_parts(t.w.add(k * t.gb), t.gb);
+                let d: [f32; GROUP] = std::array::from_fn(|r| f16_at(blk, Q4K_D + 2 * r));
+                let dmin: [f32; GROUP] = std::array::from_fn(|r| f16_at(blk, Q4K_DMIN + 2 * r));
+                for jj in 0..4 {
+                    let x0 = std::slice::from_raw_parts(xq.add(k * 256 + 64 * jj), 32);
+                    let x1 = std::slice::from_raw_parts(xq.add(k * 256 + 64 * jj + 32), 32);
+                    let mut s0 = [0i32; GROUP];
+                    let mut s1 = [0i32; GROUP];
+                    for c in 0..8 {
+                        let ch = &blk[(8 * jj + c) * 64..(8 * jj + c) * 64 + 64];
+                        for r in 0..GROUP {
+                            for i in 0..4 {
+                                let w = ch[r * 4 + i];
+                                s0[r] += (w & 0x0F) as i32 * act(x0, 4 * c + i);
+                                s1[r] += (w >> 4) as i32 * act(x1, 4 * c + i);
+                            }
+                        }
+                    }
+                    for (h, s) in [s0, s1].iter().enumerate() {
+                        let j = 2 * jj + h;
+                        let ai = ti * t.anb + 8 * k + j;
+                        let (dx, sdx) = (*t.xd.add(ai), *t.xsd.add(ai));
+                        for r in 0..GROUP {
+                            let dsc = d[r] * blk[Q4K_SC + 16 * j + r] as f32;
+                            let dm = dmin[r] * blk[Q4K_MN + 16 * j + r] as f32;
+                            acc[r] = (s[r] as f32).mul_add(dsc * dx, acc[r]);
+                            acc[r] = (-dm).mul_add(sdx, acc[r]);
+                        }
+                    }
+                }
+            }
+            std::ptr::copy_nonoverlapping(acc.as_ptr(), t.out.add(ti * t.os), t.nvalid);
+        }
+    }
+}
+
+/// Portable Q6_K kernel; the operation order per output matches `x86::q6k_avx512`.
+#[inline(always)]
+pub(crate) unsafe fn tile_q6k_scalar(t: &Tile, nt: usize) {
+    unsafe {
+        for ti in 0..nt {
+            let xq = t.xq.add(ti * t.xs);
+            let mut acc = [0.0f32; GROUP];
+            for k in 0..t.nb {
+                let blk = std::slice::from_raw_parts(t.w.add(k * t.gb), t.gb);
+                let d: [f32; GROUP] = std::array::from_fn(|r| f16_at(blk, Q6K_D + 2 * r));
+                for n in 0..2 {
+                    for quarter in 0..4 {
+                        // quarter 0: low nibbles of ql[0..32] + qh bits 0-1; 1: low nibbles of
+                        // ql[32..64] + bits 2-3; 2: high nibbles of ql[0..32] + bits 4-5; 3: ...
+                        let lw = 16 * n + 8 * (quarter % 2);
+                        let nshift = 4 * (quarter / 2);
+                        let hshift = 2 * quarter;
+                        let x = std::slice::from_raw_parts(
+                            xq.add(k * 256 + 128 * n + 32 * quarter),
+                            32,
+                        );
+                        let mut s_lo = [0i32; GROUP];
+                        let mut s_hi = [0i32; GROUP];
+                        for c in 0..8 {
+                            let ql = &blk[(lw + c) * 64..(lw + c) * 64 + 64];
+                            let qh =
+                                &blk[Q6K_QH + (8 * n + c) * 64..Q6K_QH + (8 * n + c) * 64 + 64];
+                            for r in 0..GROUP {
+                                for i in 0..4 {
+                                    let q = ((ql[4 * r + i] >> nshift) & 15)
+                                        | (((qh[4 * r + i] >> hshift) & 3) << 4);
+                                    let p = q as i32 * act(x, 4 * c + i);
+                                    if c < 4 {
+                                        s_lo[r] += p;
+                                    } else {
+                                        s_hi[r] += p;
+                                    }
+                                }
+                            }
+                        }
+                        let ai = ti * t.anb + 8 * k + 4 * n + quarter;
+                        let xlo = *t.xilo.add(ai);
+                        let xhi = *t.xi.add(ai) - xlo;
+                        let dx = *t.xd.add(ai);
+                        let sb = 8 * n + 2 * quarter;
+                        for r in 0..GROUP {
+                            let sc_lo = blk[Q6K_SC + sb * 16 + r] as i8 as f32;
+                            let sc_hi = blk[Q6K_SC + (sb + 1) * 16 + r] as i8 as f32;
+                            acc[r] = ((s_lo[r] - 32 * xlo) as f32)
+                                .mul_add(d[r] * sc_lo * dx, acc[r]);
+                            acc[r] = ((s_hi[r] - 32 * xhi) as f32)
+                                .mul_add(d[r] * sc_hi * dx, acc[r]);
+                        }
                     }
                 }
             }

@@ -1,10 +1,15 @@
 //! AVX-512 (VNNI) and AVX2 kernels over the packed group layout (see `packed.rs`), and f32 dots.
+//!
+//! The block kernels widen the weight quants of a 64-byte chunk (16 rows x 4 bytes) to two
+//! registers of i16 pairs — bytes (0, 2) and (1, 3) of every row word, by a shift and a mask — and
+//! multiply them with broadcast i16 activation pairs (stored in the matching order, see
+//! `packed::PAIR_POS`): `vpdpwssd` on AVX-512 VNNI, `vpmaddwd` + `vpaddd` on AVX2.
 
 // Kernels index several parallel arrays with one counter.
 #![allow(clippy::needless_range_loop)]
 
 use super::QuantType;
-use super::packed::Tile;
+use super::packed::{Q4K_D, Q4K_DMIN, Q4K_MN, Q4K_SC, Q6K_D, Q6K_QH, Q6K_SC, Tile};
 use std::arch::x86_64::*;
 
 /// Token tile of the AVX-512 kernels (accumulators held in registers).
@@ -28,9 +33,82 @@ macro_rules! dispatch_nt {
     };
 }
 
+/// The i16 pair (32-bit word) `m` of the activations at `x`, broadcast.
 #[inline(always)]
-unsafe fn bcast(p: *const i8, i: usize) -> i32 {
-    unsafe { (p as *const i32).add(i).read_unaligned() }
+unsafe fn bcast(x: *const i16, m: usize) -> i32 {
+    unsafe { (x as *const i32).add(m).read_unaligned() }
+}
+
+/// Independent i32 accumulators per token: enough chains to hide the `vpdpwssd` latency when
+/// few tokens share the weights (integer sums are exact, so the split does not change results).
+const fn n_chains(nt: usize) -> usize {
+    if nt == 1 {
+        4
+    } else if nt == 2 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Adds the products of 16 i16 weight pairs (`w[m]`: 16 rows, pair `m` of a 32-value block)
+/// with the matching activation pairs of each of `NT` tokens (`x(ti)`) into `s[ti]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn dp_tokens<const NT: usize, const NW: usize>(
+    s: &mut [[__m512i; 4]; NT],
+    w: &[__m512i; NW],
+    x: impl Fn(usize) -> *const i16,
+    m0: usize,
+) {
+    unsafe {
+        let na = n_chains(NT);
+        for ti in 0..NT {
+            let xp = x(ti);
+            for m in 0..NW {
+                let a = &mut s[ti][m % na];
+                *a = _mm512_dpwssd_epi32(*a, w[m], _mm512_set1_epi32(bcast(xp, m0 + m)));
+            }
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn sum_chains<const NT: usize>(s: &[[__m512i; 4]; NT], ti: usize) -> __m512i {
+    let na = n_chains(NT);
+    let mut v = s[ti][0];
+    for a in 1..na {
+        v = _mm512_add_epi32(v, s[ti][a]);
+    }
+    v
+}
+
+/// Widens 4-bit quants (the low nibbles of a 64-byte chunk, 16 rows x 4 bytes) to i16 pairs:
+/// `(even, odd)` = bytes (0, 2) and (1, 3) of every row word.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn nibble_pairs(v: __m512i) -> (__m512i, __m512i) {
+    let m4 = _mm512_set1_epi32(0x000F_000F);
+    (
+        _mm512_and_si512(v, m4),
+        _mm512_and_si512(_mm512_srli_epi32::<8>(v), m4),
+    )
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn store_rows<const NT: usize>(t: &Tile, acc: &[__m512; NT]) {
+    unsafe {
+        let mask: __mmask16 = if t.nvalid >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << t.nvalid) - 1
+        };
+        for (ti, a) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(t.out.add(ti * t.os), mask, *a);
+        }
+    }
 }
 
 /// `nt <= NT_512` tokens of one group.
@@ -41,6 +119,8 @@ pub(crate) unsafe fn tile_avx512(ty: QuantType, t: &Tile, nt: usize) {
             QuantType::Q4_0 => dispatch_nt!(q4_avx512_false, nt, NT_512, (t)),
             QuantType::Q4_1 => dispatch_nt!(q4_avx512_true, nt, NT_512, (t)),
             QuantType::Q8_0 => dispatch_nt!(q8_avx512, nt, NT_512, (t)),
+            QuantType::Q4_K => dispatch_nt!(q4k_avx512, nt, NT_512, (t)),
+            QuantType::Q6_K => dispatch_nt!(q6k_avx512, nt, NT_512, (t)),
             _ => unreachable!(),
         }
     }
@@ -58,98 +138,211 @@ unsafe fn q4_avx512_true<const NT: usize>(t: &Tile) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 unsafe fn q4_avx512<const NT: usize, const Q41: bool>(t: &Tile) {
     unsafe {
-        let m4 = _mm512_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); NT];
         for k in 0..t.nb {
             let b = t.w.add(k * t.gb);
-            let mut lo = [_mm512_setzero_si512(); 4];
-            let mut hi = [_mm512_setzero_si512(); 4];
-            for c in 0..4 {
-                let v = _mm512_loadu_si512(b.add(64 * c) as *const _);
-                lo[c] = _mm512_and_si512(v, m4);
-                hi[c] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+            let mut s = [[_mm512_setzero_si512(); 4]; NT];
+            // Low nibbles (values 0..16 of the block), then high nibbles (16..32).
+            for h in 0..2 {
+                let mut w = [_mm512_setzero_si512(); 8];
+                for c in 0..4 {
+                    let mut v = _mm512_loadu_si512(b.add(64 * c) as *const _);
+                    if h == 1 {
+                        v = _mm512_srli_epi32::<4>(v);
+                    }
+                    (w[2 * c], w[2 * c + 1]) = nibble_pairs(v);
+                }
+                dp_tokens(&mut s, &w, |ti| t.xq.add(ti * t.xs + k * 32), 8 * h);
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(256) as *const __m256i));
-            let mw = if Q41 {
-                _mm512_cvtph_ps(_mm256_loadu_si256(b.add(288) as *const __m256i))
-            } else {
-                _mm512_setzero_ps()
-            };
             for ti in 0..NT {
-                let x = t.xq.add(ti * t.xs + k * 32);
-                let mut s0 = _mm512_setzero_si512();
-                let mut s1 = _mm512_setzero_si512();
-                for c in 0..4 {
-                    s0 = _mm512_dpbusd_epi32(s0, lo[c], _mm512_set1_epi32(bcast(x, c)));
-                    s1 = _mm512_dpbusd_epi32(s1, hi[c], _mm512_set1_epi32(bcast(x, 4 + c)));
-                }
-                let ai = ti * t.nb + k;
-                let mut s = _mm512_add_epi32(s0, s1);
+                let ai = ti * t.anb + k;
+                let mut s = sum_chains(&s, ti);
                 if !Q41 {
                     s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * *t.xi.add(ai)));
                 }
                 let dx = _mm512_set1_ps(*t.xd.add(ai));
                 acc[ti] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[ti]);
                 if Q41 {
+                    let mw = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(288) as *const __m256i));
                     acc[ti] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*t.xsd.add(ai)), acc[ti]);
                 }
             }
         }
-        let mask: __mmask16 = if t.nvalid >= 16 {
-            0xFFFF
-        } else {
-            (1u16 << t.nvalid) - 1
-        };
-        for (ti, a) in acc.iter().enumerate() {
-            _mm512_mask_storeu_ps(t.out.add(ti * t.os), mask, *a);
+        store_rows(t, &acc);
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn q4k_avx512<const NT: usize>(t: &Tile) {
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); NT];
+        for k in 0..t.nb {
+            let b = t.w.add(k * t.gb);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(Q4K_D) as *const __m256i));
+            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(Q4K_DMIN) as *const __m256i));
+            // Sub-block j: nibble h of chunks 8 jj .. 8 jj + 8 (j = 2 jj + h).
+            for j in 0..8 {
+                let (jj, h) = (j / 2, j % 2);
+                let mut s = [[_mm512_setzero_si512(); 4]; NT];
+                for half in 0..2 {
+                    let mut w = [_mm512_setzero_si512(); 8];
+                    for c in 0..4 {
+                        let mut v =
+                            _mm512_loadu_si512(b.add(64 * (8 * jj + 4 * half + c)) as *const _);
+                        if h == 1 {
+                            v = _mm512_srli_epi32::<4>(v);
+                        }
+                        (w[2 * c], w[2 * c + 1]) = nibble_pairs(v);
+                    }
+                    dp_tokens(
+                        &mut s,
+                        &w,
+                        |ti| t.xq.add(ti * t.xs + k * 256 + 32 * j),
+                        8 * half,
+                    );
+                }
+                let sc =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(Q4K_SC + 16 * j) as *const __m128i));
+                let mn =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(Q4K_MN + 16 * j) as *const __m128i));
+                let dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                let dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
+                for ti in 0..NT {
+                    let ai = ti * t.anb + 8 * k + j;
+                    let dx = _mm512_set1_ps(*t.xd.add(ai));
+                    acc[ti] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(sum_chains(&s, ti)),
+                        _mm512_mul_ps(dsc, dx),
+                        acc[ti],
+                    );
+                    acc[ti] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(*t.xsd.add(ai)), acc[ti]);
+                }
+            }
         }
+        store_rows(t, &acc);
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+unsafe fn q6k_avx512<const NT: usize>(t: &Tile) {
+    unsafe {
+        let m4 = _mm512_set1_epi32(0x000F_000F);
+        let m30 = _mm512_set1_epi32(0x0030_0030);
+        let mut acc = [_mm512_setzero_ps(); NT];
+        for k in 0..t.nb {
+            let b = t.w.add(k * t.gb);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(Q6K_D) as *const __m256i));
+            for n in 0..2 {
+                for quarter in 0..4 {
+                    let lw = 16 * n + 8 * (quarter % 2);
+                    // s[..][half]: values 0..16 (scale sb) and 16..32 (scale sb + 1).
+                    let mut s_half = [[[_mm512_setzero_si512(); 4]; NT]; 2];
+                    for half in 0..2 {
+                        let mut w = [_mm512_setzero_si512(); 8];
+                        for c in 0..4 {
+                            let cc = 4 * half + c;
+                            let ql = _mm512_loadu_si512(b.add(64 * (lw + cc)) as *const _);
+                            let qh =
+                                _mm512_loadu_si512(b.add(Q6K_QH + 64 * (8 * n + cc)) as *const _);
+                            let lo = if quarter < 2 {
+                                ql
+                            } else {
+                                _mm512_srli_epi32::<4>(ql)
+                            };
+                            // bits 2 quarter .. 2 quarter + 2 of each qh byte to bits 4..6
+                            let hi = match quarter {
+                                0 => _mm512_slli_epi32::<4>(qh),
+                                1 => _mm512_slli_epi32::<2>(qh),
+                                2 => qh,
+                                _ => _mm512_srli_epi32::<2>(qh),
+                            };
+                            let q = _mm512_or_si512(
+                                _mm512_and_si512(lo, m4),
+                                _mm512_and_si512(hi, m30),
+                            );
+                            let q_odd = _mm512_or_si512(
+                                _mm512_and_si512(_mm512_srli_epi32::<8>(lo), m4),
+                                _mm512_and_si512(_mm512_srli_epi32::<8>(hi), m30),
+                            );
+                            (w[2 * c], w[2 * c + 1]) = (q, q_odd);
+                        }
+                        dp_tokens(
+                            &mut s_half[half],
+                            &w,
+                            |ti| t.xq.add(ti * t.xs + k * 256 + 128 * n + 32 * quarter),
+                            8 * half,
+                        );
+                    }
+                    let sb = 8 * n + 2 * quarter;
+                    let sc_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        b.add(Q6K_SC + 16 * sb) as *const __m128i
+                    ));
+                    let sc_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        b.add(Q6K_SC + 16 * (sb + 1)) as *const __m128i,
+                    ));
+                    let dsc_lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc_lo));
+                    let dsc_hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc_hi));
+                    for ti in 0..NT {
+                        let ai = ti * t.anb + 8 * k + 4 * n + quarter;
+                        let xlo = *t.xilo.add(ai);
+                        let xhi = *t.xi.add(ai) - xlo;
+                        let s_lo = _mm512_sub_epi32(
+                            sum_chains(&s_half[0], ti),
+                            _mm512_set1_epi32(32 * xlo),
+                        );
+                        let s_hi = _mm512_sub_epi32(
+                            sum_chains(&s_half[1], ti),
+                            _mm512_set1_epi32(32 * xhi),
+                        );
+                        let dx = _mm512_set1_ps(*t.xd.add(ai));
+                        acc[ti] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(s_lo),
+                            _mm512_mul_ps(dsc_lo, dx),
+                            acc[ti],
+                        );
+                        acc[ti] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(s_hi),
+                            _mm512_mul_ps(dsc_hi, dx),
+                            acc[ti],
+                        );
+                    }
+                }
+            }
+        }
+        store_rows(t, &acc);
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 unsafe fn q8_avx512<const NT: usize>(t: &Tile) {
     unsafe {
-        let ones = _mm512_set1_epi8(1);
         let mut acc = [_mm512_setzero_ps(); NT];
         for k in 0..t.nb {
             let b = t.w.add(k * t.gb);
-            let mut w = [_mm512_setzero_si512(); 8];
-            let mut ws0 = _mm512_setzero_si512();
-            let mut ws1 = _mm512_setzero_si512();
-            for c in 0..8 {
-                w[c] = _mm512_loadu_si512(b.add(64 * c) as *const _);
+            let mut s = [[_mm512_setzero_si512(); 4]; NT];
+            for h in 0..2 {
+                let mut w = [_mm512_setzero_si512(); 8];
+                for c in 0..4 {
+                    let v = _mm512_loadu_si512(b.add(64 * (4 * h + c)) as *const _);
+                    // bytes (0, 2) and (1, 3) of every row word, sign-extended to i16
+                    w[2 * c] = _mm512_srai_epi16::<8>(_mm512_slli_epi16::<8>(v));
+                    w[2 * c + 1] = _mm512_srai_epi16::<8>(v);
+                }
+                dp_tokens(&mut s, &w, |ti| t.xq.add(ti * t.xs + k * 32), 8 * h);
             }
-            for c in 0..4 {
-                ws0 = _mm512_dpbusd_epi32(ws0, ones, w[c]);
-                ws1 = _mm512_dpbusd_epi32(ws1, ones, w[4 + c]);
-            }
-            // x is fed as unsigned (x + 128); subtract 128 * sum(w) per row.
-            let corr = _mm512_slli_epi32::<7>(_mm512_add_epi32(ws0, ws1));
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(512) as *const __m256i));
             for ti in 0..NT {
-                let x = t.xq.add(ti * t.xs + k * 32);
-                let mut s0 = _mm512_setzero_si512();
-                let mut s1 = _mm512_setzero_si512();
-                for c in 0..4 {
-                    let x0 = bcast(x, c) ^ 0x8080_8080u32 as i32;
-                    let x1 = bcast(x, 4 + c) ^ 0x8080_8080u32 as i32;
-                    s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(x0), w[c]);
-                    s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(x1), w[4 + c]);
-                }
-                let ai = ti * t.nb + k;
-                let s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr);
+                let ai = ti * t.anb + k;
                 let dx = _mm512_set1_ps(*t.xd.add(ai));
-                acc[ti] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[ti]);
+                acc[ti] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(sum_chains(&s, ti)),
+                    _mm512_mul_ps(dw, dx),
+                    acc[ti],
+                );
             }
         }
-        let mask: __mmask16 = if t.nvalid >= 16 {
-            0xFFFF
-        } else {
-            (1u16 << t.nvalid) - 1
-        };
-        for (ti, a) in acc.iter().enumerate() {
-            _mm512_mask_storeu_ps(t.out.add(ti * t.os), mask, *a);
-        }
+        store_rows(t, &acc);
     }
 }
 
@@ -161,6 +354,9 @@ pub(crate) unsafe fn tile_avx2(ty: QuantType, t: &Tile, nt: usize) {
             QuantType::Q4_0 => dispatch_nt!(q4_avx2_false, nt, NT_256, (t)),
             QuantType::Q4_1 => dispatch_nt!(q4_avx2_true, nt, NT_256, (t)),
             QuantType::Q8_0 => dispatch_nt!(q8_avx2, nt, NT_256, (t)),
+            // The portable kernel, autovectorized for AVX2 (bit-identical by construction).
+            QuantType::Q4_K => super::packed::tile_q4k_scalar(t, nt),
+            QuantType::Q6_K => super::packed::tile_q6k_scalar(t, nt),
             _ => unreachable!(),
         }
     }
@@ -192,8 +388,7 @@ unsafe fn store_partial(p: *mut f32, v: __m256, n: usize) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_avx2<const NT: usize, const Q41: bool>(t: &Tile) {
     unsafe {
-        let m4 = _mm256_set1_epi8(0x0F);
-        let ones16 = _mm256_set1_epi16(1);
+        let m4 = _mm256_set1_epi32(0x000F_000F);
         // Rows 0..8 then 8..16 (the two 32-byte halves of every chunk).
         for h in 0..2 {
             if 8 * h >= t.nvalid {
@@ -202,35 +397,33 @@ unsafe fn q4_avx2<const NT: usize, const Q41: bool>(t: &Tile) {
             let mut acc = [_mm256_setzero_ps(); NT];
             for k in 0..t.nb {
                 let b = t.w.add(k * t.gb);
-                let mut lo = [_mm256_setzero_si256(); 4];
-                let mut hi = [_mm256_setzero_si256(); 4];
+                let mut s = [_mm256_setzero_si256(); NT];
                 for c in 0..4 {
                     let v = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
-                    lo[c] = _mm256_and_si256(v, m4);
-                    hi[c] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
-                }
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(256 + 16 * h) as *const __m128i));
-                let mw = if Q41 {
-                    _mm256_cvtph_ps(_mm_loadu_si128(b.add(288 + 16 * h) as *const __m128i))
-                } else {
-                    _mm256_setzero_ps()
-                };
-                for ti in 0..NT {
-                    let x = t.xq.add(ti * t.xs + k * 32);
-                    // |pair| <= 2 * 15 * 127, eight of them fit in i16.
-                    let mut s16 = _mm256_setzero_si256();
-                    for c in 0..4 {
-                        s16 = _mm256_add_epi16(
-                            s16,
-                            _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(bcast(x, c))),
-                        );
-                        s16 = _mm256_add_epi16(
-                            s16,
-                            _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(bcast(x, 4 + c))),
+                    let vh = _mm256_srli_epi32::<4>(v);
+                    let w = [
+                        _mm256_and_si256(v, m4),
+                        _mm256_and_si256(_mm256_srli_epi32::<8>(v), m4),
+                        _mm256_and_si256(vh, m4),
+                        _mm256_and_si256(_mm256_srli_epi32::<8>(vh), m4),
+                    ];
+                    for ti in 0..NT {
+                        let x = t.xq.add(ti * t.xs + k * 32);
+                        let p0 = _mm256_madd_epi16(w[0], _mm256_set1_epi32(bcast(x, 2 * c)));
+                        let p1 = _mm256_madd_epi16(w[1], _mm256_set1_epi32(bcast(x, 2 * c + 1)));
+                        let p2 = _mm256_madd_epi16(w[2], _mm256_set1_epi32(bcast(x, 8 + 2 * c)));
+                        let p3 =
+                            _mm256_madd_epi16(w[3], _mm256_set1_epi32(bcast(x, 9 + 2 * c)));
+                        s[ti] = _mm256_add_epi32(
+                            s[ti],
+                            _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)),
                         );
                     }
-                    let mut s = _mm256_madd_epi16(s16, ones16);
-                    let ai = ti * t.nb + k;
+                }
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(256 + 16 * h) as *const __m128i));
+                for ti in 0..NT {
+                    let ai = ti * t.anb + k;
+                    let mut s = s[ti];
                     if !Q41 {
                         s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * *t.xi.add(ai)));
                     }
@@ -238,6 +431,8 @@ unsafe fn q4_avx2<const NT: usize, const Q41: bool>(t: &Tile) {
                     acc[ti] =
                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc[ti]);
                     if Q41 {
+                        let mw =
+                            _mm256_cvtph_ps(_mm_loadu_si128(b.add(288 + 16 * h) as *const __m128i));
                         acc[ti] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*t.xsd.add(ai)), acc[ti]);
                     }
                 }
@@ -252,7 +447,6 @@ unsafe fn q4_avx2<const NT: usize, const Q41: bool>(t: &Tile) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_avx2<const NT: usize>(t: &Tile) {
     unsafe {
-        let ones16 = _mm256_set1_epi16(1);
         for h in 0..2 {
             if 8 * h >= t.nvalid {
                 break;
@@ -260,21 +454,25 @@ unsafe fn q8_avx2<const NT: usize>(t: &Tile) {
             let mut acc = [_mm256_setzero_ps(); NT];
             for k in 0..t.nb {
                 let b = t.w.add(k * t.gb);
+                let mut s = [_mm256_setzero_si256(); NT];
+                for c in 0..8 {
+                    let v = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
+                    // bytes (0, 2) and (1, 3) of every row word, sign-extended to i16
+                    let we = _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(v));
+                    let wo = _mm256_srai_epi16::<8>(v);
+                    for ti in 0..NT {
+                        let x = t.xq.add(ti * t.xs + k * 32);
+                        let p0 = _mm256_madd_epi16(we, _mm256_set1_epi32(bcast(x, 2 * c)));
+                        let p1 = _mm256_madd_epi16(wo, _mm256_set1_epi32(bcast(x, 2 * c + 1)));
+                        s[ti] = _mm256_add_epi32(s[ti], _mm256_add_epi32(p0, p1));
+                    }
+                }
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(512 + 16 * h) as *const __m128i));
                 for ti in 0..NT {
-                    let x = t.xq.add(ti * t.xs + k * 32);
-                    let mut s = _mm256_setzero_si256();
-                    for c in 0..8 {
-                        let w = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
-                        let xb = _mm256_set1_epi32(bcast(x, c));
-                        // |w| * sign(x, w) == w * x; a pair is at most 2 * 128 * 127.
-                        let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones16));
-                    }
-                    let ai = ti * t.nb + k;
+                    let ai = ti * t.anb + k;
                     let dx = _mm256_set1_ps(*t.xd.add(ai));
                     acc[ti] =
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc[ti]);
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[ti]), _mm256_mul_ps(dw, dx), acc[ti]);
                 }
             }
             for (ti, a) in acc.iter().enumerate() {
@@ -346,15 +544,18 @@ pub(crate) unsafe fn dot4_avx2(w: &[f32], nr: usize, cols: usize, x: &[f32]) -> 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 pub(crate) unsafe fn quantize_acts_avx512(
     x: &[f32],
-    qs: &mut [i8],
+    qs: &mut [i16],
     d: &mut [f32],
     sd: &mut [f32],
     isum: &mut [i32],
+    isum_lo: &mut [i32],
 ) {
     unsafe {
         let absmask = _mm512_set1_epi32(0x7FFF_FFFF);
-        let lo = _mm512_set1_epi32(-127);
-        let hi = _mm512_set1_epi32(127);
+        let lo = _mm512_set1_epi32(-32767);
+        let hi = _mm512_set1_epi32(32767);
+        // `packed::PAIR_POS` within every group of 4.
+        let perm = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
         for b in 0..d.len() {
             let p = x.as_ptr().add(32 * b);
             let v0 = _mm512_loadu_ps(p);
@@ -362,7 +563,7 @@ pub(crate) unsafe fn quantize_acts_avx512(
             let a0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), absmask));
             let a1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), absmask));
             let amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-            let db = amax / 127.0;
+            let db = amax / super::packed::QMAX;
             let id = _mm512_set1_ps(if db != 0.0 { 1.0 / db } else { 0.0 });
             let q0 = _mm512_min_epi32(
                 _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), lo),
@@ -373,11 +574,18 @@ pub(crate) unsafe fn quantize_acts_avx512(
                 hi,
             );
             let o = qs.as_mut_ptr().add(32 * b);
-            _mm_storeu_si128(o as *mut __m128i, _mm512_cvtepi32_epi8(q0));
-            _mm_storeu_si128(o.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(q1));
+            _mm256_storeu_si256(
+                o as *mut __m256i,
+                _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(perm, q0)),
+            );
+            _mm256_storeu_si256(
+                o.add(16) as *mut __m256i,
+                _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(perm, q1)),
+            );
             let s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
             d[b] = db;
             isum[b] = s;
+            isum_lo[b] = _mm512_reduce_add_epi32(q0);
             sd[b] = db * s as f32;
         }
     }
@@ -416,4 +624,44 @@ pub(crate) unsafe fn dequantize_row_avx2(ty: QuantType, bytes: &[u8], out: &mut 
         return;
     }
     super::dequant::dequantize_row_inline(ty, bytes, out)
+}
+
+/// Dots of `nr` (1..=4) rows of `w` (row stride `cols`) with 4 tokens of `x` (`4 * cols` values):
+/// `out[token][row]`, each bit-identical to [`dot4_avx512`] of that token.
+#[target_feature(enable = "avx512f,fma")]
+pub(crate) unsafe fn dot4x4_avx512(w: &[f32], nr: usize, cols: usize, x: &[f32]) -> [[f32; 4]; 4] {
+    assert!(nr <= 4 && w.len() >= nr * cols && x.len() == 4 * cols);
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+        let n16 = cols / 16 * 16;
+        let xp = x.as_ptr();
+        let wp = w.as_ptr();
+        let mut c = 0;
+        while c < n16 {
+            let xv = [
+                _mm512_loadu_ps(xp.add(c)),
+                _mm512_loadu_ps(xp.add(cols + c)),
+                _mm512_loadu_ps(xp.add(2 * cols + c)),
+                _mm512_loadu_ps(xp.add(3 * cols + c)),
+            ];
+            for r in 0..nr {
+                let wv = _mm512_loadu_ps(wp.add(r * cols + c));
+                for t in 0..4 {
+                    acc[t][r] = _mm512_fmadd_ps(wv, xv[t], acc[t][r]);
+                }
+            }
+            c += 16;
+        }
+        let mut res = [[0.0f32; 4]; 4];
+        for t in 0..4 {
+            for r in 0..nr {
+                let mut s = _mm512_reduce_add_ps(acc[t][r]);
+                for cc in n16..cols {
+                    s = w[r * cols + cc].mul_add(x[t * cols + cc], s);
+                }
+                res[t][r] = s;
+            }
+        }
+        res
+    }
 }

@@ -99,7 +99,7 @@ impl Harness {
             cfg.max_position_embeddings,
         )
         .unwrap();
-        self.model.forward(&batch, &mut self.kv)
+        self.model.forward(&batch, &mut self.kv, &mut |_, _| {})
     }
 
     /// Logits of every position of `tokens`, computed as one prompt.

@@ -1,0 +1,197 @@
+//! Engine-level behaviour the services build on: KV moved between two engines gives the same
+//! tokens as one engine doing both phases; preemption under KV pressure and prefix-cache hits
+//! do not change anyone's tokens; cancellation frees blocks.
+
+mod common;
+
+use common::fixtures;
+use duet_engine::engine::{Engine, EngineOptions, SeqId};
+use duet_engine::generation::StopCriteria;
+use duet_engine::sampling::SamplingParams;
+
+fn tiny(kv_cache_tokens: usize) -> Engine {
+    let options = EngineOptions {
+        threads: 2,
+        block_size: 4,
+        kv_cache_tokens,
+        max_step_tokens: 64,
+    };
+    Engine::load(&fixtures().join("tiny-llama"), options).unwrap()
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| 3 + (i * 7919 + seed * 104_729) % 380)
+        .collect()
+}
+
+fn stop(n: usize) -> StopCriteria {
+    StopCriteria {
+        max_tokens: n,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// Runs every sequence to the end and returns their generated tokens, in order of `ids`.
+fn finish_all(engine: &mut Engine, ids: &[SeqId], prompt_lens: &[usize]) -> Vec<Vec<u32>> {
+    while engine.has_work() {
+        engine.step().unwrap();
+    }
+    ids.iter()
+        .zip(prompt_lens)
+        .map(|(&id, &n)| {
+            let t = engine.tokens(id).unwrap()[n..].to_vec();
+            engine.remove_sequence(id).unwrap();
+            t
+        })
+        .collect()
+}
+
+fn solo(p: &[u32], n: usize, params: SamplingParams) -> Vec<u32> {
+    let mut e = tiny(1024);
+    let id = e.add_sequence(p.to_vec(), params, stop(n)).unwrap();
+    finish_all(&mut e, &[id], &[p.len()]).remove(0)
+}
+
+#[test]
+fn kv_moved_between_engines_continues_exactly() {
+    for params in [
+        SamplingParams::greedy(),
+        SamplingParams {
+            temperature: 0.9,
+            seed: Some(11),
+            ..Default::default()
+        },
+    ] {
+        let p = prompt(1, 27);
+        let want = solo(&p, 10, params.clone());
+
+        // Prefill engine: compute the prompt and its first token (max_tokens 2 keeps the
+        // sequence, and so its blocks, alive after this step).
+        let mut prefill = tiny(1024);
+        let pid = prefill
+            .add_sequence(p.clone(), params.clone(), stop(2))
+            .unwrap();
+        let first = prefill.step().unwrap().remove(0).token;
+        let src_blocks = prefill.block_table(pid).unwrap().to_vec();
+
+        // Decode engine: reserve, receive every (layer, block), continue.
+        let mut decode = tiny(1024);
+        let r = decode.reserve(&p).unwrap();
+        assert_eq!(r.blocks.len(), src_blocks.len());
+        assert_eq!(r.cached_blocks, 0);
+        let mut buf = vec![0u8; prefill.kv_block_bytes()];
+        for layer in 0..prefill.config().num_layers {
+            for (src, dst) in src_blocks.iter().zip(&r.blocks) {
+                prefill.read_kv_block(layer, *src, &mut buf).unwrap();
+                decode.write_kv_block(layer, *dst, &buf).unwrap();
+            }
+        }
+        let (id, out) = decode
+            .add_prefilled(p.clone(), r, first, params.clone(), stop(10))
+            .unwrap();
+        assert_eq!(out.token.token, want[0]);
+        let got = finish_all(&mut decode, &[id], &[p.len()]).remove(0);
+        assert_eq!(
+            got, want,
+            "disaggregated continuation differs (params {params:?})"
+        );
+    }
+}
+
+#[test]
+fn reservation_reuses_local_prefix_and_release_frees_it() {
+    let mut e = tiny(64);
+    let p = prompt(2, 18);
+    let id = e
+        .add_sequence(p.clone(), SamplingParams::greedy(), stop(2))
+        .unwrap();
+    finish_all(&mut e, &[id], &[p.len()]);
+    let free_before = e.block_pool().available();
+    let r = e.reserve(&p).unwrap();
+    assert_eq!(
+        r.cached_blocks, 4,
+        "18 tokens = 4 full blocks cached from the first run"
+    );
+    assert_eq!(r.blocks.len(), 5);
+    e.release(r).unwrap();
+    assert_eq!(e.block_pool().available(), free_before);
+    assert_eq!(e.block_pool().stats().in_use, 0);
+}
+
+#[test]
+fn bad_kv_writes_are_refused() {
+    let mut e = tiny(64);
+    let n = e.kv_block_bytes();
+    assert!(
+        e.write_kv_block(0, 0, &vec![0u8; n - 4]).is_err(),
+        "short block"
+    );
+    assert!(
+        e.write_kv_block(99, 0, &vec![0u8; n]).is_err(),
+        "no such layer"
+    );
+    assert!(
+        e.write_kv_block(0, 16, &vec![0u8; n]).is_err(),
+        "no such block"
+    );
+}
+
+#[test]
+fn preemption_under_kv_pressure_keeps_every_sequence_exact() {
+    let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(10 + i, 9 + 3 * i as usize)).collect();
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| solo(p, 20, SamplingParams::greedy()))
+        .collect();
+    // 6 sequences of up to 44 tokens in 96 slots: they cannot all fit.
+    let mut e = tiny(96);
+    let ids: Vec<SeqId> = prompts
+        .iter()
+        .map(|p| {
+            e.add_sequence(p.clone(), SamplingParams::greedy(), stop(20))
+                .unwrap()
+        })
+        .collect();
+    let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+    let got = finish_all(&mut e, &ids, &lens);
+    assert!(e.preemptions() > 0, "the test must actually preempt");
+    assert_eq!(got, want);
+    assert_eq!(e.block_pool().stats().in_use, 0, "every block released");
+}
+
+#[test]
+fn prefix_cache_hit_skips_work_and_keeps_tokens() {
+    let mut e = tiny(1024);
+    let p = prompt(3, 30);
+    let a = e
+        .add_sequence(p.clone(), SamplingParams::greedy(), stop(8))
+        .unwrap();
+    let first = finish_all(&mut e, &[a], &[p.len()]).remove(0);
+    let b = e
+        .add_sequence(p.clone(), SamplingParams::greedy(), stop(8))
+        .unwrap();
+    assert_eq!(
+        e.cached_prompt_tokens(b),
+        Some(28),
+        "7 full blocks reused, the last token recomputed"
+    );
+    let second = finish_all(&mut e, &[b], &[p.len()]).remove(0);
+    assert_eq!(first, second);
+}
+
+#[test]
+fn removing_a_running_sequence_frees_its_blocks() {
+    let mut e = tiny(256);
+    let p = prompt(4, 21);
+    let id = e
+        .add_sequence(p, SamplingParams::greedy(), stop(50))
+        .unwrap();
+    e.step().unwrap();
+    e.step().unwrap();
+    assert!(e.block_pool().stats().in_use > 0);
+    e.remove_sequence(id).unwrap();
+    assert_eq!(e.block_pool().stats().in_use, 0);
+    assert!(e.remove_sequence(id).is_err(), "unknown sequence");
+}
