@@ -7,20 +7,19 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use duet_engine::engine::{Engine, SeqId};
+use duet_engine::engine::{Engine, EngineOptions, SeqId};
 use duet_engine::generation::StopCriteria;
 use duet_engine::sampling::SamplingParams;
 use serde::Serialize;
 
-use crate::generate::EngineArgs;
-use crate::model_path::ModelArgs;
+use duet_engine::model_path::ModelArgs;
 
 #[derive(Args, Debug)]
 pub struct EngineBenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
-    pub engine: EngineArgs,
+    pub engine: EngineOptions,
     /// Batch sizes to measure.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     pub batch: Vec<usize>,
@@ -83,7 +82,7 @@ struct Report {
 
 pub fn run_engine(args: EngineBenchArgs) -> Result<()> {
     let path = args.model.resolve()?;
-    let options = args.engine.options();
+    let options = args.engine.clone();
     let needed = args.batch.iter().max().copied().unwrap_or(1)
         * (args.prompt_tokens.max(args.decode_context) + args.decode_steps + 1);
     if options.kv_cache_tokens < needed {

@@ -11,14 +11,14 @@ use duet_engine::generation::{FinishReason, StopCriteria};
 use duet_engine::sampling::SamplingParams;
 use serde::Serialize;
 
-use crate::model_path::ModelArgs;
+use duet_engine::model_path::ModelArgs;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
-    pub engine: EngineArgs,
+    pub engine: EngineOptions,
     /// The prompt text (special tokens such as <|im_start|> are recognised).
     #[arg(long)]
     pub prompt: String,
@@ -63,34 +63,6 @@ pub struct GenerateArgs {
     pub json: bool,
 }
 
-/// Engine sizing flags shared by the commands that load a model.
-#[derive(Args, Debug, Clone)]
-pub struct EngineArgs {
-    /// Kernel threads (0: one per core).
-    #[arg(long, env = "DUET_THREADS", default_value_t = 0)]
-    pub threads: usize,
-    /// Tokens per KV cache block.
-    #[arg(long, env = "DUET_BLOCK_SIZE", default_value_t = 16)]
-    pub block_size: usize,
-    /// KV cache capacity in tokens, over all sequences.
-    #[arg(long, env = "DUET_KV_CACHE_TOKENS", default_value_t = 16384)]
-    pub kv_cache_tokens: usize,
-    /// Most tokens one forward step computes; longer prompts are prefilled in chunks.
-    #[arg(long, env = "DUET_MAX_STEP_TOKENS", default_value_t = 512)]
-    pub max_step_tokens: usize,
-}
-
-impl EngineArgs {
-    pub fn options(&self) -> EngineOptions {
-        EngineOptions {
-            threads: self.threads,
-            block_size: self.block_size,
-            kv_cache_tokens: self.kv_cache_tokens,
-            max_step_tokens: self.max_step_tokens,
-        }
-    }
-}
-
 #[derive(Serialize)]
 struct Timings {
     prefill_ms: f64,
@@ -110,7 +82,7 @@ struct JsonOutput {
 
 pub fn run(args: GenerateArgs) -> Result<()> {
     let path = args.model.resolve()?;
-    let mut engine = Engine::load(&path, args.engine.options())
+    let mut engine = Engine::load(&path, args.engine.clone())
         .with_context(|| format!("loading {}", path.display()))?;
     let prompt_text = if args.chat {
         engine.apply_chat_template(&[ChatMessage {

@@ -3,7 +3,6 @@
 mod bench;
 mod fetch;
 mod generate;
-mod model_path;
 
 use clap::{Parser, Subcommand};
 

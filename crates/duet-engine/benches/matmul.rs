@@ -162,7 +162,7 @@ fn main() {
         }
     }
 
-    // Other weight types (simpler dequantize-then-FMA path for the float and k-quant types).
+    // Other weight types (integer kernels for the block types, dequantize-then-FMA for floats).
     println!("\n== other types, 576x1536, detected path ==");
     println!(
         "{:<22} {:>6} {:>10} {:>9} {:>9}",

@@ -20,16 +20,20 @@ use crate::model_files::{ModelFiles, open_model};
 use crate::sampling::{Sampled, Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
-/// Sizes of the engine's resources.
-#[derive(Clone, Debug)]
+/// Sizes of the engine's resources (also the engine flags of every command that loads a model).
+#[derive(Clone, Debug, clap::Args)]
 pub struct EngineOptions {
     /// Kernel threads (0: one per core).
+    #[arg(long, env = "DUET_THREADS", default_value_t = 0)]
     pub threads: usize,
-    /// Tokens per KV block.
+    /// Tokens per KV cache block.
+    #[arg(long, env = "DUET_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: usize,
-    /// Token slots in the KV cache, over all sequences.
+    /// KV cache capacity in tokens, over all sequences.
+    #[arg(long, env = "DUET_KV_CACHE_TOKENS", default_value_t = 16384)]
     pub kv_cache_tokens: usize,
-    /// Most new tokens one step computes (prompts beyond it are prefilled in chunks).
+    /// Most tokens one forward step computes; longer prompts are prefilled in chunks.
+    #[arg(long, env = "DUET_MAX_STEP_TOKENS", default_value_t = 512)]
     pub max_step_tokens: usize,
 }
 

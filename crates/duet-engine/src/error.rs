@@ -24,6 +24,8 @@ pub enum EngineError {
     Weights(String),
     #[error("bad engine configuration: {0}")]
     Config(String),
+    #[error("{0}")]
+    ModelNotFound(String),
     #[error("no sequence {0} in this engine")]
     UnknownSequence(u64),
 }

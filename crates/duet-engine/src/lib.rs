@@ -12,6 +12,7 @@ pub mod generation;
 pub mod gguf;
 pub mod llama;
 pub mod model_files;
+pub mod model_path;
 pub mod quant;
 pub mod safetensors;
 pub mod sampling;

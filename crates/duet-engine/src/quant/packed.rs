@@ -520,10 +520,10 @@ pub(crate) unsafe fn tile_q6k_scalar(t: &Tile, nt: usize) {
                         for r in 0..GROUP {
                             let sc_lo = blk[Q6K_SC + sb * 16 + r] as i8 as f32;
                             let sc_hi = blk[Q6K_SC + (sb + 1) * 16 + r] as i8 as f32;
-                            acc[r] = ((s_lo[r] - 32 * xlo) as f32)
-                                .mul_add(d[r] * sc_lo * dx, acc[r]);
-                            acc[r] = ((s_hi[r] - 32 * xhi) as f32)
-                                .mul_add(d[r] * sc_hi * dx, acc[r]);
+                            acc[r] =
+                                ((s_lo[r] - 32 * xlo) as f32).mul_add(d[r] * sc_lo * dx, acc[r]);
+                            acc[r] =
+                                ((s_hi[r] - 32 * xhi) as f32).mul_add(d[r] * sc_hi * dx, acc[r]);
                         }
                     }
                 }

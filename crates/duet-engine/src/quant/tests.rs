@@ -542,7 +542,11 @@ fn extreme_blocks_do_not_overflow() {
             for t in 0..n {
                 let mut one = vec![f32::NAN; rows];
                 m.matmul_with(path, &x[t * cols..(t + 1) * cols], 1, &mut one, &pool);
-                assert_eq!(&out[t * rows..(t + 1) * rows], &one[..], "{ty} {path:?} {t}");
+                assert_eq!(
+                    &out[t * rows..(t + 1) * rows],
+                    &one[..],
+                    "{ty} {path:?} {t}"
+                );
             }
             match &first {
                 None => first = Some(out),

@@ -412,8 +412,7 @@ unsafe fn q4_avx2<const NT: usize, const Q41: bool>(t: &Tile) {
                         let p0 = _mm256_madd_epi16(w[0], _mm256_set1_epi32(bcast(x, 2 * c)));
                         let p1 = _mm256_madd_epi16(w[1], _mm256_set1_epi32(bcast(x, 2 * c + 1)));
                         let p2 = _mm256_madd_epi16(w[2], _mm256_set1_epi32(bcast(x, 8 + 2 * c)));
-                        let p3 =
-                            _mm256_madd_epi16(w[3], _mm256_set1_epi32(bcast(x, 9 + 2 * c)));
+                        let p3 = _mm256_madd_epi16(w[3], _mm256_set1_epi32(bcast(x, 9 + 2 * c)));
                         s[ti] = _mm256_add_epi32(
                             s[ti],
                             _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)),

@@ -2,8 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Result, bail};
 use clap::Args;
+
+use crate::EngineError;
 
 /// The default model: file name inside the models directory.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -21,21 +22,21 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     /// The model path to load, or an error that says how to get the default model.
-    pub fn resolve(&self) -> Result<PathBuf> {
+    pub fn resolve(&self) -> Result<PathBuf, EngineError> {
         match &self.model {
             Some(p) if p.exists() => Ok(p.clone()),
-            Some(p) => bail!("model {} does not exist", p.display()),
+            Some(p) => Err(EngineError::ModelNotFound(format!("model {} does not exist", p.display()))),
             None => default_model(&self.models_dir),
         }
     }
 }
 
-pub fn default_model(models_dir: &Path) -> Result<PathBuf> {
+pub fn default_model(models_dir: &Path) -> Result<PathBuf, EngineError> {
     let path = models_dir.join(DEFAULT_MODEL_FILE);
     if path.exists() {
         return Ok(path);
     }
-    bail!(
+    Err(EngineError::ModelNotFound(format!(
         "the default model is not installed (looked for {}); fetch it with `duet model fetch`{}",
         path.display(),
         if models_dir == Path::new("models") {
@@ -43,5 +44,5 @@ pub fn default_model(models_dir: &Path) -> Result<PathBuf> {
         } else {
             format!(" --models-dir {}", models_dir.display())
         }
-    )
+    )))
 }

@@ -1,0 +1,1 @@
+//! Shared harness for the cross-service integration tests.
