@@ -189,3 +189,46 @@ mod tests {
         );
     }
 }
+
+/// The caller's remaining time, from the `grpc-timeout` header tonic leaves in the metadata
+/// (`<digits><unit>`, unit one of H M S m u n). `None` when the caller set no deadline.
+pub fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<std::time::Duration> {
+    let v = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    use std::time::Duration;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod timeout_tests {
+    use super::grpc_timeout;
+    use std::time::Duration;
+
+    #[test]
+    fn parses_every_unit_and_rejects_garbage() {
+        let mut m = tonic::metadata::MetadataMap::new();
+        assert_eq!(grpc_timeout(&m), None);
+        for (v, d) in [
+            ("2H", Duration::from_secs(7200)),
+            ("3M", Duration::from_secs(180)),
+            ("5S", Duration::from_secs(5)),
+            ("250m", Duration::from_millis(250)),
+            ("7u", Duration::from_micros(7)),
+            ("9n", Duration::from_nanos(9)),
+        ] {
+            m.insert("grpc-timeout", v.parse().unwrap());
+            assert_eq!(grpc_timeout(&m), Some(d), "{v}");
+        }
+        m.insert("grpc-timeout", "12x".parse().unwrap());
+        assert_eq!(grpc_timeout(&m), None);
+    }
+}

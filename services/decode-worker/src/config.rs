@@ -1,0 +1,29 @@
+//! Flags of the decode worker (each also an environment variable).
+
+use std::net::SocketAddr;
+
+use duet_engine::engine::EngineOptions;
+use duet_engine::model_path::ModelArgs;
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct DecodeConfig {
+    /// Address to serve DecodeWorker, KvTransfer and WorkerControl on.
+    #[arg(long, env = "DUET_DECODE_LISTEN", default_value = "127.0.0.1:50071")]
+    pub listen: SocketAddr,
+    /// Address prefill workers push KV to (default: the listen address).
+    #[arg(long, env = "DUET_DECODE_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// This worker's id in the cluster (default: decode-<port>).
+    #[arg(long, env = "DUET_WORKER_ID")]
+    pub worker_id: Option<String>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineOptions,
+    /// How long KV blocks reserved for a transfer are held before they are reclaimed.
+    #[arg(long, env = "DUET_RESERVATION_TIMEOUT_MS", default_value_t = 30_000)]
+    pub reservation_timeout_ms: u64,
+    /// Longest a single prefill attempt may take before the next prefill worker is tried.
+    #[arg(long, env = "DUET_PREFILL_TIMEOUT_MS", default_value_t = 60_000)]
+    pub prefill_timeout_ms: u64,
+}

@@ -1,0 +1,604 @@
+//! The decode worker's gRPC services: `DecodeWorker/Decode` (owns a request from reservation to
+//! last token), `KvTransfer/Push` (KV arriving from prefill workers) and `WorkerControl/Stats`.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use duet_engine::generation::StopCriteria;
+use duet_engine::sampling::{Logprobs, Sampled, SamplingParams};
+use duet_proto::v1;
+use futures::{Stream, StreamExt};
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::error::DecodeError;
+use crate::scheduler::{Command, Event, Generation, JobId, SchedulerHandle};
+
+/// What every service of this worker shares.
+pub struct WorkerState {
+    pub worker_id: String,
+    pub advertise: String,
+    pub fingerprint: String,
+    pub block_size: usize,
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub scheduler: SchedulerHandle,
+    pub prefill_timeout: Duration,
+    pub incarnation: u64,
+    next_job: AtomicU64,
+    pub served: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub prefix_hit_tokens: AtomicU64,
+    pub bytes_in: AtomicU64,
+}
+
+impl WorkerState {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        worker_id: String,
+        advertise: String,
+        fingerprint: String,
+        geometry: (usize, usize, usize, usize),
+        scheduler: SchedulerHandle,
+        prefill_timeout: Duration,
+    ) -> Self {
+        let (block_size, num_layers, num_kv_heads, head_dim) = geometry;
+        let incarnation = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        Self {
+            worker_id,
+            advertise,
+            fingerprint,
+            block_size,
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            scheduler,
+            prefill_timeout,
+            incarnation,
+            next_job: AtomicU64::new(1),
+            served: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            prefix_hit_tokens: AtomicU64::new(0),
+            bytes_in: AtomicU64::new(0),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct DecodeService {
+    pub state: Arc<WorkerState>,
+}
+
+/// Frees the request's resources on the engine thread when the response stream goes away
+/// (finished, failed, or dropped by a cancelling client).
+struct CancelOnDrop {
+    job: JobId,
+    scheduler: SchedulerHandle,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        let _ = self.scheduler.send(Command::Cancel { job: self.job });
+    }
+}
+
+pub fn engine_params(p: &v1::SamplingParams) -> (SamplingParams, StopCriteria) {
+    let params = SamplingParams {
+        temperature: p.temperature,
+        top_k: p.top_k,
+        top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
+        min_p: p.min_p,
+        repetition_penalty: if p.repetition_penalty == 0.0 {
+            1.0
+        } else {
+            p.repetition_penalty
+        },
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        seed: p.seed,
+        logprobs: p.logprobs,
+    };
+    let stop = StopCriteria {
+        max_tokens: p.max_tokens as usize,
+        stop_token_ids: p.stop_token_ids.clone(),
+        stop_strings: p.stop.clone(),
+        ignore_eos: p.ignore_eos,
+    };
+    (params, stop)
+}
+
+fn token_logprobs(s: &Sampled) -> Option<v1::TokenLogprobs> {
+    s.logprobs
+        .as_ref()
+        .map(|Logprobs { logprob, top }| v1::TokenLogprobs {
+            token_id: s.token,
+            logprob: *logprob,
+            top: top
+                .iter()
+                .map(|&(token_id, logprob)| v1::TokenLogprob { token_id, logprob })
+                .collect(),
+        })
+}
+
+fn sampled_from(t: &v1::TokenLogprobs, want_logprobs: bool) -> Sampled {
+    Sampled {
+        token: t.token_id,
+        logprobs: want_logprobs.then(|| Logprobs {
+            logprob: t.logprob,
+            top: t.top.iter().map(|a| (a.token_id, a.logprob)).collect(),
+        }),
+    }
+}
+
+type DecodeStream = Pin<Box<dyn Stream<Item = Result<v1::DecodeResponse, Status>> + Send>>;
+
+/// Where the request's time went before decoding started.
+#[derive(Default, Clone)]
+struct PrefillReport {
+    queue_ms: f64,
+    prefill_ms: f64,
+    transfer_ms: f64,
+    worker: String,
+    local: bool,
+    cached_tokens: u32,
+    retries: u32,
+}
+
+#[tonic::async_trait]
+impl v1::decode_worker_server::DecodeWorker for DecodeService {
+    type DecodeStream = DecodeStream;
+
+    async fn decode(
+        &self,
+        request: Request<v1::DecodeRequest>,
+    ) -> Result<Response<DecodeStream>, Status> {
+        let received = Instant::now();
+        let deadline = duet_proto::grpc_timeout(request.metadata()).map(|d| received + d);
+        let req = request.into_inner();
+        let state = self.state.clone();
+        if !req.model_fingerprint.is_empty() && req.model_fingerprint != state.fingerprint {
+            return Err(DecodeError::FailedPrecondition(format!(
+                "model fingerprint mismatch: the router expects {}, this worker runs {}",
+                req.model_fingerprint, state.fingerprint
+            ))
+            .into());
+        }
+        let sampling = req
+            .sampling
+            .clone()
+            .ok_or_else(|| Status::invalid_argument("sampling parameters are missing"))?;
+        if req.prompt_token_ids.is_empty() {
+            return Err(Status::invalid_argument("the prompt is empty"));
+        }
+        let (params, stop) = engine_params(&sampling);
+        let job = state.next_job.fetch_add(1, Ordering::Relaxed);
+        let guard = CancelOnDrop {
+            job,
+            scheduler: state.scheduler.clone(),
+        };
+        let (events_tx, mut events) = mpsc::unbounded_channel();
+        let generation = Generation {
+            prompt: req.prompt_token_ids.clone(),
+            params,
+            stop,
+            events: events_tx,
+        };
+        let plan = req.plan.clone().unwrap_or_default();
+        let report = if plan.local || plan.prefill_workers.is_empty() {
+            state.scheduler.send(Command::Local { job, generation })?;
+            PrefillReport {
+                worker: state.worker_id.clone(),
+                local: true,
+                ..Default::default()
+            }
+        } else {
+            prefill_remotely(&state, job, &req, &plan, generation, deadline).await?
+        };
+        state
+            .prompt_tokens
+            .fetch_add(req.prompt_token_ids.len() as u64, Ordering::Relaxed);
+
+        let prompt_tokens = req.prompt_token_ids.len() as u32;
+        let worker_id = state.worker_id.clone();
+        let stream = async_stream(move |tx| async move {
+            let _guard = guard;
+            let mut completion = 0u32;
+            let mut first_at = None;
+            while let Some(ev) = events.recv().await {
+                match ev {
+                    Event::Output(out) => {
+                        first_at.get_or_insert_with(Instant::now);
+                        completion += 1;
+                        let mut msg = v1::DecodeResponse {
+                            token_ids: vec![out.token.token],
+                            text: out.text.clone(),
+                            logprobs: token_logprobs(&out.token).into_iter().collect(),
+                            ..Default::default()
+                        };
+                        if let Some(reason) = out.finish {
+                            msg.finish_reason = match reason {
+                                duet_engine::generation::FinishReason::Stop => {
+                                    v1::FinishReason::Stop
+                                }
+                                duet_engine::generation::FinishReason::Length => {
+                                    v1::FinishReason::Length
+                                }
+                            } as i32;
+                            msg.usage = Some(v1::Usage {
+                                prompt_tokens,
+                                completion_tokens: completion,
+                                cached_prompt_tokens: report.cached_tokens,
+                            });
+                            let decode_ms =
+                                first_at.map_or(0.0, |t: Instant| t.elapsed().as_secs_f64() * 1e3);
+                            msg.timings = Some(v1::Timings {
+                                queue_ms: report.queue_ms,
+                                prefill_ms: report.prefill_ms,
+                                transfer_ms: report.transfer_ms,
+                                decode_ms,
+                                prefill_worker: report.worker.clone(),
+                                decode_worker: worker_id.clone(),
+                                prefill_local: report.local,
+                                prefill_retries: report.retries,
+                                ..Default::default()
+                            });
+                            let _ = tx.send(Ok(msg)).await;
+                            return;
+                        }
+                        if tx.send(Ok(msg)).await.is_err() {
+                            return; // client gone: the guard cancels
+                        }
+                    }
+                    Event::Failed(e) => {
+                        let _ = tx.send(Err(e.into())).await;
+                        return;
+                    }
+                }
+            }
+        });
+        state.served.fetch_add(1, Ordering::Relaxed);
+        Ok(Response::new(stream))
+    }
+}
+
+/// Reserves KV for the prompt, then asks the plan's prefill workers in order to compute it and
+/// push the KV into the reservation; falls back to prefilling here.
+async fn prefill_remotely(
+    state: &Arc<WorkerState>,
+    job: JobId,
+    req: &v1::DecodeRequest,
+    plan: &v1::PrefillPlan,
+    generation: Generation,
+    deadline: Option<Instant>,
+) -> Result<PrefillReport, Status> {
+    let started = Instant::now();
+    let tokens = req.prompt_token_ids.clone();
+    let reservation = state
+        .scheduler
+        .ask(|reply| Command::Reserve { job, tokens, reply })
+        .await?;
+    let reservation = match reservation {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(job, error = %e, "no KV room for a transfer; prefilling locally");
+            state.scheduler.send(Command::Local { job, generation })?;
+            return Ok(PrefillReport {
+                worker: state.worker_id.clone(),
+                local: true,
+                ..Default::default()
+            });
+        }
+    };
+    let queue_ms = started.elapsed().as_secs_f64() * 1e3;
+    let cached_here = (reservation.cached_blocks * state.block_size) as u32;
+    let mut retries = 0;
+    for target in &plan.prefill_workers {
+        let mut timeout = state.prefill_timeout;
+        if let Some(d) = deadline {
+            timeout = timeout.min(d.saturating_duration_since(Instant::now()));
+        }
+        if timeout.is_zero() {
+            break;
+        }
+        let msg = v1::PrefillRequest {
+            request_id: req.request_id.clone(),
+            token_ids: req.prompt_token_ids.clone(),
+            sampling: req.sampling.clone(),
+            dest: Some(v1::KvDestination {
+                transfer_address: state.advertise.clone(),
+                reservation_id: job,
+                block_ids: reservation.block_ids.clone(),
+                cached_blocks: reservation.cached_blocks as u32,
+                transport: v1::TransportKind::Grpc as i32,
+                transport_params: Vec::new(),
+                block_size: state.block_size as u32,
+                decode_worker_id: state.worker_id.clone(),
+            }),
+            model_fingerprint: state.fingerprint.clone(),
+            cache_salt: req.cache_salt.clone(),
+            already_generated: req.already_generated,
+        };
+        match call_prefill(&target.address, msg, timeout).await {
+            Ok(resp) => {
+                let first = resp
+                    .first_token
+                    .as_ref()
+                    .ok_or_else(|| Status::internal("prefill returned no first token"))?;
+                let want_logprobs = req.sampling.as_ref().is_some_and(|s| s.logprobs > 0);
+                let first = sampled_from(first, want_logprobs);
+                state.prefix_hit_tokens.fetch_add(
+                    cached_here.max(resp.cached_tokens) as u64,
+                    Ordering::Relaxed,
+                );
+                state.scheduler.send(Command::Activate {
+                    job,
+                    first,
+                    generation,
+                })?;
+                return Ok(PrefillReport {
+                    queue_ms: queue_ms + resp.queue_ms,
+                    prefill_ms: resp.prefill_ms,
+                    transfer_ms: resp.transfer_ms,
+                    worker: resp.worker_id,
+                    local: false,
+                    cached_tokens: cached_here.max(resp.cached_tokens),
+                    retries,
+                });
+            }
+            Err(status) => {
+                retries += 1;
+                tracing::warn!(job, worker = %target.address, %status, "prefill attempt failed; trying the next");
+            }
+        }
+    }
+    // No prefill worker succeeded: compute the prompt here (the reservation is released first).
+    state.scheduler.send(Command::Local { job, generation })?;
+    Ok(PrefillReport {
+        queue_ms,
+        worker: state.worker_id.clone(),
+        local: true,
+        retries,
+        ..Default::default()
+    })
+}
+
+async fn call_prefill(
+    address: &str,
+    msg: v1::PrefillRequest,
+    timeout: Duration,
+) -> Result<v1::PrefillResponse, Status> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+        .map_err(|e| Status::invalid_argument(e.to_string()))?
+        .connect_timeout(timeout.min(Duration::from_secs(5)));
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| Status::unavailable(format!("{address}: {e}")))?;
+    let mut client = v1::prefill_worker_client::PrefillWorkerClient::new(channel)
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20);
+    let mut request = Request::new(msg);
+    request.set_timeout(timeout);
+    Ok(client.prefill(request).await?.into_inner())
+}
+
+/// A response stream fed by a task (no extra dependency for `async_stream`).
+fn async_stream<F, Fut>(f: F) -> DecodeStream
+where
+    F: FnOnce(mpsc::Sender<Result<v1::DecodeResponse, Status>>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(f(tx));
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+#[derive(Clone)]
+pub struct TransferService {
+    pub state: Arc<WorkerState>,
+}
+
+#[tonic::async_trait]
+impl v1::kv_transfer_server::KvTransfer for TransferService {
+    async fn push(
+        &self,
+        request: Request<Streaming<v1::KvChunk>>,
+    ) -> Result<Response<v1::PushAck>, Status> {
+        let state = &self.state;
+        let mut chunks = request.into_inner();
+        let header = match chunks.next().await {
+            Some(Ok(v1::KvChunk {
+                kind: Some(v1::kv_chunk::Kind::Header(h)),
+            })) => h,
+            Some(Err(e)) => return Err(e),
+            _ => {
+                return Err(Status::invalid_argument(
+                    "a KV push must start with a header",
+                ));
+            }
+        };
+        if header.model_fingerprint != state.fingerprint {
+            return Err(Status::failed_precondition(format!(
+                "model fingerprint mismatch: sender {}, receiver {}",
+                header.model_fingerprint, state.fingerprint
+            )));
+        }
+        let geometry = (
+            header.block_size as usize,
+            header.num_layers as usize,
+            header.num_kv_heads as usize,
+            header.head_dim as usize,
+        );
+        if geometry
+            != (
+                state.block_size,
+                state.num_layers,
+                state.num_kv_heads,
+                state.head_dim,
+            )
+            || header.dtype != "f32"
+            || header.layout != "duet-kv-v1"
+        {
+            return Err(Status::failed_precondition(format!(
+                "KV geometry mismatch: sender (block {}, layers {}, kv heads {}, head dim {}, {} {}), receiver (block {}, layers {}, kv heads {}, head dim {}, f32 duet-kv-v1)",
+                header.block_size,
+                header.num_layers,
+                header.num_kv_heads,
+                header.head_dim,
+                header.dtype,
+                header.layout,
+                state.block_size,
+                state.num_layers,
+                state.num_kv_heads,
+                state.head_dim
+            )));
+        }
+        let job = header.reservation_id;
+        let Some(blocks) = state
+            .scheduler
+            .ask(|reply| Command::ReservationBlocks { job, reply })
+            .await?
+        else {
+            return Ok(Response::new(v1::PushAck {
+                accepted: false,
+                message: format!("reservation {job} is gone (cancelled or expired)"),
+                ..Default::default()
+            }));
+        };
+        let (first, total) = (header.first_block as usize, header.total_blocks as usize);
+        if first + total != blocks {
+            return Err(Status::invalid_argument(format!(
+                "the push covers blocks {first}..{} but the reservation has {blocks}",
+                first + total
+            )));
+        }
+        // Every (layer, block) of the range exactly once.
+        let mut seen = vec![false; state.num_layers * total];
+        let (mut received, mut n_chunks) = (0u64, 0u64);
+        while let Some(chunk) = chunks.next().await {
+            match chunk?.kind {
+                Some(v1::kv_chunk::Kind::Data(d)) => {
+                    if xxhash_rust::xxh3::xxh3_64(&d.payload) != d.xxh3 {
+                        return Err(Status::data_loss(format!(
+                            "checksum mismatch in the KV of layer {}",
+                            d.layer
+                        )));
+                    }
+                    let (layer, start, end) = (
+                        d.layer as usize,
+                        d.block_start as usize,
+                        d.block_end as usize,
+                    );
+                    if layer >= state.num_layers
+                        || start < first
+                        || end > first + total
+                        || start >= end
+                    {
+                        return Err(Status::invalid_argument(format!(
+                            "KV chunk out of range: layer {layer}, blocks {start}..{end}"
+                        )));
+                    }
+                    for b in start..end {
+                        let slot = &mut seen[layer * total + b - first];
+                        if *slot {
+                            return Err(Status::invalid_argument(format!(
+                                "KV of layer {layer} block {b} sent twice"
+                            )));
+                        }
+                        *slot = true;
+                    }
+                    received += d.payload.len() as u64;
+                    n_chunks += 1;
+                    let payload = d.payload;
+                    let written = state
+                        .scheduler
+                        .ask(|reply| Command::WriteKv {
+                            job,
+                            layer,
+                            start,
+                            end,
+                            payload,
+                            reply,
+                        })
+                        .await?;
+                    if let Err(e) = written {
+                        if matches!(e, DecodeError::NotFound(_)) {
+                            return Ok(Response::new(v1::PushAck {
+                                accepted: false,
+                                message: e.to_string(),
+                                ..Default::default()
+                            }));
+                        }
+                        return Err(e.into());
+                    }
+                }
+                Some(v1::kv_chunk::Kind::Done(done)) => {
+                    if done.num_chunks != n_chunks
+                        || done.total_bytes != received
+                        || seen.iter().any(|s| !s)
+                    {
+                        return Err(Status::data_loss(format!(
+                            "incomplete KV push: {n_chunks} chunks / {received} bytes received, {} / {} announced, {} blocks missing",
+                            done.num_chunks,
+                            done.total_bytes,
+                            seen.iter().filter(|s| !**s).count()
+                        )));
+                    }
+                    state.bytes_in.fetch_add(received, Ordering::Relaxed);
+                    return Ok(Response::new(v1::PushAck {
+                        accepted: true,
+                        bytes_received: received,
+                        chunks_received: n_chunks,
+                        message: String::new(),
+                    }));
+                }
+                _ => return Err(Status::invalid_argument("a second header in one KV push")),
+            }
+        }
+        Err(Status::data_loss(
+            "the KV push ended without its final message",
+        ))
+    }
+}
+
+#[derive(Clone)]
+pub struct ControlService {
+    pub state: Arc<WorkerState>,
+}
+
+#[tonic::async_trait]
+impl v1::worker_control_server::WorkerControl for ControlService {
+    async fn stats(
+        &self,
+        _: Request<v1::StatsRequest>,
+    ) -> Result<Response<v1::StatsResponse>, Status> {
+        let s = &self.state;
+        let stats = s.scheduler.ask(|reply| Command::Stats { reply }).await?;
+        Ok(Response::new(v1::StatsResponse {
+            role: v1::WorkerRole::Decode as i32,
+            worker_id: s.worker_id.clone(),
+            incarnation: s.incarnation,
+            kv_blocks_total: stats.pool.num_blocks as u32,
+            kv_blocks_used: stats.pool.in_use as u32,
+            kv_blocks_cached: stats.pool.cached as u32,
+            kv_blocks_free: stats.pool.free as u32,
+            block_size: s.block_size as u32,
+            running_sequences: stats.running as u32,
+            waiting_requests: stats.waiting as u32,
+            queued_prefill_tokens: 0,
+            reservations_outstanding: stats.reservations as u32,
+            model_fingerprint: s.fingerprint.clone(),
+            requests_served: s.served.load(Ordering::Relaxed),
+            prompt_tokens: s.prompt_tokens.load(Ordering::Relaxed),
+            prefix_hit_tokens: s.prefix_hit_tokens.load(Ordering::Relaxed),
+            transfer_bytes_in: s.bytes_in.load(Ordering::Relaxed),
+            transfer_bytes_out: 0,
+        }))
+    }
+}

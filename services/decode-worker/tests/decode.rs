@@ -1,0 +1,232 @@
+//! The decode worker on its own: local prefill, fallback when every prefill worker is down,
+//! KV pushes it must refuse, cancellation freeing blocks.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use duet_decode_worker::{DecodeConfig, serve};
+use duet_engine::engine::{Engine, EngineOptions};
+use duet_engine::generation::StopCriteria;
+use duet_engine::model_path::ModelArgs;
+use duet_engine::sampling::SamplingParams;
+use duet_proto::v1;
+use futures::StreamExt;
+
+fn tiny() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama")
+}
+
+fn options() -> EngineOptions {
+    EngineOptions {
+        threads: 1,
+        block_size: 4,
+        kv_cache_tokens: 1024,
+        max_step_tokens: 64,
+    }
+}
+
+async fn start() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = DecodeConfig {
+        listen: addr,
+        advertise: None,
+        worker_id: Some("decode-test".into()),
+        model: ModelArgs {
+            model: Some(tiny()),
+            models_dir: "models".into(),
+        },
+        engine: options(),
+        reservation_timeout_ms: 2_000,
+        prefill_timeout_ms: 2_000,
+    };
+    tokio::spawn(serve(config, listener, std::future::pending()));
+    let url = format!("http://{addr}");
+    for _ in 0..200 {
+        if let Ok(mut c) =
+            v1::worker_control_client::WorkerControlClient::connect(url.clone()).await
+            && c.stats(v1::StatsRequest {}).await.is_ok()
+        {
+            return url;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("decode worker did not start");
+}
+
+fn prompt() -> Vec<u32> {
+    (0..23u32).map(|i| 3 + (i * 37) % 370).collect()
+}
+
+fn reference(prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut e = Engine::load(&tiny(), options()).unwrap();
+    let id = e
+        .add_sequence(
+            prompt.to_vec(),
+            SamplingParams::greedy(),
+            StopCriteria {
+                max_tokens: n,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    while e.has_work() {
+        e.step().unwrap();
+    }
+    e.tokens(id).unwrap()[prompt.len()..].to_vec()
+}
+
+fn request(plan: v1::PrefillPlan, n: u32) -> v1::DecodeRequest {
+    v1::DecodeRequest {
+        request_id: "r1".into(),
+        prompt_token_ids: prompt(),
+        sampling: Some(v1::SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            max_tokens: n,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        plan: Some(plan),
+        ..Default::default()
+    }
+}
+
+async fn collect(url: &str, req: v1::DecodeRequest) -> (Vec<u32>, v1::DecodeResponse) {
+    let mut client = v1::decode_worker_client::DecodeWorkerClient::connect(url.to_string())
+        .await
+        .unwrap();
+    let mut stream = client.decode(req).await.unwrap().into_inner();
+    let mut tokens = Vec::new();
+    let mut last = None;
+    while let Some(msg) = stream.next().await {
+        let msg = msg.unwrap();
+        tokens.extend(&msg.token_ids);
+        last = Some(msg);
+    }
+    (tokens, last.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_prefill_streams_the_engines_tokens() {
+    let url = start().await;
+    let (tokens, last) = collect(
+        &url,
+        request(
+            v1::PrefillPlan {
+                local: true,
+                prefill_workers: vec![],
+            },
+            9,
+        ),
+    )
+    .await;
+    assert_eq!(tokens, reference(&prompt(), 9));
+    assert_eq!(last.finish_reason, v1::FinishReason::Length as i32);
+    assert_eq!(last.usage.unwrap().completion_tokens, 9);
+    assert!(last.timings.unwrap().prefill_local);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_prefill_workers_fall_back_to_local_prefill() {
+    let url = start().await;
+    let plan = v1::PrefillPlan {
+        local: false,
+        prefill_workers: vec![
+            v1::PrefillTarget {
+                worker_id: "gone-1".into(),
+                address: "127.0.0.1:1".into(),
+            },
+            v1::PrefillTarget {
+                worker_id: "gone-2".into(),
+                address: "127.0.0.1:2".into(),
+            },
+        ],
+    };
+    let (tokens, last) = collect(&url, request(plan, 6)).await;
+    assert_eq!(tokens, reference(&prompt(), 6));
+    let t = last.timings.unwrap();
+    assert!(t.prefill_local);
+    assert_eq!(t.prefill_retries, 2);
+    // Nothing is left reserved or running.
+    let mut c = v1::worker_control_client::WorkerControlClient::connect(url)
+        .await
+        .unwrap();
+    let s = c.stats(v1::StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!((s.reservations_outstanding, s.kv_blocks_used), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_that_do_not_fit_are_refused() {
+    let url = start().await;
+    let mut kv = v1::kv_transfer_client::KvTransferClient::connect(url.clone())
+        .await
+        .unwrap();
+    let header = |fingerprint: &str| v1::KvChunk {
+        kind: Some(v1::kv_chunk::Kind::Header(v1::KvHeader {
+            reservation_id: 999,
+            model_fingerprint: fingerprint.into(),
+            block_size: 4,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 16,
+            dtype: "f32".into(),
+            layout: "duet-kv-v1".into(),
+            ..Default::default()
+        })),
+    };
+    let err = kv
+        .push(futures::stream::iter(vec![header("another model")]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+    // The right fingerprint but no such reservation: not accepted.
+    let mut c = v1::worker_control_client::WorkerControlClient::connect(url)
+        .await
+        .unwrap();
+    let fp = c
+        .stats(v1::StatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .model_fingerprint;
+    let ack = kv
+        .push(futures::stream::iter(vec![header(&fp)]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!ack.accepted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_stream_frees_the_blocks() {
+    let url = start().await;
+    let mut client = v1::decode_worker_client::DecodeWorkerClient::connect(url.clone())
+        .await
+        .unwrap();
+    let mut stream = client
+        .decode(request(
+            v1::PrefillPlan {
+                local: true,
+                prefill_workers: vec![],
+            },
+            200,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    stream.next().await.unwrap().unwrap();
+    drop(stream);
+    let mut c = v1::worker_control_client::WorkerControlClient::connect(url)
+        .await
+        .unwrap();
+    for _ in 0..100 {
+        let s = c.stats(v1::StatsRequest {}).await.unwrap().into_inner();
+        if s.running_sequences == 0 && s.kv_blocks_used == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the cancelled request still holds KV blocks");
+}
