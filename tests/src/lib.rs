@@ -1,1 +1,132 @@
-//! Shared harness for the cross-service integration tests.
+//! Shared helpers for the cross-service integration tests: fixture paths, reference generation
+//! with the engine in one process, and gRPC calls against a cluster's router.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use duet_engine::engine::{Engine, EngineOptions};
+use duet_engine::generation::StopCriteria;
+use duet_engine::sampling::SamplingParams;
+use duet_proto::v1;
+use futures::StreamExt;
+
+pub use duet_cli::cluster::{Cluster, ClusterSpec};
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+pub fn tiny_model() -> PathBuf {
+    repo().join("tests/fixtures/tiny-llama")
+}
+
+/// The default model, or `None` with a message saying how to fetch it.
+pub fn default_model() -> Option<PathBuf> {
+    let p = repo().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!(
+            "SKIPPED: {} is missing; run `duet model fetch` (CI does)",
+            p.display()
+        );
+        None
+    }
+}
+
+pub fn engine_options() -> EngineOptions {
+    EngineOptions {
+        threads: 2,
+        block_size: 16,
+        kv_cache_tokens: 16384,
+        max_step_tokens: 512,
+    }
+}
+
+/// A free loopback address for a router.
+pub fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+pub fn cluster(model: PathBuf, prefill: usize, decode: usize, router_args: &[&str]) -> Cluster {
+    Cluster::start(&ClusterSpec {
+        router_listen: free_addr(),
+        prefill_workers: prefill,
+        decode_workers: decode,
+        model,
+        engine: engine_options(),
+        router_args: router_args.iter().map(|s| s.to_string()).collect(),
+        processes: false,
+        bin_dir: None,
+    })
+    .expect("starting the cluster")
+}
+
+/// Greedy continuations computed by one engine in this process, one prompt at a time.
+pub fn reference(
+    model: &std::path::Path,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> Vec<Vec<u32>> {
+    let mut e = Engine::load(model, engine_options()).unwrap();
+    prompts
+        .iter()
+        .map(|p| {
+            let stop = StopCriteria {
+                max_tokens,
+                ..Default::default()
+            };
+            let id = e
+                .add_sequence(p.clone(), SamplingParams::greedy(), stop)
+                .unwrap();
+            // Every reported token, a final stop token included (as the API reports it).
+            let mut out = Vec::new();
+            while e.has_work() {
+                out.extend(e.step().unwrap().into_iter().map(|o| o.token.token));
+            }
+            e.remove_sequence(id).unwrap();
+            out
+        })
+        .collect()
+}
+
+pub async fn client(
+    router: SocketAddr,
+) -> v1::generation_client::GenerationClient<tonic::transport::Channel> {
+    v1::generation_client::GenerationClient::connect(format!("http://{router}"))
+        .await
+        .unwrap()
+}
+
+pub fn greedy_request(prompt: &[u32], max_tokens: u32) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        token_ids: prompt.to_vec(),
+        max_tokens: Some(max_tokens),
+        temperature: Some(0.0),
+        ..Default::default()
+    }
+}
+
+/// Streams a Generate call; returns the token ids, the text, and the last message.
+pub async fn generate(
+    router: SocketAddr,
+    req: v1::GenerateRequest,
+) -> Result<(Vec<u32>, String, v1::GenerateResponse), tonic::Status> {
+    let mut c = client(router).await;
+    let mut stream = c.generate(req).await?.into_inner();
+    let (mut ids, mut text, mut last) = (Vec::new(), String::new(), None);
+    while let Some(msg) = stream.next().await {
+        let msg = msg?;
+        ids.extend(&msg.token_ids);
+        text.push_str(&msg.text);
+        last = Some(msg);
+    }
+    Ok((
+        ids,
+        text,
+        last.expect("a Generate stream ends with a final message"),
+    ))
+}

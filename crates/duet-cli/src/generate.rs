@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use duet_engine::chat::ChatMessage;
 use duet_engine::engine::{Engine, EngineOptions};
-use duet_engine::generation::{FinishReason, StopCriteria};
+use duet_engine::generation::StopCriteria;
 use duet_engine::sampling::SamplingParams;
 use serde::Serialize;
 
@@ -61,6 +61,10 @@ pub struct GenerateArgs {
     /// Print one JSON object (ids, text, finish reason, timings) instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// Generate through a running cluster (the router's address, e.g. 127.0.0.1:50051) instead of
+    /// loading the model in this process.
+    #[arg(long, env = "DUET_SERVER")]
+    pub server: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -76,11 +80,17 @@ struct JsonOutput {
     prompt_token_ids: Vec<u32>,
     token_ids: Vec<u32>,
     text: String,
-    finish_reason: FinishReason,
+    finish_reason: String,
     timings: Timings,
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
+    if let Some(server) = args.server.clone() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        return runtime.block_on(run_remote(args, server));
+    }
     let path = args.model.resolve()?;
     let mut engine = Engine::load(&path, args.engine.clone())
         .with_context(|| format!("loading {}", path.display()))?;
@@ -93,17 +103,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         args.prompt.clone()
     };
     let prompt = engine.encode(&prompt_text)?;
-    let params = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repetition_penalty: args.repetition_penalty,
-        presence_penalty: args.presence_penalty,
-        frequency_penalty: args.frequency_penalty,
-        seed: args.seed,
-        logprobs: 0,
-    };
+    let params = sampling_params(&args);
     let stop = StopCriteria {
         max_tokens: args.max_tokens,
         stop_token_ids: Vec::new(),
@@ -111,7 +111,6 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         ignore_eos: args.ignore_eos,
     };
     let id = engine.add_sequence(prompt.clone(), params, stop)?;
-
     let mut stdout = std::io::stdout().lock();
     let mut token_ids = Vec::new();
     let mut text = String::new();
@@ -124,21 +123,60 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         };
         first_token_at.get_or_insert_with(Instant::now);
         token_ids.push(out.token.token);
-        if !args.json && !out.text.is_empty() {
-            stdout.write_all(out.text.as_bytes())?;
-            stdout.flush()?;
-        }
-        text.push_str(&out.text);
+        emit(&args, &mut stdout, &mut text, &out.text)?;
         if let Some(reason) = out.finish {
             break reason;
         }
     };
     let end = Instant::now();
     engine.remove_sequence(id)?;
-
     let first = first_token_at.unwrap_or(end);
-    let prefill_s = (first - start).as_secs_f64();
-    let decode_s = (end - first).as_secs_f64();
+    finish_output(
+        &args,
+        &mut stdout,
+        prompt,
+        token_ids,
+        text,
+        finish.as_str(),
+        (first - start).as_secs_f64(),
+        (end - first).as_secs_f64(),
+    )
+}
+
+fn sampling_params(args: &GenerateArgs) -> SamplingParams {
+    SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        presence_penalty: args.presence_penalty,
+        frequency_penalty: args.frequency_penalty,
+        seed: args.seed,
+        logprobs: 0,
+    }
+}
+
+fn emit(args: &GenerateArgs, out: &mut impl Write, text: &mut String, piece: &str) -> Result<()> {
+    if !args.json && !piece.is_empty() {
+        out.write_all(piece.as_bytes())?;
+        out.flush()?;
+    }
+    text.push_str(piece);
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn finish_output(
+    args: &GenerateArgs,
+    stdout: &mut impl Write,
+    prompt: Vec<u32>,
+    token_ids: Vec<u32>,
+    text: String,
+    finish_reason: &str,
+    prefill_s: f64,
+    decode_s: f64,
+) -> Result<()> {
     // The first token comes out of the prefill step; the rest are decode steps.
     let decode_tokens = token_ids.len().saturating_sub(1);
     let timings = Timings {
@@ -152,25 +190,98 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             prompt_token_ids: prompt,
             token_ids,
             text,
-            finish_reason: finish,
+            finish_reason: finish_reason.to_string(),
             timings,
         };
-        serde_json::to_writer(&mut stdout, &out)?;
+        serde_json::to_writer(&mut *stdout, &out)?;
         writeln!(stdout)?;
     } else {
         writeln!(stdout)?;
         eprintln!(
-            "[{} prompt tokens in {:.0} ms ({:.0} tok/s); {} tokens in {:.0} ms ({:.1} tok/s); finish: {}]",
+            "[{} prompt tokens in {:.0} ms ({:.0} tok/s); {} tokens in {:.0} ms ({:.1} tok/s); finish: {finish_reason}]",
             prompt.len(),
             timings.prefill_ms,
             timings.prefill_tokens_per_s,
             token_ids.len(),
             timings.decode_ms,
             timings.decode_tokens_per_s,
-            finish.as_str()
         );
     }
     Ok(())
+}
+
+/// The same request through a running cluster's router.
+async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
+    use duet_proto::v1;
+    use futures::StreamExt;
+    let url = if server.contains("://") {
+        server.clone()
+    } else {
+        format!("http://{server}")
+    };
+    let mut client = v1::generation_client::GenerationClient::connect(url)
+        .await
+        .with_context(|| format!("connecting to {server} (is `duet up` running?)"))?;
+    let mut request = v1::GenerateRequest {
+        max_tokens: Some(args.max_tokens as u32),
+        temperature: Some(args.temperature),
+        top_p: Some(args.top_p),
+        top_k: args.top_k as i32,
+        min_p: Some(args.min_p),
+        repetition_penalty: Some(args.repetition_penalty),
+        presence_penalty: Some(args.presence_penalty),
+        frequency_penalty: Some(args.frequency_penalty),
+        seed: args.seed,
+        stop: args.stop.clone(),
+        ignore_eos: args.ignore_eos,
+        ..Default::default()
+    };
+    if args.chat {
+        request.messages = vec![v1::ChatMessage {
+            role: "user".into(),
+            content: args.prompt.clone(),
+        }];
+    } else {
+        request.prompt = args.prompt.clone();
+    }
+    let prompt = client
+        .tokenize(v1::TokenizeRequest {
+            text: request.prompt.clone(),
+            messages: request.messages.clone(),
+        })
+        .await?
+        .into_inner()
+        .token_ids;
+    let start = Instant::now();
+    let mut stream = client.generate(request).await?.into_inner();
+    let mut stdout = std::io::stdout().lock();
+    let (mut token_ids, mut text, mut first_at, mut finish) =
+        (Vec::new(), String::new(), None, String::from("length"));
+    while let Some(msg) = stream.next().await {
+        let msg = msg?;
+        if !msg.token_ids.is_empty() {
+            first_at.get_or_insert_with(Instant::now);
+        }
+        token_ids.extend(&msg.token_ids);
+        emit(&args, &mut stdout, &mut text, &msg.text)?;
+        match v1::FinishReason::try_from(msg.finish_reason) {
+            Ok(v1::FinishReason::Stop) => finish = "stop".into(),
+            Ok(v1::FinishReason::Length) => finish = "length".into(),
+            _ => {}
+        }
+    }
+    let end = Instant::now();
+    let first = first_at.unwrap_or(end);
+    finish_output(
+        &args,
+        &mut stdout,
+        prompt,
+        token_ids,
+        text,
+        &finish,
+        (first - start).as_secs_f64(),
+        (end - first).as_secs_f64(),
+    )
 }
 
 fn rate(n: usize, secs: f64) -> f64 {

@@ -3,6 +3,9 @@
 mod bench;
 mod fetch;
 mod generate;
+mod up;
+
+use duet_cli::cluster;
 
 use clap::{Parser, Subcommand};
 
@@ -20,8 +23,11 @@ enum Command {
         #[command(subcommand)]
         command: ModelCommand,
     },
-    /// Generate text from a prompt, streaming it as it is made.
+    /// Generate text from a prompt, streaming it as it is made (in this process, or through a
+    /// running cluster with --server).
     Generate(generate::GenerateArgs),
+    /// Run a whole cluster on loopback: router + prefill + decode workers.
+    Up(up::UpArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -48,6 +54,7 @@ fn main() {
             command: ModelCommand::Fetch(args),
         } => fetch::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Up(args) => up::run(args),
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => bench::run_engine(args),

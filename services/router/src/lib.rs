@@ -1,1 +1,117 @@
-//! placeholder
+//! duet's router: the public `duet.v1.Generation` API in front of the prefill and decode pools.
+//!
+//! It validates and tokenizes requests (loading only the model's config, tokenizer and chat
+//! template), picks a decode worker and a prefill plan from the workers' polled health and
+//! stats, relays the decode worker's token stream to the client, and fails over to another
+//! decode worker when one dies mid-stream. Health (`grpc.health.v1`) and server reflection
+//! (v1 and v1alpha) are served on the same port.
+//!
+//! [`serve`] runs it on a listener until a shutdown future resolves, so `duet up` and tests can
+//! run it in-process; `main.rs` is a thin command around it.
+
+pub mod config;
+pub mod error;
+pub mod routing;
+pub mod service;
+pub mod validate;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use duet_engine::chat::ChatTemplate;
+use duet_engine::model_files::open_model;
+use duet_proto::v1::generation_server::GenerationServer;
+use tokio_stream::wrappers::TcpListenerStream;
+
+pub use config::RouterConfig;
+pub use error::RouterError;
+pub use routing::Pools;
+pub use service::{GenerationService, RouterState};
+pub use validate::{PromptModel, ValidationError};
+
+/// Loads what the router needs of a model: tokenizer, chat template (ChatML when the model
+/// has none), context length and vocabulary size. Weights are memory-mapped by the loader for
+/// its fingerprint digest but never read whole; they are unmapped before this returns.
+pub fn load_prompt_model(path: &Path, default_max_tokens: u32) -> anyhow::Result<PromptModel> {
+    let files = open_model(path).with_context(|| format!("loading model {}", path.display()))?;
+    let context_length = u32::try_from(files.config.max_position_embeddings)
+        .context("the model's context length does not fit in 32 bits")?;
+    let vocab_size = u32::try_from(files.config.vocab_size)
+        .context("the model's vocabulary size does not fit in 32 bits")?;
+    Ok(PromptModel {
+        tokenizer: files.tokenizer,
+        chat: Arc::new(files.chat_template.unwrap_or_else(ChatTemplate::chatml)),
+        context_length,
+        vocab_size,
+        default_max_tokens,
+    })
+}
+
+/// The model's name as Info shows it: the file stem of its path.
+pub fn model_name(path: &Path) -> String {
+    path.file_stem()
+        .or_else(|| path.file_name())
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string())
+}
+
+/// Serves the router on `listener` until `shutdown` resolves (then drains open calls).
+pub async fn serve(
+    config: RouterConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let path = config.model.resolve()?;
+    let default_max_tokens = config.default_max_tokens;
+    let load_path = path.clone();
+    let model =
+        tokio::task::spawn_blocking(move || load_prompt_model(&load_path, default_max_tokens))
+            .await
+            .context("model loading panicked")??;
+    let pools = Pools::new(&config.decode, &config.prefill)?;
+    if pools.decode.is_empty() {
+        tracing::warn!(
+            "no decode workers configured (--decode); every Generate will be UNAVAILABLE"
+        );
+    }
+    let pollers = pools.spawn_pollers(Duration::from_millis(config.stats_interval_ms.max(1)));
+    let state = Arc::new(RouterState::new(
+        model,
+        model_name(&path),
+        pools,
+        config.local_prefill_threshold,
+        config.max_queued_requests,
+        Duration::from_millis(config.request_timeout_ms.max(1)),
+    ));
+    let generation = GenerationServer::new(GenerationService::new(state.clone()))
+        .max_decoding_message_size(config.max_request_bytes);
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<GenerationServer<GenerationService>>()
+        .await;
+    health_reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    let (reflection_v1, reflection_v1alpha) = duet_proto::reflection_services();
+    let local = listener.local_addr().ok();
+    tracing::info!(
+        addr = ?local,
+        model = %state.model_name,
+        decode_workers = state.pools.decode.len(),
+        prefill_workers = state.pools.prefill.len(),
+        "router serving"
+    );
+    let result = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(generation)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await;
+    for p in pollers {
+        p.abort();
+    }
+    result.context("router server failed")
+}

@@ -1,1 +1,34 @@
-fn main() {}
+//! `duet-router`: serves the public Generation API in front of the prefill and decode pools.
+
+use clap::Parser;
+use duet_router::RouterConfig;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "duet-router",
+    version,
+    about = "duet router: public Generation API, routing, failover"
+)]
+struct Cli {
+    #[command(flatten)]
+    config: RouterConfig,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let listener = tokio::net::TcpListener::bind(cli.config.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cli.config.listen))?;
+    duet_router::serve(cli.config, listener, async {
+        let _ = tokio::signal::ctrl_c().await;
+        tracing::info!("ctrl-c: shutting down");
+    })
+    .await
+}

@@ -1,0 +1,77 @@
+//! `duet up`: a whole cluster on loopback (see [`crate::cluster`]), on the default model and the
+//! CPU backend. It prints a ready line only once a `Generate` call succeeds.
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use anyhow::Result;
+use clap::Args;
+use duet_engine::engine::EngineOptions;
+use duet_engine::model_path::ModelArgs;
+
+use crate::cluster::{Cluster, ClusterSpec};
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// Address the router listens on.
+    #[arg(long, env = "DUET_ROUTER_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Number of prefill workers.
+    #[arg(long, env = "DUET_PREFILL_WORKERS_COUNT", default_value_t = 1)]
+    pub prefill_workers: usize,
+    /// Number of decode workers.
+    #[arg(long, env = "DUET_DECODE_WORKERS_COUNT", default_value_t = 1)]
+    pub decode_workers: usize,
+    /// Run each service as its own process (the `duet-router`, `duet-prefill` and `duet-decode`
+    /// binaries next to this one) instead of all in this process.
+    #[arg(long)]
+    pub processes: bool,
+    /// Extra flags for the router (e.g. `--router-arg=--local-prefill-threshold=64`).
+    #[arg(long = "router-arg", allow_hyphen_values = true)]
+    pub router_args: Vec<String>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineOptions,
+    /// Exit after the cluster is ready and one sample request succeeded (for scripts and tests).
+    #[arg(long, hide = true)]
+    pub exit_when_ready: bool,
+}
+
+pub fn run(args: UpArgs) -> Result<()> {
+    let spec = ClusterSpec {
+        router_listen: args.listen,
+        prefill_workers: args.prefill_workers,
+        decode_workers: args.decode_workers,
+        model: args.model.resolve()?,
+        engine: args.engine.clone(),
+        router_args: args.router_args.clone(),
+        processes: args.processes,
+        bin_dir: None,
+    };
+    let started = Instant::now();
+    let cluster = Cluster::start(&spec)?;
+    println!(
+        "duet is ready on {} (router + {} prefill + {} decode, {}) after {:.1}s; try: duet generate --server {} --prompt \"Hello\"",
+        args.listen,
+        args.prefill_workers,
+        args.decode_workers,
+        if args.processes {
+            "separate processes"
+        } else {
+            "one process"
+        },
+        started.elapsed().as_secs_f64(),
+        args.listen
+    );
+    if !args.exit_when_ready {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let _ = tokio::signal::ctrl_c().await;
+        });
+    }
+    drop(cluster);
+    Ok(())
+}

@@ -1,0 +1,493 @@
+//! The gRPC services of a prefill worker: `PrefillWorker/Prefill` (validate, queue on the engine
+//! thread, push the KV, answer once the decode worker acknowledged) and `WorkerControl/Stats`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use duet_engine::sampling::{Sampled, SamplingParams};
+use duet_proto::v1::prefill_worker_server::PrefillWorker;
+use duet_proto::v1::worker_control_server::WorkerControl;
+use duet_proto::v1::{
+    KvDestination, KvHeader, PrefillRequest, PrefillResponse, StatsRequest, StatsResponse,
+    TokenLogprob, TokenLogprobs, TransportKind, WorkerRole,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Response, Status};
+
+use crate::error::PrefillError;
+use crate::kv_push::{self, Connections, Pushed};
+use crate::scheduler::{Command, PrefillJob, Prefilled, SchedulerHandle};
+
+/// Deadline applied to a `Prefill` call that came without one (every call should carry one).
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
+
+/// Serves `PrefillWorker` and `WorkerControl`; cheap to clone.
+#[derive(Clone)]
+pub struct PrefillService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    scheduler: SchedulerHandle,
+    connections: Arc<Connections>,
+    worker_id: String,
+    incarnation: u64,
+    max_queued_tokens: u64,
+    next_job: AtomicU64,
+}
+
+impl PrefillService {
+    pub fn new(scheduler: SchedulerHandle, worker_id: String, max_queued_tokens: u64) -> Self {
+        let incarnation = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        Self {
+            inner: Arc::new(Inner {
+                scheduler,
+                connections: Arc::default(),
+                worker_id,
+                incarnation,
+                max_queued_tokens,
+                next_job: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The model fingerprint this worker serves.
+    pub fn fingerprint(&self) -> &str {
+        &self.inner.scheduler.info.fingerprint
+    }
+}
+
+#[tonic::async_trait]
+impl PrefillWorker for PrefillService {
+    async fn prefill(
+        &self,
+        request: Request<PrefillRequest>,
+    ) -> Result<Response<PrefillResponse>, Status> {
+        let received = Instant::now();
+        let timeout = grpc_timeout(request.metadata()).unwrap_or(DEFAULT_DEADLINE);
+        let deadline = tokio::time::Instant::now() + timeout;
+        let req = request.into_inner();
+        let request_id = req.request_id.clone();
+        let result =
+            tokio::time::timeout_at(deadline, self.inner.prefill(req, received, deadline)).await;
+        let result = result.unwrap_or_else(|_| {
+            Err(PrefillError::DeadlineExceeded(format!(
+                "the prefill did not finish within the call's deadline of {} ms",
+                timeout.as_millis()
+            )))
+        });
+        match result {
+            Ok(r) => Ok(Response::new(r)),
+            Err(e) => {
+                tracing::info!(request_id, "prefill failed: {e}");
+                Err(e.into())
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl WorkerControl for PrefillService {
+    async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
+        let s = &self.inner.scheduler;
+        let snap = s.state.snapshot();
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        Ok(Response::new(StatsResponse {
+            role: WorkerRole::Prefill as i32,
+            worker_id: self.inner.worker_id.clone(),
+            incarnation: self.inner.incarnation,
+            kv_blocks_total: snap.pool.num_blocks as u32,
+            kv_blocks_used: snap.pool.in_use as u32,
+            kv_blocks_cached: snap.pool.cached as u32,
+            kv_blocks_free: snap.pool.free as u32,
+            block_size: s.info.block_size as u32,
+            running_sequences: snap.running as u32,
+            waiting_requests: snap.waiting as u32,
+            queued_prefill_tokens: load(&s.state.queued_tokens),
+            reservations_outstanding: 0,
+            model_fingerprint: s.info.fingerprint.clone(),
+            requests_served: load(&s.state.requests_served),
+            prompt_tokens: load(&s.state.prompt_tokens),
+            prefix_hit_tokens: load(&s.state.prefix_hit_tokens),
+            transfer_bytes_in: 0,
+            transfer_bytes_out: load(&s.state.transfer_bytes_out),
+        }))
+    }
+}
+
+/// Sends `Cancel` for a job when the request ends before the engine answered (the caller went
+/// away, the deadline passed, the push failed).
+struct CancelGuard<'a> {
+    scheduler: &'a SchedulerHandle,
+    job: u64,
+    armed: bool,
+}
+
+impl Drop for CancelGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.scheduler.send(Command::Cancel(self.job));
+        }
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop<T>(JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Undoes a queue admission unless the job reached the engine thread.
+struct Unqueue<'a> {
+    scheduler: &'a SchedulerHandle,
+    tokens: u64,
+}
+
+impl Drop for Unqueue<'_> {
+    fn drop(&mut self) {
+        self.scheduler
+            .state
+            .queued_tokens
+            .fetch_sub(self.tokens, Ordering::Relaxed);
+    }
+}
+
+impl Inner {
+    async fn prefill(
+        &self,
+        req: PrefillRequest,
+        received: Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<PrefillResponse, PrefillError> {
+        let s = &self.scheduler;
+        let dest = validate(&req, &s.info)?.clone();
+        let params = sampling_params(req.sampling.as_ref());
+        params.validate()?;
+        let num_tokens = req.token_ids.len();
+        let num_blocks = num_tokens.div_ceil(s.info.block_size);
+        let first_block = dest.cached_blocks as usize;
+
+        // Admission: refuse at once rather than queue past the limit.
+        let n = num_tokens as u64;
+        let before = s.state.queued_tokens.fetch_add(n, Ordering::Relaxed);
+        let unqueue = Unqueue {
+            scheduler: s,
+            tokens: n,
+        };
+        if before > 0 && before + n > self.max_queued_tokens {
+            return Err(PrefillError::ResourceExhausted(format!(
+                "the prefill queue holds {before} tokens; {n} more would pass its limit of {}",
+                self.max_queued_tokens
+            )));
+        }
+
+        let total_blocks = num_blocks - first_block;
+        let header = KvHeader {
+            reservation_id: dest.reservation_id,
+            request_id: req.request_id.clone(),
+            model_fingerprint: s.info.fingerprint.clone(),
+            block_size: s.info.block_size as u32,
+            num_layers: s.info.num_layers as u32,
+            num_kv_heads: s.info.num_kv_heads as u32,
+            head_dim: s.info.head_dim as u32,
+            dtype: "f32".into(),
+            layout: "duet-kv-v1".into(),
+            first_block: first_block as u32,
+            total_blocks: total_blocks as u32,
+            total_bytes: (s.info.num_layers * total_blocks * s.info.kv_block_bytes) as u64,
+            num_tokens: num_tokens as u32,
+            sender_worker_id: self.worker_id.clone(),
+        };
+        let (kv_tx, kv_rx) = mpsc::unbounded_channel();
+        let address = dest.transfer_address.clone();
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let connections = self.connections.clone();
+        let mut push_task = AbortOnDrop(tokio::spawn(async move {
+            kv_push::push(&connections, &address, header, kv_rx, remaining).await
+        }));
+
+        let (reply_tx, mut reply_rx) = oneshot::channel();
+        let job = self.next_job.fetch_add(1, Ordering::Relaxed);
+        s.send(Command::Prefill(PrefillJob {
+            id: job,
+            tokens: req.token_ids,
+            params,
+            first_block,
+            kv_tx,
+            reply: reply_tx,
+            received,
+        }))?;
+        std::mem::forget(unqueue); // the engine thread accounts for the tokens from here on
+        let mut cancel = CancelGuard {
+            scheduler: s,
+            job,
+            armed: true,
+        };
+
+        let mut prefilled: Option<Prefilled> = None;
+        let mut pushed: Option<Pushed> = None;
+        while prefilled.is_none() || pushed.is_none() {
+            tokio::select! {
+                r = &mut reply_rx, if prefilled.is_none() => {
+                    cancel.armed = false; // answered: the engine has dropped the sequence
+                    prefilled = Some(r.map_err(|_| PrefillError::EngineGone)??);
+                }
+                r = &mut push_task.0, if pushed.is_none() => {
+                    let r = r.map_err(|e| PrefillError::Push {
+                        address: dest.transfer_address.clone(),
+                        status: Status::unavailable(format!("push task failed: {e}")),
+                    })?;
+                    pushed = Some(r?);
+                }
+            }
+        }
+        let (prefilled, pushed) = (prefilled.expect("loop ends"), pushed.expect("loop ends"));
+        s.state.requests_served.fetch_add(1, Ordering::Relaxed);
+        s.state
+            .transfer_bytes_out
+            .fetch_add(pushed.bytes_sent, Ordering::Relaxed);
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        Ok(PrefillResponse {
+            first_token: Some(token_logprobs(&prefilled.first)),
+            cached_tokens: prefilled.cached_tokens as u32,
+            queue_ms: ms(prefilled.queue),
+            prefill_ms: ms(prefilled.compute),
+            transfer_ms: ms(pushed
+                .acked_at
+                .saturating_duration_since(prefilled.computed_at)),
+            bytes_sent: pushed.bytes_sent,
+            transport: TransportKind::Grpc as i32,
+            worker_id: self.worker_id.clone(),
+        })
+    }
+}
+
+/// Checks a request against this worker's model and KV geometry; returns its destination.
+fn validate<'a>(
+    req: &'a PrefillRequest,
+    info: &crate::scheduler::EngineInfo,
+) -> Result<&'a KvDestination, PrefillError> {
+    use PrefillError::{FailedPrecondition, InvalidArgument};
+    if req.model_fingerprint != info.fingerprint {
+        return Err(FailedPrecondition(format!(
+            "model fingerprint mismatch: the request is for {:?}, this prefill worker serves {:?}",
+            req.model_fingerprint, info.fingerprint
+        )));
+    }
+    let dest = req
+        .dest
+        .as_ref()
+        .ok_or_else(|| InvalidArgument("dest (the KV destination) is missing".into()))?;
+    if dest.block_size as usize != info.block_size {
+        return Err(FailedPrecondition(format!(
+            "KV block size mismatch: the decode worker uses {} tokens per block, this prefill worker {}",
+            dest.block_size, info.block_size
+        )));
+    }
+    let n = req.token_ids.len();
+    if n == 0 {
+        return Err(InvalidArgument("token_ids is empty".into()));
+    }
+    if let Some(&bad) = req
+        .token_ids
+        .iter()
+        .find(|&&t| t as usize >= info.vocab_size)
+    {
+        return Err(InvalidArgument(format!(
+            "token id {bad} is outside the vocabulary (0..{})",
+            info.vocab_size
+        )));
+    }
+    if n >= info.context_length {
+        return Err(InvalidArgument(format!(
+            "the prompt has {n} tokens; the model's context is {}",
+            info.context_length
+        )));
+    }
+    let blocks = n.div_ceil(info.block_size);
+    if dest.block_ids.len() != blocks {
+        return Err(InvalidArgument(format!(
+            "dest.block_ids has {} blocks; {n} tokens need {blocks} blocks of {}",
+            dest.block_ids.len(),
+            info.block_size
+        )));
+    }
+    if dest.cached_blocks as usize > blocks {
+        return Err(InvalidArgument(format!(
+            "dest.cached_blocks is {} but the prompt has only {blocks} blocks",
+            dest.cached_blocks
+        )));
+    }
+    if dest.transfer_address.is_empty() {
+        return Err(InvalidArgument("dest.transfer_address is empty".into()));
+    }
+    if blocks > info.num_blocks {
+        return Err(PrefillError::ResourceExhausted(format!(
+            "the prompt needs {blocks} KV blocks; this prefill worker's cache holds {}",
+            info.num_blocks
+        )));
+    }
+    Ok(dest)
+}
+
+/// The engine's sampling parameters for the proto's (0 top_p / repetition_penalty mean off).
+fn sampling_params(p: Option<&duet_proto::v1::SamplingParams>) -> SamplingParams {
+    let Some(p) = p else {
+        return SamplingParams::default();
+    };
+    let or_one = |v: f32| if v == 0.0 { 1.0 } else { v };
+    SamplingParams {
+        temperature: p.temperature,
+        top_k: p.top_k,
+        top_p: or_one(p.top_p),
+        min_p: p.min_p,
+        repetition_penalty: or_one(p.repetition_penalty),
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        seed: p.seed,
+        logprobs: p.logprobs,
+    }
+}
+
+fn token_logprobs(s: &Sampled) -> TokenLogprobs {
+    match &s.logprobs {
+        Some(lp) => TokenLogprobs {
+            token_id: s.token,
+            logprob: lp.logprob,
+            top: lp
+                .top
+                .iter()
+                .map(|&(token_id, logprob)| TokenLogprob { token_id, logprob })
+                .collect(),
+        },
+        None => TokenLogprobs {
+            token_id: s.token,
+            ..Default::default()
+        },
+    }
+}
+
+/// The call's deadline from its `grpc-timeout` header (`<digits><H|M|S|m|u|n>`).
+pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
+    let v = metadata.get("grpc-timeout")?.to_str().ok()?;
+    if v.len() < 2 {
+        return None;
+    }
+    let (digits, unit) = v.split_at(v.len() - 1);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::EngineInfo;
+
+    fn info() -> EngineInfo {
+        EngineInfo {
+            fingerprint: "fp".into(),
+            block_size: 4,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 8,
+            vocab_size: 100,
+            context_length: 64,
+            num_blocks: 8,
+            kv_block_bytes: 2 * 2 * 4 * 8 * 4,
+        }
+    }
+
+    fn request(tokens: Vec<u32>, blocks: usize) -> PrefillRequest {
+        PrefillRequest {
+            token_ids: tokens,
+            model_fingerprint: "fp".into(),
+            dest: Some(KvDestination {
+                transfer_address: "127.0.0.1:1".into(),
+                block_ids: (0..blocks as u32).collect(),
+                block_size: 4,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn code(r: Result<&KvDestination, PrefillError>) -> tonic::Code {
+        Status::from(r.unwrap_err()).code()
+    }
+
+    #[test]
+    fn validation() {
+        let i = info();
+        assert!(validate(&request(vec![1; 9], 3), &i).is_ok());
+        use tonic::Code::*;
+        assert_eq!(code(validate(&request(vec![], 0), &i)), InvalidArgument);
+        assert_eq!(code(validate(&request(vec![1; 9], 2), &i)), InvalidArgument);
+        assert_eq!(code(validate(&request(vec![100], 1), &i)), InvalidArgument);
+        assert_eq!(
+            code(validate(&request(vec![1; 64], 16), &i)),
+            InvalidArgument
+        );
+        let mut r = request(vec![1; 9], 3);
+        r.model_fingerprint = "other".into();
+        let e = validate(&r, &i).unwrap_err().to_string();
+        assert!(e.contains("\"other\"") && e.contains("\"fp\""), "{e}");
+        assert_eq!(code(validate(&r, &i)), FailedPrecondition);
+        let mut r = request(vec![1; 9], 3);
+        r.dest.as_mut().unwrap().block_size = 16;
+        assert_eq!(code(validate(&r, &i)), FailedPrecondition);
+        let mut r = request(vec![1; 9], 3);
+        r.dest.as_mut().unwrap().cached_blocks = 4;
+        assert_eq!(code(validate(&r, &i)), InvalidArgument);
+        let mut r = request(vec![1; 9], 3);
+        r.dest = None;
+        assert_eq!(code(validate(&r, &i)), InvalidArgument);
+        assert_eq!(
+            code(validate(&request(vec![1; 40], 10), &i)),
+            ResourceExhausted
+        );
+    }
+
+    #[test]
+    fn sampling_zero_means_off() {
+        let p = sampling_params(Some(&duet_proto::v1::SamplingParams {
+            temperature: 0.0,
+            seed: Some(7),
+            ..Default::default()
+        }));
+        assert_eq!(p.top_p, 1.0);
+        assert_eq!(p.repetition_penalty, 1.0);
+        assert_eq!(p.seed, Some(7));
+        assert!(p.validate().is_ok());
+    }
+
+    #[test]
+    fn timeouts() {
+        let mut m = MetadataMap::new();
+        assert_eq!(grpc_timeout(&m), None);
+        m.insert("grpc-timeout", "250m".parse().unwrap());
+        assert_eq!(grpc_timeout(&m), Some(Duration::from_millis(250)));
+        m.insert("grpc-timeout", "3S".parse().unwrap());
+        assert_eq!(grpc_timeout(&m), Some(Duration::from_secs(3)));
+        m.insert("grpc-timeout", "2H".parse().unwrap());
+        assert_eq!(grpc_timeout(&m), Some(Duration::from_secs(7200)));
+        m.insert("grpc-timeout", "x".parse().unwrap());
+        assert_eq!(grpc_timeout(&m), None);
+    }
+}

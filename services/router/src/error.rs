@@ -1,0 +1,120 @@
+//! The router's errors and their gRPC status codes (the one place that maps them).
+
+use std::time::Duration;
+
+use tonic::{Code, Status};
+
+use crate::validate::ValidationError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    /// Bad input: INVALID_ARGUMENT.
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+    /// Too many requests in flight: RESOURCE_EXHAUSTED.
+    #[error("overloaded: {limit} requests are already in flight; retry later")]
+    Overloaded { limit: usize },
+    /// No decode worker is healthy (or all were tried): UNAVAILABLE.
+    #[error("no healthy decode worker{}", detail(.0))]
+    NoDecodeWorker(Option<String>),
+    /// Every decode worker tried failed: UNAVAILABLE (or RESOURCE_EXHAUSTED when the last one
+    /// said it was full).
+    #[error("all {attempts} decode worker(s) tried failed; last error: {last}")]
+    AllDecodeWorkersFailed {
+        attempts: usize,
+        last: String,
+        last_code: Code,
+    },
+    /// The request's deadline passed: DEADLINE_EXCEEDED.
+    #[error("deadline exceeded after {0:?}")]
+    DeadlineExceeded(Duration),
+    /// A decode worker's error that is not retried (passed on as is).
+    #[error("decode worker {worker}: {}", .status.message())]
+    Worker { worker: String, status: Status },
+    /// A bug or an impossible state: INTERNAL.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+fn detail(d: &Option<String>) -> String {
+    d.as_ref().map(|d| format!(" ({d})")).unwrap_or_default()
+}
+
+impl RouterError {
+    pub fn code(&self) -> Code {
+        match self {
+            RouterError::Invalid(_) => Code::InvalidArgument,
+            RouterError::Overloaded { .. } => Code::ResourceExhausted,
+            RouterError::NoDecodeWorker(_) => Code::Unavailable,
+            RouterError::AllDecodeWorkersFailed { last_code, .. } => match last_code {
+                Code::ResourceExhausted => Code::ResourceExhausted,
+                _ => Code::Unavailable,
+            },
+            RouterError::DeadlineExceeded(_) => Code::DeadlineExceeded,
+            RouterError::Worker { status, .. } => status.code(),
+            RouterError::Internal(_) => Code::Internal,
+        }
+    }
+}
+
+impl From<RouterError> for Status {
+    fn from(e: RouterError) -> Self {
+        let code = e.code();
+        let message = match &e {
+            // The client should see exactly what was wrong with its input.
+            RouterError::Invalid(v) => v.to_string(),
+            other => other.to_string(),
+        };
+        Status::new(code, message)
+    }
+}
+
+/// Whether a decode call that failed this way should be tried on another decode worker: the
+/// worker (or the way to it) failed, not the request.
+pub fn is_retryable(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::Unavailable
+            | Code::Unknown
+            | Code::Internal
+            | Code::Aborted
+            | Code::Cancelled
+            | Code::DataLoss
+            | Code::ResourceExhausted
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes() {
+        let s: Status = RouterError::Invalid(ValidationError::EmptyPrompt).into();
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert!(s.message().starts_with("empty prompt"), "{}", s.message());
+        let s: Status = RouterError::Overloaded { limit: 2 }.into();
+        assert_eq!(s.code(), Code::ResourceExhausted);
+        let s: Status = RouterError::NoDecodeWorker(None).into();
+        assert_eq!(
+            (s.code(), s.message()),
+            (Code::Unavailable, "no healthy decode worker")
+        );
+        let e = RouterError::AllDecodeWorkersFailed {
+            attempts: 2,
+            last: "full".into(),
+            last_code: Code::ResourceExhausted,
+        };
+        assert_eq!(Status::from(e).code(), Code::ResourceExhausted);
+        let e = RouterError::Worker {
+            worker: "d1".into(),
+            status: Status::failed_precondition("fingerprint"),
+        };
+        let s = Status::from(e);
+        assert_eq!(s.code(), Code::FailedPrecondition);
+        assert!(s.message().contains("d1") && s.message().contains("fingerprint"));
+        assert!(is_retryable(&Status::unavailable("x")));
+        assert!(!is_retryable(&Status::invalid_argument("x")));
+        assert!(!is_retryable(&Status::deadline_exceeded("x")));
+    }
+}

@@ -1,0 +1,592 @@
+//! Request validation: a client's `GenerateRequest` becomes the prompt's token ids and the
+//! worker-protocol `SamplingParams` with every field resolved, or a typed [`ValidationError`]
+//! that says what was wrong (answered as INVALID_ARGUMENT).
+
+use duet_engine::EngineError;
+use duet_engine::chat::{ChatError, ChatMessage, ChatTemplate};
+use duet_engine::generation::StopCriteria;
+use duet_engine::sampling::SamplingParams as EngineSampling;
+use duet_engine::tokenizer::{Tokenizer, TokenizerError};
+use duet_proto::v1;
+
+/// A bad request. Every variant is the client's to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ValidationError {
+    #[error("empty prompt: token_ids, messages and prompt are all empty")]
+    EmptyPrompt,
+    #[error("empty prompt: the prompt tokenizes to no tokens")]
+    EmptyAfterTokenization,
+    #[error(
+        "prompt too long: {len} tokens, but the context holds {context} (the prompt plus at \
+         least one generated token must fit)"
+    )]
+    PromptTooLong { len: usize, context: u32 },
+    #[error("token_ids[{index}] = {id} is outside the vocabulary (valid ids are 0..{vocab_size})")]
+    TokenOutOfVocab {
+        index: usize,
+        id: u32,
+        vocab_size: u32,
+    },
+    #[error("max_tokens must be at least 1, got 0")]
+    MaxTokensZero,
+    #[error(
+        "max_tokens {max_tokens} past the context: the prompt has {prompt} tokens and the \
+         context holds {context}, so max_tokens can be at most {room}"
+    )]
+    PastContext {
+        max_tokens: u32,
+        prompt: usize,
+        context: u32,
+        room: usize,
+    },
+    #[error("top_k must be >= 0, got {0}")]
+    NegativeTopK(i32),
+    /// A sampling parameter out of range (the message names it and the allowed range).
+    #[error("{0}")]
+    Sampling(String),
+    /// Bad stop strings (too many, too long or empty).
+    #[error("stop: {0}")]
+    Stop(String),
+    #[error(
+        "stop_token_ids[{index}] = {id} is outside the vocabulary (valid ids are 0..{vocab_size})"
+    )]
+    StopTokenOutOfVocab {
+        index: usize,
+        id: u32,
+        vocab_size: u32,
+    },
+    /// The chat template refused the conversation (unknown role, template's own check).
+    #[error("messages: {0}")]
+    Chat(#[from] ChatError),
+    #[error("prompt: {0}")]
+    Tokenize(#[from] TokenizerError),
+}
+
+/// A validated request: what the decode worker needs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidRequest {
+    /// The prompt's token ids (non-empty, all in the vocabulary, shorter than the context).
+    pub prompt: Vec<u32>,
+    /// Every field resolved; `seed` always set, `max_tokens` >= 1 and fits the context.
+    pub sampling: v1::SamplingParams,
+    pub cache_salt: String,
+}
+
+/// What the router knows of the model: enough to tokenize and check requests.
+#[derive(Debug, Clone)]
+pub struct PromptModel {
+    pub tokenizer: Tokenizer,
+    /// The model's chat template, or ChatML when it has none.
+    pub chat: std::sync::Arc<ChatTemplate>,
+    /// Tokens of one sequence, prompt plus generated.
+    pub context_length: u32,
+    /// Valid token ids are `0..vocab_size`.
+    pub vocab_size: u32,
+    /// `max_tokens` of requests that set none (lowered to fit the context).
+    pub default_max_tokens: u32,
+}
+
+fn engine_message(e: EngineError) -> String {
+    match e {
+        EngineError::InvalidRequest(m) => m,
+        other => other.to_string(),
+    }
+}
+
+impl PromptModel {
+    /// Tokenizes plain text as `GenerateRequest.prompt` is.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, ValidationError> {
+        Ok(self.tokenizer.encode(text)?)
+    }
+
+    /// Renders a conversation with the chat template (with the generation prompt) and
+    /// tokenizes it.
+    pub fn encode_messages(
+        &self,
+        messages: &[v1::ChatMessage],
+    ) -> Result<Vec<u32>, ValidationError> {
+        let msgs: Vec<ChatMessage> = messages
+            .iter()
+            .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
+            .collect();
+        let text = self.chat.apply(&msgs, true)?;
+        self.encode_text(&text)
+    }
+
+    /// The prompt of a request: `token_ids` if non-empty, else `messages`, else `prompt`.
+    pub fn resolve_prompt(&self, req: &v1::GenerateRequest) -> Result<Vec<u32>, ValidationError> {
+        let ids = if !req.token_ids.is_empty() {
+            if let Some((index, &id)) = req
+                .token_ids
+                .iter()
+                .enumerate()
+                .find(|&(_, &id)| id >= self.vocab_size)
+            {
+                return Err(ValidationError::TokenOutOfVocab {
+                    index,
+                    id,
+                    vocab_size: self.vocab_size,
+                });
+            }
+            return self.check_length(req.token_ids.clone());
+        } else if !req.messages.is_empty() {
+            self.encode_messages(&req.messages)?
+        } else if !req.prompt.is_empty() {
+            self.encode_text(&req.prompt)?
+        } else {
+            return Err(ValidationError::EmptyPrompt);
+        };
+        if ids.is_empty() {
+            return Err(ValidationError::EmptyAfterTokenization);
+        }
+        self.check_length(ids)
+    }
+
+    fn check_length(&self, ids: Vec<u32>) -> Result<Vec<u32>, ValidationError> {
+        if ids.len() >= self.context_length as usize {
+            return Err(ValidationError::PromptTooLong {
+                len: ids.len(),
+                context: self.context_length,
+            });
+        }
+        Ok(ids)
+    }
+
+    /// Validates a request and resolves its prompt and parameters. `random_seed` gives the seed
+    /// when the client set none.
+    pub fn validate(
+        &self,
+        req: &v1::GenerateRequest,
+        random_seed: impl FnOnce() -> u64,
+    ) -> Result<ValidRequest, ValidationError> {
+        let prompt = self.resolve_prompt(req)?;
+        let room = self.context_length as usize - prompt.len();
+        let max_tokens = match req.max_tokens {
+            Some(0) => return Err(ValidationError::MaxTokensZero),
+            Some(n) if n as usize > room => {
+                return Err(ValidationError::PastContext {
+                    max_tokens: n,
+                    prompt: prompt.len(),
+                    context: self.context_length,
+                    room,
+                });
+            }
+            Some(n) => n,
+            // `room` >= 1 (check_length); the default may be configured as 0 only by mistake.
+            None => (self.default_max_tokens as usize).clamp(1, room) as u32,
+        };
+        if req.top_k < 0 {
+            return Err(ValidationError::NegativeTopK(req.top_k));
+        }
+        let engine = EngineSampling {
+            temperature: req.temperature.unwrap_or(1.0),
+            top_k: req.top_k as u32,
+            top_p: req.top_p.unwrap_or(1.0),
+            min_p: req.min_p.unwrap_or(0.0),
+            repetition_penalty: req.repetition_penalty.unwrap_or(1.0),
+            presence_penalty: req.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: req.frequency_penalty.unwrap_or(0.0),
+            seed: req.seed,
+            logprobs: req.logprobs,
+        };
+        engine
+            .validate()
+            .map_err(|e| ValidationError::Sampling(engine_message(e)))?;
+        StopCriteria {
+            max_tokens: max_tokens as usize,
+            stop_token_ids: req.stop_token_ids.clone(),
+            stop_strings: req.stop.clone(),
+            ignore_eos: req.ignore_eos,
+        }
+        .validate()
+        .map_err(|e| ValidationError::Stop(engine_message(e)))?;
+        if let Some((index, &id)) = req
+            .stop_token_ids
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id >= self.vocab_size)
+        {
+            return Err(ValidationError::StopTokenOutOfVocab {
+                index,
+                id,
+                vocab_size: self.vocab_size,
+            });
+        }
+        let sampling = v1::SamplingParams {
+            temperature: engine.temperature,
+            top_p: engine.top_p,
+            top_k: engine.top_k,
+            min_p: engine.min_p,
+            repetition_penalty: engine.repetition_penalty,
+            presence_penalty: engine.presence_penalty,
+            frequency_penalty: engine.frequency_penalty,
+            seed: Some(req.seed.unwrap_or_else(random_seed)),
+            logprobs: engine.logprobs,
+            max_tokens,
+            stop: req.stop.clone(),
+            stop_token_ids: req.stop_token_ids.clone(),
+            ignore_eos: req.ignore_eos,
+        };
+        Ok(ValidRequest {
+            prompt,
+            sampling,
+            cache_salt: req.cache_salt.clone(),
+        })
+    }
+}
+
+/// A random 64-bit value (seeds, request ids); no two calls in a process return the same
+/// stream of values.
+pub fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    h.write_u128(nanos);
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn model() -> PromptModel {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+        let files = duet_engine::model_files::open_model(&dir).expect("tiny-llama opens");
+        PromptModel {
+            tokenizer: files.tokenizer,
+            chat: std::sync::Arc::new(files.chat_template.unwrap_or_else(ChatTemplate::chatml)),
+            context_length: files.config.max_position_embeddings as u32,
+            vocab_size: files.config.vocab_size as u32,
+            default_max_tokens: 256,
+        }
+    }
+
+    fn req() -> v1::GenerateRequest {
+        v1::GenerateRequest {
+            prompt: "hello world".into(),
+            ..Default::default()
+        }
+    }
+
+    fn err(m: &PromptModel, r: v1::GenerateRequest) -> String {
+        m.validate(&r, || 7).unwrap_err().to_string()
+    }
+
+    fn assert_err(m: &PromptModel, r: v1::GenerateRequest, words: &[&str]) {
+        let e = err(m, r);
+        for w in words {
+            assert!(e.contains(w), "{e:?} lacks {w:?}");
+        }
+    }
+
+    #[test]
+    fn good_request_is_resolved() {
+        let m = model();
+        let v = m.validate(&req(), || 42).unwrap();
+        assert!(!v.prompt.is_empty());
+        let s = &v.sampling;
+        assert_eq!(s.seed, Some(42));
+        assert_eq!((s.temperature, s.top_p, s.top_k), (1.0, 1.0, 0));
+        assert_eq!((s.min_p, s.repetition_penalty), (0.0, 1.0));
+        assert_eq!((s.presence_penalty, s.frequency_penalty), (0.0, 0.0));
+        // Default 256 lowered to fit the 256-token context.
+        assert_eq!(s.max_tokens as usize, 256 - v.prompt.len());
+
+        let r = v1::GenerateRequest {
+            seed: Some(5),
+            max_tokens: Some(3),
+            temperature: Some(0.0),
+            top_p: Some(0.5),
+            top_k: 4,
+            min_p: Some(0.1),
+            repetition_penalty: Some(1.1),
+            presence_penalty: Some(-2.0),
+            frequency_penalty: Some(2.0),
+            logprobs: 20,
+            stop: vec!["x".into()],
+            stop_token_ids: vec![2],
+            ignore_eos: true,
+            cache_salt: "t".into(),
+            ..req()
+        };
+        let v = m.validate(&r, || unreachable!()).unwrap();
+        let s = &v.sampling;
+        assert_eq!(s.seed, Some(5));
+        assert_eq!(
+            (s.max_tokens, s.temperature, s.top_p, s.top_k),
+            (3, 0.0, 0.5, 4)
+        );
+        assert_eq!((s.logprobs, s.ignore_eos), (20, true));
+        assert_eq!(s.stop, ["x"]);
+        assert_eq!(s.stop_token_ids, [2]);
+        assert_eq!(v.cache_salt, "t");
+    }
+
+    #[test]
+    fn prompt_forms() {
+        let m = model();
+        let ids = v1::GenerateRequest {
+            token_ids: vec![1, 5, 9],
+            prompt: "ignored".into(),
+            ..Default::default()
+        };
+        assert_eq!(m.validate(&ids, || 0).unwrap().prompt, [1, 5, 9]);
+        let chat = v1::GenerateRequest {
+            messages: vec![v1::ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+            }],
+            ..Default::default()
+        };
+        let p = m.validate(&chat, || 0).unwrap().prompt;
+        let expect = m
+            .encode_text("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+            .unwrap();
+        assert_eq!(p, expect);
+    }
+
+    #[test]
+    fn empty_prompt() {
+        let m = model();
+        assert_err(&m, v1::GenerateRequest::default(), &["empty prompt"]);
+        assert_err(
+            &m,
+            v1::GenerateRequest {
+                prompt: String::new(),
+                max_tokens: Some(4),
+                ..Default::default()
+            },
+            &["empty prompt"],
+        );
+    }
+
+    #[test]
+    fn prompt_too_long() {
+        let m = model();
+        let r = v1::GenerateRequest {
+            token_ids: vec![5; 256],
+            ..Default::default()
+        };
+        assert_err(
+            &m,
+            r,
+            &["prompt too long", "256 tokens", "context holds 256"],
+        );
+        let r = v1::GenerateRequest {
+            prompt: "hello world ".repeat(300),
+            ..Default::default()
+        };
+        assert_err(&m, r, &["prompt too long"]);
+        // 255 tokens leave room for one.
+        let r = v1::GenerateRequest {
+            token_ids: vec![5; 255],
+            ..Default::default()
+        };
+        assert_eq!(m.validate(&r, || 0).unwrap().sampling.max_tokens, 1);
+    }
+
+    #[test]
+    fn token_ids_outside_vocab() {
+        let m = model();
+        let r = v1::GenerateRequest {
+            token_ids: vec![1, 384],
+            ..Default::default()
+        };
+        assert_err(
+            &m,
+            r,
+            &["token_ids[1] = 384", "outside the vocabulary", "0..384"],
+        );
+    }
+
+    #[test]
+    fn max_tokens() {
+        let m = model();
+        let r = v1::GenerateRequest {
+            max_tokens: Some(0),
+            ..req()
+        };
+        assert_err(&m, r, &["max_tokens must be at least 1"]);
+        let r = v1::GenerateRequest {
+            token_ids: vec![5; 200],
+            max_tokens: Some(57),
+            ..Default::default()
+        };
+        assert_err(&m, r, &["max_tokens 57 past the context", "at most 56"]);
+        let r = v1::GenerateRequest {
+            token_ids: vec![5; 200],
+            max_tokens: Some(56),
+            ..Default::default()
+        };
+        assert_eq!(m.validate(&r, || 0).unwrap().sampling.max_tokens, 56);
+    }
+
+    #[test]
+    fn sampling_ranges() {
+        let m = model();
+        let cases: Vec<(v1::GenerateRequest, &str)> = vec![
+            (
+                v1::GenerateRequest {
+                    temperature: Some(-0.5),
+                    ..req()
+                },
+                "temperature must be >= 0",
+            ),
+            (
+                v1::GenerateRequest {
+                    temperature: Some(f32::NAN),
+                    ..req()
+                },
+                "temperature",
+            ),
+            (
+                v1::GenerateRequest {
+                    top_p: Some(0.0),
+                    ..req()
+                },
+                "top_p must be in (0, 1]",
+            ),
+            (
+                v1::GenerateRequest {
+                    top_p: Some(1.5),
+                    ..req()
+                },
+                "top_p must be in (0, 1]",
+            ),
+            (
+                v1::GenerateRequest {
+                    top_p: Some(f32::NAN),
+                    ..req()
+                },
+                "top_p",
+            ),
+            (
+                v1::GenerateRequest { top_k: -1, ..req() },
+                "top_k must be >= 0, got -1",
+            ),
+            (
+                v1::GenerateRequest {
+                    min_p: Some(1.5),
+                    ..req()
+                },
+                "min_p must be in [0, 1]",
+            ),
+            (
+                v1::GenerateRequest {
+                    min_p: Some(-0.1),
+                    ..req()
+                },
+                "min_p",
+            ),
+            (
+                v1::GenerateRequest {
+                    repetition_penalty: Some(0.0),
+                    ..req()
+                },
+                "repetition_penalty must be > 0",
+            ),
+            (
+                v1::GenerateRequest {
+                    presence_penalty: Some(2.5),
+                    ..req()
+                },
+                "presence_penalty must be in [-2, 2]",
+            ),
+            (
+                v1::GenerateRequest {
+                    frequency_penalty: Some(-3.0),
+                    ..req()
+                },
+                "frequency_penalty must be in [-2, 2]",
+            ),
+            (
+                v1::GenerateRequest {
+                    logprobs: 21,
+                    ..req()
+                },
+                "logprobs must be at most 20",
+            ),
+        ];
+        for (r, words) in cases {
+            let e = m.validate(&r, || 0).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    ValidationError::Sampling(_) | ValidationError::NegativeTopK(_)
+                ),
+                "{e:?}"
+            );
+            assert!(e.to_string().contains(words), "{e} lacks {words:?}");
+        }
+    }
+
+    #[test]
+    fn stop_strings() {
+        let m = model();
+        let r = v1::GenerateRequest {
+            stop: (0..17).map(|i| format!("s{i}")).collect(),
+            ..req()
+        };
+        assert_err(&m, r, &["stop", "at most 16 stop strings", "got 17"]);
+        let r = v1::GenerateRequest {
+            stop: vec!["x".repeat(257)],
+            ..req()
+        };
+        assert_err(&m, r, &["at most 256 bytes", "got 257"]);
+        let r = v1::GenerateRequest {
+            stop: vec![String::new()],
+            ..req()
+        };
+        assert_err(&m, r, &["must not be empty"]);
+        let r = v1::GenerateRequest {
+            stop: (0..16).map(|_| "y".repeat(256)).collect(),
+            ..req()
+        };
+        assert!(m.validate(&r, || 0).is_ok());
+    }
+
+    #[test]
+    fn stop_token_ids_outside_vocab() {
+        let m = model();
+        let r = v1::GenerateRequest {
+            stop_token_ids: vec![2, 1000],
+            ..req()
+        };
+        assert_err(
+            &m,
+            r,
+            &["stop_token_ids[1] = 1000", "outside the vocabulary"],
+        );
+    }
+
+    #[test]
+    fn unknown_chat_role() {
+        let m = model();
+        let r = v1::GenerateRequest {
+            messages: vec![v1::ChatMessage {
+                role: "wizard".into(),
+                content: "hi".into(),
+            }],
+            ..Default::default()
+        };
+        let e = m.validate(&r, || 0).unwrap_err();
+        assert!(matches!(e, ValidationError::Chat(_)), "{e:?}");
+        assert!(
+            e.to_string().contains("unknown chat role \"wizard\""),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn random_values_differ() {
+        assert_ne!(random_u64(), random_u64());
+    }
+}

@@ -1,0 +1,140 @@
+//! A whole cluster (router + prefill + decode workers) on loopback: greedy tokens through the
+//! disaggregated path equal one engine's in one process — remote prefill, local prefill, many
+//! concurrent requests, prefix-cache hits — and `Complete` equals the `Generate` stream.
+
+use duet_proto::v1;
+use duet_tests::*;
+
+fn prompts(n: usize) -> Vec<Vec<u32>> {
+    (0..n)
+        .map(|i| {
+            (0..(40 + 7 * i) as u32)
+                .map(|j| 3 + (j * 31 + i as u32 * 101) % 370)
+                .collect()
+        })
+        .collect()
+}
+
+/// With the eos token possibly at the end: the stream includes the stop token; so does the
+/// reference (reported, then not part of the context).
+fn check(got: &[Vec<u32>], want: &[Vec<u32>]) {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(
+            g, w,
+            "request {i}: cluster tokens differ from the in-process engine"
+        );
+    }
+}
+
+#[test]
+fn remote_prefill_gives_the_engines_tokens() {
+    let c = cluster(tiny_model(), 1, 1, &["--local-prefill-threshold=0"]);
+    let ps = prompts(3);
+    let want = reference(&tiny_model(), &ps, 12);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let got: Vec<Vec<u32>> = ps
+        .iter()
+        .map(|p| {
+            let (ids, _, last) = rt
+                .block_on(generate(c.router, greedy_request(p, 12)))
+                .unwrap();
+            let t = last.timings.unwrap();
+            assert!(
+                !t.prefill_local,
+                "the plan must have used the prefill worker"
+            );
+            ids
+        })
+        .collect();
+    check(&got, &want);
+}
+
+#[test]
+fn local_prefill_gives_the_engines_tokens() {
+    let c = cluster(tiny_model(), 1, 1, &["--local-prefill-threshold=100000"]);
+    let ps = prompts(2);
+    let want = reference(&tiny_model(), &ps, 10);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for (p, w) in ps.iter().zip(&want) {
+        let (ids, _, last) = rt
+            .block_on(generate(c.router, greedy_request(p, 10)))
+            .unwrap();
+        assert!(last.timings.unwrap().prefill_local);
+        assert_eq!(&ids, w);
+    }
+}
+
+#[test]
+fn sixty_four_concurrent_requests_each_equal_their_solo_run() {
+    let c = cluster(tiny_model(), 1, 1, &["--local-prefill-threshold=0"]);
+    let ps: Vec<Vec<u32>> = (0..64)
+        .map(|i| {
+            (0..(17 + (i * 13) % 90) as u32)
+                .map(|j| 3 + (j * 17 + i as u32 * 29) % 370)
+                .collect()
+        })
+        .collect();
+    let lens: Vec<u32> = (0..64).map(|i| 4 + (i % 9) as u32).collect();
+    let want: Vec<Vec<u32>> = ps
+        .iter()
+        .zip(&lens)
+        .map(|(p, &n)| reference(&tiny_model(), std::slice::from_ref(p), n as usize).remove(0))
+        .collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let got: Vec<Vec<u32>> = rt.block_on(async {
+        let calls = ps
+            .iter()
+            .zip(&lens)
+            .map(|(p, &n)| generate(c.router, greedy_request(p, n)));
+        futures::future::join_all(calls)
+            .await
+            .into_iter()
+            .map(|r| r.unwrap().0)
+            .collect()
+    });
+    check(&got, &want);
+}
+
+#[test]
+fn complete_equals_the_concatenated_stream_and_prefix_hits_are_reported() {
+    let c = cluster(tiny_model(), 1, 1, &["--local-prefill-threshold=0"]);
+    let p = prompts(1).remove(0);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (ids, text, first) = rt
+        .block_on(generate(c.router, greedy_request(&p, 9)))
+        .unwrap();
+    let whole = rt
+        .block_on(async { client(c.router).await.complete(greedy_request(&p, 9)).await })
+        .unwrap()
+        .into_inner();
+    assert_eq!(whole.token_ids, ids);
+    assert_eq!(whole.text, text);
+    assert_eq!(whole.finish_reason, first.finish_reason);
+    // The second identical prompt found its prefix cached and still gave the same tokens.
+    let usage = whole.usage.unwrap();
+    assert!(usage.cached_prompt_tokens > 0, "usage {usage:?}");
+    assert_eq!(usage.prompt_tokens as usize, p.len());
+    assert_eq!(first.finish_reason, v1::FinishReason::Length as i32);
+}
+
+#[test]
+fn default_model_through_the_cluster_equals_in_process() {
+    let Some(model) = default_model() else { return };
+    let c = cluster(model.clone(), 1, 1, &["--local-prefill-threshold=16"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let engine = duet_engine::engine::Engine::load(&model, engine_options()).unwrap();
+    let texts = [
+        "The capital of France is",
+        "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively so it stays fast even for large n.\"\"\"\n",
+    ];
+    let ps: Vec<Vec<u32>> = texts.iter().map(|t| engine.encode(t).unwrap()).collect();
+    drop(engine);
+    let want = reference(&model, &ps, 24);
+    for (p, w) in ps.iter().zip(&want) {
+        let (ids, _, _) = rt
+            .block_on(generate(c.router, greedy_request(p, 24)))
+            .unwrap();
+        assert_eq!(&ids, w);
+    }
+}
