@@ -1,8 +1,10 @@
 //! `duet`: fetch the default model, generate text, benchmark the engine.
 
-mod bench;
+mod bench_engine;
+mod bench_serve;
 mod fetch;
 mod generate;
+mod plot;
 mod up;
 
 use duet_cli::cluster;
@@ -44,7 +46,10 @@ enum ModelCommand {
 #[derive(Subcommand)]
 enum BenchCommand {
     /// Prefill and decode throughput of the engine alone (no services).
-    Engine(bench::EngineBenchArgs),
+    Engine(bench_engine::EngineBenchArgs),
+    /// Load a cluster through its router: TTFT, TPOT, ITL, end-to-end latency, SLO attainment,
+    /// goodput; disaggregated and colocated side by side.
+    Serve(bench_serve::ServeBenchArgs),
 }
 
 fn main() {
@@ -57,7 +62,10 @@ fn main() {
         Command::Up(args) => up::run(args),
         Command::Bench {
             command: BenchCommand::Engine(args),
-        } => bench::run_engine(args),
+        } => bench_engine::run(args),
+        Command::Bench {
+            command: BenchCommand::Serve(args),
+        } => bench_serve::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

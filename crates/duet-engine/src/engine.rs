@@ -477,10 +477,12 @@ impl<B: Backend> Engine<B> {
             cfg.vocab_size,
             cfg.max_position_embeddings,
         )?;
+        let backend = self.model.backend();
         let mut logits = self.model.forward(&batch, &mut self.kv, &mut |layer, kv| {
             on_layer(&LayerDone {
                 layer,
                 kv,
+                backend,
                 plan: &plan,
             })
         });
@@ -623,7 +625,18 @@ pub struct PlannedSeq {
 pub struct LayerDone<'a, B: Backend> {
     pub layer: usize,
     pub kv: &'a B::KvStore,
+    pub backend: &'a B,
     pub plan: &'a [PlannedSeq],
+}
+
+impl<B: Backend> LayerDone<'_, B> {
+    /// Appends this layer's KV of `block` in transfer layout (see [`Engine::read_kv_block`]).
+    pub fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.resize(start + self.backend.kv_block_bytes(self.kv), 0);
+        self.backend
+            .read_kv_block(self.kv, self.layer, block as usize, &mut out[start..]);
+    }
 }
 
 /// Appends a sampled token to a sequence and decides whether it finished.

@@ -463,10 +463,7 @@ fn ship_layer(
         let block_end = (block_start + per_chunk).min(end);
         let mut payload = Vec::with_capacity((block_end - block_start) * info.kv_block_bytes);
         for &phys in &p.block_table[block_start..block_end] {
-            // The CPU store keeps a (layer, block) exactly in transfer layout ("duet-kv-v1":
-            // K then V, each [kv_head][slot][head_dim]), as f32.
-            let values = done.kv.layer_block(0, phys as usize);
-            payload.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+            done.append_kv_block(phys, &mut payload);
         }
         let xxh3 = xxhash_rust::xxh3::xxh3_64(&payload);
         // A closed channel means the push was abandoned; the request is being cancelled.

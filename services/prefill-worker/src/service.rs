@@ -178,17 +178,11 @@ impl Inner {
 
         // Admission: refuse at once rather than queue past the limit.
         let n = num_tokens as u64;
-        let before = s.state.queued_tokens.fetch_add(n, Ordering::Relaxed);
+        enqueue_tokens(&s.state.queued_tokens, n, self.max_queued_tokens)?;
         let unqueue = Unqueue {
             scheduler: s,
             tokens: n,
         };
-        if before > 0 && before + n > self.max_queued_tokens {
-            return Err(PrefillError::ResourceExhausted(format!(
-                "the prefill queue holds {before} tokens; {n} more would pass its limit of {}",
-                self.max_queued_tokens
-            )));
-        }
 
         let total_blocks = num_blocks - first_block;
         let header = KvHeader {
@@ -269,6 +263,19 @@ impl Inner {
             worker_id: self.worker_id.clone(),
         })
     }
+}
+
+/// Counts `n` more queued prompt tokens, or refuses (RESOURCE_EXHAUSTED) when that would pass
+/// `max`; a request arriving at an empty queue is always taken.
+fn enqueue_tokens(queued: &AtomicU64, n: u64, max: u64) -> Result<(), PrefillError> {
+    let before = queued.fetch_add(n, Ordering::Relaxed);
+    if before > 0 && before + n > max {
+        queued.fetch_sub(n, Ordering::Relaxed);
+        return Err(PrefillError::ResourceExhausted(format!(
+            "the prefill queue holds {before} tokens; {n} more would pass its limit of {max}"
+        )));
+    }
+    Ok(())
 }
 
 /// Checks a request against this worker's model and KV geometry; returns its destination.
@@ -475,6 +482,19 @@ mod tests {
         assert_eq!(p.repetition_penalty, 1.0);
         assert_eq!(p.seed, Some(7));
         assert!(p.validate().is_ok());
+    }
+
+    #[test]
+    fn queue_limit() {
+        let q = AtomicU64::new(0);
+        enqueue_tokens(&q, 100, 50).unwrap(); // an empty queue takes anything
+        let e = enqueue_tokens(&q, 1, 50).unwrap_err();
+        assert_eq!(Status::from(e).code(), tonic::Code::ResourceExhausted);
+        assert_eq!(q.load(Ordering::Relaxed), 100);
+        q.store(20, Ordering::Relaxed);
+        enqueue_tokens(&q, 30, 50).unwrap();
+        assert!(enqueue_tokens(&q, 1, 50).is_err());
+        assert_eq!(q.load(Ordering::Relaxed), 50);
     }
 
     #[test]

@@ -80,7 +80,7 @@ struct Report {
     llamacpp: Option<PeerResult>,
 }
 
-pub fn run_engine(args: EngineBenchArgs) -> Result<()> {
+pub fn run(args: EngineBenchArgs) -> Result<()> {
     let path = args.model.resolve()?;
     let options = args.engine.clone();
     let needed = args.batch.iter().max().copied().unwrap_or(1)

@@ -1,0 +1,545 @@
+//! `duet bench serve`: a load generator against a router — what ghz cannot see: time to first
+//! token, time per output token, inter-token latency, end-to-end latency, throughput, and SLO
+//! attainment and goodput as DistServe defines them (a request attains only if TTFT ≤ its SLO and
+//! TPOT ≤ its SLO). It drives a running cluster (`--server`) or launches its own, disaggregated
+//! and/or colocated (one worker doing both phases), so the two designs meet the same workload on
+//! the same machine in one run.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use duet_engine::engine::EngineOptions;
+use duet_engine::model_path::ModelArgs;
+use duet_proto::v1;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+
+use crate::cluster::{Cluster, ClusterSpec};
+use crate::plot;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Design {
+    /// Router + prefill workers + decode workers.
+    Disaggregated,
+    /// Router + one worker doing both phases (no prefill pool).
+    Colocated,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeBenchArgs {
+    /// Router to load (a running cluster). Without it, clusters are launched (see --launch).
+    #[arg(long)]
+    pub server: Option<String>,
+    /// Designs to launch and compare when no --server is given.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Design::Disaggregated, Design::Colocated])]
+    pub launch: Vec<Design>,
+    /// Prefill workers of a launched disaggregated cluster.
+    #[arg(long, default_value_t = 1)]
+    pub prefill_workers: usize,
+    /// Decode workers of a launched cluster.
+    #[arg(long, default_value_t = 1)]
+    pub decode_workers: usize,
+    /// Extra router flags for launched clusters (repeatable).
+    #[arg(long = "router-arg", allow_hyphen_values = true)]
+    pub router_args: Vec<String>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineOptions,
+    /// Closed loop: this many requests in flight at all times.
+    #[arg(long, default_value_t = 1, conflicts_with = "rate")]
+    pub concurrency: usize,
+    /// Open loop: Poisson arrivals at this many requests per second.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Requests per run.
+    #[arg(long, default_value_t = 32)]
+    pub requests: usize,
+    /// Prompt length in tokens: `N` or a uniform range `A..B`.
+    #[arg(long, default_value = "128")]
+    pub prompt_tokens: Range,
+    /// Output length in tokens: `N` or `A..B` (EOS is ignored, so every request makes exactly this).
+    #[arg(long, default_value = "64")]
+    pub output_tokens: Range,
+    /// Workload from a JSONL file instead: `{"prompt": "...", "max_tokens": N}` or
+    /// `{"prompt_tokens": N, "output_tokens": M}` per line.
+    #[arg(long)]
+    pub dataset: Option<PathBuf>,
+    /// Time-to-first-token SLO in milliseconds.
+    #[arg(long, default_value_t = 1000.0)]
+    pub ttft_slo_ms: f64,
+    /// Time-per-output-token SLO in milliseconds.
+    #[arg(long, default_value_t = 100.0)]
+    pub tpot_slo_ms: f64,
+    /// Seed of the synthetic prompts and arrival times.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Write the JSON report here.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+    /// Write a PNG of the latency percentiles here.
+    #[arg(long)]
+    pub plot_out: Option<PathBuf>,
+}
+
+/// `N` or `A..B` (inclusive).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Range {
+    pub min: usize,
+    pub max: usize,
+}
+
+impl std::str::FromStr for Range {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let parse = |v: &str| {
+            v.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("`{s}` is not N or A..B"))
+        };
+        let r = match s.split_once("..") {
+            Some((a, b)) => Range {
+                min: parse(a)?,
+                max: parse(b)?,
+            },
+            None => {
+                let n = parse(s)?;
+                Range { min: n, max: n }
+            }
+        };
+        if r.min == 0 || r.min > r.max {
+            return Err(format!("`{s}`: lengths must be positive and A <= B"));
+        }
+        Ok(r)
+    }
+}
+
+/// One request of the workload.
+#[derive(Clone, Debug)]
+struct Job {
+    prompt: Prompt,
+    max_tokens: u32,
+}
+
+#[derive(Clone, Debug)]
+enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Deserialize)]
+struct DatasetLine {
+    prompt: Option<String>,
+    max_tokens: Option<u32>,
+    prompt_tokens: Option<usize>,
+    output_tokens: Option<u32>,
+}
+
+/// What was measured for one request.
+#[derive(Clone, Debug, Default, Serialize)]
+struct Sample {
+    ok: bool,
+    ttft_ms: f64,
+    tpot_ms: f64,
+    e2e_ms: f64,
+    output_tokens: usize,
+    itl_ms: Vec<f64>,
+    error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub mean: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    pub design: String,
+    pub requests: usize,
+    pub failed: usize,
+    pub duration_s: f64,
+    pub request_throughput: f64,
+    pub output_tokens_per_s: f64,
+    pub ttft_ms: Percentiles,
+    pub tpot_ms: Percentiles,
+    pub itl_ms: Percentiles,
+    pub e2e_ms: Percentiles,
+    pub slo_attainment: f64,
+    pub goodput_rps: f64,
+    pub first_error: Option<String>,
+}
+
+#[derive(Serialize)]
+struct Report<'a> {
+    workload: Workload<'a>,
+    runs: Vec<RunReport>,
+}
+
+#[derive(Serialize)]
+struct Workload<'a> {
+    requests: usize,
+    concurrency: Option<usize>,
+    rate: Option<f64>,
+    prompt_tokens: &'a Range,
+    output_tokens: &'a Range,
+    dataset: Option<String>,
+    ttft_slo_ms: f64,
+    tpot_slo_ms: f64,
+}
+
+pub fn run(args: ServeBenchArgs) -> Result<()> {
+    let jobs = workload(&args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut runs = Vec::new();
+    if let Some(server) = &args.server {
+        let addr: SocketAddr = server
+            .parse()
+            .with_context(|| format!("--server {server}: not host:port"))?;
+        runs.push(runtime.block_on(drive(&args, addr, &jobs, "server"))?);
+    } else {
+        for design in &args.launch {
+            let (prefill, router_extra) = match design {
+                Design::Disaggregated => (args.prefill_workers, vec![]),
+                Design::Colocated => (0, vec!["--local-prefill-threshold=4294967295".to_string()]),
+            };
+            let mut router_args = args.router_args.clone();
+            router_args.extend(router_extra);
+            let spec = ClusterSpec {
+                router_listen: std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?,
+                prefill_workers: prefill,
+                decode_workers: args.decode_workers,
+                model: args.model.resolve()?,
+                engine: args.engine.clone(),
+                router_args,
+                processes: false,
+                bin_dir: None,
+            };
+            eprintln!(
+                "launching a {design:?} cluster ({prefill} prefill + {} decode)",
+                args.decode_workers
+            );
+            let cluster = Cluster::start(&spec)?;
+            let name = format!("{design:?}").to_lowercase();
+            runs.push(runtime.block_on(drive(&args, cluster.router, &jobs, &name))?);
+            drop(cluster);
+        }
+    }
+    print_table(&runs, &args);
+    let report = Report {
+        workload: Workload {
+            requests: jobs.len(),
+            concurrency: args.rate.is_none().then_some(args.concurrency),
+            rate: args.rate,
+            prompt_tokens: &args.prompt_tokens,
+            output_tokens: &args.output_tokens,
+            dataset: args.dataset.as_ref().map(|p| p.display().to_string()),
+            ttft_slo_ms: args.ttft_slo_ms,
+            tpot_slo_ms: args.tpot_slo_ms,
+        },
+        runs: runs.clone(),
+    };
+    let json = serde_json::to_string_pretty(&report)?;
+    println!("{json}");
+    if let Some(p) = &args.json_out {
+        std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(p) = &args.plot_out {
+        plot::latency_percentiles(&runs, p)?;
+        eprintln!("plot written to {}", p.display());
+    }
+    Ok(())
+}
+
+fn workload(args: &ServeBenchArgs) -> Result<Vec<Job>> {
+    let mut rng = args.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let pick = |r: &Range, next: &mut dyn FnMut() -> u64| {
+        r.min + (next() % (r.max - r.min + 1) as u64) as usize
+    };
+    if let Some(path) = &args.dataset {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let mut jobs = Vec::new();
+        for (i, line) in text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+        {
+            let l: DatasetLine = serde_json::from_str(line)
+                .with_context(|| format!("{}:{}: not a dataset line", path.display(), i + 1))?;
+            let prompt = match (l.prompt, l.prompt_tokens) {
+                (Some(p), _) => Prompt::Text(p),
+                (None, Some(n)) => Prompt::Tokens(synthetic(n, &mut next)),
+                (None, None) => bail!(
+                    "{}:{}: needs `prompt` or `prompt_tokens`",
+                    path.display(),
+                    i + 1
+                ),
+            };
+            let max_tokens = l
+                .max_tokens
+                .or(l.output_tokens)
+                .unwrap_or(args.output_tokens.max as u32);
+            jobs.push(Job { prompt, max_tokens });
+        }
+        if jobs.is_empty() {
+            bail!("{} holds no requests", path.display());
+        }
+        return Ok(jobs
+            .into_iter()
+            .cycle()
+            .take(args.requests.max(1))
+            .collect());
+    }
+    Ok((0..args.requests)
+        .map(|_| {
+            let n = pick(&args.prompt_tokens, &mut next);
+            let out = pick(&args.output_tokens, &mut next) as u32;
+            Job {
+                prompt: Prompt::Tokens(synthetic(n, &mut next)),
+                max_tokens: out,
+            }
+        })
+        .collect())
+}
+
+/// Random token ids past the special tokens; distinct prompts, so no prefix-cache help.
+fn synthetic(n: usize, next: &mut dyn FnMut() -> u64) -> Vec<u32> {
+    (0..n).map(|_| 300 + (next() % 40_000) as u32).collect()
+}
+
+async fn drive(
+    args: &ServeBenchArgs,
+    router: SocketAddr,
+    jobs: &[Job],
+    design: &str,
+) -> Result<RunReport> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{router}"))?
+        .connect()
+        .await?;
+    let done = Arc::new(AtomicUsize::new(0));
+    let total = jobs.len();
+    let progress = {
+        let done = done.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                eprint!(
+                    "\r[{design_name}] {}/{total} requests done",
+                    done.load(Ordering::Relaxed),
+                    design_name = "bench"
+                );
+            }
+        })
+    };
+    let start = Instant::now();
+    let samples: Vec<Sample> = match args.rate {
+        None => {
+            let next = Arc::new(AtomicUsize::new(0));
+            let workers = (0..args.concurrency.max(1)).map(|_| {
+                let (next, done, channel) = (next.clone(), done.clone(), channel.clone());
+                async move {
+                    let mut out = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(job) = jobs.get(i) else { break };
+                        out.push((i, one_request(channel.clone(), job).await));
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                    out
+                }
+            });
+            let mut all: Vec<(usize, Sample)> = futures::future::join_all(workers)
+                .await
+                .into_iter()
+                .flatten()
+                .collect();
+            all.sort_by_key(|(i, _)| *i);
+            all.into_iter().map(|(_, s)| s).collect()
+        }
+        Some(rate) => {
+            let mut rng = args.seed ^ 0xA5A5_A5A5;
+            let mut handles = Vec::new();
+            let mut at = Duration::ZERO;
+            for job in jobs {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let u = ((rng >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+                at += Duration::from_secs_f64(-u.ln() / rate);
+                tokio::time::sleep_until((start + at).into()).await;
+                let (channel, done, job) = (channel.clone(), done.clone(), job.clone());
+                handles.push(tokio::spawn(async move {
+                    let s = one_request(channel, &job).await;
+                    done.fetch_add(1, Ordering::Relaxed);
+                    s
+                }));
+            }
+            let mut out = Vec::new();
+            for h in handles {
+                out.push(h.await?);
+            }
+            out
+        }
+    };
+    let duration = start.elapsed().as_secs_f64();
+    progress.abort();
+    eprintln!("\r[bench] {total}/{total} requests done in {duration:.1}s");
+    Ok(summarize(design, &samples, duration, args))
+}
+
+async fn one_request(channel: tonic::transport::Channel, job: &Job) -> Sample {
+    let mut client = v1::generation_client::GenerationClient::new(channel);
+    let mut req = v1::GenerateRequest {
+        max_tokens: Some(job.max_tokens),
+        temperature: Some(0.0),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    match &job.prompt {
+        Prompt::Text(t) => req.prompt = t.clone(),
+        Prompt::Tokens(t) => req.token_ids = t.clone(),
+    }
+    let start = Instant::now();
+    let mut s = Sample::default();
+    let mut last = None;
+    let result: Result<(), tonic::Status> = async {
+        let mut stream = client.generate(req).await?.into_inner();
+        while let Some(msg) = stream.next().await {
+            let msg = msg?;
+            if msg.token_ids.is_empty() {
+                continue;
+            }
+            let now = Instant::now();
+            match last {
+                None => s.ttft_ms = (now - start).as_secs_f64() * 1e3,
+                Some(prev) => s.itl_ms.push((now - prev as Instant).as_secs_f64() * 1e3),
+            }
+            last = Some(now);
+            s.output_tokens += msg.token_ids.len();
+        }
+        Ok(())
+    }
+    .await;
+    s.e2e_ms = start.elapsed().as_secs_f64() * 1e3;
+    match result {
+        Ok(()) => {
+            s.ok = true;
+            s.tpot_ms = if s.output_tokens > 1 {
+                (s.e2e_ms - s.ttft_ms) / (s.output_tokens - 1) as f64
+            } else {
+                0.0
+            };
+        }
+        Err(e) => s.error = Some(format!("{}: {}", e.code(), e.message())),
+    }
+    s
+}
+
+fn percentiles(mut v: Vec<f64>) -> Percentiles {
+    if v.is_empty() {
+        return Percentiles {
+            p50: 0.0,
+            p90: 0.0,
+            p99: 0.0,
+            mean: 0.0,
+        };
+    }
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((q * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)];
+    Percentiles {
+        p50: at(0.5),
+        p90: at(0.9),
+        p99: at(0.99),
+        mean: v.iter().sum::<f64>() / v.len() as f64,
+    }
+}
+
+fn summarize(design: &str, samples: &[Sample], duration: f64, args: &ServeBenchArgs) -> RunReport {
+    let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+    let attained = ok
+        .iter()
+        .filter(|s| s.ttft_ms <= args.ttft_slo_ms && s.tpot_ms <= args.tpot_slo_ms)
+        .count();
+    RunReport {
+        design: design.to_string(),
+        requests: samples.len(),
+        failed: samples.len() - ok.len(),
+        duration_s: duration,
+        request_throughput: ok.len() as f64 / duration,
+        output_tokens_per_s: ok.iter().map(|s| s.output_tokens).sum::<usize>() as f64 / duration,
+        ttft_ms: percentiles(ok.iter().map(|s| s.ttft_ms).collect()),
+        tpot_ms: percentiles(ok.iter().map(|s| s.tpot_ms).collect()),
+        itl_ms: percentiles(ok.iter().flat_map(|s| s.itl_ms.iter().copied()).collect()),
+        e2e_ms: percentiles(ok.iter().map(|s| s.e2e_ms).collect()),
+        slo_attainment: attained as f64 / samples.len().max(1) as f64,
+        goodput_rps: attained as f64 / duration,
+        first_error: samples.iter().find_map(|s| s.error.clone()),
+    }
+}
+
+fn print_table(runs: &[RunReport], args: &ServeBenchArgs) {
+    println!(
+        "workload: {} requests, {}, prompt {}..{} tokens, output {}..{} tokens; SLO: TTFT ≤ {} ms, TPOT ≤ {} ms",
+        runs.first().map_or(0, |r| r.requests),
+        match args.rate {
+            Some(r) => format!("Poisson {r} req/s"),
+            None => format!("concurrency {}", args.concurrency),
+        },
+        args.prompt_tokens.min,
+        args.prompt_tokens.max,
+        args.output_tokens.min,
+        args.output_tokens.max,
+        args.ttft_slo_ms,
+        args.tpot_slo_ms
+    );
+    println!(
+        "{:<15} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>8} {:>9}",
+        "design",
+        "failed",
+        "TTFT p50",
+        "TTFT p90",
+        "TTFT p99",
+        "TPOT p50",
+        "TPOT p90",
+        "ITL p99",
+        "out tok/s",
+        "SLO att",
+        "goodput"
+    );
+    for r in runs {
+        println!(
+            "{:<15} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9.2} {:>9.2} {:>9.2} {:>10.1} {:>7.0}% {:>9.2}",
+            r.design,
+            r.failed,
+            r.ttft_ms.p50,
+            r.ttft_ms.p90,
+            r.ttft_ms.p99,
+            r.tpot_ms.p50,
+            r.tpot_ms.p90,
+            r.itl_ms.p99,
+            r.output_tokens_per_s,
+            r.slo_attainment * 100.0,
+            r.goodput_rps
+        );
+        if let Some(e) = &r.first_error {
+            println!("  first error: {e}");
+        }
+    }
+}
