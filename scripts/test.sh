@@ -3,6 +3,6 @@
 # (the golden tests run the real default model). Fetches the default model first if missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --locked -p duet-cli
+cargo build --release --locked --workspace --bins
 ./target/release/duet model fetch
 cargo test --release --locked --workspace

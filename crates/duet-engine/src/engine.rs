@@ -203,26 +203,54 @@ impl<B: Backend> Engine<B> {
         params: SamplingParams,
         stop: StopCriteria,
     ) -> Result<SeqId, EngineError> {
+        self.resume_sequence(prompt, Resumed::default(), params, stop)
+    }
+
+    /// Admits a request that another worker started: the last `resumed.generated` of `tokens`
+    /// were already generated (they count towards `max_tokens` and the penalties, and are not
+    /// reported again) and `resumed.sent_text_bytes` of their text already reached the client.
+    pub fn resume_sequence(
+        &mut self,
+        tokens: Vec<u32>,
+        resumed: Resumed,
+        params: SamplingParams,
+        stop: StopCriteria,
+    ) -> Result<SeqId, EngineError> {
         params.validate()?;
         stop.validate()?;
-        self.check_prompt(&prompt, stop.max_tokens)?;
+        if resumed.generated >= stop.max_tokens || resumed.generated >= tokens.len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "{} tokens already generated leave nothing to do (max_tokens {}, {} tokens in all)",
+                resumed.generated,
+                stop.max_tokens,
+                tokens.len()
+            )));
+        }
+        self.check_prompt(&tokens, stop.max_tokens - resumed.generated)?;
+        let prompt_len = tokens.len() - resumed.generated;
         let bs = self.options.block_size;
-        let hashes = block_hashes(self.hash_seed, &prompt, bs);
-        // Leave at least one prompt token to compute: its logits give the first output token.
-        let usable = hashes.len().min((prompt.len() - 1) / bs);
+        let hashes = block_hashes(self.hash_seed, &tokens, bs);
+        // Leave at least one token to compute: its logits give the next output token.
+        let usable = hashes.len().min((tokens.len() - 1) / bs);
         let cached = self.blocks.lookup_prefix(&hashes[..usable]);
         let num_cached = cached.len() * bs;
         let id = self.next_id;
         self.next_id += 1;
-        let sampler = Sampler::new(params, &prompt);
-        let text = TextStream::new(stop.stop_strings.clone());
+        let mut sampler = Sampler::new(params, &tokens[..prompt_len]);
+        sampler.record(&tokens[prompt_len..]);
+        let text = TextStream::resumed(
+            &self.tokenizer,
+            stop.stop_strings.clone(),
+            &tokens[prompt_len..],
+            resumed.sent_text_bytes,
+        )?;
         self.seqs.insert(
             id,
             Sequence {
-                prompt_len: prompt.len(),
-                tokens: prompt,
+                prompt_len,
+                tokens,
                 num_computed: num_cached,
-                num_cached_prompt: num_cached,
+                num_cached_prompt: num_cached.min(prompt_len),
                 hashes: hashes[..cached.len()].to_vec(),
                 table: BlockTable::from_blocks(cached),
                 sampler,
@@ -597,6 +625,15 @@ impl<B: Backend> Engine<B> {
     pub fn preemptions(&self) -> u64 {
         self.preemptions
     }
+}
+
+/// Where a resumed request stands (see [`Engine::resume_sequence`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Resumed {
+    /// Trailing tokens of the prompt that were generated before.
+    pub generated: usize,
+    /// Bytes of their text already delivered.
+    pub sent_text_bytes: usize,
 }
 
 /// KV blocks held on the decode side for a prompt whose KV is being transferred.

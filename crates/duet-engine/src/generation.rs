@@ -78,6 +78,8 @@ pub struct TextStream {
     /// Decoded text not yet released because it could be the start of a stop string.
     held: String,
     stop_strings: Vec<String>,
+    /// Bytes at the start of the text that were already delivered elsewhere (a resumed request).
+    skip_bytes: usize,
 }
 
 impl TextStream {
@@ -86,6 +88,25 @@ impl TextStream {
             stop_strings,
             ..Self::default()
         }
+    }
+
+    /// A stream that continues after `generated` tokens whose text was delivered up to
+    /// `sent_bytes` (by another worker, before a failover): text is released only past it.
+    pub fn resumed(
+        tokenizer: &Tokenizer,
+        stop_strings: Vec<String>,
+        generated: &[u32],
+        sent_bytes: usize,
+    ) -> Result<Self, EngineError> {
+        let mut s = Self {
+            stop_strings,
+            skip_bytes: sent_bytes,
+            ..Self::default()
+        };
+        for &t in generated {
+            s.push(tokenizer, t)?;
+        }
+        Ok(s)
     }
 
     /// Adds a token; returns the newly final text and whether a stop string was completed (the
@@ -115,10 +136,31 @@ impl TextStream {
         }
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
-        Ok(std::mem::take(&mut self.held))
+        let out = std::mem::take(&mut self.held);
+        Ok(self.skip_delivered(out))
     }
 
     fn release(&mut self) -> (String, bool) {
+        let (out, stopped) = self.release_final();
+        (self.skip_delivered(out), stopped)
+    }
+
+    /// Drops the part of `out` that was already delivered before a resume.
+    fn skip_delivered(&mut self, mut out: String) -> String {
+        if self.skip_bytes > 0 {
+            let mut cut = self.skip_bytes.min(out.len());
+            while !out.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            out.drain(..cut);
+            self.skip_bytes -= cut;
+        }
+        out
+    }
+
+    /// Text that is final now (not part of a possible stop string), and whether a stop string
+    /// completed.
+    fn release_final(&mut self) -> (String, bool) {
         if let Some(pos) = self
             .stop_strings
             .iter()

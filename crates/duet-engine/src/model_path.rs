@@ -25,7 +25,10 @@ impl ModelArgs {
     pub fn resolve(&self) -> Result<PathBuf, EngineError> {
         match &self.model {
             Some(p) if p.exists() => Ok(p.clone()),
-            Some(p) => Err(EngineError::ModelNotFound(format!("model {} does not exist", p.display()))),
+            Some(p) => Err(EngineError::ModelNotFound(format!(
+                "model {} does not exist",
+                p.display()
+            ))),
             None => default_model(&self.models_dir),
         }
     }

@@ -195,3 +195,59 @@ fn removing_a_running_sequence_frees_its_blocks() {
     assert_eq!(e.block_pool().stats().in_use, 0);
     assert!(e.remove_sequence(id).is_err(), "unknown sequence");
 }
+
+#[test]
+fn a_resumed_request_continues_without_repeats() {
+    use duet_engine::engine::Resumed;
+    let params = SamplingParams {
+        temperature: 0.8,
+        seed: Some(5),
+        ..Default::default()
+    };
+    let p = prompt(6, 19);
+    // The uninterrupted run: tokens and the text released with each.
+    let mut e = tiny(1024);
+    let id = e.add_sequence(p.clone(), params.clone(), stop(14)).unwrap();
+    let mut pieces: Vec<(u32, String)> = Vec::new();
+    while e.has_work() {
+        pieces.extend(
+            e.step()
+                .unwrap()
+                .into_iter()
+                .map(|o| (o.token.token, o.text)),
+        );
+    }
+    e.remove_sequence(id).unwrap();
+    for k in [1, 6, 13] {
+        // A worker that streamed k tokens died; another resumes from prompt + those tokens.
+        let mut tokens = p.clone();
+        tokens.extend(pieces[..k].iter().map(|(t, _)| *t));
+        let sent: usize = pieces[..k].iter().map(|(_, s)| s.len()).sum();
+        let mut other = tiny(1024);
+        let resumed = Resumed {
+            generated: k,
+            sent_text_bytes: sent,
+        };
+        let id = other
+            .resume_sequence(tokens, resumed, params.clone(), stop(14))
+            .unwrap();
+        let mut rest = Vec::new();
+        while other.has_work() {
+            rest.extend(
+                other
+                    .step()
+                    .unwrap()
+                    .into_iter()
+                    .map(|o| (o.token.token, o.text)),
+            );
+        }
+        other.remove_sequence(id).unwrap();
+        assert_eq!(
+            rest.iter().map(|r| r.0).collect::<Vec<_>>(),
+            pieces[k..].iter().map(|r| r.0).collect::<Vec<_>>(),
+            "tokens after {k}"
+        );
+        let text = |v: &[(u32, String)]| v.iter().map(|r| r.1.as_str()).collect::<String>();
+        assert_eq!(text(&rest), text(&pieces[k..]), "text after {k}");
+    }
+}

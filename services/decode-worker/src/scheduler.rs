@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
-use duet_engine::engine::{Engine, KvReservation, SeqId, StepOutput};
+use duet_engine::engine::{Engine, KvReservation, Resumed, SeqId, StepOutput};
 use duet_engine::generation::StopCriteria;
 use duet_engine::sampling::{Sampled, SamplingParams};
 use duet_kv::PoolStats;
@@ -45,6 +45,8 @@ pub struct SchedulerStats {
 
 pub struct Generation {
     pub prompt: Vec<u32>,
+    /// Set when resuming a request another decode worker started (failover).
+    pub resumed: Resumed,
     pub params: SamplingParams,
     pub stop: StopCriteria,
     pub events: mpsc::UnboundedSender<Event>,
@@ -188,6 +190,7 @@ impl Scheduler {
                     params,
                     stop,
                     events,
+                    ..
                 } = generation;
                 match self
                     .engine
@@ -205,11 +208,12 @@ impl Scheduler {
                 }
                 let Generation {
                     prompt,
+                    resumed,
                     params,
                     stop,
                     events,
                 } = generation;
-                match self.engine.add_sequence(prompt, params, stop) {
+                match self.engine.resume_sequence(prompt, resumed, params, stop) {
                     Ok(seq) => self.admitted(job, seq, events, None),
                     Err(e) => {
                         let _ = events.send(Event::Failed(e.into()));

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use duet_engine::engine::Resumed;
 use duet_engine::generation::StopCriteria;
 use duet_engine::sampling::{Logprobs, Sampled, SamplingParams};
 use duet_proto::v1;
@@ -183,14 +184,21 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
             scheduler: state.scheduler.clone(),
         };
         let (events_tx, mut events) = mpsc::unbounded_channel();
+        let resumed = Resumed {
+            generated: req.already_generated as usize,
+            sent_text_bytes: req.already_sent_text_bytes as usize,
+        };
         let generation = Generation {
             prompt: req.prompt_token_ids.clone(),
+            resumed,
             params,
             stop,
             events: events_tx,
         };
         let plan = req.plan.clone().unwrap_or_default();
-        let report = if plan.local || plan.prefill_workers.is_empty() {
+        // A resumed request (failover) is recomputed here: its prompt includes generated tokens
+        // whose sampling state only this worker's engine can rebuild.
+        let report = if plan.local || plan.prefill_workers.is_empty() || resumed.generated > 0 {
             state.scheduler.send(Command::Local { job, generation })?;
             PrefillReport {
                 worker: state.worker_id.clone(),
@@ -205,6 +213,7 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
             .fetch_add(req.prompt_token_ids.len() as u64, Ordering::Relaxed);
 
         let prompt_tokens = req.prompt_token_ids.len() as u32;
+        let already = req.already_generated;
         let worker_id = state.worker_id.clone();
         let stream = async_stream(move |tx| async move {
             let _guard = guard;
@@ -231,8 +240,8 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
                                 }
                             } as i32;
                             msg.usage = Some(v1::Usage {
-                                prompt_tokens,
-                                completion_tokens: completion,
+                                prompt_tokens: prompt_tokens - already,
+                                completion_tokens: completion + already,
                                 cached_prompt_tokens: report.cached_tokens,
                             });
                             let decode_ms =
