@@ -333,6 +333,24 @@ async fn drive(
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{router}"))?
         .connect()
         .await?;
+    // Synthetic prompts are drawn for a large vocabulary; fold them into this model's.
+    let vocab = v1::generation_client::GenerationClient::new(channel.clone())
+        .info(v1::InfoRequest {})
+        .await?
+        .into_inner()
+        .vocab_size
+        .max(4);
+    let jobs: Vec<Job> = jobs
+        .iter()
+        .map(|j| match &j.prompt {
+            Prompt::Tokens(t) => Job {
+                prompt: Prompt::Tokens(t.iter().map(|&x| if x < vocab { x } else { 3 + x % (vocab - 3) }).collect()),
+                max_tokens: j.max_tokens,
+            },
+            Prompt::Text(_) => j.clone(),
+        })
+        .collect();
+    let jobs = &jobs[..];
     let done = Arc::new(AtomicUsize::new(0));
     let total = jobs.len();
     let progress = {

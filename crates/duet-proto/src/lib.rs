@@ -232,3 +232,9 @@ mod timeout_tests {
         assert_eq!(grpc_timeout(&m), None);
     }
 }
+
+/// Connections accepted on `listener`, with Nagle's algorithm off: token streams are many small
+/// messages, and delayed ACKs would otherwise add tens of milliseconds per hop.
+pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}

@@ -82,7 +82,7 @@ pub async fn serve(
             service::ControlService { state },
         ))
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            duet_proto::incoming(listener),
             shutdown,
         )
         .await?;

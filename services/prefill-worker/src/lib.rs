@@ -17,7 +17,6 @@ use std::future::Future;
 use anyhow::Context;
 use duet_proto::v1::prefill_worker_server::PrefillWorkerServer;
 use duet_proto::v1::worker_control_server::WorkerControlServer;
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub use config::PrefillConfig;
 pub use error::PrefillError;
@@ -72,7 +71,7 @@ pub async fn serve(
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(duet_proto::incoming(listener), shutdown)
         .await
         .context("serving gRPC")?;
     tracing::info!(worker_id, "prefill worker stopped");

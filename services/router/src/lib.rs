@@ -23,7 +23,6 @@ use anyhow::Context;
 use duet_engine::chat::ChatTemplate;
 use duet_engine::model_files::open_model;
 use duet_proto::v1::generation_server::GenerationServer;
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub use config::RouterConfig;
 pub use error::RouterError;
@@ -108,7 +107,7 @@ pub async fn serve(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(generation)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(duet_proto::incoming(listener), shutdown)
         .await;
     for p in pollers {
         p.abort();
