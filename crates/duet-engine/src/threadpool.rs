@@ -31,7 +31,7 @@ pub struct ThreadPool {
     dispatch: Mutex<()>,
 }
 
-const SPIN_ITERS: usize = 20_000;
+const SPIN_ITERS: usize = 2_000;
 
 impl ThreadPool {
     /// A pool with `n_threads` participants (at least 1); `0` means one per available core.

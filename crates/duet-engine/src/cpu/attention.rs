@@ -23,15 +23,29 @@ impl CpuKvStore {
             .checked_mul(layout.block_size)
             .and_then(|n| n.checked_mul(layout.values_per_token()))
             .ok_or_else(|| EngineError::Config("KV cache size overflows".into()))?;
-        let mut data = Vec::new();
-        data.try_reserve_exact(len).map_err(|_| {
+        // Zeroed pages straight from the allocator (calloc/mmap): memory becomes resident only
+        // as blocks are first written, so an idle pool costs nothing.
+        let alloc_error = || {
             EngineError::Config(format!(
                 "cannot allocate a KV cache of {} MiB ({} blocks)",
                 (len * 4) >> 20,
                 layout.num_blocks
             ))
-        })?;
-        data.resize(len, 0.0);
+        };
+        let data = if len == 0 {
+            Vec::new()
+        } else {
+            let bytes = std::alloc::Layout::array::<f32>(len).map_err(|_| alloc_error())?;
+            // SAFETY: the layout is non-zero-sized; a non-null result is `len` zeroed f32s
+            // allocated by the global allocator with exactly the layout a Vec<f32> uses.
+            unsafe {
+                let ptr = std::alloc::alloc_zeroed(bytes) as *mut f32;
+                if ptr.is_null() {
+                    return Err(alloc_error());
+                }
+                Vec::from_raw_parts(ptr, len, len)
+            }
+        };
         Ok(Self { layout, data })
     }
 
