@@ -344,7 +344,11 @@ async fn drive(
         .iter()
         .map(|j| match &j.prompt {
             Prompt::Tokens(t) => Job {
-                prompt: Prompt::Tokens(t.iter().map(|&x| if x < vocab { x } else { 3 + x % (vocab - 3) }).collect()),
+                prompt: Prompt::Tokens(
+                    t.iter()
+                        .map(|&x| if x < vocab { x } else { 3 + x % (vocab - 3) })
+                        .collect(),
+                ),
                 max_tokens: j.max_tokens,
             },
             Prompt::Text(_) => j.clone(),
@@ -355,13 +359,13 @@ async fn drive(
     let total = jobs.len();
     let progress = {
         let done = done.clone();
+        let label = design.to_string();
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 eprint!(
-                    "\r[{design_name}] {}/{total} requests done",
-                    done.load(Ordering::Relaxed),
-                    design_name = "bench"
+                    "\r[{label}] {}/{total} requests done",
+                    done.load(Ordering::Relaxed)
                 );
             }
         })
@@ -418,7 +422,7 @@ async fn drive(
     };
     let duration = start.elapsed().as_secs_f64();
     progress.abort();
-    eprintln!("\r[bench] {total}/{total} requests done in {duration:.1}s");
+    eprintln!("\r[{design}] {total}/{total} requests done in {duration:.1}s");
     Ok(summarize(design, &samples, duration, args))
 }
 

@@ -106,21 +106,20 @@ pub fn latency_percentiles(runs: &[RunReport], out: &Path) -> Result<()> {
         "LATENCY PERCENTILES (MS) - BARS: P50 P90 P99 PER DESIGN",
         [0, 0, 0],
     );
-    let panels: [(&str, Box<dyn Fn(&RunReport) -> [f64; 3]>); 2] = [
-        (
-            "TIME TO FIRST TOKEN",
-            Box::new(|r| [r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99]),
-        ),
-        (
-            "TIME PER OUTPUT TOKEN",
-            Box::new(|r| [r.tpot_ms.p50, r.tpot_ms.p90, r.tpot_ms.p99]),
-        ),
+    type Metric = fn(&RunReport) -> [f64; 3];
+    let panels: [(&str, Metric); 2] = [
+        ("TIME TO FIRST TOKEN", |r| {
+            [r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99]
+        }),
+        ("TIME PER OUTPUT TOKEN", |r| {
+            [r.tpot_ms.p50, r.tpot_ms.p90, r.tpot_ms.p99]
+        }),
     ];
     for (pi, (title, get)) in panels.iter().enumerate() {
         let x0 = 40 + pi * (W / 2);
         let (y0, ph) = (60, H - 130);
         c.text(x0, y0 - 20, title, [0, 0, 0]);
-        let max = runs.iter().flat_map(|r| get(r)).fold(1e-9, f64::max);
+        let max = runs.iter().flat_map(*get).fold(1e-9, f64::max);
         c.text(x0 - 30, y0, &format!("{max:.0}"), [90, 90, 90]);
         c.rect(x0, y0 + ph, W / 2 - 80, 1, [0, 0, 0]);
         let group_w = (W / 2 - 90) / runs.len().max(1);

@@ -81,10 +81,7 @@ pub async fn serve(
         .add_service(v1::worker_control_server::WorkerControlServer::new(
             service::ControlService { state },
         ))
-        .serve_with_incoming_shutdown(
-            duet_proto::incoming(listener),
-            shutdown,
-        )
+        .serve_with_incoming_shutdown(duet_proto::incoming(listener), shutdown)
         .await?;
     Ok(())
 }
