@@ -228,8 +228,10 @@ mod timeout_tests {
             m.insert("grpc-timeout", v.parse().unwrap());
             assert_eq!(grpc_timeout(&m), Some(d), "{v}");
         }
-        m.insert("grpc-timeout", "12x".parse().unwrap());
-        assert_eq!(grpc_timeout(&m), None);
+        for bad in ["12x", "S", "5", "-5S"] {
+            m.insert("grpc-timeout", bad.parse().unwrap());
+            assert_eq!(grpc_timeout(&m), None, "{bad}");
+        }
     }
 }
 

@@ -14,7 +14,6 @@ use duet_proto::v1::{
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
-use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
 use crate::error::PrefillError;
@@ -70,7 +69,7 @@ impl PrefillWorker for PrefillService {
         request: Request<PrefillRequest>,
     ) -> Result<Response<PrefillResponse>, Status> {
         let received = Instant::now();
-        let timeout = grpc_timeout(request.metadata()).unwrap_or(DEFAULT_DEADLINE);
+        let timeout = duet_proto::grpc_timeout(request.metadata()).unwrap_or(DEFAULT_DEADLINE);
         let deadline = tokio::time::Instant::now() + timeout;
         let req = request.into_inner();
         let request_id = req.request_id.clone();
@@ -383,25 +382,6 @@ fn token_logprobs(s: &Sampled) -> TokenLogprobs {
     }
 }
 
-/// The call's deadline from its `grpc-timeout` header (`<digits><H|M|S|m|u|n>`).
-pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
-    let v = metadata.get("grpc-timeout")?.to_str().ok()?;
-    if v.len() < 2 {
-        return None;
-    }
-    let (digits, unit) = v.split_at(v.len() - 1);
-    let n: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -495,19 +475,5 @@ mod tests {
         enqueue_tokens(&q, 30, 50).unwrap();
         assert!(enqueue_tokens(&q, 1, 50).is_err());
         assert_eq!(q.load(Ordering::Relaxed), 50);
-    }
-
-    #[test]
-    fn timeouts() {
-        let mut m = MetadataMap::new();
-        assert_eq!(grpc_timeout(&m), None);
-        m.insert("grpc-timeout", "250m".parse().unwrap());
-        assert_eq!(grpc_timeout(&m), Some(Duration::from_millis(250)));
-        m.insert("grpc-timeout", "3S".parse().unwrap());
-        assert_eq!(grpc_timeout(&m), Some(Duration::from_secs(3)));
-        m.insert("grpc-timeout", "2H".parse().unwrap());
-        assert_eq!(grpc_timeout(&m), Some(Duration::from_secs(7200)));
-        m.insert("grpc-timeout", "x".parse().unwrap());
-        assert_eq!(grpc_timeout(&m), None);
     }
 }

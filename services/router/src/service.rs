@@ -19,7 +19,6 @@ use duet_proto::v1::generation_server::Generation;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::metadata::MetadataMap;
 use tonic::{Code, Request, Response, Status};
 
 use crate::error::{RouterError, is_retryable};
@@ -109,25 +108,6 @@ impl GenerationService {
     }
 }
 
-/// The deadline a client put on its call (`grpc-timeout`), if any.
-pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
-    let v = metadata.get("grpc-timeout")?.to_str().ok()?;
-    if v.len() < 2 || !v.is_ascii() {
-        return None;
-    }
-    let (num, unit) = v.split_at(v.len() - 1);
-    let n: u64 = num.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
-}
-
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
@@ -150,7 +130,8 @@ impl GenerationService {
         req: Request<v1::GenerateRequest>,
     ) -> Result<mpsc::Receiver<Item>, RouterError> {
         let start = Instant::now();
-        let timeout = grpc_timeout(req.metadata()).unwrap_or(self.state.request_timeout);
+        let timeout =
+            duet_proto::grpc_timeout(req.metadata()).unwrap_or(self.state.request_timeout);
         let req = req.into_inner();
         let valid = self.state.model.validate(&req, random_u64)?;
         let admission = self.state.admit()?;
@@ -416,31 +397,5 @@ impl Generation for GenerationService {
             block_size: s.pools.block_size().unwrap_or(DEFAULT_BLOCK_SIZE),
             version: env!("CARGO_PKG_VERSION").to_string(),
         }))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_grpc_timeout() {
-        let mut md = MetadataMap::new();
-        assert_eq!(grpc_timeout(&md), None);
-        for (v, d) in [
-            ("5S", Duration::from_secs(5)),
-            ("250m", Duration::from_millis(250)),
-            ("2M", Duration::from_secs(120)),
-            ("1H", Duration::from_secs(3600)),
-            ("7u", Duration::from_micros(7)),
-            ("9n", Duration::from_nanos(9)),
-        ] {
-            md.insert("grpc-timeout", v.parse().unwrap());
-            assert_eq!(grpc_timeout(&md), Some(d), "{v}");
-        }
-        for bad in ["S", "5", "5x", "-5S"] {
-            md.insert("grpc-timeout", bad.parse().unwrap());
-            assert_eq!(grpc_timeout(&md), None, "{bad}");
-        }
     }
 }
