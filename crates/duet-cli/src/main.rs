@@ -2,6 +2,7 @@
 
 mod bench_engine;
 mod bench_serve;
+mod bench_transfer;
 mod fetch;
 mod generate;
 mod plot;
@@ -50,6 +51,8 @@ enum BenchCommand {
     /// Load a cluster through its router: TTFT, TPOT, ITL, end-to-end latency, SLO attainment,
     /// goodput; disaggregated and colocated side by side.
     Serve(bench_serve::ServeBenchArgs),
+    /// The gRPC KV transport alone: a prompt's KV pushed into a real decode worker.
+    Transfer(bench_transfer::TransferBenchArgs),
 }
 
 fn main() {
@@ -66,6 +69,9 @@ fn main() {
         Command::Bench {
             command: BenchCommand::Serve(args),
         } => bench_serve::run(args),
+        Command::Bench {
+            command: BenchCommand::Transfer(args),
+        } => bench_transfer::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,221 @@
+//! `duet bench transfer`: the gRPC KV transport alone. A real decode worker (in this process)
+//! reserves KV for an N-token prompt and asks a stand-in prefill worker to fill it; the stand-in
+//! computes nothing and pushes the prompt's KV (every layer, every block, 1 MiB checksummed
+//! chunks) as fast as the transport takes it, timing from the first chunk to the decode worker's
+//! acknowledgement.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use duet_engine::engine::EngineOptions;
+use duet_engine::model_files::open_model;
+use duet_engine::model_path::ModelArgs;
+use duet_proto::v1;
+use futures::StreamExt;
+use tonic::{Request, Response, Status};
+
+#[derive(Args, Debug)]
+pub struct TransferBenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt length whose KV is moved.
+    #[arg(long, default_value_t = 2000)]
+    pub prompt_tokens: usize,
+    /// Transfers timed (the best is reported).
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+}
+
+/// What the stand-in measured for one push.
+#[derive(Clone, Copy, Default)]
+struct Measured {
+    bytes: u64,
+    seconds: f64,
+}
+
+struct StandIn {
+    fingerprint: String,
+    geometry: (u32, u32, u32, u32), // block size, layers, kv heads, head dim
+    last: Arc<Mutex<Measured>>,
+}
+
+#[tonic::async_trait]
+impl v1::prefill_worker_server::PrefillWorker for StandIn {
+    async fn prefill(
+        &self,
+        request: Request<v1::PrefillRequest>,
+    ) -> Result<Response<v1::PrefillResponse>, Status> {
+        let req = request.into_inner();
+        let dest = req
+            .dest
+            .ok_or_else(|| Status::invalid_argument("no destination"))?;
+        let (bs, layers, heads, hd) = self.geometry;
+        let block_bytes = 2 * (bs * heads * hd) as usize * 4;
+        let first = dest.cached_blocks as usize;
+        let total = dest.block_ids.len() - first;
+        let per_chunk = ((1 << 20) / block_bytes).max(1);
+        let mut chunks = vec![v1::KvChunk {
+            kind: Some(v1::kv_chunk::Kind::Header(v1::KvHeader {
+                reservation_id: dest.reservation_id,
+                request_id: req.request_id.clone(),
+                model_fingerprint: self.fingerprint.clone(),
+                block_size: bs,
+                num_layers: layers,
+                num_kv_heads: heads,
+                head_dim: hd,
+                dtype: "f32".into(),
+                layout: "duet-kv-v1".into(),
+                first_block: first as u32,
+                total_blocks: total as u32,
+                total_bytes: (layers as usize * total * block_bytes) as u64,
+                num_tokens: req.token_ids.len() as u32,
+                sender_worker_id: "bench-stand-in".into(),
+            })),
+        }];
+        let (mut n, mut bytes) = (0u64, 0u64);
+        for layer in 0..layers {
+            let mut start = first;
+            while start < first + total {
+                let end = (start + per_chunk).min(first + total);
+                let payload = vec![0u8; (end - start) * block_bytes];
+                let xxh3 = xxhash_rust::xxh3::xxh3_64(&payload);
+                bytes += payload.len() as u64;
+                n += 1;
+                chunks.push(v1::KvChunk {
+                    kind: Some(v1::kv_chunk::Kind::Data(v1::KvData {
+                        layer,
+                        block_start: start as u32,
+                        block_end: end as u32,
+                        payload,
+                        xxh3,
+                    })),
+                });
+                start = end;
+            }
+        }
+        chunks.push(v1::KvChunk {
+            kind: Some(v1::kv_chunk::Kind::Done(v1::KvDone {
+                num_chunks: n,
+                total_bytes: bytes,
+            })),
+        });
+        let mut client = v1::kv_transfer_client::KvTransferClient::connect(format!(
+            "http://{}",
+            dest.transfer_address
+        ))
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?
+        .max_encoding_message_size(64 << 20);
+        let started = Instant::now();
+        let ack = client
+            .push(futures::stream::iter(chunks))
+            .await?
+            .into_inner();
+        let seconds = started.elapsed().as_secs_f64();
+        if !ack.accepted {
+            return Err(Status::unavailable(ack.message));
+        }
+        *self.last.lock().unwrap() = Measured { bytes, seconds };
+        Ok(Response::new(v1::PrefillResponse {
+            first_token: Some(v1::TokenLogprobs {
+                token_id: 3,
+                ..Default::default()
+            }),
+            bytes_sent: bytes,
+            transfer_ms: seconds * 1e3,
+            worker_id: "bench-stand-in".into(),
+            ..Default::default()
+        }))
+    }
+}
+
+pub fn run(args: TransferBenchArgs) -> Result<()> {
+    let path = args.model.resolve()?;
+    let config = open_model(&path)?.config;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let engine = EngineOptions {
+            threads: 1,
+            block_size: 16,
+            kv_cache_tokens: (args.prompt_tokens + 64).next_multiple_of(16) * 2,
+            max_step_tokens: 512,
+        };
+        let decode_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let decode_addr = decode_listener.local_addr()?;
+        let mut cli = vec!["duet-decode".to_string(), format!("--listen={decode_addr}"), format!("--model={}", path.display())];
+        cli.push(format!("--kv-cache-tokens={}", engine.kv_cache_tokens));
+        cli.push("--threads=1".into());
+        #[derive(clap::Parser)]
+        struct Decode {
+            #[command(flatten)]
+            c: duet_decode_worker::DecodeConfig,
+        }
+        let decode = <Decode as clap::Parser>::try_parse_from(cli)?.c;
+        tokio::spawn(duet_decode_worker::serve(decode, decode_listener, std::future::pending()));
+        let url = format!("http://{decode_addr}");
+        let fingerprint = loop {
+            if let Ok(mut c) = v1::worker_control_client::WorkerControlClient::connect(url.clone()).await
+                && let Ok(s) = c.stats(v1::StatsRequest {}).await
+            {
+                break s.into_inner().model_fingerprint;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let last = Arc::new(Mutex::new(Measured::default()));
+        let stand_in = StandIn {
+            fingerprint,
+            geometry: (16, config.num_layers as u32, config.num_kv_heads as u32, config.head_dim as u32),
+            last: last.clone(),
+        };
+        let prefill_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let prefill_addr = prefill_listener.local_addr()?;
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(v1::prefill_worker_server::PrefillWorkerServer::new(stand_in))
+                .serve_with_incoming(duet_proto::incoming(prefill_listener)),
+        );
+
+        let mut decode_client = v1::decode_worker_client::DecodeWorkerClient::connect(url).await?;
+        let mut best = Measured { bytes: 0, seconds: f64::INFINITY };
+        for r in 0..args.repeats {
+            // A different prompt each time: nothing is found in the decode worker's prefix cache.
+            let prompt: Vec<u32> = (0..args.prompt_tokens as u32).map(|i| 300 + (i * 7919 + r as u32 * 31) % 40_000 % (config.vocab_size as u32 - 300)).collect();
+            let req = v1::DecodeRequest {
+                request_id: format!("transfer-{r}"),
+                prompt_token_ids: prompt,
+                sampling: Some(v1::SamplingParams { max_tokens: 1, top_p: 1.0, ..Default::default() }),
+                plan: Some(v1::PrefillPlan {
+                    local: false,
+                    prefill_workers: vec![v1::PrefillTarget { worker_id: "stand-in".into(), address: prefill_addr.to_string() }],
+                }),
+                ..Default::default()
+            };
+            let mut stream = decode_client.decode(req).await?.into_inner();
+            let mut local = false;
+            while let Some(msg) = stream.next().await {
+                local |= msg?.timings.is_some_and(|t| t.prefill_local);
+            }
+            anyhow::ensure!(!local, "the transfer failed and the decode worker prefilled locally");
+            let m = *last.lock().unwrap();
+            eprintln!("transfer {}: {} bytes in {:.1} ms ({:.2} GB/s)", r + 1, m.bytes, m.seconds * 1e3, m.bytes as f64 / m.seconds / 1e9);
+            if m.seconds < best.seconds {
+                best = m;
+            }
+        }
+        println!(
+            "KV of a {}-token prompt over gRPC on loopback: {:.1} MiB in {:.1} ms = {:.2} GB/s (best of {})",
+            args.prompt_tokens,
+            best.bytes as f64 / (1 << 20) as f64,
+            best.seconds * 1e3,
+            best.bytes as f64 / best.seconds / 1e9,
+            args.repeats
+        );
+        Ok::<_, anyhow::Error>(())
+    })
+    .context("transfer benchmark")
+}
