@@ -112,5 +112,5 @@ pub trait Backend: Send + Sync {
     fn add(&self, x: &mut Self::Activations, y: &Self::Activations);
     /// `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Activations, rows: &[usize], out: &mut Self::Activations);
-    fn to_host(&self, x: &Self::Activations) -> Vec<f32>;
+    fn to_host(&self, x: Self::Activations) -> Vec<f32>;
 }

@@ -103,7 +103,24 @@ impl Engine<CpuBackend> {
     pub fn load(path: &Path, options: EngineOptions) -> Result<Self, EngineError> {
         let files = open_model(path)?;
         let backend = CpuBackend::new(options.threads);
-        Self::with_backend(backend, files, options)
+        let engine = Self::with_backend(backend, files, options)?;
+        release_freed_heap();
+        Ok(engine)
+    }
+}
+
+/// Loading builds and drops large temporaries (tokenizer tables, repacked-weight staging); glibc
+/// keeps freed heap pages resident unless asked to give them back.
+fn release_freed_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        unsafe extern "C" {
+            fn malloc_trim(pad: usize) -> i32;
+        }
+        // SAFETY: malloc_trim only returns free heap memory to the kernel.
+        unsafe {
+            malloc_trim(0);
+        }
     }
 }
 

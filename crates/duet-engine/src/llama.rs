@@ -223,7 +223,7 @@ impl<B: Backend> Llama<B> {
             &mut logits,
         );
         Logits {
-            data: b.to_host(&logits),
+            data: b.to_host(logits),
             vocab_size: c.vocab_size,
             rows: batch.logit_rows.clone(),
         }

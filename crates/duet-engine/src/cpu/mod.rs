@@ -277,8 +277,8 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn to_host(&self, x: &CpuTensor) -> Vec<f32> {
-        x.data.clone()
+    fn to_host(&self, x: CpuTensor) -> Vec<f32> {
+        x.data
     }
 }
 
