@@ -364,54 +364,6 @@ fn zero_activations_and_large_matrix_split() {
     assert!(rel_err(&out, &ref_matmul(&w, rows, cols, &x, 1)) < PACKED_REL_ERR);
 }
 
-/// Hand-run cross-check against the `gguf` Python package (real model tensors and synthetic
-/// blocks of every type). A small script (not committed) writes into /tmp/duet_quant_check/, per
-/// tensor, `NAME.raw` (the GGML bytes of its first rows, e.g. from `gguf.GGUFReader` on
-/// SmolLM2-135M-Instruct.Q4_1.gguf, or `gguf.quants.quantize` / random k-quant blocks),
-/// `NAME.f32` (`gguf.quants.dequantize` of them) and a line `NAME GGML_TYPE ROWS COLS` in
-/// `list.txt`; then run
-/// `cargo test -p duet-engine --release --lib quant::tests::gguf_python_cross_check -- --ignored`.
-#[test]
-#[ignore]
-fn gguf_python_cross_check() {
-    let dir = std::path::Path::new("/tmp/duet_quant_check");
-    let list = std::fs::read_to_string(dir.join("list.txt")).expect("run the dump script first");
-    let mut checked = 0;
-    for line in list.lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let (name, ty_id, rows, cols) = (
-            f[0],
-            f[1].parse().unwrap(),
-            f[2].parse().unwrap(),
-            f[3].parse().unwrap(),
-        );
-        let ty = QuantType::from_ggml(ty_id).unwrap();
-        let raw = std::fs::read(dir.join(format!("{name}.raw"))).unwrap();
-        let want: Vec<f32> = std::fs::read(dir.join(format!("{name}.f32")))
-            .unwrap()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        let m = QMatrix::new(ty, rows, cols, WeightBytes::from_vec(raw)).unwrap();
-        let mut row = vec![0.0; cols];
-        for r in 0..rows {
-            m.row_f32(r, &mut row);
-            assert_eq!(&row[..], &want[r * cols..(r + 1) * cols], "{name} row {r}");
-        }
-        // matmul vs f64 reference over the python-dequantized weights
-        let mut rng = Rng(42);
-        let x: Vec<f32> = (0..4 * cols).map(|_| rng.f()).collect();
-        let mut out = vec![0.0; 4 * rows];
-        m.matmul(&x, 4, &mut out, &ThreadPool::new(2));
-        let err = rel_err(&out, &ref_matmul(&want, rows, cols, &x, 4));
-        let bound = if is_packed(ty) { PACKED_REL_ERR } else { 1e-5 };
-        assert!(err < bound, "{name}: rel err {err}");
-        eprintln!("{name} {ty} [{rows} x {cols}] ok, matmul rel err {err:.2e}");
-        checked += 1;
-    }
-    assert!(checked > 0);
-}
-
 #[test]
 fn activation_quantization_is_identical_on_every_path() {
     let mut rng = Rng(31);
