@@ -40,6 +40,7 @@ pub fn engine_options() -> EngineOptions {
         block_size: 16,
         kv_cache_tokens: 16384,
         max_step_tokens: 512,
+        ..Default::default()
     }
 }
 
@@ -53,6 +54,7 @@ pub fn free_addr() -> SocketAddr {
 
 pub fn cluster(model: PathBuf, prefill: usize, decode: usize, router_args: &[&str]) -> Cluster {
     Cluster::start(&ClusterSpec {
+        kv_transport: Default::default(),
         router_listen: free_addr(),
         prefill_workers: prefill,
         decode_workers: decode,

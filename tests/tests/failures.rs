@@ -161,6 +161,7 @@ fn bin_dir() -> std::path::PathBuf {
 fn a_prefill_worker_killed_mid_request_is_survived() {
     let Some(model) = default_model() else { return };
     let spec = ClusterSpec {
+        kv_transport: Default::default(),
         router_listen: free_addr(),
         prefill_workers: 2,
         decode_workers: 1,

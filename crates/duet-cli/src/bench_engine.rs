@@ -1,12 +1,15 @@
 //! `duet bench engine`: prefill and decode throughput of the engine alone, single stream and
 //! batched, resident memory, and (optionally) llama.cpp on the same file in the same run.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use duet_cuda::{LoadedEngine, WithEngine};
+use duet_engine::backend::Backend;
+use duet_engine::device::Device;
 use duet_engine::engine::{Engine, EngineOptions, SeqId};
 use duet_engine::generation::StopCriteria;
 use duet_engine::sampling::SamplingParams;
@@ -85,14 +88,32 @@ pub fn run(args: EngineBenchArgs) -> Result<()> {
     let options = args.engine.clone();
     let needed = args.batch.iter().max().copied().unwrap_or(1)
         * (args.prompt_tokens.max(args.decode_context) + args.decode_steps + 1);
-    if options.kv_cache_tokens < needed {
+    if options.device == Device::Cpu && options.kv_cache_tokens < needed {
         bail!(
             "--kv-cache-tokens {} is too small for this run: it needs {needed}",
             options.kv_cache_tokens
         );
     }
-    eprintln!("loading {}", path.display());
-    let mut engine = Engine::load(&path, options.clone())?;
+    eprintln!("loading {} on {}", path.display(), options.device);
+    let engine = LoadedEngine::load(&path, options)?;
+    engine.run(EngineBench { args, path })
+}
+
+struct EngineBench {
+    args: EngineBenchArgs,
+    path: PathBuf,
+}
+
+impl WithEngine for EngineBench {
+    type Output = Result<()>;
+
+    fn run<B: Backend + 'static>(self, engine: Engine<B>) -> Result<()> {
+        bench(self.args, &self.path, engine)
+    }
+}
+
+fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) -> Result<()> {
+    let options = engine.options().clone();
     let rss_after_load = rss_bytes("VmRSS");
     let threads = if options.threads == 0 {
         duet_engine::threadpool::default_threads()
@@ -157,7 +178,7 @@ pub fn run(args: EngineBenchArgs) -> Result<()> {
     }
 
     let llamacpp = if args.compare_llamacpp {
-        Some(run_llamacpp(&args, &path, threads)?)
+        Some(run_llamacpp(&args, path, threads)?)
     } else {
         None
     };
@@ -183,7 +204,7 @@ pub fn run(args: EngineBenchArgs) -> Result<()> {
         decode_steps: args.decode_steps,
         rows: rows.clone(),
         batched_decode_speedup_max: speedup,
-        model_file_bytes: std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0),
+        model_file_bytes: std::fs::metadata(path).map(|m| m.len()).unwrap_or(0),
         kv_pool_bytes: (layout.num_blocks * layout.block_size * layout.values_per_token() * 4)
             as u64,
         peak_rss_bytes: rss_bytes("VmHWM"),
@@ -230,7 +251,7 @@ pub fn run(args: EngineBenchArgs) -> Result<()> {
 }
 
 fn add(
-    engine: &mut Engine,
+    engine: &mut Engine<impl Backend>,
     n: usize,
     len: usize,
     max_tokens: usize,
@@ -247,7 +268,7 @@ fn add(
 }
 
 /// Steps until every sequence in `ids` has generated at least `n` tokens.
-fn run_until_tokens(engine: &mut Engine, ids: &[SeqId], n: usize) -> Result<()> {
+fn run_until_tokens(engine: &mut Engine<impl Backend>, ids: &[SeqId], n: usize) -> Result<()> {
     let mut counts = vec![0usize; ids.len()];
     while counts.iter().any(|&c| c < n) {
         for out in engine.step()? {
@@ -259,18 +280,14 @@ fn run_until_tokens(engine: &mut Engine, ids: &[SeqId], n: usize) -> Result<()> 
     Ok(())
 }
 
-fn remove(engine: &mut Engine, ids: &[SeqId]) -> Result<()> {
+fn remove(engine: &mut Engine<impl Backend>, ids: &[SeqId]) -> Result<()> {
     for &id in ids {
         engine.remove_sequence(id)?;
     }
     Ok(())
 }
 
-fn run_llamacpp(
-    args: &EngineBenchArgs,
-    model: &std::path::Path,
-    threads: usize,
-) -> Result<PeerResult> {
+fn run_llamacpp(args: &EngineBenchArgs, model: &Path, threads: usize) -> Result<PeerResult> {
     eprintln!(
         "running llama.cpp through {}",
         args.llamacpp_script.display()

@@ -216,6 +216,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
             let mut router_args = args.router_args.clone();
             router_args.extend(router_extra);
             let spec = ClusterSpec {
+                kv_transport: Default::default(),
                 router_listen: std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?,
                 prefill_workers: prefill,
                 decode_workers: args.decode_workers,

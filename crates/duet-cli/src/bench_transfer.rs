@@ -144,6 +144,7 @@ pub fn run(args: TransferBenchArgs) -> Result<()> {
             block_size: 16,
             kv_cache_tokens: (args.prompt_tokens + 64).next_multiple_of(16) * 2,
             max_step_tokens: 512,
+            ..Default::default()
         };
         let decode_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let decode_addr = decode_listener.local_addr()?;

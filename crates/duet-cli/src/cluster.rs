@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use duet_cuda::transport::TransportChoice;
 use duet_engine::engine::EngineOptions;
 use duet_proto::v1;
 
@@ -21,6 +22,7 @@ pub struct ClusterSpec {
     pub decode_workers: usize,
     pub model: PathBuf,
     pub engine: EngineOptions,
+    pub kv_transport: TransportChoice,
     /// Extra router flags (`--local-prefill-threshold=0`, ...).
     pub router_args: Vec<String>,
     /// Separate processes (the service binaries next to the current executable, or in `bin_dir`).
@@ -52,6 +54,9 @@ impl Cluster {
                 format!("--block-size={}", e.block_size),
                 format!("--kv-cache-tokens={}", e.kv_cache_tokens),
                 format!("--max-step-tokens={}", e.max_step_tokens),
+                format!("--device={}", e.device),
+                format!("--gpu-memory-fraction={}", e.gpu_memory_fraction),
+                format!("--kv-transport={}", spec.kv_transport),
             ]
         };
         let mut services: Vec<(&'static str, Vec<String>)> = Vec::new();

@@ -5,6 +5,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use duet_cuda::{LoadedEngine, WithEngine};
+use duet_engine::backend::Backend;
 use duet_engine::chat::ChatMessage;
 use duet_engine::engine::{Engine, EngineOptions};
 use duet_engine::generation::StopCriteria;
@@ -92,8 +94,23 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         return runtime.block_on(run_remote(args, server));
     }
     let path = args.model.resolve()?;
-    let mut engine = Engine::load(&path, args.engine.clone())
+    let engine = LoadedEngine::load(&path, args.engine.clone())
         .with_context(|| format!("loading {}", path.display()))?;
+    engine.run(LocalGenerate(args))
+}
+
+/// Generation in this process, on whichever backend the engine runs.
+struct LocalGenerate(GenerateArgs);
+
+impl WithEngine for LocalGenerate {
+    type Output = Result<()>;
+
+    fn run<B: Backend + 'static>(self, engine: Engine<B>) -> Result<()> {
+        generate_local(self.0, engine)
+    }
+}
+
+fn generate_local<B: Backend>(args: GenerateArgs, mut engine: Engine<B>) -> Result<()> {
     let prompt_text = if args.chat {
         engine.apply_chat_template(&[ChatMessage {
             role: "user".into(),

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
+use duet_cuda::transport::TransportChoice;
 use duet_engine::engine::EngineOptions;
 use duet_engine::model_path::ModelArgs;
 
@@ -33,6 +34,9 @@ pub struct UpArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineOptions,
+    /// KV transport between the pools: auto, grpc, cuda-ipc or nccl (see duet-prefill --help).
+    #[arg(long, env = "DUET_KV_TRANSPORT", default_value_t = TransportChoice::Auto)]
+    pub kv_transport: TransportChoice,
     /// Exit after the cluster is ready and one sample request succeeded (for scripts and tests).
     #[arg(long, hide = true)]
     pub exit_when_ready: bool,
@@ -40,6 +44,7 @@ pub struct UpArgs {
 
 pub fn run(args: UpArgs) -> Result<()> {
     let spec = ClusterSpec {
+        kv_transport: args.kv_transport,
         router_listen: args.listen,
         prefill_workers: args.prefill_workers,
         decode_workers: args.decode_workers,

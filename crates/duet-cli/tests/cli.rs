@@ -138,3 +138,47 @@ fn corrupt_model_file_is_a_clear_error() {
         "{err}"
     );
 }
+
+#[test]
+fn asking_for_a_gpu_that_is_not_there_is_a_clear_error() {
+    let out = duet()
+        .args(["generate", "--device", "cuda:0", "--prompt", "hi"])
+        .arg("--model")
+        .arg(fixture("tiny-llama"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    // A build without the feature says how to get it; with it, this GPU-less machine lacks the
+    // driver library, and the message says so instead of a panic from a failed dlopen.
+    assert!(
+        err.contains("--features cuda") || err.contains("libcuda.so"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+
+    let out = duet()
+        .args(["generate", "--device", "gpu", "--prompt", "hi"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("expected cpu, cuda or cuda:N"), "{err}");
+}
+
+#[test]
+fn a_kv_transport_the_worker_cannot_use_stops_it_at_start() {
+    let out = duet()
+        .args(["up", "--exit-when-ready", "--listen", "127.0.0.1:0"])
+        .args(["--kv-transport", "cuda-ipc"])
+        .arg("--model")
+        .arg(fixture("tiny-llama"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--kv-transport cuda-ipc needs a GPU worker"),
+        "{err}"
+    );
+}

@@ -2,7 +2,8 @@
 //!
 //! The model (`llama.rs`) is written once over this trait; a backend owns its memory (weights,
 //! activations, the paged KV store) and implements each op for its device. Batch metadata
-//! ([`ForwardBatch`]) is plain host data that a device backend uploads as it sees fit.
+//! ([`ForwardBatch`]) is plain host data; [`Backend::prepare_batch`] turns it into what the device
+//! reads, once per step.
 
 use crate::EngineError;
 use crate::batch::ForwardBatch;
@@ -44,8 +45,14 @@ pub trait Backend: Send + Sync {
     type Activations;
     /// The paged KV store.
     type KvStore: Send;
+    /// A step's batch metadata as the device reads it (positions, slots, block tables), made once
+    /// per forward pass by [`Backend::prepare_batch`].
+    type Batch<'a>;
 
     fn name(&self) -> &'static str;
+    /// Element type of the KV store (part of the model fingerprint: KV only moves between equal
+    /// types).
+    fn kv_dtype(&self) -> &'static str;
 
     fn load_matrix(
         &self,
@@ -61,6 +68,12 @@ pub trait Backend: Send + Sync {
     fn matrix_rows(&self, m: &Self::Matrix) -> usize;
     fn load_vector(&self, values: Vec<f32>) -> Result<Self::Vector, EngineError>;
 
+    /// How many KV blocks of `values_per_block` values this backend should hold, when it sizes
+    /// the cache itself (a GPU: a share of its free memory); `None` keeps the configured size.
+    fn kv_capacity_blocks(&self, values_per_block: usize) -> Option<usize> {
+        let _ = values_per_block;
+        None
+    }
     fn alloc_kv(&self, layout: KvLayout) -> Result<Self::KvStore, EngineError>;
     /// Bytes of one (layer, block) of KV in transfer layout: K then V, each
     /// `[kv_head][slot][head_dim]`, little-endian.
@@ -68,6 +81,7 @@ pub trait Backend: Send + Sync {
     fn read_kv_block(&self, kv: &Self::KvStore, layer: usize, block: usize, out: &mut [u8]);
     fn write_kv_block(&self, kv: &mut Self::KvStore, layer: usize, block: usize, data: &[u8]);
     fn alloc(&self, rows: usize, cols: usize) -> Self::Activations;
+    fn prepare_batch<'a>(&self, batch: &'a ForwardBatch) -> Self::Batch<'a>;
 
     /// `out[i] = table[tokens[i]]`.
     fn embed(&self, table: &Self::Matrix, tokens: &[u32], out: &mut Self::Activations);
@@ -86,7 +100,7 @@ pub trait Backend: Send + Sync {
     /// `x += bias`, row-wise.
     fn add_bias(&self, x: &mut Self::Activations, bias: &Self::Vector);
     /// Rotary embedding (rotate-half convention) of each head of each row at its position.
-    fn rope(&self, x: &mut Self::Activations, head_dim: usize, theta: f32, batch: &ForwardBatch);
+    fn rope(&self, x: &mut Self::Activations, head_dim: usize, theta: f32, batch: &Self::Batch<'_>);
     /// Stores each row's K and V into its cache slot for `layer`.
     fn write_kv(
         &self,
@@ -94,7 +108,7 @@ pub trait Backend: Send + Sync {
         layer: usize,
         k: &Self::Activations,
         v: &Self::Activations,
-        batch: &ForwardBatch,
+        batch: &Self::Batch<'_>,
     );
     /// Causal attention of each row over its sequence's cached positions `0..=position`.
     fn attention(
@@ -103,14 +117,31 @@ pub trait Backend: Send + Sync {
         kv: &Self::KvStore,
         layer: usize,
         shape: AttentionShape,
-        batch: &ForwardBatch,
+        batch: &Self::Batch<'_>,
         out: &mut Self::Activations,
     );
     /// `gate = silu(gate) * up`.
     fn silu_mul(&self, gate: &mut Self::Activations, up: &Self::Activations);
     /// `x += y`.
     fn add(&self, x: &mut Self::Activations, y: &Self::Activations);
+    /// `x += delta; out = rms_norm(x, w)`: the residual add and the next norm, which a device
+    /// backend fuses into one pass.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Activations,
+        delta: &Self::Activations,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Activations,
+    ) {
+        self.add(x, delta);
+        self.rms_norm(x, w, eps, out);
+    }
     /// `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Activations, rows: &[usize], out: &mut Self::Activations);
     fn to_host(&self, x: Self::Activations) -> Vec<f32>;
+    /// Waits for queued work and reports a device failure. Ops do not return errors themselves:
+    /// as in a CUDA context, a failure is sticky (the backend is unusable afterwards) and every
+    /// later `sync` reports it.
+    fn sync(&self) -> Result<(), EngineError>;
 }

@@ -14,6 +14,7 @@ use crate::batch::{ForwardBatch, LogitsWanted, SeqInput};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::config::ModelConfig;
 use crate::cpu::CpuBackend;
+use crate::device::Device;
 use crate::generation::{FinishReason, StopCriteria, TextStream};
 use crate::llama::Llama;
 use crate::model_files::{ModelFiles, open_model};
@@ -35,6 +36,21 @@ pub struct EngineOptions {
     /// Most tokens one forward step computes; longer prompts are prefilled in chunks.
     #[arg(long, env = "DUET_MAX_STEP_TOKENS", default_value_t = 512)]
     pub max_step_tokens: usize,
+    /// Device the model runs on: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
+    #[arg(long, env = "DUET_DEVICE", default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// On a GPU: share of the memory left free after loading the weights that the KV cache takes
+    /// (sizes the cache instead of --kv-cache-tokens).
+    #[arg(long, env = "DUET_GPU_MEMORY_FRACTION", default_value_t = 0.9,
+          value_parser = parse_fraction)]
+    pub gpu_memory_fraction: f64,
+}
+
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err(format!("{s:?} is not a fraction in (0, 1]")),
+    }
 }
 
 impl Default for EngineOptions {
@@ -44,6 +60,8 @@ impl Default for EngineOptions {
             block_size: 16,
             kv_cache_tokens: 16384,
             max_step_tokens: 512,
+            device: Device::Cpu,
+            gpu_memory_fraction: 0.9,
         }
     }
 }
@@ -140,12 +158,28 @@ impl<B: Backend> Engine<B> {
             )));
         }
         let model = Llama::load(backend, &files)?;
-        let num_blocks = options.kv_cache_tokens / options.block_size;
+        let values_per_block =
+            model.kv_layout(options.block_size, 1).values_per_token() * options.block_size;
+        let num_blocks = model
+            .backend()
+            .kv_capacity_blocks(values_per_block)
+            .unwrap_or(options.kv_cache_tokens / options.block_size);
+        if num_blocks == 0 {
+            return Err(EngineError::Config(format!(
+                "no room for a KV cache block ({} values) on {}",
+                values_per_block,
+                model.backend().name()
+            )));
+        }
         let kv = model
             .backend()
             .alloc_kv(model.kv_layout(options.block_size, num_blocks))?;
-        let fingerprint =
-            model_fingerprint(&files.config, &files.weights_digest, options.block_size);
+        let fingerprint = model_fingerprint(
+            &files.config,
+            &files.weights_digest,
+            model.backend().kv_dtype(),
+            options.block_size,
+        );
         Ok(Self {
             hash_seed: hash_seed(fingerprint.as_bytes(), None),
             fingerprint,
@@ -411,7 +445,7 @@ impl<B: Backend> Engine<B> {
         self.model
             .backend()
             .read_kv_block(&self.kv, layer, block as usize, out);
-        Ok(())
+        self.model.backend().sync()
     }
 
     /// Writes one (layer, block) of KV received from a transfer.
@@ -425,7 +459,7 @@ impl<B: Backend> Engine<B> {
         self.model
             .backend()
             .write_kv_block(&mut self.kv, layer, block as usize, data);
-        Ok(())
+        self.model.backend().sync()
     }
 
     fn check_block(&self, layer: usize, block: u32, len: usize) -> Result<(), EngineError> {
@@ -530,7 +564,7 @@ impl<B: Backend> Engine<B> {
                 backend,
                 plan: &plan,
             })
-        });
+        })?;
 
         let mut outputs = Vec::new();
         let mut logit_row = 0;
@@ -685,11 +719,12 @@ pub struct LayerDone<'a, B: Backend> {
 
 impl<B: Backend> LayerDone<'_, B> {
     /// Appends this layer's KV of `block` in transfer layout (see [`Engine::read_kv_block`]).
-    pub fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) {
+    pub fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError> {
         let start = out.len();
         out.resize(start + self.backend.kv_block_bytes(self.kv), 0);
         self.backend
             .read_kv_block(self.kv, self.layer, block as usize, &mut out[start..]);
+        self.backend.sync()
     }
 }
 
@@ -752,16 +787,22 @@ fn register_full_blocks(
 }
 
 /// Architecture, geometry, dtype, block size and weights digest in one printable string.
-fn model_fingerprint(c: &ModelConfig, digest: &[u8; 32], block_size: usize) -> String {
+fn model_fingerprint(
+    c: &ModelConfig,
+    digest: &[u8; 32],
+    kv_dtype: &str,
+    block_size: usize,
+) -> String {
     let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
     format!(
-        "{:?}/L{}/H{}/KV{}/D{}/V{}/kv-f32/bs{}/{}",
+        "{:?}/L{}/H{}/KV{}/D{}/V{}/kv-{}/bs{}/{}",
         c.architecture,
         c.num_layers,
         c.num_heads,
         c.num_kv_heads,
         c.head_dim,
         c.vocab_size,
+        kv_dtype,
         block_size,
         hex
     )

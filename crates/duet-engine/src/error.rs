@@ -26,6 +26,9 @@ pub enum EngineError {
     Config(String),
     #[error("{0}")]
     ModelNotFound(String),
+    /// The device is missing, misconfigured or failed (CUDA library not found, kernel fault, ...).
+    #[error("device: {0}")]
+    Device(String),
     #[error("no sequence {0} in this engine")]
     UnknownSequence(u64),
 }

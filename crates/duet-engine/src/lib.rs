@@ -6,6 +6,7 @@ pub mod batch;
 pub mod chat;
 pub mod config;
 pub mod cpu;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod generation;

@@ -157,7 +157,7 @@ impl<B: Backend> Llama<B> {
         batch: &ForwardBatch,
         kv: &mut B::KvStore,
         on_layer: &mut dyn FnMut(usize, &B::KvStore),
-    ) -> Logits {
+    ) -> Result<Logits, EngineError> {
         let b = &self.backend;
         let c = &self.config;
         let n = batch.num_rows();
@@ -168,6 +168,8 @@ impl<B: Backend> Llama<B> {
             head_dim: c.head_dim,
         };
 
+        let device_batch = b.prepare_batch(batch);
+        let batch_on_device = &device_batch;
         let mut x = b.alloc(n, c.hidden_size);
         b.embed(&self.embedding, &batch.tokens, &mut x);
         let mut h = b.alloc(n, c.hidden_size);
@@ -181,36 +183,42 @@ impl<B: Backend> Llama<B> {
         let mut up = b.alloc(n, c.intermediate_size);
         let mut gate_up = b.alloc(n, 2 * c.intermediate_size);
 
+        if let Some(first) = self.layers.first() {
+            b.rms_norm(&x, &first.attn_norm, c.rms_norm_eps, &mut h);
+        }
         for (li, layer) in self.layers.iter().enumerate() {
-            b.rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut h);
             self.project(&layer.qkv, &h, &mut qkv, &mut [&mut q, &mut k, &mut v]);
             if let Some([bq, bk, bv]) = &layer.qkv_bias {
                 b.add_bias(&mut q, bq);
                 b.add_bias(&mut k, bk);
                 b.add_bias(&mut v, bv);
             }
-            b.rope(&mut q, c.head_dim, c.rope_theta, batch);
-            b.rope(&mut k, c.head_dim, c.rope_theta, batch);
-            b.write_kv(kv, li, &k, &v, batch);
+            b.rope(&mut q, c.head_dim, c.rope_theta, batch_on_device);
+            b.rope(&mut k, c.head_dim, c.rope_theta, batch_on_device);
+            b.write_kv(kv, li, &k, &v, batch_on_device);
             on_layer(li, kv);
-            b.attention(&q, kv, li, shape, batch, &mut attn);
+            b.attention(&q, kv, li, shape, batch_on_device, &mut attn);
             b.matmul(&layer.attn_output, &attn, &mut o);
-            b.add(&mut x, &o);
+            b.add_rms_norm(&mut x, &o, &layer.ffn_norm, c.rms_norm_eps, &mut h);
 
-            b.rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut h);
             self.project(&layer.gate_up, &h, &mut gate_up, &mut [&mut gate, &mut up]);
             b.silu_mul(&mut gate, &up);
             b.matmul(&layer.ffn_down, &gate, &mut o);
-            b.add(&mut x, &o);
+            // The residual add and the next layer's attention norm, as one op.
+            match self.layers.get(li + 1) {
+                Some(next) => b.add_rms_norm(&mut x, &o, &next.attn_norm, c.rms_norm_eps, &mut h),
+                None => b.add(&mut x, &o),
+            }
         }
 
         let m = batch.logit_rows.len();
         if m == 0 {
-            return Logits {
+            b.sync()?;
+            return Ok(Logits {
                 data: Vec::new(),
                 vocab_size: c.vocab_size,
                 rows: Vec::new(),
-            };
+            });
         }
         let mut last = b.alloc(m, c.hidden_size);
         b.gather_rows(&x, &batch.logit_rows, &mut last);
@@ -222,11 +230,13 @@ impl<B: Backend> Llama<B> {
             &normed,
             &mut logits,
         );
-        Logits {
-            data: b.to_host(logits),
+        let data = b.to_host(logits);
+        b.sync()?;
+        Ok(Logits {
+            data,
             vocab_size: c.vocab_size,
             rows: batch.logit_rows.clone(),
-        }
+        })
     }
 
     fn project(

@@ -15,6 +15,7 @@ fn tiny(kv_cache_tokens: usize) -> Engine {
         block_size: 4,
         kv_cache_tokens,
         max_step_tokens: 64,
+        ..Default::default()
     };
     Engine::load(&fixtures().join("tiny-llama"), options).unwrap()
 }

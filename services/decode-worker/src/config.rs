@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 
+use duet_cuda::transport::TransportChoice;
 use duet_engine::engine::EngineOptions;
 use duet_engine::model_path::ModelArgs;
 
@@ -20,6 +21,10 @@ pub struct DecodeConfig {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineOptions,
+    /// KV transport between the pools: auto (cuda-ipc for GPU workers on one node, nccl across
+    /// nodes, grpc when a worker is on the CPU), grpc, cuda-ipc or nccl.
+    #[arg(long, env = "DUET_KV_TRANSPORT", default_value_t = TransportChoice::Auto)]
+    pub kv_transport: TransportChoice,
     /// How long KV blocks reserved for a transfer are held before they are reclaimed.
     #[arg(long, env = "DUET_RESERVATION_TIMEOUT_MS", default_value_t = 30_000)]
     pub reservation_timeout_ms: u64,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use duet_engine::engine::Engine;
+use duet_cuda::LoadedEngine;
 use duet_proto::v1;
 use tokio::net::TcpListener;
 
@@ -25,10 +25,11 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    config.kv_transport.for_worker(config.engine.device)?;
     let addr = listener.local_addr()?;
     let path = config.model.resolve()?;
     let options = config.engine.clone();
-    let engine = tokio::task::spawn_blocking(move || Engine::load(&path, options))
+    let engine = tokio::task::spawn_blocking(move || LoadedEngine::load(&path, options))
         .await?
         .context("loading the model")?;
     let cfg = engine.config().clone();

@@ -9,6 +9,8 @@ use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
+use duet_cuda::{LoadedEngine, WithEngine};
+use duet_engine::backend::Backend;
 use duet_engine::engine::{Engine, KvReservation, Resumed, SeqId, StepOutput};
 use duet_engine::generation::StopCriteria;
 use duet_engine::sampling::{Sampled, SamplingParams};
@@ -93,8 +95,8 @@ struct Running {
     events: mpsc::UnboundedSender<Event>,
 }
 
-pub struct Scheduler {
-    engine: Engine,
+pub struct Scheduler<B: Backend> {
+    engine: Engine<B>,
     commands: Receiver<Command>,
     lease: Duration,
     reservations: HashMap<JobId, (KvReservation, Instant)>,
@@ -102,8 +104,8 @@ pub struct Scheduler {
     by_seq: HashMap<SeqId, JobId>,
 }
 
-impl Scheduler {
-    pub fn new(engine: Engine, commands: Receiver<Command>, lease: Duration) -> Self {
+impl<B: Backend> Scheduler<B> {
+    pub fn new(engine: Engine<B>, commands: Receiver<Command>, lease: Duration) -> Self {
         Self {
             engine,
             commands,
@@ -342,6 +344,20 @@ impl Scheduler {
     }
 }
 
+/// The engine thread's body, whatever the engine's backend.
+struct RunScheduler {
+    commands: Receiver<Command>,
+    lease: Duration,
+}
+
+impl WithEngine for RunScheduler {
+    type Output = ();
+
+    fn run<B: Backend + 'static>(self, engine: Engine<B>) {
+        Scheduler::new(engine, self.commands, self.lease).run()
+    }
+}
+
 /// A handle to the engine thread.
 #[derive(Clone)]
 pub struct SchedulerHandle {
@@ -349,11 +365,16 @@ pub struct SchedulerHandle {
 }
 
 impl SchedulerHandle {
-    pub fn spawn(engine: Engine, lease: Duration) -> Self {
+    pub fn spawn(engine: LoadedEngine, lease: Duration) -> Self {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("duet-decode-engine".into())
-            .spawn(move || Scheduler::new(engine, rx, lease).run())
+            .spawn(move || {
+                engine.run(RunScheduler {
+                    commands: rx,
+                    lease,
+                })
+            })
             .expect("spawning the engine thread");
         Self { tx }
     }

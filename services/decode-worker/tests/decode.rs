@@ -22,6 +22,7 @@ fn options() -> EngineOptions {
         block_size: 4,
         kv_cache_tokens: 1024,
         max_step_tokens: 64,
+        ..Default::default()
     }
 }
 
@@ -37,6 +38,7 @@ async fn start() -> String {
             models_dir: "models".into(),
         },
         engine: options(),
+        kv_transport: Default::default(),
         reservation_timeout_ms: 2_000,
         prefill_timeout_ms: 2_000,
     };

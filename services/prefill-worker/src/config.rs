@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 
+use duet_cuda::transport::TransportChoice;
 use duet_engine::engine::EngineOptions;
 use duet_engine::model_path::ModelArgs;
 
@@ -19,6 +20,10 @@ pub struct PrefillConfig {
     /// Engine sizes; `max_step_tokens` is the prefill token budget of one batch.
     #[command(flatten)]
     pub engine: EngineOptions,
+    /// KV transport between the pools: auto (cuda-ipc for GPU workers on one node, nccl across
+    /// nodes, grpc when a worker is on the CPU), grpc, cuda-ipc or nccl.
+    #[arg(long, env = "DUET_KV_TRANSPORT", default_value_t = TransportChoice::Auto)]
+    pub kv_transport: TransportChoice,
     /// Most prompt tokens waiting to be computed; past it, `Prefill` answers RESOURCE_EXHAUSTED
     /// at once (a request arriving at an empty queue is always taken).
     #[arg(long, env = "DUET_PREFILL_MAX_QUEUED_TOKENS", default_value_t = 65536)]
@@ -36,6 +41,7 @@ impl PrefillConfig {
                 models_dir: "models".into(),
             },
             engine: EngineOptions::default(),
+            kv_transport: TransportChoice::Auto,
             max_queued_tokens: 65536,
         }
     }

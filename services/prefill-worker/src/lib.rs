@@ -30,6 +30,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    config.kv_transport.for_worker(config.engine.device)?;
     let addr = listener
         .local_addr()
         .context("reading the listener's address")?;

@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use duet_engine::cpu::CpuBackend;
+use duet_cuda::{LoadedEngine, WithEngine};
+use duet_engine::backend::Backend;
 use duet_engine::engine::{Engine, EngineOptions, LayerDone, PlannedSeq, SeqId};
 use duet_engine::generation::StopCriteria;
 use duet_engine::sampling::{Sampled, SamplingParams};
@@ -164,7 +165,7 @@ pub async fn spawn(
     std::thread::Builder::new()
         .name("prefill-engine".into())
         .spawn(move || {
-            let engine = match Engine::load(&model, options) {
+            let engine = match LoadedEngine::load(&model, options) {
                 Ok(e) => e,
                 Err(e) => {
                     let _ = ready_tx.send(Err(anyhow::anyhow!(
@@ -174,10 +175,7 @@ pub async fn spawn(
                     return;
                 }
             };
-            let info = Arc::new(engine_info(&engine));
-            let state = Arc::new(WorkerState::new(engine.block_pool().stats()));
-            let _ = ready_tx.send(Ok((info.clone(), state.clone())));
-            EngineLoop::new(engine, info, state).run(rx);
+            engine.run(RunLoop { rx, ready_tx });
         })?;
     let (info, state) = ready_rx
         .await
@@ -185,7 +183,24 @@ pub async fn spawn(
     Ok(SchedulerHandle { tx, info, state })
 }
 
-fn engine_info(engine: &Engine<CpuBackend>) -> EngineInfo {
+/// The engine thread's body, whatever the engine's backend.
+struct RunLoop {
+    rx: mpsc::Receiver<Command>,
+    ready_tx: oneshot::Sender<anyhow::Result<(Arc<EngineInfo>, Arc<WorkerState>)>>,
+}
+
+impl WithEngine for RunLoop {
+    type Output = ();
+
+    fn run<B: Backend + 'static>(self, engine: Engine<B>) {
+        let info = Arc::new(engine_info(&engine));
+        let state = Arc::new(WorkerState::new(engine.block_pool().stats()));
+        let _ = self.ready_tx.send(Ok((info.clone(), state.clone())));
+        EngineLoop::new(engine, info, state).run(self.rx);
+    }
+}
+
+fn engine_info<B: Backend>(engine: &Engine<B>) -> EngineInfo {
     let c = engine.config();
     EngineInfo {
         fingerprint: engine.fingerprint().to_string(),
@@ -216,16 +231,16 @@ struct Active {
     reply: oneshot::Sender<Result<Prefilled, PrefillError>>,
 }
 
-struct EngineLoop {
-    engine: Engine<CpuBackend>,
+struct EngineLoop<B: Backend> {
+    engine: Engine<B>,
     info: Arc<EngineInfo>,
     state: Arc<WorkerState>,
     active: BTreeMap<SeqId, Active>,
     by_job: HashMap<u64, SeqId>,
 }
 
-impl EngineLoop {
-    fn new(engine: Engine<CpuBackend>, info: Arc<EngineInfo>, state: Arc<WorkerState>) -> Self {
+impl<B: Backend> EngineLoop<B> {
+    fn new(engine: Engine<B>, info: Arc<EngineInfo>, state: Arc<WorkerState>) -> Self {
         Self {
             engine,
             info,
@@ -352,7 +367,7 @@ impl EngineLoop {
         let active = &mut self.active;
         let state = &self.state;
         let step_start = Instant::now();
-        let mut hook = |done: &LayerDone<'_, CpuBackend>| {
+        let mut hook = |done: &LayerDone<'_, B>| {
             let last_layer = done.layer + 1 == info.num_layers;
             for p in done.plan {
                 let Some(a) = active.get_mut(&p.seq) else {
@@ -441,10 +456,10 @@ impl EngineLoop {
 
 /// Sends this layer's KV of the blocks of `a` that this step completes (from `a.next_block`),
 /// in chunks of at most [`MAX_CHUNK_BYTES`]. Returns the end of the block range.
-fn ship_layer(
+fn ship_layer<B: Backend>(
     a: &Active,
     p: &PlannedSeq,
-    done: &LayerDone<'_, CpuBackend>,
+    done: &LayerDone<'_, B>,
     info: &EngineInfo,
 ) -> usize {
     let computed = p.start_pos + p.len;
@@ -463,7 +478,10 @@ fn ship_layer(
         let block_end = (block_start + per_chunk).min(end);
         let mut payload = Vec::with_capacity((block_end - block_start) * info.kv_block_bytes);
         for &phys in &p.block_table[block_start..block_end] {
-            done.append_kv_block(phys, &mut payload);
+            if done.append_kv_block(phys, &mut payload).is_err() {
+                // The device failed; the step reports it and the request fails unsent.
+                return start;
+            }
         }
         let xxh3 = xxhash_rust::xxh3::xxh3_64(&payload);
         // A closed channel means the push was abandoned; the request is being cancelled.

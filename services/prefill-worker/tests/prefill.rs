@@ -42,6 +42,7 @@ fn engine_options() -> EngineOptions {
         kv_cache_tokens: 256,
         // Smaller than the prompt: it is prefilled in chunks of 16, 16 and 5 tokens.
         max_step_tokens: 16,
+        ..Default::default()
     }
 }
 

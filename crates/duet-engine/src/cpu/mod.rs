@@ -76,9 +76,14 @@ impl Backend for CpuBackend {
     type Vector = Vec<f32>;
     type Activations = CpuTensor;
     type KvStore = CpuKvStore;
+    type Batch<'a> = &'a ForwardBatch;
 
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn kv_dtype(&self) -> &'static str {
+        "f32"
     }
 
     fn load_matrix(
@@ -141,6 +146,10 @@ impl Backend for CpuBackend {
         {
             *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
+    }
+
+    fn prepare_batch<'a>(&self, batch: &'a ForwardBatch) -> &'a ForwardBatch {
+        batch
     }
 
     fn alloc(&self, rows: usize, cols: usize) -> CpuTensor {
@@ -206,7 +215,7 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rope(&self, x: &mut CpuTensor, head_dim: usize, theta: f32, batch: &ForwardBatch) {
+    fn rope(&self, x: &mut CpuTensor, head_dim: usize, theta: f32, batch: &&ForwardBatch) {
         let cols = x.cols;
         let half = head_dim / 2;
         let inv_freq: Vec<f64> = (0..half)
@@ -237,7 +246,7 @@ impl Backend for CpuBackend {
         layer: usize,
         k: &CpuTensor,
         v: &CpuTensor,
-        batch: &ForwardBatch,
+        batch: &&ForwardBatch,
     ) {
         kv.write(layer, &k.data, &v.data, &batch.slots);
     }
@@ -248,7 +257,7 @@ impl Backend for CpuBackend {
         kv: &CpuKvStore,
         layer: usize,
         shape: AttentionShape,
-        batch: &ForwardBatch,
+        batch: &&ForwardBatch,
         out: &mut CpuTensor,
     ) {
         attention::paged_attention(&self.pool, q, kv, layer, shape, batch, out);
@@ -279,6 +288,10 @@ impl Backend for CpuBackend {
 
     fn to_host(&self, x: CpuTensor) -> Vec<f32> {
         x.data
+    }
+
+    fn sync(&self) -> Result<(), EngineError> {
+        Ok(())
     }
 }
 

@@ -99,7 +99,9 @@ impl Harness {
             cfg.max_position_embeddings,
         )
         .unwrap();
-        self.model.forward(&batch, &mut self.kv, &mut |_, _| {})
+        self.model
+            .forward(&batch, &mut self.kv, &mut |_, _| {})
+            .unwrap()
     }
 
     /// Logits of every position of `tokens`, computed as one prompt.

@@ -1,0 +1,41 @@
+"""attn_ref.py — shared fixtures and the float64 reference for the emulated attention tests
+(t_paged_attention.py, t_prefill_attention.py): a bf16 paged KV store with shuffled block tables."""
+import numpy as np
+
+from harness import bf2f, f2bf
+
+
+def make_store(rng, L, NB, nkv, bs, hd):
+    """Paged KV store [layer][block][k|v][kv_head][slot][head_dim] of bf16."""
+    return f2bf(rng.standard_normal(L * NB * 2 * nkv * bs * hd).astype(np.float32))
+
+
+def make_tables(rng, nblocks_per_seq, spare):
+    """Shuffled physical blocks: per-sequence tables, concatenated tables and their offsets."""
+    NB = sum(nblocks_per_seq) + spare
+    perm = rng.permutation(NB).astype(np.uint32)
+    tables, offs, o = [], [], 0
+    for mb in nblocks_per_seq:
+        offs.append(o); tables.append(perm[o:o + mb]); o += mb
+    return NB, tables, np.concatenate(tables).astype(np.uint32), np.array(offs, np.uint32)
+
+
+def gather_kv(store, L, NB, nkv, bs, hd, layer, table, ntok):
+    S = bf2f(store).reshape(L, NB, 2, nkv, bs, hd)
+    t = np.arange(ntok)
+    blk, sl = table[t // bs], t % bs
+    K = S[layer, blk, 0][t, :, sl]  # [ntok, nkv, hd]
+    V = S[layer, blk, 1][t, :, sl]
+    return K.astype(np.float64), V.astype(np.float64)
+
+
+def ref_attn(qrow, K, V, nh, nkv, scale, ntok):
+    """Causal attention of one query row over the first ntok keys; query head h uses kv head h // (nh / nkv)."""
+    G = nh // nkv
+    out = np.zeros((nh, qrow.shape[1]))
+    for h in range(nh):
+        kh = h // G
+        s = (K[:ntok, kh] @ qrow[h]) * scale
+        p = np.exp(s - s.max()); p /= p.sum()
+        out[h] = p @ V[:ntok, kh]
+    return out

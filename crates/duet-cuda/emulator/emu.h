@@ -1,0 +1,71 @@
+// emu.h — CPU emulator for the duet CUDA kernels (test-only; see README.md).
+//
+// Just enough of the CUDA device dialect for the kernel sources to compile as
+// plain C++: dim3/vector types, the bit-cast and math intrinsics they use,
+// __syncthreads, and full-warp __shfl_xor_sync / __shfl_up_sync. Every CUDA
+// thread of a block is a ucontext fiber; blocks of a grid run one at a time.
+// __shared__ variables become function-local statics, shared by every fiber of
+// the running block.
+#pragma once
+#include <ucontext.h>
+#include <cmath>
+#include <cstring>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <memory>
+#include <functional>
+#include <algorithm>
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct uint4 { unsigned x, y, z, w; } __attribute__((aligned(16)));
+struct float4 { float x, y, z, w; } __attribute__((aligned(16)));
+struct float2 { float x, y; } __attribute__((aligned(8)));
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+
+// One emulated CUDA thread.
+struct Fiber {
+    ucontext_t ctx;
+    dim3 tid;
+    bool done = false;
+    std::unique_ptr<char[]> stack;  // left uninitialised: untouched pages cost nothing
+};
+extern Fiber* g_cur;
+extern dim3 blockIdx, blockDim, gridDim;
+#define threadIdx (g_cur->tid)
+
+void emu_syncthreads();
+// mode 0: xor (lane ^ arg), mode 1: up (lane - arg, own value below arg).
+unsigned emu_shfl(unsigned v, int arg, int mode);
+#define __syncthreads() emu_syncthreads()
+
+// The mask is ignored: every lane of the warp must take part (the kernels only
+// use FULL_MASK). A shuffle that some lane never reaches is reported as a deadlock.
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) {
+    static_assert(sizeof(T) == 4, "emulated shuffles are 32-bit");
+    unsigned u; memcpy(&u, &v, 4); u = emu_shfl(u, o, 0); T r; memcpy(&r, &u, 4); return r;
+}
+template <class T> inline T __shfl_up_sync(unsigned, T v, int o) {
+    static_assert(sizeof(T) == 4, "emulated shuffles are 32-bit");
+    unsigned u; memcpy(&u, &v, 4); u = emu_shfl(u, o, 1); T r; memcpy(&r, &u, 4); return r;
+}
+
+// Runs body once per thread of every block of the grid (1-D or 3-D blocks).
+void emu_launch(dim3 grid, dim3 block, std::function<void()> body);

@@ -1,0 +1,76 @@
+"""harness.py — Python side of the CPU kernel emulator (see README.md).
+
+Loads lib_<kernel file>.so from $DUET_EMU_BUILD (built by scripts/test-kernels-emulated.sh),
+launches kernels through their generated L_<kernel> wrappers, and provides bf16
+conversions and the check/report plumbing shared by the t_*.py tests.
+"""
+import ctypes
+import os
+import sys
+
+import numpy as np
+from ctypes import c_int, c_uint, c_float, c_ulonglong, c_void_p  # noqa: F401 (re-exported)
+
+_libs = {}
+_failures = []
+_checks = 0
+
+
+def lib(name):
+    if name not in _libs:
+        build = os.environ.get('DUET_EMU_BUILD')
+        if not build:
+            sys.exit('DUET_EMU_BUILD is not set; run scripts/test-kernels-emulated.sh')
+        _libs[name] = ctypes.CDLL(os.path.join(build, f'lib_{name}.so'))
+    return _libs[name]
+
+
+def launch(libname, kname, grid, block, *args):
+    """Launch kernel `kname` of kernels/<libname>.cu with a 1-D block of `block` threads.
+    numpy arrays are passed as device pointers (the emulator shares host memory);
+    scalars must already be ctypes values matching the kernel's parameter types."""
+    g = list(grid) + [1] * (3 - len(grid))
+    conv = [c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else a for a in args]
+    for a in args:
+        if isinstance(a, np.ndarray):
+            assert a.flags.c_contiguous, 'arrays passed to kernels must be C-contiguous'
+    getattr(lib(libname), 'L_' + kname)(c_uint(g[0]), c_uint(g[1]), c_uint(g[2]), c_uint(block), *conv)
+
+
+def f2bf(x):
+    """f32 -> bf16 bits, round to nearest even, NaN stays a (quiet) NaN: the reference for f32_to_bf16."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7fff + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    r[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return r
+
+
+def bf2f(b):
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def check(name, good, detail=''):
+    global _checks
+    _checks += 1
+    good = bool(good)
+    if not good:
+        _failures.append(name)
+    print(('ok   ' if good else 'FAIL ') + name + (f'  {detail}' if detail else ''))
+    return good
+
+
+def check_close(name, got, ref, tol=1e-5):
+    """allclose(rtol=atol=tol) against a float64 reference; tol=0 means bitwise-equal values."""
+    ref = np.asarray(ref, np.float64)
+    aerr = float(np.max(np.abs(got.astype(np.float64) - ref))) if ref.size else 0.0
+    return check(name, got.shape == ref.shape and np.allclose(got, ref, rtol=tol, atol=tol), f'maxabs={aerr:.2e}')
+
+
+def finish():
+    """Print the summary line read by the runner and exit non-zero on any failure."""
+    if _failures:
+        print(f'SUMMARY {len(_failures)}/{_checks} checks failed: {", ".join(_failures)}')
+        sys.exit(1)
+    print(f'SUMMARY {_checks} checks passed')

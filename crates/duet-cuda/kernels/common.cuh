@@ -1,0 +1,96 @@
+// common.cuh — shared definitions for every duet CUDA kernel file.
+//
+// The host does NOT #include this file: it compiles each kernel file with
+// NVRTC as the text of this file followed by the text of the kernel file.
+// NVRTC runs without any CUDA headers, so nothing here may include one
+// (no cuda_bf16.h, no <cstdint>, no <cfloat>).
+//
+// Contents:
+//   * bf16 as raw `unsigned short` bits, with f32 conversions
+//     (bf16_to_f32 is exact; f32_to_bf16 rounds to nearest even, NaN stays NaN).
+//   * NEG_INF, FULL_MASK.
+//   * Warp reductions (warp_sum, warp_max) via __shfl_xor_sync. The xor
+//     butterfly leaves the bitwise identical result in every lane.
+//   * Block reductions (block_sum, block_max) for blockDim.x a multiple of 32,
+//     up to 1024 (1-D blocks). Every thread of the block must call them (they
+//     contain __syncthreads) and every thread gets the same, bitwise identical,
+//     result, so it may drive uniform control flow. Back-to-back calls are safe.
+//   * Helpers for 16-byte loads of 8 bf16 values.
+
+typedef unsigned short bf16;
+
+#define NEG_INF __int_as_float(0xff800000)
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float bf16_to_f32(bf16 b) {
+    return __uint_as_float(((unsigned)b) << 16);
+}
+
+__device__ __forceinline__ bf16 f32_to_bf16(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        // NaN: keep the sign and the top mantissa bits, force a quiet NaN.
+        return (bf16)((u >> 16) | 0x0040u);
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+    return (bf16)(u >> 16);
+}
+
+// Two bf16 packed in one 32-bit word (low half = first element).
+__device__ __forceinline__ float bf16lo_to_f32(unsigned w) {
+    return __uint_as_float(w << 16);
+}
+__device__ __forceinline__ float bf16hi_to_f32(unsigned w) {
+    return __uint_as_float(w & 0xffff0000u);
+}
+__device__ __forceinline__ unsigned pack_bf16x2(float a, float b) {
+    return (unsigned)f32_to_bf16(a) | ((unsigned)f32_to_bf16(b) << 16);
+}
+
+// Unpack 8 bf16 held in a uint4 (as loaded by a 16-byte load) into f32.
+__device__ __forceinline__ void bf16x8_to_f32(uint4 v, float* o) {
+    o[0] = bf16lo_to_f32(v.x); o[1] = bf16hi_to_f32(v.x);
+    o[2] = bf16lo_to_f32(v.y); o[3] = bf16hi_to_f32(v.y);
+    o[4] = bf16lo_to_f32(v.z); o[5] = bf16hi_to_f32(v.z);
+    o[6] = bf16lo_to_f32(v.w); o[7] = bf16hi_to_f32(v.w);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Sum over the whole (1-D) block. blockDim.x must be a multiple of 32, <= 1024.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float block_sum_scratch[32];
+    const int lane = threadIdx.x & 31;
+    const int wid = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // a previous call may still be reading the scratch
+    if (lane == 0) block_sum_scratch[wid] = v;
+    __syncthreads();
+    float r = (lane < nwarps) ? block_sum_scratch[lane] : 0.0f;
+    return warp_sum(r);
+}
+
+// Max over the whole (1-D) block. blockDim.x must be a multiple of 32, <= 1024.
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float block_max_scratch[32];
+    const int lane = threadIdx.x & 31;
+    const int wid = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) block_max_scratch[wid] = v;
+    __syncthreads();
+    float r = (lane < nwarps) ? block_max_scratch[lane] : NEG_INF;
+    return warp_max(r);
+}

@@ -1,0 +1,845 @@
+//! The CUDA backend: bf16 weights and KV cache in GPU memory, f32 activations, cuBLAS for the
+//! matrix products (bf16 in, f32 accumulate and out) and our NVRTC kernels for everything else.
+//!
+//! All work goes to one stream in order. Ops cannot return errors (see [`Backend::sync`]): the
+//! first failure is kept, later work is skipped, and `sync` reports it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
+};
+use duet_engine::EngineError;
+use duet_engine::backend::{AttentionShape, Backend, KvLayout};
+use duet_engine::batch::ForwardBatch;
+use duet_engine::quant::{QuantType, dequantize_row};
+use duet_engine::storage::WeightBytes;
+
+use crate::CudaError;
+use crate::kernels::{self, PARTITION_TOKENS};
+use crate::probe::{self, DeviceInfo};
+
+/// Rows of queries per prefill-attention block (`PREFILL_BLOCK_M` in prefill_attention.cu).
+const PREFILL_BLOCK_M: usize = kernels::PREFILL_BLOCK_M;
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    functions: HashMap<&'static str, CudaFunction>,
+    info: DeviceInfo,
+    memory_fraction: f64,
+    /// The first failure; once set, ops do nothing and `sync` reports it.
+    failure: Mutex<Option<String>>,
+    /// bf16 copy of a matmul input (cuBLAS takes both operands in bf16).
+    cast_scratch: Mutex<Option<CudaSlice<u16>>>,
+}
+
+/// A weight matrix `[rows][cols]` in bf16.
+pub struct CudaMatrix {
+    data: CudaSlice<u16>,
+    rows: usize,
+    cols: usize,
+}
+
+/// Activations `[rows][cols]` in f32.
+pub struct CudaActivations {
+    data: CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+/// The paged KV store in bf16, laid out `[layer][block][K|V][kv_head][slot][head_dim]`: one
+/// (layer, block) is contiguous and is the transfer layout as it stands. A plain `cuMemAlloc`
+/// allocation (not the stream-ordered pool), so that it can be exported through CUDA IPC.
+pub struct CudaKvStore {
+    ptr: CUdeviceptr,
+    elems: usize,
+    layout: KvLayout,
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaKvStore {
+    /// Elements of one (layer, block).
+    pub fn chunk_elems(&self) -> usize {
+        2 * self.layout.num_kv_heads * self.layout.block_size * self.layout.head_dim
+    }
+
+    /// Device address of (layer, block).
+    pub fn chunk_ptr(&self, layer: usize, block: usize) -> CUdeviceptr {
+        self.ptr + ((layer * self.layout.num_blocks + block) * self.chunk_elems() * 2) as u64
+    }
+
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// The start of the allocation (for CUDA IPC export).
+    pub fn base_ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.elems * 2
+    }
+}
+
+impl Drop for CudaKvStore {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `malloc_sync` in this context and is freed once.
+        let _ = self.ctx.bind_to_thread();
+        unsafe {
+            let _ = cudarc::driver::result::free_sync(self.ptr);
+        }
+    }
+}
+
+/// A step's metadata in GPU memory.
+pub struct CudaBatch {
+    positions: CudaSlice<u32>,
+    slots: CudaSlice<u32>,
+    row_seq: CudaSlice<u32>,
+    block_tables: CudaSlice<u32>,
+    table_offsets: CudaSlice<u32>,
+    /// Rows of single-token sequences (decode), attended by the split-context kernel.
+    decode: Option<DecodeRows>,
+    /// Sequences of several new tokens, attended by the tiled prefill kernel.
+    prefill: Option<PrefillSeqs>,
+}
+
+struct DecodeRows {
+    rows: CudaSlice<u32>,
+    count: usize,
+    max_partitions: usize,
+}
+
+struct PrefillSeqs {
+    row_start: CudaSlice<u32>,
+    len: CudaSlice<u32>,
+    start_pos: CudaSlice<u32>,
+    table_offsets: CudaSlice<u32>,
+    count: usize,
+    max_len: usize,
+}
+
+fn grid1(n: usize, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(block).clamp(1, 65_535 * 16), 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn per_row(rows: usize, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal` and compiles our kernels for it. `memory_fraction` of the memory left
+    /// after the weights goes to the KV cache.
+    pub fn new(ordinal: usize, memory_fraction: f64) -> Result<Self, CudaError> {
+        let (ctx, info) = probe::open_device(ordinal)?;
+        // One stream, used in order: the per-allocation event tracking is not needed.
+        // SAFETY: every use of our allocations goes through `stream`.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone())?;
+        let (major, minor) = info.compute_capability;
+        let arch = format!("sm_{major}{minor}");
+        let mut functions = HashMap::new();
+        for compiled in kernels::compile_all(&arch)? {
+            let module = ctx.load_module(compiled.ptx)?;
+            for &name in compiled.file.kernels {
+                functions.insert(name, module.load_function(name)?);
+            }
+        }
+        Ok(Self {
+            ctx,
+            stream,
+            blas,
+            functions,
+            info,
+            memory_fraction,
+            failure: Mutex::new(None),
+            cast_scratch: Mutex::new(None),
+        })
+    }
+
+    pub fn device_info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn failed(&self) -> bool {
+        self.failure.lock().expect("failure lock").is_some()
+    }
+
+    /// Keeps the first failure; returns the value on success.
+    fn check<T, E: std::fmt::Display>(&self, what: &str, r: Result<T, E>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                let mut failure = self.failure.lock().expect("failure lock");
+                failure.get_or_insert_with(|| format!("{what}: {e}"));
+                None
+            }
+        }
+    }
+
+    fn function(&self, name: &str) -> &CudaFunction {
+        &self.functions[name]
+    }
+
+    fn upload<T>(&self, what: &str, host: &[T]) -> Option<CudaSlice<T>>
+    where
+        T: cudarc::driver::DeviceRepr + Copy + Default,
+    {
+        // A zero-length allocation is an error in CUDA; keep one element.
+        if host.is_empty() {
+            return self.check(what, self.stream.clone_htod(&[T::default()]));
+        }
+        self.check(what, self.stream.clone_htod(host))
+    }
+
+    fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        what: &str,
+        len: usize,
+    ) -> Option<CudaSlice<T>> {
+        self.check(what, self.stream.alloc_zeros(len.max(1)))
+    }
+
+    /// Launches `name` with the arguments `push` adds.
+    fn launch<'a>(
+        &'a self,
+        name: &str,
+        cfg: LaunchConfig,
+        push: impl FnOnce(&mut cudarc::driver::LaunchArgs<'a>),
+    ) {
+        if self.failed() {
+            return;
+        }
+        let mut args = self.stream.launch_builder(self.function(name));
+        push(&mut args);
+        // SAFETY: the argument lists match the kernels' signatures in kernels/*.cu, and every
+        // grid guards its indices against the sizes passed.
+        let r = unsafe { args.launch(cfg) };
+        self.check(name, r);
+    }
+
+    /// `out[n][w.rows] = x[n][w.cols] · wᵀ` through cuBLAS, bf16 operands, f32 accumulate.
+    fn gemm(&self, w: &CudaMatrix, x: &CudaActivations, out: &mut CudaActivations) {
+        if self.failed() || x.rows == 0 {
+            return;
+        }
+        let n = x.rows * x.cols;
+        let mut scratch = self.cast_scratch.lock().expect("scratch lock");
+        if scratch.as_ref().is_none_or(|s| s.len() < n) {
+            *scratch = self.zeros("allocating the matmul cast buffer", n);
+        }
+        let Some(xb) = scratch.as_mut() else { return };
+        let n64 = n as u64;
+        self.launch("f32_to_bf16_n", grid1(n, 256), |a| {
+            a.arg(&x.data).arg(&mut *xb).arg(&n64);
+        });
+        let (alpha, beta) = (1f32, 0f32);
+        let (wp, _w) = w.data.device_ptr(&self.stream);
+        let (xp, _x) = xb.device_ptr(&self.stream);
+        let (op, _o) = out.data.device_ptr_mut(&self.stream);
+        // Row-major out[n][rows] is column-major rows × n: C = op(W)·X with W read transposed.
+        // SAFETY: the pointers cover rows×cols, n×cols and n×rows elements of the stated types.
+        let r = unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                w.rows as i32,
+                x.rows as i32,
+                w.cols as i32,
+                (&alpha as *const f32).cast(),
+                wp as *const _,
+                cudaDataType::CUDA_R_16BF,
+                w.cols as i32,
+                xp as *const _,
+                cudaDataType::CUDA_R_16BF,
+                x.cols as i32,
+                (&beta as *const f32).cast(),
+                op as *mut _,
+                cudaDataType::CUDA_R_32F,
+                w.rows as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        self.check("cublasGemmEx", r);
+    }
+
+    fn upload_matrix(
+        &self,
+        name: &str,
+        values: &[u16],
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaMatrix, EngineError> {
+        let data = self
+            .stream
+            .clone_htod(values)
+            .map_err(|e| CudaError::Driver(format!("uploading {name}: {e}")))?;
+        Ok(CudaMatrix { data, rows, cols })
+    }
+}
+
+fn to_bf16(values: &[f32]) -> Vec<u16> {
+    values
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect()
+}
+
+impl Backend for CudaBackend {
+    type Matrix = CudaMatrix;
+    type Vector = CudaSlice<f32>;
+    type Activations = CudaActivations;
+    type KvStore = CudaKvStore;
+    type Batch<'a> = Option<CudaBatch>;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn kv_dtype(&self) -> &'static str {
+        "bf16"
+    }
+
+    fn load_matrix(
+        &self,
+        name: &str,
+        ty: QuantType,
+        rows: usize,
+        cols: usize,
+        bytes: WeightBytes,
+    ) -> Result<CudaMatrix, EngineError> {
+        let values: Vec<u16> = if ty == QuantType::BF16 {
+            bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect()
+        } else {
+            // GGUF quantized (and f16/f32) weights are dequantized at load: the GPU path is bf16.
+            let mut f = vec![0f32; rows * cols];
+            dequantize_row(ty, &bytes, &mut f);
+            to_bf16(&f)
+        };
+        self.upload_matrix(name, &values, rows, cols)
+    }
+
+    fn stack_matrices(&self, parts: &[&CudaMatrix]) -> Option<CudaMatrix> {
+        let cols = parts.first()?.cols;
+        if parts.iter().any(|p| p.cols != cols) {
+            return None;
+        }
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        let mut data = self.zeros::<u16>("stacking matrices", rows * cols)?;
+        let mut at = 0;
+        for p in parts {
+            let len = p.rows * cols;
+            let r = self
+                .stream
+                .memcpy_dtod(&p.data, &mut data.slice_mut(at..at + len));
+            self.check("stacking matrices", r)?;
+            at += len;
+        }
+        Some(CudaMatrix { data, rows, cols })
+    }
+
+    fn matrix_rows(&self, m: &CudaMatrix) -> usize {
+        m.rows
+    }
+
+    fn load_vector(&self, values: Vec<f32>) -> Result<CudaSlice<f32>, EngineError> {
+        Ok(self
+            .stream
+            .clone_htod(&values)
+            .map_err(|e| CudaError::Driver(format!("uploading a vector: {e}")))?)
+    }
+
+    fn kv_capacity_blocks(&self, values_per_block: usize) -> Option<usize> {
+        let (free, _) = self.ctx.mem_get_info().ok()?;
+        let bytes = (free as f64 * self.memory_fraction) as usize;
+        Some(bytes / (values_per_block * 2).max(1))
+    }
+
+    fn alloc_kv(&self, layout: KvLayout) -> Result<CudaKvStore, EngineError> {
+        let elems = layout.num_blocks * layout.block_size * layout.values_per_token();
+        let bytes = (elems * 2).max(2);
+        let fail = |e: cudarc::driver::DriverError| {
+            CudaError::Driver(format!(
+                "allocating the KV cache ({} MiB): {e}",
+                bytes >> 20
+            ))
+        };
+        self.ctx.bind_to_thread().map_err(fail)?;
+        // SAFETY: a fresh allocation, zeroed before use.
+        let ptr = unsafe {
+            let ptr = cudarc::driver::result::malloc_sync(bytes).map_err(fail)?;
+            cudarc::driver::result::memset_d8_sync(ptr, 0, bytes).map_err(fail)?;
+            ptr
+        };
+        Ok(CudaKvStore {
+            ptr,
+            elems,
+            layout,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    fn kv_block_bytes(&self, kv: &CudaKvStore) -> usize {
+        kv.chunk_elems() * 2
+    }
+
+    fn read_kv_block(&self, kv: &CudaKvStore, layer: usize, block: usize, out: &mut [u8]) {
+        if self.failed() {
+            return;
+        }
+        let mut host = vec![0u16; kv.chunk_elems()];
+        // SAFETY: the chunk lies inside the store (the engine checks layer and block).
+        let r = unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                &mut host,
+                kv.chunk_ptr(layer, block),
+                self.stream.cu_stream(),
+            )
+        }
+        .and_then(|()| self.stream.synchronize());
+        if self.check("reading a KV block", r).is_some() {
+            for (o, v) in out.chunks_exact_mut(2).zip(&host) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+
+    fn write_kv_block(&self, kv: &mut CudaKvStore, layer: usize, block: usize, data: &[u8]) {
+        if self.failed() {
+            return;
+        }
+        let host: Vec<u16> = data
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        // SAFETY: as above; the copy completes before `host` is dropped (synchronize).
+        let r = unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                kv.chunk_ptr(layer, block),
+                &host,
+                self.stream.cu_stream(),
+            )
+        }
+        .and_then(|()| self.stream.synchronize());
+        self.check("writing a KV block", r);
+    }
+
+    fn alloc(&self, rows: usize, cols: usize) -> CudaActivations {
+        // On failure a 1-element buffer stands in; the failure is reported by `sync`.
+        let data = self
+            .zeros::<f32>("allocating activations", rows * cols)
+            .or_else(|| self.stream.alloc_zeros::<f32>(1).ok())
+            .expect("a one-element allocation");
+        CudaActivations { data, rows, cols }
+    }
+
+    fn prepare_batch(&self, batch: &ForwardBatch) -> Option<CudaBatch> {
+        let mut block_tables = Vec::new();
+        let mut table_offsets = Vec::with_capacity(batch.seqs.len());
+        for s in &batch.seqs {
+            table_offsets.push(block_tables.len() as u32);
+            block_tables.extend_from_slice(&s.block_table);
+        }
+        let mut decode_rows = Vec::new();
+        let mut max_context = 0;
+        let (mut p_start, mut p_len, mut p_pos, mut p_table) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if s.len == 1 {
+                decode_rows.push(s.row_start as u32);
+                max_context = max_context.max(s.context_len());
+            } else if s.len > 1 {
+                p_start.push(s.row_start as u32);
+                p_len.push(s.len as u32);
+                p_pos.push(s.start_pos as u32);
+                p_table.push(table_offsets[i]);
+            }
+        }
+        let decode = if decode_rows.is_empty() {
+            None
+        } else {
+            Some(DecodeRows {
+                count: decode_rows.len(),
+                rows: self.upload("uploading decode rows", &decode_rows)?,
+                max_partitions: max_context.div_ceil(PARTITION_TOKENS),
+            })
+        };
+        let prefill = if p_start.is_empty() {
+            None
+        } else {
+            Some(PrefillSeqs {
+                count: p_start.len(),
+                max_len: p_len.iter().copied().max().unwrap_or(0) as usize,
+                row_start: self.upload("uploading the batch", &p_start)?,
+                len: self.upload("uploading the batch", &p_len)?,
+                start_pos: self.upload("uploading the batch", &p_pos)?,
+                table_offsets: self.upload("uploading the batch", &p_table)?,
+            })
+        };
+        Some(CudaBatch {
+            positions: self.upload("uploading the batch", &batch.positions)?,
+            slots: self.upload("uploading the batch", &batch.slots)?,
+            row_seq: self.upload("uploading the batch", &batch.row_seq)?,
+            block_tables: self.upload("uploading the batch", &block_tables)?,
+            table_offsets: self.upload("uploading the batch", &table_offsets)?,
+            decode,
+            prefill,
+        })
+    }
+
+    fn embed(&self, table: &CudaMatrix, tokens: &[u32], out: &mut CudaActivations) {
+        let Some(ids) = self.upload("uploading tokens", tokens) else {
+            return;
+        };
+        let hidden = table.cols as i32;
+        self.launch("embed_rows", per_row(tokens.len(), 256), |a| {
+            a.arg(&table.data).arg(&ids).arg(&mut out.data).arg(&hidden);
+        });
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaActivations,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaActivations,
+    ) {
+        let cols = x.cols as i32;
+        self.launch("rms_norm", per_row(x.rows, 256), |a| {
+            a.arg(&x.data)
+                .arg(w)
+                .arg(&mut out.data)
+                .arg(&cols)
+                .arg(&eps);
+        });
+    }
+
+    fn matmul(&self, w: &CudaMatrix, x: &CudaActivations, out: &mut CudaActivations) {
+        self.gemm(w, x, out);
+    }
+
+    fn split_cols(&self, x: &CudaActivations, parts: &mut [&mut CudaActivations]) {
+        let (rows, cols) = (x.rows as i32, x.cols as i32);
+        let mut start = 0i32;
+        for p in parts.iter_mut() {
+            let width = p.cols as i32;
+            self.launch("copy_cols", grid1(x.rows * p.cols, 256), |a| {
+                a.arg(&x.data)
+                    .arg(&rows)
+                    .arg(&cols)
+                    .arg(&start)
+                    .arg(&width)
+                    .arg(&mut p.data);
+            });
+            start += width;
+        }
+    }
+
+    fn add_bias(&self, x: &mut CudaActivations, bias: &CudaSlice<f32>) {
+        let (rows, cols) = (x.rows as i32, x.cols as i32);
+        self.launch("add_bias_rows", grid1(x.rows * x.cols, 256), |a| {
+            a.arg(&mut x.data).arg(bias).arg(&rows).arg(&cols);
+        });
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaActivations,
+        head_dim: usize,
+        theta: f32,
+        batch: &Option<CudaBatch>,
+    ) {
+        let Some(b) = batch else {
+            return self.report_missing_batch();
+        };
+        let heads = (x.cols / head_dim) as i32;
+        let hd = head_dim as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (x.rows as u32, heads as u32, 1),
+            block_dim: ((head_dim / 2) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("rope_rotate_half", cfg, |a| {
+            a.arg(&mut x.data)
+                .arg(&b.positions)
+                .arg(&heads)
+                .arg(&hd)
+                .arg(&theta);
+        });
+    }
+
+    fn write_kv(
+        &self,
+        kv: &mut CudaKvStore,
+        layer: usize,
+        k: &CudaActivations,
+        v: &CudaActivations,
+        batch: &Option<CudaBatch>,
+    ) {
+        let Some(b) = batch else {
+            return self.report_missing_batch();
+        };
+        let l = kv.layout;
+        let (layer, nb, kvh, bs, hd) = (
+            layer as i32,
+            l.num_blocks as i32,
+            l.num_kv_heads as i32,
+            l.block_size as i32,
+            l.head_dim as i32,
+        );
+        self.launch("write_kv", per_row(k.rows, 128), |a| {
+            a.arg(&kv.ptr)
+                .arg(&k.data)
+                .arg(&v.data)
+                .arg(&b.slots)
+                .arg(&layer)
+                .arg(&nb)
+                .arg(&kvh)
+                .arg(&bs)
+                .arg(&hd);
+        });
+    }
+
+    fn attention(
+        &self,
+        q: &CudaActivations,
+        kv: &CudaKvStore,
+        layer: usize,
+        shape: AttentionShape,
+        batch: &Option<CudaBatch>,
+        out: &mut CudaActivations,
+    ) {
+        let Some(b) = batch else {
+            return self.report_missing_batch();
+        };
+        let l = kv.layout;
+        let (layer, nb, nh, kvh, bs, hd) = (
+            layer as i32,
+            l.num_blocks as i32,
+            shape.num_heads as i32,
+            shape.num_kv_heads as i32,
+            l.block_size as i32,
+            shape.head_dim as i32,
+        );
+        let scale = 1.0 / (shape.head_dim as f32).sqrt();
+        if let Some(d) = &b.decode {
+            let parts = d.max_partitions as i32;
+            let stats = d.count * shape.num_heads * d.max_partitions;
+            let (Some(mut part_out), Some(mut part_max), Some(mut part_sum)) = (
+                self.zeros::<f32>("attention scratch", stats * shape.head_dim),
+                self.zeros::<f32>("attention scratch", stats),
+                self.zeros::<f32>("attention scratch", stats),
+            ) else {
+                return;
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (d.count as u32, kvh as u32, parts as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch("paged_attention_partial", cfg, |a| {
+                a.arg(&q.data)
+                    .arg(&kv.ptr)
+                    .arg(&d.rows)
+                    .arg(&b.row_seq)
+                    .arg(&b.positions)
+                    .arg(&b.block_tables)
+                    .arg(&b.table_offsets)
+                    .arg(&layer)
+                    .arg(&nb)
+                    .arg(&nh)
+                    .arg(&kvh)
+                    .arg(&bs)
+                    .arg(&hd)
+                    .arg(&scale)
+                    .arg(&parts)
+                    .arg(&mut part_out)
+                    .arg(&mut part_max)
+                    .arg(&mut part_sum);
+            });
+            let cfg = LaunchConfig {
+                grid_dim: (d.count as u32, nh as u32, 1),
+                block_dim: (hd as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch("paged_attention_reduce", cfg, |a| {
+                a.arg(&part_out)
+                    .arg(&part_max)
+                    .arg(&part_sum)
+                    .arg(&d.rows)
+                    .arg(&b.positions)
+                    .arg(&nh)
+                    .arg(&hd)
+                    .arg(&parts)
+                    .arg(&mut out.data);
+            });
+        }
+        if let Some(p) = &b.prefill {
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    p.max_len.div_ceil(PREFILL_BLOCK_M) as u32,
+                    nh as u32,
+                    p.count as u32,
+                ),
+                block_dim: (kernels::PREFILL_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch("prefill_attention", cfg, |a| {
+                a.arg(&q.data)
+                    .arg(&kv.ptr)
+                    .arg(&p.row_start)
+                    .arg(&p.len)
+                    .arg(&p.start_pos)
+                    .arg(&b.block_tables)
+                    .arg(&p.table_offsets)
+                    .arg(&layer)
+                    .arg(&nb)
+                    .arg(&nh)
+                    .arg(&kvh)
+                    .arg(&bs)
+                    .arg(&hd)
+                    .arg(&scale)
+                    .arg(&mut out.data);
+            });
+        }
+    }
+
+    fn silu_mul(&self, gate: &mut CudaActivations, up: &CudaActivations) {
+        let n = (gate.rows * gate.cols) as u64;
+        self.launch("silu_mul", grid1(n as usize, 256), |a| {
+            a.arg(&mut gate.data).arg(&up.data).arg(&n);
+        });
+    }
+
+    fn add(&self, x: &mut CudaActivations, y: &CudaActivations) {
+        let n = (x.rows * x.cols) as u64;
+        self.launch("add_inplace", grid1(n as usize, 256), |a| {
+            a.arg(&mut x.data).arg(&y.data).arg(&n);
+        });
+    }
+
+    fn gather_rows(&self, x: &CudaActivations, rows: &[usize], out: &mut CudaActivations) {
+        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let Some(ids) = self.upload("uploading rows", &ids) else {
+            return;
+        };
+        let cols = x.cols as i32;
+        self.launch("gather_rows", per_row(rows.len(), 256), |a| {
+            a.arg(&x.data).arg(&ids).arg(&mut out.data).arg(&cols);
+        });
+    }
+
+    fn to_host(&self, x: CudaActivations) -> Vec<f32> {
+        let n = x.rows * x.cols;
+        let mut host = vec![0f32; n];
+        if !self.failed() {
+            let r = self.stream.memcpy_dtoh(&x.data.slice(0..n), &mut host);
+            self.check("copying logits to the host", r);
+        }
+        host
+    }
+
+    fn sync(&self) -> Result<(), EngineError> {
+        if !self.failed() {
+            let r = self.stream.synchronize();
+            self.check("stream synchronize", r);
+        }
+        match self.failure.lock().expect("failure lock").as_ref() {
+            None => Ok(()),
+            Some(f) => Err(EngineError::Device(format!(
+                "CUDA device {}: {f}",
+                self.info.ordinal
+            ))),
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Packs (layer, block) chunks (indices `layer * num_blocks + block`) into one buffer of
+    /// bf16 bytes, in order: what the NCCL transport sends.
+    pub fn pack_chunks(
+        &self,
+        store: &CudaKvStore,
+        chunks: &[u32],
+    ) -> Result<CudaSlice<u8>, CudaError> {
+        let elems = store.chunk_elems() as u64;
+        let ids = self.stream.clone_htod(chunks)?;
+        let mut out = self
+            .stream
+            .alloc_zeros::<u8>(chunks.len() * store.chunk_elems() * 2)?;
+        self.launch(
+            "pack_kv_chunks",
+            self.chunk_grid(store, chunks.len()),
+            |a| {
+                a.arg(&store.ptr).arg(&ids).arg(&elems).arg(&mut out);
+            },
+        );
+        self.sync().map_err(|e| CudaError::Driver(e.to_string()))?;
+        Ok(out)
+    }
+
+    /// The inverse of [`CudaBackend::pack_chunks`].
+    pub fn unpack_chunks(
+        &self,
+        store: &mut CudaKvStore,
+        chunks: &[u32],
+        packed: &CudaSlice<u8>,
+    ) -> Result<(), CudaError> {
+        let elems = store.chunk_elems() as u64;
+        let ids = self.stream.clone_htod(chunks)?;
+        self.launch(
+            "unpack_kv_chunks",
+            self.chunk_grid(store, chunks.len()),
+            |a| {
+                a.arg(&store.ptr).arg(&ids).arg(&elems).arg(packed);
+            },
+        );
+        self.sync().map_err(|e| CudaError::Driver(e.to_string()))
+    }
+
+    fn chunk_grid(&self, store: &CudaKvStore, num_chunks: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (
+                (store.chunk_elems() / 8).div_ceil(256) as u32,
+                num_chunks as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn report_missing_batch(&self) {
+        self.check::<(), _>("batch", Err("the step's metadata could not be uploaded"));
+    }
+}

@@ -1,0 +1,71 @@
+//! Which device an engine runs on (`--device cpu|cuda[:N]`).
+
+use std::fmt;
+use std::str::FromStr;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    #[default]
+    Cpu,
+    /// A CUDA GPU by ordinal.
+    Cuda(usize),
+}
+
+impl FromStr for Device {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            other => match other.strip_prefix("cuda:") {
+                Some(n) => n.parse().map(Self::Cuda).map_err(|_| {
+                    format!(
+                        "bad GPU ordinal {n:?} in device {other:?}: expected cuda:N, N = 0, 1, ..."
+                    )
+                }),
+                None => Err(format!(
+                    "unknown device {other:?}: expected cpu, cuda or cuda:N"
+                )),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_prints() {
+        for (s, d) in [
+            ("cpu", Device::Cpu),
+            ("cuda", Device::Cuda(0)),
+            ("cuda:3", Device::Cuda(3)),
+        ] {
+            assert_eq!(s.parse::<Device>().unwrap(), d);
+        }
+        assert_eq!(Device::Cuda(1).to_string(), "cuda:1");
+        assert_eq!(
+            Device::Cpu.to_string().parse::<Device>().unwrap(),
+            Device::Cpu
+        );
+    }
+
+    #[test]
+    fn rejects_bad_devices_with_the_expected_forms() {
+        for bad in ["gpu", "cuda:", "cuda:-1", "cuda:x", "CPU", ""] {
+            let err = bad.parse::<Device>().unwrap_err();
+            assert!(err.contains("cuda:N"), "{bad}: {err}");
+        }
+    }
+}
