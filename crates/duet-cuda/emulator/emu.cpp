@@ -88,7 +88,7 @@ void emu_launch(dim3 grid, dim3 block, std::function<void()> body) {
             }
             if (remaining > 0 && g_events == before) {
                 fprintf(stderr, "emu: deadlock in block (%u,%u,%u): %d threads wait on a barrier or shuffle "
-                        "that the others never reach\n", bx, by, bz, remaining);
+                        "that the rest of the block never reaches (or exited before)\n", bx, by, bz, remaining);
                 abort();
             }
         }
