@@ -2,10 +2,12 @@
 # The test suite: unit, golden and integration tests of the whole workspace, in release mode
 # (the golden tests run the real default model), built with the CUDA backend (`--features cuda`;
 # CUDA libraries are opened at run time, so no GPU is needed) and NVRTC installed so that every
-# kernel is compiled. Fetches the default model and NVRTC first if missing.
+# kernel is compiled, then every kernel file run in a CPU emulation of CUDA against numpy
+# references. Fetches the default model and NVRTC first if missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH="$(./scripts/fetch-nvrtc.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cargo build --release --locked --workspace --bins --features cuda
 ./target/release/duet model fetch
 cargo test --release --locked --workspace --features cuda
+./scripts/test-kernels-emulated.sh
