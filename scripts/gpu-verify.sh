@@ -3,8 +3,9 @@
 #   cargo build --release --features cuda --workspace --bins && ./target/release/duet model fetch
 # then run this script where the GPU is (it needs target/release/, models/ and tests/fixtures/).
 # It prints a table: greedy tokens on the GPU vs the CPU backend (tiny fixture, default model),
-# the disaggregated path on the GPU (`duet up --device cuda --processes`), and the engine
-# benchmark on the GPU.
+# the disaggregated path on the GPU (`duet up --device cuda --processes`), `duet bench gpu`
+# (its own table: checks, rooflines, HF transformers side by side) and the engine benchmark on
+# the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=./target/release
@@ -38,6 +39,12 @@ gpu=$($bin/duet generate --server 127.0.0.1:50551 --json --temperature 0 --max-t
 kill $up 2>/dev/null; wait $up 2>/dev/null
 if [ -n "$gpu" ] && [ "$cpu" = "$gpu" ]; then row "duet up --device cuda: Generate == CPU" PASS "$gpu"
 else row "duet up --device cuda: Generate == CPU" FAIL "cpu=$cpu up=$gpu (see up.log)"; fi
+
+# CUDA vs CPU logits, paged attention vs a float64 reference, Llama-3-8B-shaped timings against
+# the rooflines, and HF transformers on the same shapes (its own table).
+if $bin/duet bench gpu --compare-hf --json-out "$out/bench-gpu.json" 2>&1 | tee "$out/bench-gpu.log"; then
+  row "duet bench gpu --compare-hf" PASS "$out/bench-gpu.json"
+else row "duet bench gpu --compare-hf" FAIL "$(tail -1 "$out/bench-gpu.log")"; fi
 
 if $bin/duet bench engine --device cuda --json-out "$out/bench-engine-cuda.json" >"$out/bench.log" 2>&1; then
   row "duet bench engine --device cuda" DONE "$out/bench-engine-cuda.json"

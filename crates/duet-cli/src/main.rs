@@ -1,6 +1,7 @@
 //! `duet`: fetch the default model, generate text, benchmark the engine.
 
 mod bench_engine;
+mod bench_gpu;
 mod bench_serve;
 mod bench_transfer;
 mod fetch;
@@ -53,6 +54,9 @@ enum BenchCommand {
     Serve(bench_serve::ServeBenchArgs),
     /// The gRPC KV transport alone: a prompt's KV pushed into a real decode worker.
     Transfer(bench_transfer::TransferBenchArgs),
+    /// The GPU checks and timings: CUDA vs CPU, paged attention vs a reference, a
+    /// Llama-3-8B-shaped model against the bandwidth and matrix-rate rooflines.
+    Gpu(bench_gpu::GpuBenchArgs),
 }
 
 fn main() {
@@ -72,6 +76,9 @@ fn main() {
         Command::Bench {
             command: BenchCommand::Transfer(args),
         } => bench_transfer::run(args),
+        Command::Bench {
+            command: BenchCommand::Gpu(args),
+        } => bench_gpu::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -158,6 +158,18 @@ fn asking_for_a_gpu_that_is_not_there_is_a_clear_error() {
     assert!(!err.contains("panicked"), "{err}");
 
     let out = duet()
+        .args(["bench", "gpu", "--skip-speed"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--features cuda") || err.contains("libcuda.so"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+
+    let out = duet()
         .args(["generate", "--device", "gpu", "--prompt", "hi"])
         .output()
         .unwrap();

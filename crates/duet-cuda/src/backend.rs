@@ -174,6 +174,25 @@ impl CudaBackend {
         })
     }
 
+    /// Activations made from host values (benchmarks and checks).
+    pub fn upload_activations(
+        &self,
+        rows: usize,
+        cols: usize,
+        values: &[f32],
+    ) -> Result<CudaActivations, EngineError> {
+        assert_eq!(
+            values.len(),
+            rows * cols,
+            "upload_activations: wrong length"
+        );
+        let data = self
+            .stream
+            .clone_htod(values)
+            .map_err(|e| CudaError::Driver(format!("uploading activations: {e}")))?;
+        Ok(CudaActivations { data, rows, cols })
+    }
+
     pub fn device_info(&self) -> &DeviceInfo {
         &self.info
     }

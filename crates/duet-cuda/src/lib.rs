@@ -14,6 +14,8 @@ pub mod transport;
 #[cfg(feature = "cuda")]
 pub mod backend;
 #[cfg(feature = "cuda")]
+pub mod bench;
+#[cfg(feature = "cuda")]
 pub mod ipc;
 #[cfg(feature = "cuda")]
 pub mod nccl;

@@ -18,6 +18,7 @@ pub mod quant;
 pub mod safetensors;
 pub mod sampling;
 pub mod storage;
+pub mod synthetic;
 pub mod threadpool;
 pub mod tokenizer;
 

@@ -65,9 +65,38 @@ impl<B: Backend> Llama<B> {
     /// Builds the model on `backend` from opened model files (validated shapes).
     pub fn load(backend: B, files: &ModelFiles) -> Result<Self, EngineError> {
         crate::model_files::validate_llama_tensors(files)?;
-        let cfg = files.config.clone();
-        let interleaved = files.qk_rows_interleaved();
-        let tensor = |name: &str| files.tensors.get(name).map_err(EngineError::from);
+        let tensors = |name: &str| -> Result<Option<RawTensor>, EngineError> {
+            if files.tensors.contains(name) {
+                Ok(Some(files.tensors.get(name)?))
+            } else {
+                Ok(None)
+            }
+        };
+        Self::build(
+            backend,
+            files.config.clone(),
+            files.qk_rows_interleaved(),
+            &tensors,
+        )
+    }
+
+    /// A model of `config`'s shapes with random bf16 weights (see [`crate::synthetic`]): for
+    /// benchmarks at sizes no file on hand has.
+    pub fn synthetic(backend: B, config: ModelConfig, seed: u64) -> Result<Self, EngineError> {
+        let tensors = |name: &str| Ok(crate::synthetic::tensor(&config, name, seed));
+        Self::build(backend, config.clone(), false, &tensors)
+    }
+
+    /// Builds the model from named tensors (`None`: absent), GGUF names and shapes.
+    fn build(
+        backend: B,
+        cfg: ModelConfig,
+        interleaved: bool,
+        tensors: &dyn Fn(&str) -> Result<Option<RawTensor>, EngineError>,
+    ) -> Result<Self, EngineError> {
+        let tensor = |name: &str| {
+            tensors(name)?.ok_or_else(|| EngineError::Weights(format!("missing tensor {name}")))
+        };
         let matrix =
             |name: &str, unpermute_heads: Option<usize>| -> Result<B::Matrix, EngineError> {
                 let t = tensor(name)?;
@@ -115,10 +144,9 @@ impl<B: Backend> Llama<B> {
             });
         }
         let embedding = matrix("token_embd.weight", None)?;
-        let output = if files.tensors.contains("output.weight") {
-            Some(matrix("output.weight", None)?)
-        } else {
-            None
+        let output = match tensors("output.weight")? {
+            Some(_) => Some(matrix("output.weight", None)?),
+            None => None,
         };
         let output_norm = vector("output_norm.weight")?;
         Ok(Self {
