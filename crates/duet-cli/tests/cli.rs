@@ -141,33 +141,25 @@ fn corrupt_model_file_is_a_clear_error() {
 
 #[test]
 fn asking_for_a_gpu_that_is_not_there_is_a_clear_error() {
-    let out = duet()
+    let mut generate = duet();
+    generate
         .args(["generate", "--device", "cuda:0", "--prompt", "hi"])
         .arg("--model")
-        .arg(fixture("tiny-llama"))
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    // A build without the feature says how to get it; with it, this GPU-less machine lacks the
-    // driver library, and the message says so instead of a panic from a failed dlopen.
-    assert!(
-        err.contains("--features cuda") || err.contains("libcuda.so"),
-        "{err}"
-    );
-    assert!(!err.contains("panicked"), "{err}");
-
-    let out = duet()
-        .args(["bench", "gpu", "--skip-speed"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("--features cuda") || err.contains("libcuda.so"),
-        "{err}"
-    );
-    assert!(!err.contains("panicked"), "{err}");
+        .arg(fixture("tiny-llama"));
+    let mut bench = duet();
+    bench.args(["bench", "gpu", "--skip-speed"]);
+    for mut command in [generate, bench] {
+        let out = command.output().unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        // A build without the feature says how to get it; with it, this GPU-less machine lacks
+        // the driver library, and the message says so instead of a panic from a failed dlopen.
+        assert!(
+            err.contains("--features cuda") || err.contains("libcuda.so"),
+            "{err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
 
     let out = duet()
         .args(["generate", "--device", "gpu", "--prompt", "hi"])
