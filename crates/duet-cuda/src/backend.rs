@@ -277,19 +277,35 @@ impl CudaBackend {
         self.launch("f32_to_bf16_n", grid1(n, 256), |a| {
             a.arg(&x.data).arg(&mut *xb).arg(&n64);
         });
+        self.gemm_bf16(w, xb, x.rows, out);
+    }
+
+    /// `out[rows][w.rows] = x[rows][w.cols] · wᵀ` with `x` already in bf16: the cuBLAS call.
+    pub fn gemm_bf16(
+        &self,
+        w: &CudaMatrix,
+        x: &CudaSlice<u16>,
+        rows: usize,
+        out: &mut CudaActivations,
+    ) {
+        if self.failed() {
+            return;
+        }
         let (alpha, beta) = (1f32, 0f32);
         let (wp, _w) = w.data.device_ptr(&self.stream);
-        let (xp, _x) = xb.device_ptr(&self.stream);
+        let (xp, _x) = x.device_ptr(&self.stream);
         let (op, _o) = out.data.device_ptr_mut(&self.stream);
-        // Row-major out[n][rows] is column-major rows × n: C = op(W)·X with W read transposed.
-        // SAFETY: the pointers cover rows×cols, n×cols and n×rows elements of the stated types.
+        // Row-major out[rows][w.rows] is column-major w.rows × rows: C = op(W)·X with W read
+        // transposed.
+        // SAFETY: the pointers cover w.rows×w.cols, rows×w.cols and rows×w.rows elements of the
+        // stated types.
         let r = unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
                 cublasOperation_t::CUBLAS_OP_T,
                 cublasOperation_t::CUBLAS_OP_N,
                 w.rows as i32,
-                x.rows as i32,
+                rows as i32,
                 w.cols as i32,
                 (&alpha as *const f32).cast(),
                 wp as *const _,
@@ -297,7 +313,7 @@ impl CudaBackend {
                 w.cols as i32,
                 xp as *const _,
                 cudaDataType::CUDA_R_16BF,
-                x.cols as i32,
+                w.cols as i32,
                 (&beta as *const f32).cast(),
                 op as *mut _,
                 cudaDataType::CUDA_R_32F,
@@ -563,6 +579,25 @@ impl Backend for CudaBackend {
         });
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaActivations,
+        delta: &CudaActivations,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaActivations,
+    ) {
+        let cols = x.cols as i32;
+        self.launch("add_rms_norm", per_row(x.rows, 256), |a| {
+            a.arg(&mut x.data)
+                .arg(&delta.data)
+                .arg(w)
+                .arg(&mut out.data)
+                .arg(&cols)
+                .arg(&eps);
+        });
+    }
+
     fn matmul(&self, w: &CudaMatrix, x: &CudaActivations, out: &mut CudaActivations) {
         self.gemm(w, x, out);
     }
@@ -758,6 +793,20 @@ impl Backend for CudaBackend {
         self.launch("silu_mul", grid1(n as usize, 256), |a| {
             a.arg(&mut gate.data).arg(&up.data).arg(&n);
         });
+    }
+
+    fn silu_mul_stacked(&self, gate_up: &CudaActivations, out: &mut CudaActivations) {
+        let (rows, inter) = (gate_up.rows as i32, (gate_up.cols / 2) as i32);
+        self.launch(
+            "silu_mul_stacked",
+            grid1(gate_up.rows * gate_up.cols / 2, 256),
+            |a| {
+                a.arg(&gate_up.data)
+                    .arg(&mut out.data)
+                    .arg(&rows)
+                    .arg(&inter);
+            },
+        );
     }
 
     fn add(&self, x: &mut CudaActivations, y: &CudaActivations) {

@@ -166,10 +166,17 @@ impl Noise {
     }
 }
 
-fn bf16_bytes(values: &[f32]) -> Vec<u8> {
+fn bf16_bits(values: &[f32]) -> Vec<u16> {
     values
         .iter()
-        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect()
+}
+
+fn bf16_bytes(values: &[f32]) -> Vec<u8> {
+    bf16_bits(values)
+        .iter()
+        .flat_map(|b| b.to_le_bytes())
         .collect()
 }
 
@@ -197,10 +204,13 @@ fn matrix_rate(backend: &CudaBackend) -> Result<f64> {
         n,
         WeightBytes::from_vec(bf16_bytes(&noise.vec(n * n))),
     )?;
-    let x = backend.upload_activations(n, n, &noise.vec(n * n))?;
+    let x = backend
+        .stream()
+        .clone_htod(&bf16_bits(&noise.vec(n * n)))
+        .map_err(|e| EngineError::Device(e.to_string()))?;
     let mut out = backend.alloc(n, n);
     let secs = time(backend, 10, || {
-        backend.matmul(&w, &x, &mut out);
+        backend.gemm_bf16(&w, &x, n, &mut out);
         Ok(())
     })?;
     Ok(2.0 * (n as f64).powi(3) / secs)

@@ -122,6 +122,9 @@ pub trait Backend: Send + Sync {
     );
     /// `gate = silu(gate) * up`.
     fn silu_mul(&self, gate: &mut Self::Activations, up: &Self::Activations);
+    /// `out = silu(gate) * up` where each row of `gate_up` is `[gate | up]` (the stacked
+    /// projection's output), without splitting it first.
+    fn silu_mul_stacked(&self, gate_up: &Self::Activations, out: &mut Self::Activations);
     /// `x += y`.
     fn add(&self, x: &mut Self::Activations, y: &Self::Activations);
     /// `x += delta; out = rms_norm(x, w)`: the residual add and the next norm, which a device

@@ -207,9 +207,8 @@ impl<B: Backend> Llama<B> {
         let mut qkv = b.alloc(n, q_dim + 2 * kv_dim);
         let mut attn = b.alloc(n, q_dim);
         let mut o = b.alloc(n, c.hidden_size);
-        let mut gate = b.alloc(n, c.intermediate_size);
-        let mut up = b.alloc(n, c.intermediate_size);
-        let mut gate_up = b.alloc(n, 2 * c.intermediate_size);
+        let mut act = b.alloc(n, c.intermediate_size);
+        let mut ffn_scratch = FfnScratch::default();
 
         if let Some(first) = self.layers.first() {
             b.rms_norm(&x, &first.attn_norm, c.rms_norm_eps, &mut h);
@@ -229,9 +228,8 @@ impl<B: Backend> Llama<B> {
             b.matmul(&layer.attn_output, &attn, &mut o);
             b.add_rms_norm(&mut x, &o, &layer.ffn_norm, c.rms_norm_eps, &mut h);
 
-            self.project(&layer.gate_up, &h, &mut gate_up, &mut [&mut gate, &mut up]);
-            b.silu_mul(&mut gate, &up);
-            b.matmul(&layer.ffn_down, &gate, &mut o);
+            self.feed_forward_activation(&layer.gate_up, &h, n, &mut ffn_scratch, &mut act);
+            b.matmul(&layer.ffn_down, &act, &mut o);
             // The residual add and the next layer's attention norm, as one op.
             match self.layers.get(li + 1) {
                 Some(next) => b.add_rms_norm(&mut x, &o, &next.attn_norm, c.rms_norm_eps, &mut h),
@@ -267,6 +265,35 @@ impl<B: Backend> Llama<B> {
         })
     }
 
+    /// `out = silu(x·gateᵀ) * (x·upᵀ)` for `rows` rows of `x`.
+    fn feed_forward_activation(
+        &self,
+        proj: &Projection<B>,
+        x: &B::Activations,
+        rows: usize,
+        scratch: &mut FfnScratch<B>,
+        out: &mut B::Activations,
+    ) {
+        let b = &self.backend;
+        match proj {
+            Projection::Stacked(w) => {
+                let gate_up = scratch
+                    .gate_up
+                    .get_or_insert_with(|| b.alloc(rows, b.matrix_rows(w)));
+                b.matmul(w, x, gate_up);
+                b.silu_mul_stacked(gate_up, out);
+            }
+            Projection::Separate(ws) => {
+                let up = scratch
+                    .up
+                    .get_or_insert_with(|| b.alloc(rows, b.matrix_rows(&ws[1])));
+                b.matmul(&ws[0], x, out);
+                b.matmul(&ws[1], x, up);
+                b.silu_mul(out, up);
+            }
+        }
+    }
+
     fn project(
         &self,
         proj: &Projection<B>,
@@ -284,6 +311,22 @@ impl<B: Backend> Llama<B> {
                     self.backend.matmul(w, x, out);
                 }
             }
+        }
+    }
+}
+
+/// Buffers of the feed-forward activation, made on first use in a step: layers may differ in
+/// whether gate and up are stacked (mixed quantization types).
+struct FfnScratch<B: Backend> {
+    gate_up: Option<B::Activations>,
+    up: Option<B::Activations>,
+}
+
+impl<B: Backend> Default for FfnScratch<B> {
+    fn default() -> Self {
+        Self {
+            gate_up: None,
+            up: None,
         }
     }
 }

@@ -269,6 +269,23 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn silu_mul_stacked(&self, gate_up: &CpuTensor, out: &mut CpuTensor) {
+        let inter = gate_up.cols / 2;
+        if out.rows != gate_up.rows || out.cols != inter {
+            *out = self.alloc(gate_up.rows, inter);
+        }
+        for (o, row) in out
+            .data
+            .chunks_exact_mut(inter)
+            .zip(gate_up.data.chunks_exact(gate_up.cols))
+        {
+            let (gate, up) = row.split_at(inter);
+            for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        }
+    }
+
     fn add(&self, x: &mut CpuTensor, y: &CpuTensor) {
         for (a, b) in x.data.iter_mut().zip(&y.data) {
             *a += b;
