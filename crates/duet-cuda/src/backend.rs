@@ -340,7 +340,8 @@ impl CudaBackend {
     }
 }
 
-fn to_bf16(values: &[f32]) -> Vec<u16> {
+/// bf16 bits of `values`, rounded to nearest even (as the kernels' `f32_to_bf16`).
+pub fn bf16_bits(values: &[f32]) -> Vec<u16> {
     values
         .iter()
         .map(|&v| half::bf16::from_f32(v).to_bits())
@@ -379,7 +380,7 @@ impl Backend for CudaBackend {
             // GGUF quantized (and f16/f32) weights are dequantized at load: the GPU path is bf16.
             let mut f = vec![0f32; rows * cols];
             dequantize_row(ty, &bytes, &mut f);
-            to_bf16(&f)
+            bf16_bits(&f)
         };
         self.upload_matrix(name, &values, rows, cols)
     }

@@ -26,10 +26,11 @@ use duet_engine::model_files::open_model;
 use duet_engine::quant::QuantType;
 use duet_engine::sampling::SamplingParams;
 use duet_engine::storage::WeightBytes;
+use duet_engine::synthetic::Uniform;
 use serde::Serialize;
 
 use crate::LoadedEngine;
-use crate::backend::CudaBackend;
+use crate::backend::{CudaBackend, bf16_bits};
 
 pub struct GpuBenchOptions {
     pub ordinal: usize,
@@ -149,30 +150,6 @@ fn time<B: Backend>(backend: &B, reps: usize, mut f: impl FnMut() -> Result<()>)
     Ok(start.elapsed().as_secs_f64() / reps as f64)
 }
 
-/// A uniform [-1, 1) stream (xorshift64*).
-struct Noise(u64);
-
-impl Noise {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        let u = (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 24) as f32;
-        2.0 * u - 1.0
-    }
-
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.next()).collect()
-    }
-}
-
-fn bf16_bits(values: &[f32]) -> Vec<u16> {
-    values
-        .iter()
-        .map(|&v| half::bf16::from_f32(v).to_bits())
-        .collect()
-}
-
 fn bf16_bytes(values: &[f32]) -> Vec<u8> {
     bf16_bits(values)
         .iter()
@@ -196,17 +173,17 @@ fn copy_bandwidth(backend: &CudaBackend) -> Result<f64> {
 /// cuBLAS bf16 matrix rate in FLOP/s on 8192³ random operands.
 fn matrix_rate(backend: &CudaBackend) -> Result<f64> {
     let n = 8192;
-    let mut noise = Noise(11);
+    let mut noise = Uniform::new(11);
     let w = backend.load_matrix(
         "rate.w",
         QuantType::BF16,
         n,
         n,
-        WeightBytes::from_vec(bf16_bytes(&noise.vec(n * n))),
+        WeightBytes::from_vec(bf16_bytes(&noise.values(n * n))),
     )?;
     let x = backend
         .stream()
-        .clone_htod(&bf16_bits(&noise.vec(n * n)))
+        .clone_htod(&bf16_bits(&noise.values(n * n)))
         .map_err(|e| EngineError::Device(e.to_string()))?;
     let mut out = backend.alloc(n, n);
     let secs = time(backend, 10, || {
@@ -234,13 +211,13 @@ fn attention_check(
         num_blocks,
     };
     let layer = 1;
-    let mut noise = Noise(heads as u64 * 1000 + head_dim as u64);
+    let mut noise = Uniform::new(heads as u64 * 1000 + head_dim as u64);
     let mut kv = backend.alloc_kv(layout)?;
     let chunk = 2 * kv_heads * block_size * head_dim;
     let mut host_kv = vec![0f32; num_blocks * chunk];
     for b in 0..num_blocks {
         let values: Vec<f32> = noise
-            .vec(chunk)
+            .values(chunk)
             .iter()
             .map(|&v| half::bf16::from_f32(v).to_f32())
             .collect();
@@ -284,7 +261,7 @@ fn attention_check(
         .collect();
     let batch = ForwardBatch::new(&inputs, block_size, num_blocks, 2, 1 << 20)?;
     let rows = batch.num_rows();
-    let q_host = noise.vec(rows * heads * head_dim);
+    let q_host = noise.values(rows * heads * head_dim);
     let q = backend.upload_activations(rows, heads * head_dim, &q_host)?;
     let mut out = backend.upload_activations(
         rows,

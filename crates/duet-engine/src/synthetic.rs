@@ -36,15 +36,10 @@ pub fn tensor(config: &ModelConfig, name: &str, seed: u64) -> Option<RawTensor> 
     } else {
         (0.0, (3.0 / cols as f32).sqrt())
     };
-    let mut state = seed ^ xxhash_name(name) ^ 0x9E37_79B9_7F4A_7C15;
+    let mut noise = Uniform::new(seed ^ xxhash_name(name));
     let mut bytes = Vec::with_capacity(rows * cols * 2);
     for _ in 0..rows * cols {
-        // xorshift64*: uniform in [0, 1).
-        state ^= state >> 12;
-        state ^= state << 25;
-        state ^= state >> 27;
-        let u = (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 24) as f32;
-        let v = center + half_width * (2.0 * u - 1.0);
+        let v = center + half_width * noise.next_value();
         bytes.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes());
     }
     Some(RawTensor {
@@ -54,6 +49,27 @@ pub fn tensor(config: &ModelConfig, name: &str, seed: u64) -> Option<RawTensor> 
         cols,
         bytes: WeightBytes::from_vec(bytes),
     })
+}
+
+/// A seeded stream uniform in [-1, 1) (xorshift64*): weights here, random test inputs elsewhere.
+pub struct Uniform(u64);
+
+impl Uniform {
+    pub fn new(seed: u64) -> Self {
+        Self(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+
+    pub fn next_value(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let u = (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 24) as f32;
+        2.0 * u - 1.0
+    }
+
+    pub fn values(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next_value()).collect()
+    }
 }
 
 /// FNV-1a of the name: each tensor gets its own stream.
