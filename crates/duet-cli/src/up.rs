@@ -34,7 +34,8 @@ pub struct UpArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineOptions,
-    /// KV transport between the pools: auto, grpc, cuda-ipc or nccl (see duet-prefill --help).
+    /// KV transport between the pools: auto, grpc, cuda-ipc or nccl (gRPC today; see
+    /// duet-prefill --help).
     #[arg(long, env = "DUET_KV_TRANSPORT", default_value_t = TransportChoice::Auto)]
     pub kv_transport: TransportChoice,
     /// Exit after the cluster is ready and one sample request succeeded (for scripts and tests).

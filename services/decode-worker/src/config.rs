@@ -21,8 +21,8 @@ pub struct DecodeConfig {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineOptions,
-    /// KV transport between the pools: auto (cuda-ipc for GPU workers on one node, nccl across
-    /// nodes, grpc when a worker is on the CPU), grpc, cuda-ipc or nccl.
+    /// KV transport between the pools: auto, grpc, cuda-ipc or nccl. The push path carries gRPC
+    /// today (auto resolves to it); cuda-ipc and nccl are refused at start until it carries them.
     #[arg(long, env = "DUET_KV_TRANSPORT", default_value_t = TransportChoice::Auto)]
     pub kv_transport: TransportChoice,
     /// How long KV blocks reserved for a transfer are held before they are reclaimed.

@@ -20,8 +20,8 @@ pub struct PrefillConfig {
     /// Engine sizes; `max_step_tokens` is the prefill token budget of one batch.
     #[command(flatten)]
     pub engine: EngineOptions,
-    /// KV transport between the pools: auto (cuda-ipc for GPU workers on one node, nccl across
-    /// nodes, grpc when a worker is on the CPU), grpc, cuda-ipc or nccl.
+    /// KV transport between the pools: auto, grpc, cuda-ipc or nccl. The push path carries gRPC
+    /// today (auto resolves to it); cuda-ipc and nccl are refused at start until it carries them.
     #[arg(long, env = "DUET_KV_TRANSPORT", default_value_t = TransportChoice::Auto)]
     pub kv_transport: TransportChoice,
     /// Most prompt tokens waiting to be computed; past it, `Prefill` answers RESOURCE_EXHAUSTED
