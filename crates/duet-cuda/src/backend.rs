@@ -99,6 +99,29 @@ impl Drop for CudaKvStore {
     }
 }
 
+/// The geometry arguments both attention kernels take, in their order.
+struct AttentionArgs {
+    layer: i32,
+    num_blocks: i32,
+    num_heads: i32,
+    num_kv_heads: i32,
+    block_size: i32,
+    head_dim: i32,
+    scale: f32,
+}
+
+impl AttentionArgs {
+    fn push<'a>(&'a self, a: &mut cudarc::driver::LaunchArgs<'a>) {
+        a.arg(&self.layer)
+            .arg(&self.num_blocks)
+            .arg(&self.num_heads)
+            .arg(&self.num_kv_heads)
+            .arg(&self.block_size)
+            .arg(&self.head_dim)
+            .arg(&self.scale);
+    }
+}
+
 /// A step's metadata in GPU memory.
 pub struct CudaBatch {
     positions: CudaSlice<u32>,
@@ -698,15 +721,16 @@ impl Backend for CudaBackend {
             return self.report_missing_batch();
         };
         let l = kv.layout;
-        let (layer, nb, nh, kvh, bs, hd) = (
-            layer as i32,
-            l.num_blocks as i32,
-            shape.num_heads as i32,
-            shape.num_kv_heads as i32,
-            l.block_size as i32,
-            shape.head_dim as i32,
-        );
-        let scale = 1.0 / (shape.head_dim as f32).sqrt();
+        let g = AttentionArgs {
+            layer: layer as i32,
+            num_blocks: l.num_blocks as i32,
+            num_heads: shape.num_heads as i32,
+            num_kv_heads: shape.num_kv_heads as i32,
+            block_size: l.block_size as i32,
+            head_dim: shape.head_dim as i32,
+            scale: 1.0 / (shape.head_dim as f32).sqrt(),
+        };
+        let (nh, kvh, hd) = (g.num_heads, g.num_kv_heads, g.head_dim);
         if let Some(d) = &b.decode {
             let parts = d.max_partitions as i32;
             let stats = d.count * shape.num_heads * d.max_partitions;
@@ -729,15 +753,9 @@ impl Backend for CudaBackend {
                     .arg(&b.row_seq)
                     .arg(&b.positions)
                     .arg(&b.block_tables)
-                    .arg(&b.table_offsets)
-                    .arg(&layer)
-                    .arg(&nb)
-                    .arg(&nh)
-                    .arg(&kvh)
-                    .arg(&bs)
-                    .arg(&hd)
-                    .arg(&scale)
-                    .arg(&parts)
+                    .arg(&b.table_offsets);
+                g.push(a);
+                a.arg(&parts)
                     .arg(&mut part_out)
                     .arg(&mut part_max)
                     .arg(&mut part_sum);
@@ -776,15 +794,9 @@ impl Backend for CudaBackend {
                     .arg(&p.len)
                     .arg(&p.start_pos)
                     .arg(&b.block_tables)
-                    .arg(&p.table_offsets)
-                    .arg(&layer)
-                    .arg(&nb)
-                    .arg(&nh)
-                    .arg(&kvh)
-                    .arg(&bs)
-                    .arg(&hd)
-                    .arg(&scale)
-                    .arg(&mut out.data);
+                    .arg(&p.table_offsets);
+                g.push(a);
+                a.arg(&mut out.data);
             });
         }
     }
