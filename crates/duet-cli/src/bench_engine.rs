@@ -80,7 +80,42 @@ struct Report {
     kv_pool_bytes: u64,
     peak_rss_bytes: u64,
     rss_after_load_bytes: u64,
+    /// On a CPU: what the matrix kernels' dot instruction allows batched decode at most.
+    compute_ceiling: Option<ComputeCeiling>,
     llamacpp: Option<PeerResult>,
+}
+
+/// Batched decode cannot beat the rate at which the cores execute the integer dot instruction
+/// of the quantized matmuls divided by the matrix multiply-accumulates a token needs.
+#[derive(Serialize, Clone)]
+struct ComputeCeiling {
+    kernel_path: String,
+    /// All kernel threads together, registers only.
+    integer_macs_per_s: f64,
+    matmul_macs_per_token: usize,
+    /// `integer_macs_per_s / matmul_macs_per_token`: attention and everything else taken as free.
+    decode_tokens_per_s: f64,
+}
+
+fn compute_ceiling(
+    threads: usize,
+    config: &duet_engine::config::ModelConfig,
+) -> Option<ComputeCeiling> {
+    let path = duet_engine::quant::KernelPath::detect();
+    let per_thread: Vec<Option<f64>> = std::thread::scope(|s| {
+        let runs: Vec<_> = (0..threads)
+            .map(|_| s.spawn(move || path.integer_macs_per_s()))
+            .collect();
+        runs.into_iter().map(|r| r.join().ok().flatten()).collect()
+    });
+    let integer_macs_per_s = per_thread.into_iter().sum::<Option<f64>>()?;
+    let matmul_macs_per_token = config.matmul_params();
+    Some(ComputeCeiling {
+        kernel_path: format!("{path:?}"),
+        integer_macs_per_s,
+        matmul_macs_per_token,
+        decode_tokens_per_s: integer_macs_per_s / matmul_macs_per_token as f64,
+    })
 }
 
 pub fn run(args: EngineBenchArgs) -> Result<()> {
@@ -209,6 +244,10 @@ fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) 
             as u64,
         peak_rss_bytes: rss_bytes("VmHWM"),
         rss_after_load_bytes: rss_after_load,
+        compute_ceiling: match options.device {
+            duet_engine::device::Device::Cpu => compute_ceiling(threads, engine.config()),
+            duet_engine::device::Device::Cuda(_) => None,
+        },
         llamacpp: llamacpp.clone(),
     };
 
@@ -232,6 +271,16 @@ fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) 
             peer.decode_tokens_per_s,
             b1.prefill_tokens_per_s / peer.prefill_tokens_per_s,
             b1.decode_tokens_per_s / peer.decode_tokens_per_s
+        );
+    }
+    if let (Some(c), Some(b1)) = (&report.compute_ceiling, single) {
+        println!(
+            "compute ceiling: {} integer dots {:.1} GMAC/s on {threads} threads / {:.1} M MACs per token = {:.0} tok/s batched decode at most ({:.2}× single stream)",
+            c.kernel_path,
+            c.integer_macs_per_s / 1e9,
+            c.matmul_macs_per_token as f64 / 1e6,
+            c.decode_tokens_per_s,
+            c.decode_tokens_per_s / b1
         );
     }
     let budget = 1.3 * report.model_file_bytes as f64 + report.kv_pool_bytes as f64;

@@ -478,9 +478,7 @@ fn llama3_8b_timings(ordinal: usize, copy: f64, matrix_rate: f64) -> Result<Vec<
     let num_blocks = batch * (context + 64).div_ceil(block_size) + 256;
     let mut kv = b.alloc_kv(model.kv_layout(block_size, num_blocks))?;
     let kv_bytes_per_token = (c.num_layers * 2 * c.kv_dim() * 2) as f64;
-    let (h, q, kvd, ffn) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-    let matmul_params =
-        (c.num_layers * (h * (q + 2 * kvd) + q * h + 3 * h * ffn) + c.vocab_size * h) as f64;
+    let matmul_params = c.matmul_params() as f64;
     // Per step every weight is read once (the embedding rows read are negligible).
     let weight_bytes = 2.0 * matmul_params;
 

@@ -98,6 +98,18 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
+    /// Weights of the matrix products one token goes through (every layer's projections and the
+    /// LM head): its multiply-accumulates outside attention, and the elements a step reads.
+    pub fn matmul_params(&self) -> usize {
+        let (h, q, kv, ffn) = (
+            self.hidden_size,
+            self.q_dim(),
+            self.kv_dim(),
+            self.intermediate_size,
+        );
+        self.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * ffn) + self.vocab_size * h
+    }
+
     /// Reads a HF `config.json`.
     pub fn from_hf_config_file(path: &Path) -> Result<Self, ConfigError> {
         let origin = path.display().to_string();

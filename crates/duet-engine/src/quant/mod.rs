@@ -173,6 +173,25 @@ impl KernelPath {
         }
     }
 
+    /// Integer multiply-accumulates per second one thread sustains in this path's dot
+    /// instruction on register operands (`vpdpwssd` zmm, `vpmaddwd` + `vpaddd` ymm): the compute
+    /// ceiling of a quantized matmul, for benchmarks. `None` for the portable path.
+    pub fn integer_macs_per_s(self) -> Option<f64> {
+        const ITERATIONS: usize = 20_000_000;
+        let t = std::time::Instant::now();
+        let macs = match self {
+            KernelPath::Scalar => return None,
+            // SAFETY: the path is only chosen when the CPU supports it.
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx512 => unsafe { x86::dot_throughput_avx512(ITERATIONS) },
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2 => unsafe { x86::dot_throughput_avx2(ITERATIONS) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => return None,
+        };
+        Some(macs as f64 / t.elapsed().as_secs_f64())
+    }
+
     /// The best path this CPU supports (detected once).
     pub fn detect() -> KernelPath {
         static PATH: OnceLock<KernelPath> = OnceLock::new();

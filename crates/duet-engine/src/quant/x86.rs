@@ -664,3 +664,50 @@ pub(crate) unsafe fn dot4x4_avx512(w: &[f32], nr: usize, cols: usize, x: &[f32])
         res
     }
 }
+
+/// Runs `iterations` rounds of 16 independent `vpdpwssd` (written as the instruction, so the
+/// compiler cannot split it) and returns the multiply-accumulates done.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+pub(crate) unsafe fn dot_throughput_avx512(iterations: usize) -> usize {
+    let mut acc = [_mm512_setzero_si512(); 16];
+    let w = _mm512_set1_epi32(0x0001_0001);
+    for _ in 0..iterations {
+        for a in acc.iter_mut() {
+            // SAFETY: register operands only.
+            unsafe {
+                std::arch::asm!(
+                    "vpdpwssd {a}, {w}, {w}",
+                    a = inout(zmm_reg) *a,
+                    w = in(zmm_reg) w,
+                    options(pure, nomem, nostack, preserves_flags),
+                );
+            }
+        }
+    }
+    std::hint::black_box(acc);
+    iterations * 16 * 32
+}
+
+/// As [`dot_throughput_avx512`] for the AVX2 kernels' `vpmaddwd` + `vpaddd` on ymm registers.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_throughput_avx2(iterations: usize) -> usize {
+    let mut acc = [_mm256_setzero_si256(); 12];
+    let w = _mm256_set1_epi32(0x0001_0001);
+    for _ in 0..iterations {
+        for a in acc.iter_mut() {
+            // SAFETY: register operands only.
+            unsafe {
+                std::arch::asm!(
+                    "vpmaddwd {p}, {w}, {w}",
+                    "vpaddd {a}, {a}, {p}",
+                    a = inout(ymm_reg) *a,
+                    w = in(ymm_reg) w,
+                    p = out(ymm_reg) _,
+                    options(pure, nomem, nostack, preserves_flags),
+                );
+            }
+        }
+    }
+    std::hint::black_box(acc);
+    iterations * 12 * 16
+}
