@@ -9,6 +9,7 @@ use crate::backend::{AttentionShape, KvLayout};
 use crate::batch::ForwardBatch;
 use crate::threadpool::ThreadPool;
 
+use super::vector::exp_approx;
 use super::{CpuTensor, SendPtr};
 
 pub struct CpuKvStore {
@@ -448,42 +449,9 @@ fn exp_sub_in_place(x: &mut [f32], max: f32) -> f32 {
     sum
 }
 
-#[inline(always)]
-fn exp_approx(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    // Below -87 the result is ~0 (and 2^n would underflow the exponent field).
-    let x = x.max(-87.0);
-    // Round to nearest via the 1.5·2^23 trick (vectorises, unlike f32::round).
-    let n = (x * LOG2E + 12_582_912.0) - 12_582_912.0;
-    let r = (x - n * LN2_HI) - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (0.166_666_67
-                    + r * (0.041_666_668 + r * (0.008_333_334 + r * 0.001_388_889)))));
-    let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
-    p * scale
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn exp_approx_is_accurate() {
-        let mut worst = 0f64;
-        let mut x = -87.0f32;
-        while x <= 0.0 {
-            let want = (x as f64).exp();
-            let got = exp_approx(x) as f64;
-            worst = worst.max(((got - want) / want).abs());
-            x += 0.0137;
-        }
-        assert!(worst < 1e-6, "relative error {worst}");
-        assert!(exp_approx(-1000.0) < 1e-37);
-    }
 
     /// Every kernel this CPU can run agrees with a float64 reference, over head sizes that take
     /// each AVX-512 chunk width, GQA groups, and contexts ending inside and on block boundaries

@@ -4,7 +4,7 @@
 mod attention;
 mod vector;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::EngineError;
 use crate::backend::{AttentionShape, Backend, KvLayout};
@@ -76,7 +76,7 @@ impl Backend for CpuBackend {
     type Vector = Vec<f32>;
     type Activations = CpuTensor;
     type KvStore = CpuKvStore;
-    type Batch<'a> = &'a ForwardBatch;
+    type Batch<'a> = CpuBatch<'a>;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -148,8 +148,11 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn prepare_batch<'a>(&self, batch: &'a ForwardBatch) -> &'a ForwardBatch {
-        batch
+    fn prepare_batch<'a>(&self, batch: &'a ForwardBatch) -> CpuBatch<'a> {
+        CpuBatch {
+            forward: batch,
+            rope: OnceLock::new(),
+        }
     }
 
     fn alloc(&self, rows: usize, cols: usize) -> CpuTensor {
@@ -169,21 +172,12 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32, out: &mut CpuTensor) {
         let cols = x.cols;
-        let run = |xs: &[f32], os: &mut [f32]| {
+        self.for_rows(x.rows, &mut out.data, cols, |rows, os| {
+            let xs = &x.data[rows.start * cols..rows.end * cols];
             for (xr, or) in xs.chunks_exact(cols).zip(os.chunks_exact_mut(cols)) {
                 vector::rms_norm(xr, w, eps, or);
             }
-        };
-        if x.rows < PARALLEL_ROWS {
-            run(&x.data, &mut out.data);
-        } else {
-            let out_ptr = SendPtr(out.data.as_mut_ptr());
-            self.pool.for_each_range(x.rows, |r| {
-                // SAFETY: ranges are disjoint rows of `out`.
-                let os = unsafe { out_ptr.slice(r.start * cols, r.len() * cols) };
-                run(&x.data[r.start * cols..r.end * cols], os);
-            });
-        }
+        });
     }
 
     fn matmul(&self, w: &QMatrix, x: &CpuTensor, out: &mut CpuTensor) {
@@ -215,20 +209,25 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rope(&self, x: &mut CpuTensor, head_dim: usize, theta: f32, batch: &&ForwardBatch) {
-        let cols = x.cols;
-        let half = head_dim / 2;
-        let inv_freq: Vec<f64> = (0..half)
-            .map(|i| (theta as f64).powf(-((2 * i) as f64) / head_dim as f64))
-            .collect();
-        let mut cos = vec![0f32; half];
-        let mut sin = vec![0f32; half];
-        for (row, &pos) in x.data.chunks_exact_mut(cols).zip(&batch.positions) {
-            for i in 0..half {
-                let (s, c) = (pos as f64 * inv_freq[i]).sin_cos();
-                cos[i] = c as f32;
-                sin[i] = s as f32;
+    fn rope(&self, x: &mut CpuTensor, head_dim: usize, theta: f32, batch: &CpuBatch<'_>) {
+        let computed;
+        let table = match batch
+            .rope
+            .get_or_init(|| RopeTable::new(batch.forward, head_dim, theta))
+        {
+            t if t.head_dim == head_dim && t.theta == theta => t,
+            _ => {
+                computed = RopeTable::new(batch.forward, head_dim, theta);
+                &computed
             }
+        };
+        let half = head_dim / 2;
+        for (row, (cos, sin)) in x.data.chunks_exact_mut(x.cols).zip(
+            table
+                .cos
+                .chunks_exact(half)
+                .zip(table.sin.chunks_exact(half)),
+        ) {
             for head in row.chunks_exact_mut(head_dim) {
                 let (lo, hi) = head.split_at_mut(half);
                 for i in 0..half {
@@ -246,9 +245,9 @@ impl Backend for CpuBackend {
         layer: usize,
         k: &CpuTensor,
         v: &CpuTensor,
-        batch: &&ForwardBatch,
+        batch: &CpuBatch<'_>,
     ) {
-        kv.write(layer, &k.data, &v.data, &batch.slots);
+        kv.write(layer, &k.data, &v.data, &batch.forward.slots);
     }
 
     fn attention(
@@ -257,16 +256,20 @@ impl Backend for CpuBackend {
         kv: &CpuKvStore,
         layer: usize,
         shape: AttentionShape,
-        batch: &&ForwardBatch,
+        batch: &CpuBatch<'_>,
         out: &mut CpuTensor,
     ) {
-        attention::paged_attention(&self.pool, q, kv, layer, shape, batch, out);
+        attention::paged_attention(&self.pool, q, kv, layer, shape, batch.forward, out);
     }
 
     fn silu_mul(&self, gate: &mut CpuTensor, up: &CpuTensor) {
-        for (g, u) in gate.data.iter_mut().zip(&up.data) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
-        }
+        let cols = gate.cols;
+        self.for_rows(gate.rows, &mut gate.data, cols, |rows, gs| {
+            let us = &up.data[rows.start * cols..rows.end * cols];
+            for (g, &u) in gs.iter_mut().zip(us) {
+                *g = vector::silu_mul(*g, u);
+            }
+        });
     }
 
     fn silu_mul_stacked(&self, gate_up: &CpuTensor, out: &mut CpuTensor) {
@@ -274,16 +277,14 @@ impl Backend for CpuBackend {
         if out.rows != gate_up.rows || out.cols != inter {
             *out = self.alloc(gate_up.rows, inter);
         }
-        for (o, row) in out
-            .data
-            .chunks_exact_mut(inter)
-            .zip(gate_up.data.chunks_exact(gate_up.cols))
-        {
-            let (gate, up) = row.split_at(inter);
-            for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
-                *o = g / (1.0 + (-g).exp()) * u;
+        let stacked = gate_up.cols;
+        self.for_rows(gate_up.rows, &mut out.data, inter, |rows, os| {
+            let ins = &gate_up.data[rows.start * stacked..rows.end * stacked];
+            for (o, row) in os.chunks_exact_mut(inter).zip(ins.chunks_exact(stacked)) {
+                let (gate, up) = row.split_at(inter);
+                vector::silu_mul_slices(gate, up, o);
             }
-        }
+        });
     }
 
     fn add(&self, x: &mut CpuTensor, y: &CpuTensor) {
@@ -313,6 +314,68 @@ impl Backend for CpuBackend {
 }
 
 /// A raw pointer that may cross to the pool's threads; users split it into disjoint ranges.
+/// A step's batch on the CPU: the host metadata, and the rotary angles of its rows, computed by
+/// the first layer and reused by the others.
+pub struct CpuBatch<'a> {
+    forward: &'a ForwardBatch,
+    rope: OnceLock<RopeTable>,
+}
+
+/// `cos` and `sin` of every row's position times each rotary frequency, `[row][head_dim / 2]`.
+struct RopeTable {
+    head_dim: usize,
+    theta: f32,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    fn new(batch: &ForwardBatch, head_dim: usize, theta: f32) -> Self {
+        let half = head_dim / 2;
+        let inv_freq: Vec<f64> = (0..half)
+            .map(|i| (theta as f64).powf(-((2 * i) as f64) / head_dim as f64))
+            .collect();
+        let n = batch.positions.len() * half;
+        let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for &pos in &batch.positions {
+            for f in &inv_freq {
+                let (s, c) = (pos as f64 * f).sin_cos();
+                cos.push(c as f32);
+                sin.push(s as f32);
+            }
+        }
+        Self {
+            head_dim,
+            theta,
+            cos,
+            sin,
+        }
+    }
+}
+
+impl CpuBackend {
+    /// Runs `f(rows, out_rows)` over `0..rows`, where `out_rows` is those rows of `out` (`cols`
+    /// values each): on the pool in disjoint ranges when there are enough rows, else inline.
+    fn for_rows(
+        &self,
+        rows: usize,
+        out: &mut [f32],
+        cols: usize,
+        f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
+    ) {
+        debug_assert_eq!(out.len(), rows * cols);
+        if rows < PARALLEL_ROWS {
+            return f(0..rows, out);
+        }
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        self.pool.for_each_range(rows, |r| {
+            // SAFETY: ranges are disjoint rows of `out`.
+            let os = unsafe { out_ptr.slice(r.start * cols, r.len() * cols) };
+            f(r, os);
+        });
+    }
+}
+
 #[derive(Clone, Copy)]
 pub(crate) struct SendPtr(pub *mut f32);
 unsafe impl Send for SendPtr {}
