@@ -123,12 +123,7 @@ pub fn run(args: EngineBenchArgs) -> Result<()> {
     let options = args.engine.clone();
     let needed = args.batch.iter().max().copied().unwrap_or(1)
         * (args.prompt_tokens.max(args.decode_context) + args.decode_steps + 1);
-    if options.device == Device::Cpu && options.kv_cache_tokens < needed {
-        bail!(
-            "--kv-cache-tokens {} is too small for this run: it needs {needed}",
-            options.kv_cache_tokens
-        );
-    }
+    check_kv_capacity(&options, needed)?;
     eprintln!("loading {} on {}", path.display(), options.device);
     let engine = LoadedEngine::load(&path, options)?;
     engine.run(EngineBench { args, path })
@@ -155,21 +150,7 @@ fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) 
     } else {
         options.threads
     };
-    let vocab = engine.config().vocab_size as u32;
-    let mut seed = 1u64;
-    let mut prompt = |len: usize| -> Vec<u32> {
-        seed += 1;
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                // Skip the low ids (special tokens).
-                300 + (x % (vocab as u64 - 300)) as u32
-            })
-            .collect()
-    };
+    let mut prompt = prompt_source(engine.config().vocab_size);
 
     let mut rows = Vec::new();
     for &batch in &args.batch {
@@ -186,21 +167,8 @@ fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) 
         // Decode: `batch` sequences past their prompt, then `decode_steps` timed steps.
         let mut best_decode = 0f64;
         for _ in 0..args.repeats {
-            let ids = add(
-                &mut engine,
-                batch,
-                args.decode_context,
-                args.decode_steps + 1,
-                &mut prompt,
-            )?;
-            run_until_tokens(&mut engine, &ids, 1)?;
-            let t = Instant::now();
-            for _ in 0..args.decode_steps {
-                engine.step()?;
-            }
-            let rate = (batch * args.decode_steps) as f64 / t.elapsed().as_secs_f64();
-            best_decode = best_decode.max(rate);
-            remove(&mut engine, &ids)?;
+            let shape = (batch, args.decode_context, args.decode_steps);
+            best_decode = best_decode.max(decode_rate(&mut engine, shape, &mut prompt)?);
         }
         eprintln!(
             "batch {batch:>3}: prefill {best_prefill:8.1} tok/s, decode {best_decode:8.1} tok/s"
@@ -297,6 +265,79 @@ fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) 
         std::fs::write(out, &json).with_context(|| format!("writing {}", out.display()))?;
     }
     Ok(())
+}
+
+/// A CPU KV cache sized by --kv-cache-tokens must hold the `needed` tokens of a run at once.
+fn check_kv_capacity(options: &EngineOptions, needed: usize) -> Result<()> {
+    if options.device == Device::Cpu && options.kv_cache_tokens < needed {
+        bail!(
+            "--kv-cache-tokens {} is too small for this run: it needs {needed}",
+            options.kv_cache_tokens
+        );
+    }
+    Ok(())
+}
+
+/// Fresh random prompts (never cached), skipping the low ids where special tokens live.
+fn prompt_source(vocab: usize) -> impl FnMut(usize) -> Vec<u32> {
+    let mut seed = 1u64;
+    move |len| {
+        seed += 1;
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                300 + (x % (vocab as u64 - 300)) as u32
+            })
+            .collect()
+    }
+}
+
+/// Decode tokens per second of `batch` sequences past `context`-token prompts over `steps`
+/// steps: `shape = (batch, context, steps)`.
+fn decode_rate(
+    engine: &mut Engine<impl Backend>,
+    (batch, context, steps): (usize, usize, usize),
+    prompt: &mut impl FnMut(usize) -> Vec<u32>,
+) -> Result<f64> {
+    let ids = add(engine, batch, context, steps + 1, prompt)?;
+    run_until_tokens(engine, &ids, 1)?;
+    let t = Instant::now();
+    for _ in 0..steps {
+        engine.step()?;
+    }
+    let rate = (batch * steps) as f64 / t.elapsed().as_secs_f64();
+    remove(engine, &ids)?;
+    Ok(rate)
+}
+
+/// The engine alone, loaded afresh in this process: the best of `repeats` batched decode rates
+/// (`shape = (batch, context, steps)`), for benchmarks that compare a cluster with it.
+pub fn batched_decode_rate(
+    model: &Path,
+    options: EngineOptions,
+    shape: (usize, usize, usize),
+    repeats: usize,
+) -> Result<f64> {
+    struct Rate {
+        shape: (usize, usize, usize),
+        repeats: usize,
+    }
+    impl WithEngine for Rate {
+        type Output = Result<f64>;
+        fn run<B: Backend + 'static>(self, mut engine: Engine<B>) -> Result<f64> {
+            let mut prompt = prompt_source(engine.config().vocab_size);
+            let mut best = 0f64;
+            for _ in 0..self.repeats.max(1) {
+                best = best.max(decode_rate(&mut engine, self.shape, &mut prompt)?);
+            }
+            Ok(best)
+        }
+    }
+    check_kv_capacity(&options, shape.0 * (shape.1 + shape.2 + 1))?;
+    LoadedEngine::load(model, options)?.run(Rate { shape, repeats })
 }
 
 fn add(

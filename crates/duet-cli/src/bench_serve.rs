@@ -80,6 +80,11 @@ pub struct ServeBenchArgs {
     /// Seed of the synthetic prompts and arrival times.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Also measure the engine alone (in this process, after the clusters) decoding a batch of
+    /// --concurrency sequences from the mean --prompt-tokens for the mean --output-tokens steps,
+    /// and report each run's output tokens/s as a share of it.
+    #[arg(long, conflicts_with_all = ["rate", "dataset", "server"])]
+    pub compare_engine: bool,
     /// Write the JSON report here.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
@@ -182,6 +187,16 @@ pub struct RunReport {
 struct Report<'a> {
     workload: Workload<'a>,
     runs: Vec<RunReport>,
+    engine_alone: Option<EngineAlone>,
+}
+
+/// The engine's own batched decode on the workload's mean shape (`--compare-engine`).
+#[derive(Serialize, Clone)]
+struct EngineAlone {
+    batch: usize,
+    context: usize,
+    steps: usize,
+    decode_tokens_per_s: f64,
 }
 
 #[derive(Serialize)]
@@ -236,7 +251,42 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
             drop(cluster);
         }
     }
+    let engine_alone = if args.compare_engine {
+        let (batch, context, steps) = (
+            args.concurrency,
+            (args.prompt_tokens.min + args.prompt_tokens.max) / 2,
+            (args.output_tokens.min + args.output_tokens.max) / 2,
+        );
+        eprintln!("the engine alone: batch {batch}, {context}-token prompts, {steps} steps");
+        let rate = crate::bench_engine::batched_decode_rate(
+            &args.model.resolve()?,
+            args.engine.clone(),
+            (batch, context, steps),
+            2,
+        )?;
+        Some(EngineAlone {
+            batch,
+            context,
+            steps,
+            decode_tokens_per_s: rate,
+        })
+    } else {
+        None
+    };
     print_table(&runs, &args);
+    if let Some(e) = &engine_alone {
+        println!(
+            "engine alone, batch {} from {}-token prompts over {} steps: {:.1} tok/s",
+            e.batch, e.context, e.steps, e.decode_tokens_per_s
+        );
+        for r in &runs {
+            println!(
+                "{:<15} output tok/s = {:.2}× the engine alone",
+                r.design,
+                r.output_tokens_per_s / e.decode_tokens_per_s
+            );
+        }
+    }
     let report = Report {
         workload: Workload {
             requests: jobs.len(),
@@ -249,6 +299,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
             tpot_slo_ms: args.tpot_slo_ms,
         },
         runs: runs.clone(),
+        engine_alone,
     };
     let json = serde_json::to_string_pretty(&report)?;
     println!("{json}");

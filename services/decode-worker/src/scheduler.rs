@@ -390,8 +390,22 @@ impl SchedulerHandle {
         &self,
         make: impl FnOnce(oneshot::Sender<T>) -> Command,
     ) -> Result<T, DecodeError> {
+        Self::reply(self.request(make)?).await
+    }
+
+    /// Sends a command built around a reply channel without waiting: commands sent this way are
+    /// all handled at the engine thread's next pause between steps, not one per step.
+    pub fn request<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<oneshot::Receiver<T>, DecodeError> {
         let (tx, rx) = oneshot::channel();
         self.send(make(tx))?;
+        Ok(rx)
+    }
+
+    /// The reply to a [`SchedulerHandle::request`].
+    pub async fn reply<T>(rx: oneshot::Receiver<T>) -> Result<T, DecodeError> {
         rx.await
             .map_err(|_| DecodeError::Unavailable("the engine thread has stopped".into()))
     }

@@ -490,6 +490,7 @@ impl v1::kv_transfer_server::KvTransfer for TransferService {
         // Every (layer, block) of the range exactly once.
         let mut seen = vec![false; state.num_layers * total];
         let (mut received, mut n_chunks) = (0u64, 0u64);
+        let mut writes = Vec::new();
         while let Some(chunk) = chunks.next().await {
             match chunk?.kind {
                 Some(v1::kv_chunk::Kind::Data(d)) => {
@@ -524,30 +525,32 @@ impl v1::kv_transfer_server::KvTransfer for TransferService {
                     }
                     received += d.payload.len() as u64;
                     n_chunks += 1;
+                    // Not awaited here: the engine thread handles commands only between
+                    // steps, so waiting for each chunk would cost a decode step per layer.
                     let payload = d.payload;
-                    let written = state
-                        .scheduler
-                        .ask(|reply| Command::WriteKv {
-                            job,
-                            layer,
-                            start,
-                            end,
-                            payload,
-                            reply,
-                        })
-                        .await?;
-                    if let Err(e) = written {
-                        if matches!(e, DecodeError::NotFound(_)) {
-                            return Ok(Response::new(v1::PushAck {
-                                accepted: false,
-                                message: e.to_string(),
-                                ..Default::default()
-                            }));
-                        }
-                        return Err(e.into());
-                    }
+                    writes.push(state.scheduler.request(|reply| Command::WriteKv {
+                        job,
+                        layer,
+                        start,
+                        end,
+                        payload,
+                        reply,
+                    })?);
                 }
                 Some(v1::kv_chunk::Kind::Done(done)) => {
+                    for write in writes.drain(..) {
+                        match SchedulerHandle::reply(write).await? {
+                            Ok(()) => {}
+                            Err(e @ DecodeError::NotFound(_)) => {
+                                return Ok(Response::new(v1::PushAck {
+                                    accepted: false,
+                                    message: e.to_string(),
+                                    ..Default::default()
+                                }));
+                            }
+                            Err(e) => return Err(e.into()),
+                        }
+                    }
                     if done.num_chunks != n_chunks
                         || done.total_bytes != received
                         || seen.iter().any(|s| !s)
