@@ -147,7 +147,7 @@ struct DatasetLine {
 }
 
 /// What was measured for one request.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default)]
 struct Sample {
     ok: bool,
     ttft_ms: f64,
@@ -155,7 +155,20 @@ struct Sample {
     e2e_ms: f64,
     output_tokens: usize,
     itl_ms: Vec<f64>,
+    /// The servers' own account of the request (`Timings` on its last message).
+    server: Option<v1::Timings>,
     error: Option<String>,
+}
+
+/// Where the time to first token went, as the router and workers measured it.
+#[derive(Clone, Debug, Serialize)]
+pub struct TtftBreakdown {
+    /// Routing, admission and the prefill queue.
+    pub queue_ms: Percentiles,
+    pub prefill_ms: Percentiles,
+    pub transfer_ms: Percentiles,
+    /// The router's TTFT (the client's TTFT less the client-side hops).
+    pub ttft_ms: Percentiles,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -178,6 +191,7 @@ pub struct RunReport {
     pub tpot_ms: Percentiles,
     pub itl_ms: Percentiles,
     pub e2e_ms: Percentiles,
+    pub server_ttft_ms: TtftBreakdown,
     pub slo_attainment: f64,
     pub goodput_rps: f64,
     pub first_error: Option<String>,
@@ -250,6 +264,13 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
             runs.push(runtime.block_on(drive(&args, cluster.router, &jobs, &name))?);
             drop(cluster);
         }
+    }
+    for r in &runs {
+        let b = &r.server_ttft_ms;
+        println!(
+            "{:<15} TTFT p50 as the servers saw it: queue {:.1} + prefill {:.1} + transfer {:.1} ms; router TTFT {:.1} ms",
+            r.design, b.queue_ms.p50, b.prefill_ms.p50, b.transfer_ms.p50, b.ttft_ms.p50
+        );
     }
     let engine_alone = if args.compare_engine {
         let (batch, context, steps) = (
@@ -497,6 +518,9 @@ async fn one_request(channel: tonic::transport::Channel, job: &Job) -> Sample {
         let mut stream = client.generate(req).await?.into_inner();
         while let Some(msg) = stream.next().await {
             let msg = msg?;
+            if msg.timings.is_some() {
+                s.server = msg.timings.clone();
+            }
             if msg.token_ids.is_empty() {
                 continue;
             }
@@ -562,6 +586,17 @@ fn summarize(design: &str, samples: &[Sample], duration: f64, args: &ServeBenchA
         tpot_ms: percentiles(ok.iter().map(|s| s.tpot_ms).collect()),
         itl_ms: percentiles(ok.iter().flat_map(|s| s.itl_ms.iter().copied()).collect()),
         e2e_ms: percentiles(ok.iter().map(|s| s.e2e_ms).collect()),
+        server_ttft_ms: {
+            let of = |f: fn(&v1::Timings) -> f64| {
+                percentiles(ok.iter().filter_map(|s| s.server.as_ref().map(f)).collect())
+            };
+            TtftBreakdown {
+                queue_ms: of(|t| t.queue_ms),
+                prefill_ms: of(|t| t.prefill_ms),
+                transfer_ms: of(|t| t.transfer_ms),
+                ttft_ms: of(|t| t.ttft_ms),
+            }
+        },
         slo_attainment: attained as f64 / samples.len().max(1) as f64,
         goodput_rps: attained as f64 / duration,
         first_error: samples.iter().find_map(|s| s.error.clone()),
