@@ -265,13 +265,6 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
             drop(cluster);
         }
     }
-    for r in &runs {
-        let b = &r.server_ttft_ms;
-        println!(
-            "{:<15} TTFT p50 as the servers saw it: queue {:.1} + prefill {:.1} + transfer {:.1} ms; router TTFT {:.1} ms",
-            r.design, b.queue_ms.p50, b.prefill_ms.p50, b.transfer_ms.p50, b.ttft_ms.p50
-        );
-    }
     let engine_alone = if args.compare_engine {
         let (batch, context, steps) = (
             args.concurrency,
@@ -295,6 +288,13 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         None
     };
     print_table(&runs, &args);
+    for r in &runs {
+        let b = &r.server_ttft_ms;
+        println!(
+            "{:<15} TTFT p50 as the servers saw it: queue {:.1} + prefill {:.1} + transfer {:.1} ms; router TTFT {:.1} ms",
+            r.design, b.queue_ms.p50, b.prefill_ms.p50, b.transfer_ms.p50, b.ttft_ms.p50
+        );
+    }
     if let Some(e) = &engine_alone {
         println!(
             "engine alone, batch {} from {}-token prompts over {} steps: {:.1} tok/s",
