@@ -313,7 +313,6 @@ impl Backend for CpuBackend {
     }
 }
 
-/// A raw pointer that may cross to the pool's threads; users split it into disjoint ranges.
 /// A step's batch on the CPU: the host metadata, and the rotary angles of its rows, computed by
 /// the first layer and reused by the others.
 pub struct CpuBatch<'a> {
@@ -376,6 +375,7 @@ impl CpuBackend {
     }
 }
 
+/// A raw pointer that may cross to the pool's threads; users split it into disjoint ranges.
 #[derive(Clone, Copy)]
 pub(crate) struct SendPtr(pub *mut f32);
 unsafe impl Send for SendPtr {}
