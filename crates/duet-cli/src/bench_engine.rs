@@ -77,6 +77,7 @@ struct Report {
     rows: Vec<Row>,
     batched_decode_speedup_max: f64,
     model_file_bytes: u64,
+    kv_dtype: String,
     kv_pool_bytes: u64,
     peak_rss_bytes: u64,
     rss_after_load_bytes: u64,
@@ -196,9 +197,7 @@ fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) 
             .fold(0.0, f64::max),
         _ => 0.0,
     };
-    let layout = engine
-        .model()
-        .kv_layout(options.block_size, engine.block_pool().num_blocks());
+    let layout = engine.kv_layout();
     let report = Report {
         model: path.display().to_string(),
         threads,
@@ -208,8 +207,8 @@ fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) 
         rows: rows.clone(),
         batched_decode_speedup_max: speedup,
         model_file_bytes: std::fs::metadata(path).map(|m| m.len()).unwrap_or(0),
-        kv_pool_bytes: (layout.num_blocks * layout.block_size * layout.values_per_token() * 4)
-            as u64,
+        kv_dtype: layout.dtype.name().into(),
+        kv_pool_bytes: layout.bytes() as u64,
         peak_rss_bytes: rss_bytes("VmHWM"),
         rss_after_load_bytes: rss_after_load,
         compute_ceiling: match options.device {
@@ -253,10 +252,11 @@ fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) 
     }
     let budget = 1.3 * report.model_file_bytes as f64 + report.kv_pool_bytes as f64;
     println!(
-        "memory: peak RSS {:.0} MiB; model file {:.0} MiB, KV pool {:.0} MiB → RSS / (1.3×file + KV) = {:.2}",
+        "memory: peak RSS {:.0} MiB; model file {:.0} MiB, KV pool {:.0} MiB ({}) → RSS / (1.3×file + KV) = {:.2}",
         mib(report.peak_rss_bytes),
         mib(report.model_file_bytes),
         mib(report.kv_pool_bytes),
+        report.kv_dtype,
         report.peak_rss_bytes as f64 / budget
     );
     let json = serde_json::to_string_pretty(&report)?;

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
+use duet_engine::backend::{Backend, KvDtype, KvDtypeChoice};
+use duet_engine::cpu::CpuBackend;
 use duet_engine::engine::EngineOptions;
 use duet_engine::model_files::open_model;
 use duet_engine::model_path::ModelArgs;
@@ -38,6 +40,7 @@ struct Measured {
 struct StandIn {
     fingerprint: String,
     geometry: (u32, u32, u32, u32), // block size, layers, kv heads, head dim
+    kv_dtype: KvDtype,
     last: Arc<Mutex<Measured>>,
 }
 
@@ -52,7 +55,7 @@ impl v1::prefill_worker_server::PrefillWorker for StandIn {
             .dest
             .ok_or_else(|| Status::invalid_argument("no destination"))?;
         let (bs, layers, heads, hd) = self.geometry;
-        let block_bytes = 2 * (bs * heads * hd) as usize * 4;
+        let block_bytes = 2 * (bs * heads * hd) as usize * self.kv_dtype.bytes();
         let first = dest.cached_blocks as usize;
         let total = dest.block_ids.len() - first;
         let per_chunk = ((1 << 20) / block_bytes).max(1);
@@ -65,8 +68,8 @@ impl v1::prefill_worker_server::PrefillWorker for StandIn {
                 num_layers: layers,
                 num_kv_heads: heads,
                 head_dim: hd,
-                dtype: "f32".into(),
-                layout: "duet-kv-v1".into(),
+                dtype: self.kv_dtype.name().into(),
+                layout: duet_proto::KV_WIRE_LAYOUT.into(),
                 first_block: first as u32,
                 total_blocks: total as u32,
                 total_bytes: (layers as usize * total * block_bytes) as u64,
@@ -133,7 +136,11 @@ impl v1::prefill_worker_server::PrefillWorker for StandIn {
 
 pub fn run(args: TransferBenchArgs) -> Result<()> {
     let path = args.model.resolve()?;
-    let config = open_model(&path)?.config;
+    let files = open_model(&path)?;
+    // The KV type the decode worker (default options, CPU) picks for this model.
+    let kv_dtype =
+        CpuBackend::new(1).kv_dtype(KvDtypeChoice::Auto, files.tensors.matrices_all_f32())?;
+    let config = files.config;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -171,6 +178,7 @@ pub fn run(args: TransferBenchArgs) -> Result<()> {
         let stand_in = StandIn {
             fingerprint,
             geometry: (16, config.num_layers as u32, config.num_kv_heads as u32, config.head_dim as u32),
+            kv_dtype,
             last: last.clone(),
         };
         let prefill_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

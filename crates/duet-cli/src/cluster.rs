@@ -56,6 +56,7 @@ impl Cluster {
                 format!("--max-step-tokens={}", e.max_step_tokens),
                 format!("--device={}", e.device),
                 format!("--gpu-memory-fraction={}", e.gpu_memory_fraction),
+                format!("--kv-dtype={}", e.kv_dtype),
                 format!("--kv-transport={}", spec.kv_transport),
             ]
         };

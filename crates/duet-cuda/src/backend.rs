@@ -15,7 +15,7 @@ use cudarc::driver::{
     PushKernelArg,
 };
 use duet_engine::EngineError;
-use duet_engine::backend::{AttentionShape, Backend, KvLayout};
+use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
 use duet_engine::batch::ForwardBatch;
 use duet_engine::quant::{QuantType, dequantize_row};
 use duet_engine::storage::WeightBytes;
@@ -382,8 +382,13 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
-    fn kv_dtype(&self) -> &'static str {
-        "bf16"
+    fn kv_dtype(&self, choice: KvDtypeChoice, _f32_weights: bool) -> Result<KvDtype, EngineError> {
+        match choice.fixed() {
+            None | Some(KvDtype::Bf16) => Ok(KvDtype::Bf16),
+            Some(other) => Err(EngineError::Config(format!(
+                "the CUDA KV cache stores bf16, not {other} (--kv-dtype)"
+            ))),
+        }
     }
 
     fn load_matrix(
@@ -445,6 +450,12 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_kv(&self, layout: KvLayout) -> Result<CudaKvStore, EngineError> {
+        if layout.dtype != KvDtype::Bf16 {
+            return Err(EngineError::Config(format!(
+                "the CUDA KV cache stores bf16, not {}",
+                layout.dtype
+            )));
+        }
         let elems = layout.num_blocks * layout.block_size * layout.values_per_token();
         let bytes = (elems * 2).max(2);
         let fail = |e: cudarc::driver::DriverError| {

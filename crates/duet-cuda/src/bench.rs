@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use duet_engine::EngineError;
-use duet_engine::backend::{AttentionShape, Backend, KvLayout};
+use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
 use duet_engine::batch::{ForwardBatch, LogitsWanted, SeqInput};
 use duet_engine::config::ModelConfig;
 use duet_engine::cpu::CpuBackend;
@@ -209,6 +209,7 @@ fn attention_check(
         head_dim,
         block_size,
         num_blocks,
+        dtype: KvDtype::Bf16,
     };
     let layer = 1;
     let mut noise = Uniform::new(heads as u64 * 1000 + head_dim as u64);
@@ -367,9 +368,11 @@ fn logits_check(backend_probe: &CudaBackend, path: &std::path::Path) -> Result<C
 fn last_logits<B: Backend>(model: Llama<B>, tokens: &[u32]) -> Result<Vec<f32>> {
     let block_size = 16;
     let num_blocks = tokens.len().div_ceil(block_size);
+    // The most precise KV type each backend keeps (f32 on a CPU, bf16 on a GPU).
+    let dtype = model.backend().kv_dtype(KvDtypeChoice::Auto, true)?;
     let mut kv = model
         .backend()
-        .alloc_kv(model.kv_layout(block_size, num_blocks))?;
+        .alloc_kv(model.kv_layout(block_size, num_blocks, dtype))?;
     let table: Vec<u32> = (0..num_blocks as u32).collect();
     let c = model.config();
     let batch = ForwardBatch::new(
@@ -476,7 +479,7 @@ fn llama3_8b_timings(ordinal: usize, copy: f64, matrix_rate: f64) -> Result<Vec<
     let block_size = 16;
     let (batch, context) = (64usize, 1024usize);
     let num_blocks = batch * (context + 64).div_ceil(block_size) + 256;
-    let mut kv = b.alloc_kv(model.kv_layout(block_size, num_blocks))?;
+    let mut kv = b.alloc_kv(model.kv_layout(block_size, num_blocks, KvDtype::Bf16))?;
     let kv_bytes_per_token = (c.num_layers * 2 * c.kv_dim() * 2) as f64;
     let matmul_params = c.matmul_params() as f64;
     // Per step every weight is read once (the embedding rows read are negligible).

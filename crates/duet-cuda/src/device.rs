@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use duet_engine::EngineError;
-use duet_engine::backend::Backend;
+use duet_engine::backend::{Backend, KvLayout};
 use duet_engine::config::ModelConfig;
 use duet_engine::cpu::CpuBackend;
 use duet_engine::device::Device;
@@ -62,6 +62,11 @@ impl LoadedEngine {
 
     pub fn options(&self) -> &EngineOptions {
         on_engine!(self, e => e.options())
+    }
+
+    /// Geometry and element type of the KV cache.
+    pub fn kv_layout(&self) -> KvLayout {
+        on_engine!(self, e => e.kv_layout())
     }
 
     /// The backend's name ("cpu", "cuda").

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{CudaContext, CudaStream};
-use duet_engine::backend::KvLayout;
+use duet_engine::backend::{KvDtype, KvLayout};
 
 use crate::CudaError;
 use crate::backend::CudaKvStore;
@@ -70,6 +70,7 @@ impl KvIpcExport {
                 head_dim: u32_at(88),
                 block_size: u32_at(92),
                 num_blocks: u32_at(96),
+                dtype: KvDtype::Bf16,
             },
         })
     }
@@ -182,6 +183,7 @@ mod tests {
                 head_dim: 64,
                 block_size: 16,
                 num_blocks: 4096,
+                dtype: KvDtype::Bf16,
             },
         };
         let bytes = export.encode();

@@ -10,8 +10,71 @@ use crate::batch::ForwardBatch;
 use crate::quant::QuantType;
 use crate::storage::WeightBytes;
 
+/// Element type of a KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl KvDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The KV element type asked for on the command line; `auto` lets the backend choose from the
+/// weights (see [`Backend::kv_dtype`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvDtypeChoice {
+    #[default]
+    Auto,
+    F32,
+    F16,
+    Bf16,
+}
+
+impl KvDtypeChoice {
+    /// The fixed type asked for, `None` for `auto`.
+    pub fn fixed(self) -> Option<KvDtype> {
+        match self {
+            KvDtypeChoice::Auto => None,
+            KvDtypeChoice::F32 => Some(KvDtype::F32),
+            KvDtypeChoice::F16 => Some(KvDtype::F16),
+            KvDtypeChoice::Bf16 => Some(KvDtype::Bf16),
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtypeChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.fixed() {
+            Some(d) => f.write_str(d.name()),
+            None => f.write_str("auto"),
+        }
+    }
+}
+
 /// Geometry of the paged KV store: `num_blocks` blocks of `block_size` token slots, for every
-/// layer, K and V, `num_kv_heads × head_dim` values per slot.
+/// layer, K and V, `num_kv_heads × head_dim` values of `dtype` per slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvLayout {
     pub num_layers: usize,
@@ -19,12 +82,18 @@ pub struct KvLayout {
     pub head_dim: usize,
     pub block_size: usize,
     pub num_blocks: usize,
+    pub dtype: KvDtype,
 }
 
 impl KvLayout {
     /// Values (K and V, all layers) stored per token slot.
     pub fn values_per_token(&self) -> usize {
         2 * self.num_layers * self.num_kv_heads * self.head_dim
+    }
+
+    /// Bytes of the whole store.
+    pub fn bytes(&self) -> usize {
+        self.num_blocks * self.block_size * self.values_per_token() * self.dtype.bytes()
     }
 }
 
@@ -50,9 +119,10 @@ pub trait Backend: Send + Sync {
     type Batch<'a>;
 
     fn name(&self) -> &'static str;
-    /// Element type of the KV store (part of the model fingerprint: KV only moves between equal
-    /// types).
-    fn kv_dtype(&self) -> &'static str;
+    /// The KV element type for `choice`, given whether every weight matrix is stored in f32
+    /// (part of the model fingerprint: KV only moves between equal types). An error when this
+    /// backend cannot store the type asked for.
+    fn kv_dtype(&self, choice: KvDtypeChoice, f32_weights: bool) -> Result<KvDtype, EngineError>;
 
     fn load_matrix(
         &self,

@@ -9,7 +9,7 @@ use std::path::Path;
 use duet_kv::{BlockHash, BlockPool, BlockTable, block_hashes, hash_seed, next_block_hash};
 
 use crate::EngineError;
-use crate::backend::Backend;
+use crate::backend::{Backend, KvDtype, KvDtypeChoice, KvLayout};
 use crate::batch::{ForwardBatch, LogitsWanted, SeqInput};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::config::ModelConfig;
@@ -45,6 +45,12 @@ pub struct EngineOptions {
     #[arg(long, env = "DUET_GPU_MEMORY_FRACTION", default_value_t = 0.9,
           value_parser = parse_fraction)]
     pub gpu_memory_fraction: f64,
+    /// Element type of the KV cache: auto, f32, f16 or bf16. `auto` is f16 on a CPU for
+    /// quantized or 16-bit weights (half the cache memory, attention reads and KV transfer
+    /// bytes; greedy outputs of the default model unchanged) and f32 for f32 weights; bf16 on a
+    /// GPU. Workers exchanging KV must use the same type.
+    #[arg(long, env = "DUET_KV_DTYPE", value_enum, default_value_t = KvDtypeChoice::Auto)]
+    pub kv_dtype: KvDtypeChoice,
 }
 
 fn parse_fraction(s: &str) -> Result<f64, String> {
@@ -63,6 +69,7 @@ impl Default for EngineOptions {
             max_step_tokens: 128,
             device: Device::Cpu,
             gpu_memory_fraction: 0.9,
+            kv_dtype: KvDtypeChoice::Auto,
         }
     }
 }
@@ -106,6 +113,7 @@ pub struct StepOutput {
 pub struct Engine<B: Backend = CpuBackend> {
     model: Llama<B>,
     kv: B::KvStore,
+    kv_layout: KvLayout,
     blocks: BlockPool,
     tokenizer: Tokenizer,
     chat: Option<ChatTemplate>,
@@ -161,8 +169,13 @@ impl<B: Backend> Engine<B> {
             )));
         }
         let model = Llama::load(backend, &files)?;
-        let values_per_block =
-            model.kv_layout(options.block_size, 1).values_per_token() * options.block_size;
+        let kv_dtype = model
+            .backend()
+            .kv_dtype(options.kv_dtype, files.tensors.matrices_all_f32())?;
+        let values_per_block = model
+            .kv_layout(options.block_size, 1, kv_dtype)
+            .values_per_token()
+            * options.block_size;
         let num_blocks = model
             .backend()
             .kv_capacity_blocks(values_per_block)
@@ -174,13 +187,12 @@ impl<B: Backend> Engine<B> {
                 model.backend().name()
             )));
         }
-        let kv = model
-            .backend()
-            .alloc_kv(model.kv_layout(options.block_size, num_blocks))?;
+        let kv_layout = model.kv_layout(options.block_size, num_blocks, kv_dtype);
+        let kv = model.backend().alloc_kv(kv_layout)?;
         let fingerprint = model_fingerprint(
             &files.config,
             &files.weights_digest,
-            model.backend().kv_dtype(),
+            kv_dtype,
             options.block_size,
         );
         Ok(Self {
@@ -188,6 +200,7 @@ impl<B: Backend> Engine<B> {
             fingerprint,
             model,
             kv,
+            kv_layout,
             blocks: BlockPool::new(num_blocks, options.block_size),
             tokenizer: files.tokenizer,
             chat: files.chat_template,
@@ -226,6 +239,11 @@ impl<B: Backend> Engine<B> {
 
     pub fn block_pool(&self) -> &BlockPool {
         &self.blocks
+    }
+
+    /// Geometry and element type of the KV cache.
+    pub fn kv_layout(&self) -> KvLayout {
+        self.kv_layout
     }
 
     /// Forgets every cached prefix block (blocks held by sequences are untouched).
@@ -812,7 +830,7 @@ fn register_full_blocks(
 fn model_fingerprint(
     c: &ModelConfig,
     digest: &[u8; 32],
-    kv_dtype: &str,
+    kv_dtype: KvDtype,
     block_size: usize,
 ) -> String {
     let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();

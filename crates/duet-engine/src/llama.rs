@@ -5,7 +5,7 @@
 //! projection only for the rows whose logits are wanted.
 
 use crate::EngineError;
-use crate::backend::{AttentionShape, Backend, KvLayout};
+use crate::backend::{AttentionShape, Backend, KvDtype, KvLayout};
 use crate::batch::ForwardBatch;
 use crate::config::ModelConfig;
 use crate::model_files::{ModelFiles, RawTensor};
@@ -167,14 +167,15 @@ impl<B: Backend> Llama<B> {
         &self.backend
     }
 
-    /// The KV layout this model needs for `num_blocks` blocks of `block_size` tokens.
-    pub fn kv_layout(&self, block_size: usize, num_blocks: usize) -> KvLayout {
+    /// The KV layout this model needs for `num_blocks` blocks of `block_size` tokens of `dtype`.
+    pub fn kv_layout(&self, block_size: usize, num_blocks: usize, dtype: KvDtype) -> KvLayout {
         KvLayout {
             num_layers: self.config.num_layers,
             num_kv_heads: self.config.num_kv_heads,
             head_dim: self.config.head_dim,
             block_size,
             num_blocks,
+            dtype,
         }
     }
 

@@ -121,6 +121,14 @@ impl TensorStore {
         self.entries.is_empty()
     }
 
+    /// Whether every matrix (a tensor of more than one row) is stored in f32.
+    pub fn matrices_all_f32(&self) -> bool {
+        self.entries
+            .values()
+            .filter(|e| e.tensor.rows > 1)
+            .all(|e| e.tensor.ty == QuantType::F32)
+    }
+
     /// The file that holds tensor `name`.
     pub fn file_of(&self, name: &str) -> Option<&Path> {
         self.entries.get(name).map(|e| e.file.as_path())

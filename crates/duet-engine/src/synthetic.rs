@@ -95,8 +95,11 @@ mod tests {
 
     fn logits(seed: u64) -> Vec<f32> {
         let model = Llama::synthetic(CpuBackend::new(1), tiny(), seed).unwrap();
-        let mut kv =
-            crate::backend::Backend::alloc_kv(model.backend(), model.kv_layout(4, 4)).unwrap();
+        let mut kv = crate::backend::Backend::alloc_kv(
+            model.backend(),
+            model.kv_layout(4, 4, crate::backend::KvDtype::F32),
+        )
+        .unwrap();
         let tokens = [1u32, 7, 42, 99, 3];
         let batch = ForwardBatch::new(
             &[SeqInput {

@@ -22,6 +22,10 @@ pub mod v1 {
     tonic::include_proto!("duet.v1");
 }
 
+/// `KvHeader.layout` of a KV push: per (layer, block), K then V, each
+/// `[kv_head][slot][head_dim]`, little-endian values of `KvHeader.dtype`.
+pub const KV_WIRE_LAYOUT: &str = "duet-kv-v1";
+
 use tonic_reflection::server::v1::{ServerReflection, ServerReflectionServer};
 use tonic_reflection::server::v1alpha::{
     ServerReflection as ServerReflectionV1Alpha,

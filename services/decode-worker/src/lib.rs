@@ -32,7 +32,6 @@ pub async fn serve(
     let engine = tokio::task::spawn_blocking(move || LoadedEngine::load(&path, options))
         .await?
         .context("loading the model")?;
-    let cfg = engine.config().clone();
     let state = Arc::new(service::WorkerState::new(
         config
             .worker_id
@@ -40,12 +39,7 @@ pub async fn serve(
             .unwrap_or_else(|| format!("decode-{}", addr.port())),
         config.advertise.clone().unwrap_or_else(|| addr.to_string()),
         engine.fingerprint().to_string(),
-        (
-            config.engine.block_size,
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        ),
+        engine.kv_layout(),
         scheduler::SchedulerHandle::spawn(
             engine,
             Duration::from_millis(config.reservation_timeout_ms),

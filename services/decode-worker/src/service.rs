@@ -6,10 +6,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use duet_engine::backend::KvLayout;
 use duet_engine::engine::Resumed;
 use duet_engine::generation::StopCriteria;
 use duet_engine::sampling::{Logprobs, Sampled, SamplingParams};
-use duet_proto::v1;
+use duet_proto::{KV_WIRE_LAYOUT, v1};
 use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
@@ -22,10 +23,9 @@ pub struct WorkerState {
     pub worker_id: String,
     pub advertise: String,
     pub fingerprint: String,
-    pub block_size: usize,
-    pub num_layers: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
+    /// The KV cache's geometry and element type (pushes must match it; `num_blocks` is this
+    /// worker's own capacity).
+    pub kv: KvLayout,
     pub scheduler: SchedulerHandle,
     pub prefill_timeout: Duration,
     pub incarnation: u64,
@@ -42,11 +42,10 @@ impl WorkerState {
         worker_id: String,
         advertise: String,
         fingerprint: String,
-        geometry: (usize, usize, usize, usize),
+        kv: KvLayout,
         scheduler: SchedulerHandle,
         prefill_timeout: Duration,
     ) -> Self {
-        let (block_size, num_layers, num_kv_heads, head_dim) = geometry;
         let incarnation = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -55,10 +54,7 @@ impl WorkerState {
             worker_id,
             advertise,
             fingerprint,
-            block_size,
-            num_layers,
-            num_kv_heads,
-            head_dim,
+            kv,
             scheduler,
             prefill_timeout,
             incarnation,
@@ -305,7 +301,7 @@ async fn prefill_remotely(
         }
     };
     let queue_ms = started.elapsed().as_secs_f64() * 1e3;
-    let cached_here = (reservation.cached_blocks * state.block_size) as u32;
+    let cached_here = (reservation.cached_blocks * state.kv.block_size) as u32;
     let mut retries = 0;
     for target in &plan.prefill_workers {
         let mut timeout = state.prefill_timeout;
@@ -326,7 +322,7 @@ async fn prefill_remotely(
                 cached_blocks: reservation.cached_blocks as u32,
                 transport: v1::TransportKind::Grpc as i32,
                 transport_params: Vec::new(),
-                block_size: state.block_size as u32,
+                block_size: state.kv.block_size as u32,
                 decode_worker_id: state.worker_id.clone(),
             }),
             model_fingerprint: state.fingerprint.clone(),
@@ -444,28 +440,24 @@ impl v1::kv_transfer_server::KvTransfer for TransferService {
             header.num_kv_heads as usize,
             header.head_dim as usize,
         );
-        if geometry
-            != (
-                state.block_size,
-                state.num_layers,
-                state.num_kv_heads,
-                state.head_dim,
-            )
-            || header.dtype != "f32"
-            || header.layout != "duet-kv-v1"
+        let kv = &state.kv;
+        if geometry != (kv.block_size, kv.num_layers, kv.num_kv_heads, kv.head_dim)
+            || header.dtype != kv.dtype.name()
+            || header.layout != KV_WIRE_LAYOUT
         {
             return Err(Status::failed_precondition(format!(
-                "KV geometry mismatch: sender (block {}, layers {}, kv heads {}, head dim {}, {} {}), receiver (block {}, layers {}, kv heads {}, head dim {}, f32 duet-kv-v1)",
+                "KV geometry mismatch: sender (block {}, layers {}, kv heads {}, head dim {}, {} {}), receiver (block {}, layers {}, kv heads {}, head dim {}, {} {KV_WIRE_LAYOUT})",
                 header.block_size,
                 header.num_layers,
                 header.num_kv_heads,
                 header.head_dim,
                 header.dtype,
                 header.layout,
-                state.block_size,
-                state.num_layers,
-                state.num_kv_heads,
-                state.head_dim
+                kv.block_size,
+                kv.num_layers,
+                kv.num_kv_heads,
+                kv.head_dim,
+                kv.dtype
             )));
         }
         let job = header.reservation_id;
@@ -488,7 +480,7 @@ impl v1::kv_transfer_server::KvTransfer for TransferService {
             )));
         }
         // Every (layer, block) of the range exactly once.
-        let mut seen = vec![false; state.num_layers * total];
+        let mut seen = vec![false; state.kv.num_layers * total];
         let (mut received, mut n_chunks) = (0u64, 0u64);
         let mut writes = Vec::new();
         while let Some(chunk) = chunks.next().await {
@@ -505,7 +497,7 @@ impl v1::kv_transfer_server::KvTransfer for TransferService {
                         d.block_start as usize,
                         d.block_end as usize,
                     );
-                    if layer >= state.num_layers
+                    if layer >= state.kv.num_layers
                         || start < first
                         || end > first + total
                         || start >= end
@@ -600,7 +592,7 @@ impl v1::worker_control_server::WorkerControl for ControlService {
             kv_blocks_used: stats.pool.in_use as u32,
             kv_blocks_cached: stats.pool.cached as u32,
             kv_blocks_free: stats.pool.free as u32,
-            block_size: s.block_size as u32,
+            block_size: s.kv.block_size as u32,
             running_sequences: stats.running as u32,
             waiting_requests: stats.waiting as u32,
             queued_prefill_tokens: 0,

@@ -174,7 +174,7 @@ async fn pushes_that_do_not_fit_are_refused() {
             num_kv_heads: 2,
             head_dim: 16,
             dtype: "f32".into(),
-            layout: "duet-kv-v1".into(),
+            layout: duet_proto::KV_WIRE_LAYOUT.into(),
             ..Default::default()
         })),
     };

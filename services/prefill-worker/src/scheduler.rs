@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use duet_cuda::{LoadedEngine, WithEngine};
-use duet_engine::backend::Backend;
+use duet_engine::backend::{Backend, KvDtype};
 use duet_engine::engine::{Engine, EngineOptions, LayerDone, PlannedSeq, SeqId};
 use duet_engine::generation::StopCriteria;
 use duet_engine::sampling::{Sampled, SamplingParams};
@@ -52,6 +52,8 @@ pub struct EngineInfo {
     pub num_blocks: usize,
     /// Bytes of one (layer, block) of KV in transfer layout.
     pub kv_block_bytes: usize,
+    /// Element type of the KV values pushed.
+    pub kv_dtype: KvDtype,
 }
 
 /// A prompt to prefill, as the engine thread receives it.
@@ -212,6 +214,7 @@ fn engine_info<B: Backend>(engine: &Engine<B>) -> EngineInfo {
         context_length: c.max_position_embeddings,
         num_blocks: engine.block_pool().num_blocks(),
         kv_block_bytes: engine.kv_block_bytes(),
+        kv_dtype: engine.kv_layout().dtype,
     }
 }
 

@@ -192,8 +192,8 @@ impl Inner {
             num_layers: s.info.num_layers as u32,
             num_kv_heads: s.info.num_kv_heads as u32,
             head_dim: s.info.head_dim as u32,
-            dtype: "f32".into(),
-            layout: "duet-kv-v1".into(),
+            dtype: s.info.kv_dtype.name().into(),
+            layout: duet_proto::KV_WIRE_LAYOUT.into(),
             first_block: first_block as u32,
             total_blocks: total_blocks as u32,
             total_bytes: (s.info.num_layers * total_blocks * s.info.kv_block_bytes) as u64,
@@ -398,6 +398,7 @@ mod tests {
             context_length: 64,
             num_blocks: 8,
             kv_block_bytes: 2 * 2 * 4 * 8 * 4,
+            kv_dtype: duet_engine::backend::KvDtype::F32,
         }
     }
 

@@ -301,7 +301,7 @@ fn check_push(p: &Pushed, r: &Reference, tokens: usize) {
     assert_eq!(h.num_kv_heads, 2);
     assert_eq!(h.head_dim, 16);
     assert_eq!(h.dtype, "f32");
-    assert_eq!(h.layout, "duet-kv-v1");
+    assert_eq!(h.layout, duet_proto::KV_WIRE_LAYOUT);
     assert_eq!(h.first_block, CACHED_BLOCKS);
     assert_eq!(h.total_blocks, blocks - CACHED_BLOCKS);
     assert_eq!(h.num_tokens as usize, tokens);

@@ -2,10 +2,14 @@
 //!
 //! Layout: `[layer][block][K|V][kv_head][slot][head_dim]`, so one layer's blocks are contiguous
 //! (a transfer can ship a layer as soon as it is computed) and one head's keys in a block are
-//! contiguous (attention streams through them).
+//! contiguous (attention streams through them). Values are f32 or f16 ([`KvElement`]); the
+//! kernels widen them to f32 as they read.
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use crate::EngineError;
-use crate::backend::{AttentionShape, KvLayout};
+use crate::backend::{AttentionShape, KvDtype, KvLayout};
 use crate::batch::ForwardBatch;
 use crate::threadpool::ThreadPool;
 
@@ -14,7 +18,102 @@ use super::{CpuTensor, SendPtr};
 
 pub struct CpuKvStore {
     layout: KvLayout,
-    data: Vec<f32>,
+    data: KvData,
+}
+
+/// The cache's values, in the element type of its layout.
+enum KvData {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+/// An element type the CPU cache stores: values are rounded to it when written and widened to
+/// f32 when read.
+pub(super) trait KvElement: Copy + Send + Sync + 'static {
+    /// The element is an IEEE half (the AVX-512 kernels widen it with `vcvtph2ps`).
+    const IS_F16: bool;
+    fn to_f32(self) -> f32;
+    /// `dst[i] = src[i]`, rounded to nearest even.
+    fn store(dst: &mut [Self], src: &[f32]);
+    fn write_le(src: &[Self], out: &mut [u8]);
+    fn read_le(dst: &mut [Self], data: &[u8]);
+}
+
+impl KvElement for f32 {
+    const IS_F16: bool = false;
+
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    fn store(dst: &mut [f32], src: &[f32]) {
+        dst.copy_from_slice(src);
+    }
+
+    fn write_le(src: &[f32], out: &mut [u8]) {
+        for (o, v) in out.chunks_exact_mut(4).zip(src) {
+            o.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    fn read_le(dst: &mut [f32], data: &[u8]) {
+        for (v, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
+            *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+    }
+}
+
+impl KvElement for f16 {
+    const IS_F16: bool = true;
+
+    /// Branch-free so that the portable kernels vectorise: the magnitude bits shifted into f32
+    /// position and scaled by 2^112 rebias the exponent (subnormals included); infinities and
+    /// NaNs get the f32 all-ones exponent.
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        let h = self.to_bits() as u32;
+        let mag = (h & 0x7fff) << 13;
+        let scaled = (f32::from_bits(mag) * f32::from_bits(0x7780_0000)).to_bits();
+        let bits = if h & 0x7c00 == 0x7c00 {
+            mag | 0x7f80_0000
+        } else {
+            scaled
+        };
+        f32::from_bits(bits | ((h & 0x8000) << 16))
+    }
+
+    fn store(dst: &mut [f16], src: &[f32]) {
+        dst.convert_from_f32_slice(src);
+    }
+
+    fn write_le(src: &[f16], out: &mut [u8]) {
+        for (o, v) in out.chunks_exact_mut(2).zip(src) {
+            o.copy_from_slice(&v.to_bits().to_le_bytes());
+        }
+    }
+
+    fn read_le(dst: &mut [f16], data: &[u8]) {
+        for (v, b) in dst.iter_mut().zip(data.chunks_exact(2)) {
+            *v = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+        }
+    }
+}
+
+/// `len` zeroed values straight from the allocator (calloc/mmap): memory becomes resident only
+/// as blocks are first written, so an idle pool costs nothing. `None` if the allocation fails.
+fn zeroed_vec<T: KvElement>(len: usize) -> Option<Vec<T>> {
+    if len == 0 {
+        return Some(Vec::new());
+    }
+    let bytes = std::alloc::Layout::array::<T>(len).ok()?;
+    // SAFETY: the layout is non-zero-sized; a non-null result is `len` zeroed values (all-zero
+    // bits are 0.0 for both element types) allocated by the global allocator with exactly the
+    // layout a Vec<T> uses.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(bytes) as *mut T;
+        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, len, len))
+    }
 }
 
 impl CpuKvStore {
@@ -24,29 +123,22 @@ impl CpuKvStore {
             .checked_mul(layout.block_size)
             .and_then(|n| n.checked_mul(layout.values_per_token()))
             .ok_or_else(|| EngineError::Config("KV cache size overflows".into()))?;
-        // Zeroed pages straight from the allocator (calloc/mmap): memory becomes resident only
-        // as blocks are first written, so an idle pool costs nothing.
-        let alloc_error = || {
-            EngineError::Config(format!(
-                "cannot allocate a KV cache of {} MiB ({} blocks)",
-                (len * 4) >> 20,
-                layout.num_blocks
-            ))
-        };
-        let data = if len == 0 {
-            Vec::new()
-        } else {
-            let bytes = std::alloc::Layout::array::<f32>(len).map_err(|_| alloc_error())?;
-            // SAFETY: the layout is non-zero-sized; a non-null result is `len` zeroed f32s
-            // allocated by the global allocator with exactly the layout a Vec<f32> uses.
-            unsafe {
-                let ptr = std::alloc::alloc_zeroed(bytes) as *mut f32;
-                if ptr.is_null() {
-                    return Err(alloc_error());
-                }
-                Vec::from_raw_parts(ptr, len, len)
+        let data = match layout.dtype {
+            KvDtype::F32 => zeroed_vec(len).map(KvData::F32),
+            KvDtype::F16 => zeroed_vec(len).map(KvData::F16),
+            KvDtype::Bf16 => {
+                return Err(EngineError::Config(
+                    "the CPU KV cache stores f32 or f16, not bf16".into(),
+                ));
             }
         };
+        let data = data.ok_or_else(|| {
+            EngineError::Config(format!(
+                "cannot allocate a KV cache of {} MiB ({} blocks)",
+                layout.bytes() >> 20,
+                layout.num_blocks
+            ))
+        })?;
         Ok(Self { layout, data })
     }
 
@@ -54,51 +146,84 @@ impl CpuKvStore {
         self.layout
     }
 
-    /// Values of one (layer, block) pair: K then V, each `[kv_head][slot][head_dim]`.
-    fn block_len(&self) -> usize {
-        2 * self.layout.num_kv_heads * self.layout.block_size * self.layout.head_dim
+    /// Bytes of one (layer, block) pair as stored and transferred.
+    pub fn layer_block_bytes(&self) -> usize {
+        block_len(&self.layout) * self.layout.dtype.bytes()
     }
 
-    fn block_offset(&self, layer: usize, block: usize) -> usize {
-        (layer * self.layout.num_blocks + block) * self.block_len()
+    /// The KV of one layer of one block, little-endian, as stored: K then V, each
+    /// `[kv_head][slot][head_dim]`.
+    pub fn read_layer_block(&self, layer: usize, block: usize, out: &mut [u8]) {
+        let range = layer_block_range(&self.layout, layer, block);
+        match &self.data {
+            KvData::F32(d) => f32::write_le(&d[range], out),
+            KvData::F16(d) => f16::write_le(&d[range], out),
+        }
     }
 
-    /// K (`kv = 0`) or V (`kv = 1`) of one head in one block: `[slot][head_dim]`.
-    fn head_block(&self, layer: usize, block: usize, kv: usize, head: usize) -> &[f32] {
-        let l = self.layout;
-        let start = self.block_offset(layer, block)
-            + (kv * l.num_kv_heads + head) * l.block_size * l.head_dim;
-        &self.data[start..start + l.block_size * l.head_dim]
-    }
-
-    /// The KV of one layer of one block, as stored (for transfer).
-    pub fn layer_block(&self, layer: usize, block: usize) -> &[f32] {
-        let start = self.block_offset(layer, block);
-        &self.data[start..start + self.block_len()]
-    }
-
-    pub fn layer_block_mut(&mut self, layer: usize, block: usize) -> &mut [f32] {
-        let start = self.block_offset(layer, block);
-        let len = self.block_len();
-        &mut self.data[start..start + len]
+    pub fn write_layer_block(&mut self, layer: usize, block: usize, data: &[u8]) {
+        let range = layer_block_range(&self.layout, layer, block);
+        match &mut self.data {
+            KvData::F32(d) => f32::read_le(&mut d[range], data),
+            KvData::F16(d) => f16::read_le(&mut d[range], data),
+        }
     }
 
     /// Writes rows of K and V (`[row][kv_head * head_dim]`) into their slots.
     pub fn write(&mut self, layer: usize, k: &[f32], v: &[f32], slots: &[u32]) {
-        let l = self.layout;
-        let width = l.num_kv_heads * l.head_dim;
-        for (row, &slot) in slots.iter().enumerate() {
-            let (block, offset) = (slot as usize / l.block_size, slot as usize % l.block_size);
-            let base = self.block_offset(layer, block);
-            for (kv, src) in [(0, k), (1, v)] {
-                for h in 0..l.num_kv_heads {
-                    let dst =
-                        base + ((kv * l.num_kv_heads + h) * l.block_size + offset) * l.head_dim;
-                    let s = row * width + h * l.head_dim;
-                    self.data[dst..dst + l.head_dim].copy_from_slice(&src[s..s + l.head_dim]);
-                }
+        match &mut self.data {
+            KvData::F32(d) => write_rows(&self.layout, d, layer, k, v, slots),
+            KvData::F16(d) => write_rows(&self.layout, d, layer, k, v, slots),
+        }
+    }
+}
+
+fn write_rows<E: KvElement>(
+    l: &KvLayout,
+    data: &mut [E],
+    layer: usize,
+    k: &[f32],
+    v: &[f32],
+    slots: &[u32],
+) {
+    let width = l.num_kv_heads * l.head_dim;
+    for (row, &slot) in slots.iter().enumerate() {
+        let (block, offset) = (slot as usize / l.block_size, slot as usize % l.block_size);
+        let base = layer_block_range(l, layer, block).start;
+        for (kv, src) in [(0, k), (1, v)] {
+            for h in 0..l.num_kv_heads {
+                let dst = base + ((kv * l.num_kv_heads + h) * l.block_size + offset) * l.head_dim;
+                let s = row * width + h * l.head_dim;
+                E::store(&mut data[dst..dst + l.head_dim], &src[s..s + l.head_dim]);
             }
         }
+    }
+}
+
+/// Values of one (layer, block) pair: K then V, each `[kv_head][slot][head_dim]`.
+fn block_len(l: &KvLayout) -> usize {
+    2 * l.num_kv_heads * l.block_size * l.head_dim
+}
+
+fn layer_block_range(l: &KvLayout, layer: usize, block: usize) -> std::ops::Range<usize> {
+    let start = (layer * l.num_blocks + block) * block_len(l);
+    start..start + block_len(l)
+}
+
+/// The cache's values seen as one element type.
+#[derive(Clone, Copy)]
+struct KvView<'a, E> {
+    layout: KvLayout,
+    data: &'a [E],
+}
+
+impl<'a, E> KvView<'a, E> {
+    /// K (`kv = 0`) or V (`kv = 1`) of one head in one block: `[slot][head_dim]`.
+    fn head_block(&self, layer: usize, block: usize, kv: usize, head: usize) -> &'a [E] {
+        let l = self.layout;
+        let start = layer_block_range(&l, layer, block).start
+            + (kv * l.num_kv_heads + head) * l.block_size * l.head_dim;
+        &self.data[start..start + l.block_size * l.head_dim]
     }
 }
 
@@ -114,6 +239,26 @@ pub(super) fn paged_attention(
     batch: &ForwardBatch,
     out: &mut CpuTensor,
 ) {
+    let layout = kv.layout;
+    match &kv.data {
+        KvData::F32(data) => {
+            attention_over(pool, q, KvView { layout, data }, layer, shape, batch, out)
+        }
+        KvData::F16(data) => {
+            attention_over(pool, q, KvView { layout, data }, layer, shape, batch, out)
+        }
+    }
+}
+
+fn attention_over<E: KvElement>(
+    pool: &ThreadPool,
+    q: &CpuTensor,
+    kv: KvView<'_, E>,
+    layer: usize,
+    shape: AttentionShape,
+    batch: &ForwardBatch,
+    out: &mut CpuTensor,
+) {
     let group = shape.num_heads / shape.num_kv_heads;
     let units = q.rows * shape.num_kv_heads;
     let out_cols = out.cols;
@@ -124,7 +269,7 @@ pub(super) fn paged_attention(
         .map(|s| s.context_len())
         .max()
         .unwrap_or(0);
-    let kernel = unit_kernel(shape.head_dim);
+    let kernel = unit_kernel::<E>(shape.head_dim);
     pool.run(|tid, n| {
         let mut scores = vec![0f32; group * max_ctx];
         let mut inv_sums = vec![0f32; group];
@@ -155,8 +300,8 @@ pub(super) fn paged_attention(
 }
 
 /// One (row, KV head) attention problem.
-struct Unit<'a> {
-    kv: &'a CpuKvStore,
+struct Unit<'a, E> {
+    kv: KvView<'a, E>,
     layer: usize,
     kvh: usize,
     block_table: &'a [u32],
@@ -168,7 +313,7 @@ struct Unit<'a> {
     head_dim: usize,
 }
 
-impl Unit<'_> {
+impl<E> Unit<'_, E> {
     /// `(first position, block id)` of every cache block holding attended positions.
     fn blocks(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         let bs = self.kv.layout.block_size;
@@ -180,18 +325,20 @@ impl Unit<'_> {
     }
 }
 
-type UnitKernel = fn(&Unit<'_>, &mut [f32], &mut [f32], &mut [f32]);
+type UnitKernel<E> = fn(&Unit<'_, E>, &mut [f32], &mut [f32], &mut [f32]);
 
 /// The attention kernel for this CPU and head size, chosen per call from features detected once:
 /// AVX-512 for head sizes that are a multiple of 16, otherwise the portable code, compiled a
 /// second time with AVX2 and FMA enabled so its fixed-width loops become vector instructions.
-fn unit_kernel(head_dim: usize) -> UnitKernel {
+fn unit_kernel<E: KvElement>(head_dim: usize) -> UnitKernel<E> {
     #[cfg(target_arch = "x86_64")]
     {
         static FEATURES: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
         let (avx512, avx2) = *FEATURES.get_or_init(|| {
             (
-                is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma"),
+                is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c"),
                 is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
             )
         });
@@ -203,21 +350,36 @@ fn unit_kernel(head_dim: usize) -> UnitKernel {
         }
     }
     let _ = head_dim;
-    attend_portable
+    attend_portable::<E>
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2(u: &Unit<'_>, scores: &mut [f32], inv_sums: &mut [f32], out: &mut [f32]) {
+unsafe fn attend_avx2<E: KvElement>(
+    u: &Unit<'_, E>,
+    scores: &mut [f32],
+    inv_sums: &mut [f32],
+    out: &mut [f32],
+) {
     attend(u, scores, inv_sums, out)
 }
 
-fn attend_portable(u: &Unit<'_>, scores: &mut [f32], inv_sums: &mut [f32], out: &mut [f32]) {
+fn attend_portable<E: KvElement>(
+    u: &Unit<'_, E>,
+    scores: &mut [f32],
+    inv_sums: &mut [f32],
+    out: &mut [f32],
+) {
     attend(u, scores, inv_sums, out)
 }
 
 #[inline(always)]
-fn attend(u: &Unit<'_>, scores: &mut [f32], inv_sums: &mut [f32], out: &mut [f32]) {
+fn attend<E: KvElement>(
+    u: &Unit<'_, E>,
+    scores: &mut [f32],
+    inv_sums: &mut [f32],
+    out: &mut [f32],
+) {
     let (hd, ctx, g) = (u.head_dim, u.ctx, u.group);
     let bs = u.kv.layout.block_size;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -256,12 +418,26 @@ fn attend(u: &Unit<'_>, scores: &mut [f32], inv_sums: &mut [f32], out: &mut [f32
 /// query head's output chunk (up to 64 values) in registers, in two chains over alternate keys.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{Unit, exp_sub_in_place};
+    use super::{KvElement, Unit, exp_sub_in_place};
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx512f,fma")]
-    pub(super) unsafe fn attend(
-        u: &Unit<'_>,
+    /// 16 values of the cache from `p`, widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    unsafe fn load16<E: KvElement>(p: *const E) -> __m512 {
+        // SAFETY: the caller guarantees 16 values at `p`.
+        unsafe {
+            if E::IS_F16 {
+                _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+            } else {
+                _mm512_loadu_ps(p as *const f32)
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,fma,f16c")]
+    pub(super) unsafe fn attend<E: KvElement>(
+        u: &Unit<'_, E>,
         scores: &mut [f32],
         inv_sums: &mut [f32],
         out: &mut [f32],
@@ -281,7 +457,7 @@ mod avx512 {
                 .peek()
                 .map(|&(_, next)| u.kv.head_block(u.layer, next, 0, u.kvh));
             for s in 0..bs.min(ctx - first) {
-                for line in (s * hd..(s + 1) * hd).step_by(16) {
+                for line in (s * hd..(s + 1) * hd).step_by(64 / size_of::<E>()) {
                     prefetch(&values[line]);
                     if let Some(next_keys) = next_keys {
                         prefetch(&next_keys[line]);
@@ -306,10 +482,10 @@ mod avx512 {
                 // SAFETY: `d0 + width * 16 <= hd` for the width chosen.
                 unsafe {
                     match (hd - d0) / 16 {
-                        1 => weighted_sum::<1>(u, weights, d0, inv_sums[h], o),
-                        2 => weighted_sum::<2>(u, weights, d0, inv_sums[h], o),
-                        3 => weighted_sum::<3>(u, weights, d0, inv_sums[h], o),
-                        _ => weighted_sum::<4>(u, weights, d0, inv_sums[h], o),
+                        1 => weighted_sum::<1, E>(u, weights, d0, inv_sums[h], o),
+                        2 => weighted_sum::<2, E>(u, weights, d0, inv_sums[h], o),
+                        3 => weighted_sum::<3, E>(u, weights, d0, inv_sums[h], o),
+                        _ => weighted_sum::<4, E>(u, weights, d0, inv_sums[h], o),
                     }
                 }
             }
@@ -317,14 +493,14 @@ mod avx512 {
     }
 
     #[inline(always)]
-    fn prefetch(x: &f32) {
+    fn prefetch<E>(x: &E) {
         // SAFETY: a prefetch is only a hint; it never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(x as *const f32 as *const i8) }
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(x as *const E as *const i8) }
     }
 
     #[inline]
-    #[target_feature(enable = "avx512f,fma")]
-    unsafe fn dot(q: &[f32], k: &[f32]) -> f32 {
+    #[target_feature(enable = "avx512f,fma,f16c")]
+    unsafe fn dot<E: KvElement>(q: &[f32], k: &[E]) -> f32 {
         let n = q.len() / 16;
         let (q, k) = (q.as_ptr(), k[..q.len()].as_ptr());
         let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
@@ -332,14 +508,10 @@ mod avx512 {
         while c + 2 <= n {
             // SAFETY: `c + 1 < n` chunks of 16 lie inside both slices.
             unsafe {
-                a0 = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(q.add(16 * c)),
-                    _mm512_loadu_ps(k.add(16 * c)),
-                    a0,
-                );
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(16 * c)), load16(k.add(16 * c)), a0);
                 a1 = _mm512_fmadd_ps(
                     _mm512_loadu_ps(q.add(16 * c + 16)),
-                    _mm512_loadu_ps(k.add(16 * c + 16)),
+                    load16(k.add(16 * c + 16)),
                     a1,
                 );
             }
@@ -348,11 +520,7 @@ mod avx512 {
         if c < n {
             // SAFETY: chunk `c < n` lies inside both slices.
             unsafe {
-                a0 = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(q.add(16 * c)),
-                    _mm512_loadu_ps(k.add(16 * c)),
-                    a0,
-                );
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(16 * c)), load16(k.add(16 * c)), a0);
             }
         }
         _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
@@ -361,8 +529,8 @@ mod avx512 {
     /// `o[..W * 16] = inv_sum * sum_s weights[s] * v_s[d0 .. d0 + W * 16]` over the context.
     #[inline]
     #[target_feature(enable = "avx512f,fma")]
-    unsafe fn weighted_sum<const W: usize>(
-        u: &Unit<'_>,
+    unsafe fn weighted_sum<const W: usize, E: KvElement>(
+        u: &Unit<'_, E>,
         weights: &[f32],
         d0: usize,
         inv_sum: f32,
@@ -372,10 +540,10 @@ mod avx512 {
         assert!(d0 + W * 16 <= hd && o.len() >= W * 16);
         let (mut even, mut odd) = ([_mm512_setzero_ps(); W], [_mm512_setzero_ps(); W]);
         // SAFETY (loads): slot `s` of a block holds `hd` values and `d0 + W * 16 <= hd`.
-        let add = |acc: &mut [__m512; W], v: *const f32, w: f32| {
+        let add = |acc: &mut [__m512; W], v: *const E, w: f32| {
             let w = _mm512_set1_ps(w);
             for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(w, unsafe { _mm512_loadu_ps(v.add(16 * j)) }, *a);
+                *a = _mm512_fmadd_ps(w, unsafe { load16(v.add(16 * j)) }, *a);
             }
         };
         for (first, block) in u.blocks() {
@@ -406,26 +574,26 @@ mod avx512 {
 }
 
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<E: KvElement>(a: &[f32], b: &[E]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for j in 0..8 {
-            acc[j] += x[j] * y[j];
+            acc[j] += x[j] * y[j].to_f32();
         }
     }
     let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
+        s += x * y.to_f32();
     }
     s
 }
 
 #[inline(always)]
-fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+fn axpy<E: KvElement>(alpha: f32, x: &[E], y: &mut [f32]) {
     for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += alpha * xi;
+        *yi += alpha * xi.to_f32();
     }
 }
 
@@ -453,9 +621,9 @@ fn exp_sub_in_place(x: &mut [f32], max: f32) -> f32 {
 mod tests {
     use super::*;
 
-    /// Every kernel this CPU can run agrees with a float64 reference, over head sizes that take
-    /// each AVX-512 chunk width, GQA groups, and contexts ending inside and on block boundaries
-    /// through a scattered block table.
+    /// Every kernel this CPU can run agrees with a float64 reference (over the values as stored),
+    /// for both element types, over head sizes that take each AVX-512 chunk width, GQA groups,
+    /// and contexts ending inside and on block boundaries through a scattered block table.
     #[test]
     fn kernels_match_a_float64_reference() {
         let mut rng = crate::synthetic::Uniform::new(7);
@@ -466,67 +634,75 @@ mod tests {
             (128, 2, 16),
             (24, 3, 4),
         ] {
-            let layout = KvLayout {
+            let layout = |dtype| KvLayout {
                 num_layers: 2,
                 num_kv_heads: 2,
                 head_dim: hd,
                 block_size: bs,
                 num_blocks: 12,
+                dtype,
             };
-            let mut kv = CpuKvStore::new(layout).unwrap();
-            kv.data = rng.values(kv.data.len());
-            let block_table = [5u32, 0, 11, 3, 8, 1, 9];
+            let values = rng.values(layout(KvDtype::F32).bytes() / 4);
             let q: Vec<f32> = rng.values(group * hd).iter().map(|x| 2.0 * x).collect();
-            for ctx in [1, bs - 1, bs, bs + 1, 3 * bs + 2, 7 * bs] {
-                let (layer, kvh) = (1, 1);
-                let unit = Unit {
-                    kv: &kv,
-                    layer,
-                    kvh,
-                    block_table: &block_table,
-                    ctx,
-                    q: &q,
-                    group,
-                    head_dim: hd,
-                };
-                let want = reference(&unit);
-                let mut kernels: Vec<(&str, UnitKernel)> = vec![("portable", attend_portable)];
-                if hd.is_multiple_of(16) {
-                    kernels.push(("selected", unit_kernel(hd)));
-                }
-                for (name, kernel) in kernels {
-                    let mut scores = vec![0f32; group * ctx];
-                    let mut inv = vec![0f32; group];
-                    let mut out = vec![f32::NAN; group * hd];
-                    kernel(&unit, &mut scores, &mut inv, &mut out);
-                    for (i, (&got, &w)) in out.iter().zip(&want).enumerate() {
-                        assert!(
-                            (got as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()),
-                            "{name}: head_dim {hd} group {group} ctx {ctx} out[{i}] = {got}, want {w}"
-                        );
-                    }
+            let f32_data = values.clone();
+            let mut f16_data = vec![f16::ZERO; values.len()];
+            f16::store(&mut f16_data, &values);
+            check_kernels(layout(KvDtype::F32), &f32_data, &q, group);
+            check_kernels(layout(KvDtype::F16), &f16_data, &q, group);
+        }
+    }
+
+    fn check_kernels<E: KvElement>(layout: KvLayout, data: &[E], q: &[f32], group: usize) {
+        let (hd, bs) = (layout.head_dim, layout.block_size);
+        let block_table = [5u32, 0, 11, 3, 8, 1, 9];
+        for ctx in [1, bs - 1, bs, bs + 1, 3 * bs + 2, 7 * bs] {
+            let unit = Unit {
+                kv: KvView { layout, data },
+                layer: 1,
+                kvh: 1,
+                block_table: &block_table,
+                ctx,
+                q,
+                group,
+                head_dim: hd,
+            };
+            let want = reference(&unit);
+            let mut kernels: Vec<(&str, UnitKernel<E>)> = vec![("portable", attend_portable)];
+            if hd.is_multiple_of(16) {
+                kernels.push(("selected", unit_kernel(hd)));
+            }
+            for (name, kernel) in kernels {
+                let mut scores = vec![0f32; group * ctx];
+                let mut inv = vec![0f32; group];
+                let mut out = vec![f32::NAN; group * hd];
+                kernel(&unit, &mut scores, &mut inv, &mut out);
+                for (i, (&got, &w)) in out.iter().zip(&want).enumerate() {
+                    assert!(
+                        (got as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                        "{name} {}: head_dim {hd} group {group} ctx {ctx} out[{i}] = {got}, want {w}",
+                        layout.dtype
+                    );
                 }
             }
         }
     }
 
-    fn reference(u: &Unit<'_>) -> Vec<f64> {
+    fn reference<E: KvElement>(u: &Unit<'_, E>) -> Vec<f64> {
         let (hd, bs) = (u.head_dim, u.kv.layout.block_size);
         let slot = |pos: usize, kv: usize| {
             let block = u.block_table[pos / bs] as usize;
             let s = pos % bs;
-            &u.kv.head_block(u.layer, block, kv, u.kvh)[s * hd..(s + 1) * hd]
+            u.kv.head_block(u.layer, block, kv, u.kvh)[s * hd..(s + 1) * hd]
+                .iter()
+                .map(|x| x.to_f32() as f64)
+                .collect::<Vec<f64>>()
         };
         let mut out = vec![0f64; u.group * hd];
         for h in 0..u.group {
             let q = &u.q[h * hd..(h + 1) * hd];
             let logits: Vec<f64> = (0..u.ctx)
                 .map(|p| {
-                    let d: f64 = q
-                        .iter()
-                        .zip(slot(p, 0))
-                        .map(|(&a, &b)| a as f64 * b as f64)
-                        .sum();
+                    let d: f64 = q.iter().zip(slot(p, 0)).map(|(&a, b)| a as f64 * b).sum();
                     d / (hd as f64).sqrt()
                 })
                 .collect();
@@ -534,11 +710,63 @@ mod tests {
             let e: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
             let sum: f64 = e.iter().sum();
             for (p, w) in e.iter().enumerate() {
-                for (o, &v) in out[h * hd..(h + 1) * hd].iter_mut().zip(slot(p, 1)) {
-                    *o += w / sum * v as f64;
+                for (o, v) in out[h * hd..(h + 1) * hd].iter_mut().zip(slot(p, 1)) {
+                    *o += w / sum * v;
                 }
             }
         }
         out
+    }
+
+    /// The branch-free widening agrees with `half` on every f16 bit pattern (NaNs stay NaN).
+    #[test]
+    fn f16_widening_is_exact() {
+        for bits in 0..=u16::MAX {
+            let h = f16::from_bits(bits);
+            let (got, want) = (KvElement::to_f32(h), h.to_f32());
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{bits:#06x}: {got} != {want}"
+            );
+        }
+    }
+
+    /// A layer block read as bytes and written back is unchanged, in both element types.
+    #[test]
+    fn layer_blocks_round_trip_through_bytes() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let layout = KvLayout {
+                num_layers: 2,
+                num_kv_heads: 2,
+                head_dim: 8,
+                block_size: 4,
+                num_blocks: 3,
+                dtype,
+            };
+            let mut kv = CpuKvStore::new(layout).unwrap();
+            let k: Vec<f32> = (0..16).map(|i| i as f32 * 0.25 - 1.0).collect();
+            let v: Vec<f32> = k.iter().map(|x| -x).collect();
+            kv.write(1, &k, &v, &[9]);
+            let mut bytes = vec![0u8; kv.layer_block_bytes()];
+            assert_eq!(bytes.len(), 2 * 2 * 4 * 8 * dtype.bytes());
+            kv.read_layer_block(1, 2, &mut bytes);
+            let mut copy = CpuKvStore::new(layout).unwrap();
+            copy.write_layer_block(1, 2, &bytes);
+            let mut again = vec![0u8; bytes.len()];
+            copy.read_layer_block(1, 2, &mut again);
+            assert_eq!(bytes, again, "{dtype}");
+            // slot 9 = block 2, offset 1; K of head 1 holds k[8..16], exactly representable
+            let view = |s: &CpuKvStore| match &s.data {
+                KvData::F32(d) => d.iter().map(|x| x.to_f32()).collect::<Vec<f32>>(),
+                KvData::F16(d) => d.iter().map(|x| KvElement::to_f32(*x)).collect(),
+            };
+            let all = view(&copy);
+            let head = KvView {
+                layout,
+                data: &all[..],
+            }
+            .head_block(1, 2, 0, 1);
+            assert_eq!(&head[8..16], &k[8..16], "{dtype}");
+        }
     }
 }

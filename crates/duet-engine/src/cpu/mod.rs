@@ -1,5 +1,5 @@
-//! The CPU backend: quantized weights used in place, f32 activations, an f32 paged KV store,
-//! every op split over the kernel thread pool.
+//! The CPU backend: quantized weights used in place, f32 activations, an f32 or f16 paged KV
+//! store, every op split over the kernel thread pool.
 
 mod attention;
 mod vector;
@@ -7,7 +7,7 @@ mod vector;
 use std::sync::{Arc, OnceLock};
 
 use crate::EngineError;
-use crate::backend::{AttentionShape, Backend, KvLayout};
+use crate::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
 use crate::batch::ForwardBatch;
 use crate::quant::{QMatrix, QuantType};
 use crate::storage::WeightBytes;
@@ -82,8 +82,17 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn kv_dtype(&self) -> &'static str {
-        "f32"
+    fn kv_dtype(&self, choice: KvDtypeChoice, f32_weights: bool) -> Result<KvDtype, EngineError> {
+        match choice.fixed() {
+            Some(KvDtype::Bf16) => Err(EngineError::Config(
+                "the CPU KV cache stores f32 or f16, not bf16 (--kv-dtype)".into(),
+            )),
+            Some(d) => Ok(d),
+            // f32 weights keep their precision end to end (the tiny fixtures check logits to
+            // 1e-4); quantized weights already round far more than f16 does.
+            None if f32_weights => Ok(KvDtype::F32),
+            None => Ok(KvDtype::F16),
+        }
     }
 
     fn load_matrix(
@@ -129,23 +138,15 @@ impl Backend for CpuBackend {
     }
 
     fn kv_block_bytes(&self, kv: &CpuKvStore) -> usize {
-        kv.layer_block(0, 0).len() * 4
+        kv.layer_block_bytes()
     }
 
     fn read_kv_block(&self, kv: &CpuKvStore, layer: usize, block: usize, out: &mut [u8]) {
-        for (o, v) in out.chunks_exact_mut(4).zip(kv.layer_block(layer, block)) {
-            o.copy_from_slice(&v.to_le_bytes());
-        }
+        kv.read_layer_block(layer, block, out);
     }
 
     fn write_kv_block(&self, kv: &mut CpuKvStore, layer: usize, block: usize, data: &[u8]) {
-        for (v, b) in kv
-            .layer_block_mut(layer, block)
-            .iter_mut()
-            .zip(data.chunks_exact(4))
-        {
-            *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
+        kv.write_layer_block(layer, block, data);
     }
 
     fn prepare_batch<'a>(&self, batch: &'a ForwardBatch) -> CpuBatch<'a> {

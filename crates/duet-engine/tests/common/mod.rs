@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use duet_engine::backend::Backend;
+use duet_engine::backend::{Backend, KvDtypeChoice};
 use duet_engine::batch::{ForwardBatch, LogitsWanted, SeqInput};
 use duet_engine::cpu::{CpuBackend, CpuKvStore};
 use duet_engine::llama::{Llama, Logits};
@@ -66,9 +66,14 @@ impl Harness {
     pub fn load(path: &std::path::Path, threads: usize) -> Self {
         let files = open_model(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
         let model = Llama::load(CpuBackend::new(threads), &files).unwrap();
+        // The KV type the engine picks for this model (f16 for quantized weights).
+        let dtype = model
+            .backend()
+            .kv_dtype(KvDtypeChoice::Auto, files.tensors.matrices_all_f32())
+            .unwrap();
         let kv = model
             .backend()
-            .alloc_kv(model.kv_layout(BLOCK_SIZE, 512))
+            .alloc_kv(model.kv_layout(BLOCK_SIZE, 512, dtype))
             .unwrap();
         Self {
             model,
