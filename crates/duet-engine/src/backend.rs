@@ -91,9 +91,12 @@ impl KvLayout {
         2 * self.num_layers * self.num_kv_heads * self.head_dim
     }
 
-    /// Bytes of the whole store.
+    /// Bytes of the whole store (saturating: an absurd size is reported, not wrapped).
     pub fn bytes(&self) -> usize {
-        self.num_blocks * self.block_size * self.values_per_token() * self.dtype.bytes()
+        self.num_blocks
+            .saturating_mul(self.block_size)
+            .saturating_mul(self.values_per_token())
+            .saturating_mul(self.dtype.bytes())
     }
 }
 
