@@ -122,8 +122,11 @@ fn compute_ceiling(
 pub fn run(args: EngineBenchArgs) -> Result<()> {
     let path = args.model.resolve()?;
     let options = args.engine.clone();
-    let needed = args.batch.iter().max().copied().unwrap_or(1)
-        * (args.prompt_tokens.max(args.decode_context) + args.decode_steps + 1);
+    let batch = args.batch.iter().max().copied().unwrap_or(1);
+    let needed = (batch * (args.prompt_tokens + 1)).max(decode_kv_tokens(
+        (batch, args.decode_context, args.decode_steps),
+        options.max_step_tokens,
+    ));
     check_kv_capacity(&options, needed)?;
     eprintln!("loading {} on {}", path.display(), options.device);
     let engine = LoadedEngine::load(&path, options)?;
@@ -297,19 +300,46 @@ fn prompt_source(vocab: usize) -> impl FnMut(usize) -> Vec<u32> {
 
 /// Decode tokens per second of `batch` sequences past `context`-token prompts over `steps`
 /// steps: `shape = (batch, context, steps)`.
+/// Steps that prefilling `batch` prompts of `context` tokens may take before every sequence has
+/// its first token; the sequences that finish their prompts first decode meanwhile.
+fn warmup_steps(batch: usize, context: usize, max_step_tokens: usize) -> usize {
+    (batch * context).div_ceil(max_step_tokens.max(1)) + batch
+}
+
+/// KV tokens a decode measurement of this shape may hold.
+fn decode_kv_tokens(
+    (batch, context, steps): (usize, usize, usize),
+    max_step_tokens: usize,
+) -> usize {
+    batch * (context + warmup_steps(batch, context, max_step_tokens) + steps + 1)
+}
+
+/// Decode tokens per second with `batch` sequences of `context` tokens: every sequence is past
+/// its prompt before the clock starts and none finishes before it stops (the first prompts
+/// finished decode while later ones still prefill, so a `max_tokens` of `steps` would let them
+/// end inside the timed steps and leave a smaller batch running); the tokens counted are the
+/// ones the timed steps produced.
 fn decode_rate(
     engine: &mut Engine<impl Backend>,
     (batch, context, steps): (usize, usize, usize),
     prompt: &mut impl FnMut(usize) -> Vec<u32>,
 ) -> Result<f64> {
-    let ids = add(engine, batch, context, steps + 1, prompt)?;
+    let max_tokens = warmup_steps(batch, context, engine.options().max_step_tokens) + steps + 1;
+    let ids = add(engine, batch, context, max_tokens, prompt)?;
     run_until_tokens(engine, &ids, 1)?;
     let t = Instant::now();
+    let mut produced = 0;
     for _ in 0..steps {
-        engine.step()?;
+        produced += engine.step()?.len();
     }
-    let rate = (batch * steps) as f64 / t.elapsed().as_secs_f64();
+    let rate = produced as f64 / t.elapsed().as_secs_f64();
     remove(engine, &ids)?;
+    if produced != batch * steps {
+        bail!(
+            "the decode measurement ran {produced} of {} sequence-steps: the KV cache is too small for batch {batch} at context {context}",
+            batch * steps
+        );
+    }
     Ok(rate)
 }
 
@@ -336,7 +366,7 @@ pub fn batched_decode_rate(
             Ok(best)
         }
     }
-    check_kv_capacity(&options, shape.0 * (shape.1 + shape.2 + 1))?;
+    check_kv_capacity(&options, decode_kv_tokens(shape, options.max_step_tokens))?;
     LoadedEngine::load(model, options)?.run(Rate { shape, repeats })
 }
 
