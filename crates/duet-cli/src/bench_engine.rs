@@ -161,12 +161,8 @@ fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) 
         // Prefill: `batch` fresh prompts (never cached) until each has its first token.
         let mut best_prefill = 0f64;
         for _ in 0..args.repeats {
-            let ids = add(&mut engine, batch, args.prompt_tokens, 1, &mut prompt)?;
-            let t = Instant::now();
-            run_until_tokens(&mut engine, &ids, 1)?;
-            let rate = (batch * args.prompt_tokens) as f64 / t.elapsed().as_secs_f64();
+            let rate = prefill_rate(&mut engine, batch, args.prompt_tokens, &mut prompt)?;
             best_prefill = best_prefill.max(rate);
-            remove(&mut engine, &ids)?;
         }
         // Decode: `batch` sequences past their prompt, then `decode_steps` timed steps.
         let mut best_decode = 0f64;
@@ -343,31 +339,60 @@ fn decode_rate(
     Ok(rate)
 }
 
-/// The engine alone, loaded afresh in this process: the best of `repeats` batched decode rates
-/// (`shape = (batch, context, steps)`), for benchmarks that compare a cluster with it.
-pub fn batched_decode_rate(
+/// Prompt tokens per second prefilling `batch` fresh prompts (never cached) of `len` tokens
+/// until each has its first token.
+fn prefill_rate(
+    engine: &mut Engine<impl Backend>,
+    batch: usize,
+    len: usize,
+    prompt: &mut impl FnMut(usize) -> Vec<u32>,
+) -> Result<f64> {
+    let ids = add(engine, batch, len, 1, prompt)?;
+    let t = Instant::now();
+    run_until_tokens(engine, &ids, 1)?;
+    let rate = (batch * len) as f64 / t.elapsed().as_secs_f64();
+    remove(engine, &ids)?;
+    Ok(rate)
+}
+
+/// What a cluster benchmark compares a run with: the engine alone on the run's mean shape.
+pub struct EngineAloneRates {
+    /// Time to first token of one prompt of `context` tokens, prefilled alone.
+    pub prefill_ms: f64,
+    /// Decode tokens per second of `batch` sequences from `context`-token prompts.
+    pub decode_tokens_per_s: f64,
+}
+
+/// The engine alone, loaded afresh in this process: the best of `repeats` measurements of each
+/// rate (`shape = (batch, context, steps)`), for benchmarks that compare a cluster with it.
+pub fn engine_alone_rates(
     model: &Path,
     options: EngineOptions,
     shape: (usize, usize, usize),
     repeats: usize,
-) -> Result<f64> {
-    struct Rate {
+) -> Result<EngineAloneRates> {
+    struct Rates {
         shape: (usize, usize, usize),
         repeats: usize,
     }
-    impl WithEngine for Rate {
-        type Output = Result<f64>;
-        fn run<B: Backend + 'static>(self, mut engine: Engine<B>) -> Result<f64> {
+    impl WithEngine for Rates {
+        type Output = Result<EngineAloneRates>;
+        fn run<B: Backend + 'static>(self, mut engine: Engine<B>) -> Result<EngineAloneRates> {
             let mut prompt = prompt_source(engine.config().vocab_size);
-            let mut best = 0f64;
+            let context = self.shape.1;
+            let (mut prefill, mut decode) = (0f64, 0f64);
             for _ in 0..self.repeats.max(1) {
-                best = best.max(decode_rate(&mut engine, self.shape, &mut prompt)?);
+                prefill = prefill.max(prefill_rate(&mut engine, 1, context, &mut prompt)?);
+                decode = decode.max(decode_rate(&mut engine, self.shape, &mut prompt)?);
             }
-            Ok(best)
+            Ok(EngineAloneRates {
+                prefill_ms: 1e3 * context as f64 / prefill,
+                decode_tokens_per_s: decode,
+            })
         }
     }
     check_kv_capacity(&options, decode_kv_tokens(shape, options.max_step_tokens))?;
-    LoadedEngine::load(model, options)?.run(Rate { shape, repeats })
+    LoadedEngine::load(model, options)?.run(Rates { shape, repeats })
 }
 
 fn add(

@@ -80,9 +80,10 @@ pub struct ServeBenchArgs {
     /// Seed of the synthetic prompts and arrival times.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Also measure the engine alone (in this process, after the clusters) decoding a batch of
-    /// --concurrency sequences from the mean --prompt-tokens for the mean --output-tokens steps,
-    /// and report each run's output tokens/s as a share of it.
+    /// Also measure the engine alone (in this process, before the first cluster and after each)
+    /// decoding a batch of --concurrency sequences from the mean --prompt-tokens for the mean
+    /// --output-tokens steps, and prefilling one prompt of that length; report each run's output
+    /// tokens/s, TPOT and TTFT against the mean of the measurements just before and after it.
     #[arg(long, conflicts_with_all = ["rate", "dataset", "server"])]
     pub compare_engine: bool,
     /// Write the JSON report here.
@@ -155,6 +156,8 @@ struct Sample {
     e2e_ms: f64,
     output_tokens: usize,
     itl_ms: Vec<f64>,
+    /// When each message with tokens arrived, and how many tokens it carried.
+    arrivals: Vec<(Instant, usize)>,
     /// The servers' own account of the request (`Timings` on its last message).
     server: Option<v1::Timings>,
     error: Option<String>,
@@ -187,6 +190,10 @@ pub struct RunReport {
     pub duration_s: f64,
     pub request_throughput: f64,
     pub output_tokens_per_s: f64,
+    /// Closed loop only: output tokens/s from the start until the first client found no request
+    /// left to send, the window in which every client had a request in flight (the run's
+    /// throughput also counts the drain at its end, where fewer and fewer streams run).
+    pub full_concurrency: Option<FullConcurrency>,
     pub ttft_ms: Percentiles,
     pub tpot_ms: Percentiles,
     pub itl_ms: Percentiles,
@@ -197,6 +204,12 @@ pub struct RunReport {
     pub first_error: Option<String>,
 }
 
+#[derive(Clone, Debug, Serialize)]
+pub struct FullConcurrency {
+    pub window_s: f64,
+    pub output_tokens_per_s: f64,
+}
+
 #[derive(Serialize)]
 struct Report<'a> {
     workload: Workload<'a>,
@@ -204,13 +217,26 @@ struct Report<'a> {
     engine_alone: Option<EngineAlone>,
 }
 
-/// The engine's own batched decode on the workload's mean shape (`--compare-engine`).
+/// The engine's own batched decode on the workload's mean shape (`--compare-engine`), measured
+/// before the first cluster run and after each one, so that every run is compared with the mean
+/// of the measurements on either side of it (this machine's speed drifts over minutes).
 #[derive(Serialize, Clone)]
 struct EngineAlone {
     batch: usize,
     context: usize,
     steps: usize,
-    decode_tokens_per_s: f64,
+    /// In order: before the first run, then after each run.
+    decode_tokens_per_s: Vec<f64>,
+    /// Time to first token of one `context`-token prompt prefilled alone, measured with each
+    /// decode rate.
+    prefill_ms: Vec<f64>,
+}
+
+impl EngineAlone {
+    /// The mean of the measurements just before and after run `i`.
+    fn around(series: &[f64], i: usize) -> f64 {
+        (series[i] + series[(i + 1).min(series.len() - 1)]) / 2.0
+    }
 }
 
 #[derive(Serialize)]
@@ -230,6 +256,30 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    let mut engine_alone = args.compare_engine.then(|| EngineAlone {
+        batch: args.concurrency,
+        context: (args.prompt_tokens.min + args.prompt_tokens.max) / 2,
+        steps: (args.output_tokens.min + args.output_tokens.max) / 2,
+        decode_tokens_per_s: Vec::new(),
+        prefill_ms: Vec::new(),
+    });
+    let measure_engine = |e: &mut Option<EngineAlone>| -> Result<()> {
+        if let Some(e) = e {
+            eprintln!(
+                "the engine alone: batch {}, {}-token prompts, {} steps",
+                e.batch, e.context, e.steps
+            );
+            let rates = crate::bench_engine::engine_alone_rates(
+                &args.model.resolve()?,
+                args.engine.clone(),
+                (e.batch, e.context, e.steps),
+                2,
+            )?;
+            e.decode_tokens_per_s.push(rates.decode_tokens_per_s);
+            e.prefill_ms.push(rates.prefill_ms);
+        }
+        Ok(())
+    };
     let mut runs = Vec::new();
     if let Some(server) = &args.server {
         let addr: SocketAddr = server
@@ -237,6 +287,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
             .with_context(|| format!("--server {server}: not host:port"))?;
         runs.push(runtime.block_on(drive(&args, addr, &jobs, "server"))?);
     } else {
+        measure_engine(&mut engine_alone)?;
         for design in &args.launch {
             let (prefill, router_extra) = match design {
                 Design::Disaggregated => (args.prefill_workers, vec![]),
@@ -263,30 +314,9 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
             let name = format!("{design:?}").to_lowercase();
             runs.push(runtime.block_on(drive(&args, cluster.router, &jobs, &name))?);
             drop(cluster);
+            measure_engine(&mut engine_alone)?;
         }
     }
-    let engine_alone = if args.compare_engine {
-        let (batch, context, steps) = (
-            args.concurrency,
-            (args.prompt_tokens.min + args.prompt_tokens.max) / 2,
-            (args.output_tokens.min + args.output_tokens.max) / 2,
-        );
-        eprintln!("the engine alone: batch {batch}, {context}-token prompts, {steps} steps");
-        let rate = crate::bench_engine::batched_decode_rate(
-            &args.model.resolve()?,
-            args.engine.clone(),
-            (batch, context, steps),
-            2,
-        )?;
-        Some(EngineAlone {
-            batch,
-            context,
-            steps,
-            decode_tokens_per_s: rate,
-        })
-    } else {
-        None
-    };
     print_table(&runs, &args);
     for r in &runs {
         let b = &r.server_ttft_ms;
@@ -296,15 +326,44 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         );
     }
     if let Some(e) = &engine_alone {
+        let list = |v: &[f64]| {
+            v.iter()
+                .map(|r| format!("{r:.1}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         println!(
-            "engine alone, batch {} from {}-token prompts over {} steps: {:.1} tok/s",
-            e.batch, e.context, e.steps, e.decode_tokens_per_s
+            "engine alone before and after each run: batch {} from {}-token prompts over {} steps {} tok/s; one {}-token prompt's first token {} ms",
+            e.batch,
+            e.context,
+            e.steps,
+            list(&e.decode_tokens_per_s),
+            e.context,
+            list(&e.prefill_ms)
         );
-        for r in &runs {
+        for (i, r) in runs.iter().enumerate() {
+            let engine = EngineAlone::around(&e.decode_tokens_per_s, i);
+            let prefill_ms = EngineAlone::around(&e.prefill_ms, i);
+            let full = r.full_concurrency.as_ref().map_or(String::new(), |f| {
+                format!(
+                    "; {:.2}× while all {} streams ran (first {:.1} s)",
+                    f.output_tokens_per_s / engine,
+                    args.concurrency,
+                    f.window_s
+                )
+            });
             println!(
-                "{:<15} output tok/s = {:.2}× the engine alone",
+                "{:<15} output tok/s = {:.2}× the engine alone around it ({engine:.1} tok/s) over the run{full}",
                 r.design,
-                r.output_tokens_per_s / e.decode_tokens_per_s
+                r.output_tokens_per_s / engine
+            );
+            // A sequence of the engine's batch gets one token per step.
+            let step_ms = 1e3 * e.batch as f64 / engine;
+            println!(
+                "{:<15} TPOT p50 = {:.2}× the engine's step ({step_ms:.2} ms); TTFT p50 = {:.2}× the engine's prefill ({prefill_ms:.1} ms)",
+                r.design,
+                r.tpot_ms.p50 / step_ms,
+                r.ttft_ms.p50 / prefill_ms
             );
         }
     }
@@ -444,16 +503,22 @@ async fn drive(
         })
     };
     let start = Instant::now();
+    // Closed loop: when the first client found the queue empty (the drain begins).
+    let drain_start = std::sync::OnceLock::new();
     let samples: Vec<Sample> = match args.rate {
         None => {
             let next = Arc::new(AtomicUsize::new(0));
+            let drain_start = &drain_start;
             let workers = (0..args.concurrency.max(1)).map(|_| {
                 let (next, done, channel) = (next.clone(), done.clone(), channel.clone());
                 async move {
                     let mut out = Vec::new();
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(job) = jobs.get(i) else { break };
+                        let Some(job) = jobs.get(i) else {
+                            let _ = drain_start.set(Instant::now());
+                            break;
+                        };
                         out.push((i, one_request(channel.clone(), job).await));
                         done.fetch_add(1, Ordering::Relaxed);
                     }
@@ -496,7 +561,26 @@ async fn drive(
     let duration = start.elapsed().as_secs_f64();
     progress.abort();
     eprintln!("\r[{design}] {total}/{total} requests done in {duration:.1}s");
-    Ok(summarize(design, &samples, duration, args))
+    let full_concurrency = drain_start.get().map(|&end| {
+        let window_s = (end - start).as_secs_f64();
+        let tokens: usize = samples
+            .iter()
+            .flat_map(|s| &s.arrivals)
+            .filter(|(at, _)| *at <= end)
+            .map(|(_, n)| n)
+            .sum();
+        FullConcurrency {
+            window_s,
+            output_tokens_per_s: tokens as f64 / window_s,
+        }
+    });
+    Ok(summarize(
+        design,
+        &samples,
+        duration,
+        full_concurrency,
+        args,
+    ))
 }
 
 async fn one_request(channel: tonic::transport::Channel, job: &Job) -> Sample {
@@ -531,6 +615,7 @@ async fn one_request(channel: tonic::transport::Channel, job: &Job) -> Sample {
             }
             last = Some(now);
             s.output_tokens += msg.token_ids.len();
+            s.arrivals.push((now, msg.token_ids.len()));
         }
         Ok(())
     }
@@ -569,7 +654,13 @@ fn percentiles(mut v: Vec<f64>) -> Percentiles {
     }
 }
 
-fn summarize(design: &str, samples: &[Sample], duration: f64, args: &ServeBenchArgs) -> RunReport {
+fn summarize(
+    design: &str,
+    samples: &[Sample],
+    duration: f64,
+    full_concurrency: Option<FullConcurrency>,
+    args: &ServeBenchArgs,
+) -> RunReport {
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
     let attained = ok
         .iter()
@@ -582,6 +673,7 @@ fn summarize(design: &str, samples: &[Sample], duration: f64, args: &ServeBenchA
         duration_s: duration,
         request_throughput: ok.len() as f64 / duration,
         output_tokens_per_s: ok.iter().map(|s| s.output_tokens).sum::<usize>() as f64 / duration,
+        full_concurrency,
         ttft_ms: percentiles(ok.iter().map(|s| s.ttft_ms).collect()),
         tpot_ms: percentiles(ok.iter().map(|s| s.tpot_ms).collect()),
         itl_ms: percentiles(ok.iter().flat_map(|s| s.itl_ms.iter().copied()).collect()),
@@ -619,7 +711,7 @@ fn print_table(runs: &[RunReport], args: &ServeBenchArgs) {
         args.tpot_slo_ms
     );
     println!(
-        "{:<15} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>8} {:>9}",
+        "{:<15} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>8} {:>9}",
         "design",
         "failed",
         "TTFT p50",
@@ -629,12 +721,13 @@ fn print_table(runs: &[RunReport], args: &ServeBenchArgs) {
         "TPOT p90",
         "ITL p99",
         "out tok/s",
+        "full tok/s",
         "SLO att",
         "goodput"
     );
     for r in runs {
         println!(
-            "{:<15} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9.2} {:>9.2} {:>9.2} {:>10.1} {:>7.0}% {:>9.2}",
+            "{:<15} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9.2} {:>9.2} {:>9.2} {:>10.1} {:>10} {:>7.0}% {:>9.2}",
             r.design,
             r.failed,
             r.ttft_ms.p50,
@@ -644,6 +737,9 @@ fn print_table(runs: &[RunReport], args: &ServeBenchArgs) {
             r.tpot_ms.p90,
             r.itl_ms.p99,
             r.output_tokens_per_s,
+            r.full_concurrency
+                .as_ref()
+                .map_or("-".into(), |f| format!("{:.1}", f.output_tokens_per_s)),
             r.slo_attainment * 100.0,
             r.goodput_rps
         );

@@ -186,3 +186,64 @@ fn a_kv_transport_the_worker_cannot_use_stops_it_at_start() {
         "{err}"
     );
 }
+
+/// `duet bench serve` launches both designs, completes every request, and brackets each run with
+/// measurements of the engine alone (one before the first run, one after each).
+#[test]
+fn bench_serve_reports_both_designs_against_the_engine_alone() {
+    let json = std::env::temp_dir().join(format!("duet-bench-serve-{}.json", std::process::id()));
+    let out = duet()
+        .args([
+            "bench",
+            "serve",
+            "--requests",
+            "6",
+            "--concurrency",
+            "2",
+            "--prompt-tokens",
+            "4..6",
+            "--output-tokens",
+            "3",
+            "--compare-engine",
+        ])
+        .arg("--model")
+        .arg(fixture("tiny-llama"))
+        .arg("--json-out")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let runs = v["runs"].as_array().unwrap();
+    let designs: Vec<&str> = runs.iter().map(|r| r["design"].as_str().unwrap()).collect();
+    assert_eq!(designs, ["disaggregated", "colocated"]);
+    for r in runs {
+        assert_eq!(
+            (r["requests"].as_u64(), r["failed"].as_u64()),
+            (Some(6), Some(0))
+        );
+        let tokens = r["output_tokens_per_s"].as_f64().unwrap() * r["duration_s"].as_f64().unwrap();
+        assert!(
+            (tokens - 18.0).abs() < 1e-6,
+            "6 requests × 3 tokens, got {tokens}"
+        );
+        let full = &r["full_concurrency"];
+        assert!(full["window_s"].as_f64().unwrap() <= r["duration_s"].as_f64().unwrap());
+        assert!(full["output_tokens_per_s"].as_f64().unwrap() > 0.0);
+    }
+    let engine = &v["engine_alone"];
+    assert_eq!(
+        (engine["batch"].as_u64(), engine["context"].as_u64()),
+        (Some(2), Some(5))
+    );
+    for series in ["decode_tokens_per_s", "prefill_ms"] {
+        let values = engine[series].as_array().unwrap();
+        assert_eq!(values.len(), runs.len() + 1, "{series}");
+        assert!(values.iter().all(|x| x.as_f64().unwrap() > 0.0), "{series}");
+    }
+}
