@@ -13,6 +13,14 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+fn assert_succeeded(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn generate_json_prints_exactly_one_object() {
     let out = duet()
@@ -31,11 +39,7 @@ fn generate_json_prints_exactly_one_object() {
         .arg(fixture("tiny-llama"))
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let stdout = String::from_utf8(out.stdout).unwrap();
     assert_eq!(
         stdout.trim().lines().count(),
@@ -75,11 +79,7 @@ fn greedy_generation_is_deterministic_and_seeded_sampling_repeats() {
             .args(extra)
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_succeeded(&out);
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         v["token_ids"].clone()
     };
@@ -212,11 +212,7 @@ fn bench_serve_reports_both_designs_against_the_engine_alone() {
         .arg(&json)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let _ = std::fs::remove_file(&json);
     let runs = v["runs"].as_array().unwrap();
