@@ -156,6 +156,13 @@ pub trait Backend: Send + Sync {
     fn alloc(&self, rows: usize, cols: usize) -> Self::Activations;
     fn prepare_batch<'a>(&self, batch: &'a ForwardBatch) -> Self::Batch<'a>;
 
+    /// Held for a whole forward step: engines sharing a device's compute (several workers in one
+    /// process share the CPU's kernel threads) take turns step by step instead of interleaving
+    /// kernel by kernel, which would stretch every step by the other engine's work.
+    fn forward_turn(&self) -> Option<crate::threadpool::Turn<'_>> {
+        None
+    }
+
     /// `out[i] = table[tokens[i]]`.
     fn embed(&self, table: &Self::Matrix, tokens: &[u32], out: &mut Self::Activations);
     /// `out = x / rms(x) * w`, row-wise.

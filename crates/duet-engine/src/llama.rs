@@ -197,6 +197,7 @@ impl<B: Backend> Llama<B> {
             head_dim: c.head_dim,
         };
 
+        let _turn = b.forward_turn();
         let device_batch = b.prepare_batch(batch);
         let batch_on_device = &device_batch;
         let mut x = b.alloc(n, c.hidden_size);

@@ -29,6 +29,8 @@ pub struct ThreadPool {
     n_threads: usize,
     /// Serialises `run` calls from different threads; a pool runs one job at a time.
     dispatch: Mutex<()>,
+    /// Turns of callers running sequences of jobs that others must not interleave with.
+    turns: Turns,
 }
 
 const SPIN_ITERS: usize = 2_000;
@@ -62,11 +64,19 @@ impl ThreadPool {
             workers,
             n_threads,
             dispatch: Mutex::new(()),
+            turns: Turns::default(),
         }
     }
 
     pub fn n_threads(&self) -> usize {
         self.n_threads
+    }
+
+    /// Exclusive use of the pool for a sequence of jobs (a forward step) by one caller among
+    /// several sharing it, until the guard drops. Turns are granted in the order they were asked
+    /// for, so a caller looping over steps cannot starve another waiting for its turn.
+    pub fn turn(&self) -> Turn<'_> {
+        self.turns.take()
     }
 
     /// Runs `f(thread_index, n_threads)` on every participant and returns when all are done.
@@ -117,6 +127,39 @@ impl ThreadPool {
                 f(r)
             }
         });
+    }
+}
+
+/// A ticket lock: each caller draws the next ticket and waits until it is served.
+#[derive(Default)]
+struct Turns {
+    /// (next ticket to draw, ticket being served).
+    tickets: Mutex<(u64, u64)>,
+    served: Condvar,
+}
+
+impl Turns {
+    fn take(&self) -> Turn<'_> {
+        let mut t = self.tickets.lock().unwrap_or_else(|e| e.into_inner());
+        let ticket = t.0;
+        t.0 += 1;
+        while t.1 != ticket {
+            t = self.served.wait(t).unwrap_or_else(|e| e.into_inner());
+        }
+        Turn { turns: self }
+    }
+}
+
+/// A caller's turn on a [`ThreadPool`]; the next caller's turn starts when it drops.
+pub struct Turn<'a> {
+    turns: &'a Turns,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        let mut t = self.turns.tickets.lock().unwrap_or_else(|e| e.into_inner());
+        t.1 += 1;
+        self.turns.served.notify_all();
     }
 }
 
@@ -199,6 +242,34 @@ mod tests {
             });
             assert_eq!(hits.load(Ordering::Relaxed), 3);
         }
+    }
+
+    /// Callers taking turns never overlap, and a caller that asks again at once waits behind one
+    /// already waiting.
+    #[test]
+    fn turns_are_exclusive_and_first_come_first_served() {
+        let pool = ThreadPool::new(2);
+        let inside = AtomicUsize::new(0);
+        let order = Mutex::new(Vec::new());
+        let first = pool.turn();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let _t = pool.turn();
+                assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0);
+                order.lock().unwrap().push("waiting");
+                inside.fetch_sub(1, Ordering::SeqCst);
+            });
+            // Let the other thread draw its ticket, then end our turn and ask for another.
+            while pool.turns.tickets.lock().unwrap().0 < 2 {
+                std::thread::yield_now();
+            }
+            drop(first);
+            let _again = pool.turn();
+            assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0);
+            order.lock().unwrap().push("again");
+            inside.fetch_sub(1, Ordering::SeqCst);
+        });
+        assert_eq!(*order.lock().unwrap(), ["waiting", "again"]);
     }
 
     #[test]

@@ -149,6 +149,10 @@ impl Backend for CpuBackend {
         kv.write_layer_block(layer, block, data);
     }
 
+    fn forward_turn(&self) -> Option<crate::threadpool::Turn<'_>> {
+        Some(self.pool.turn())
+    }
+
     fn prepare_batch<'a>(&self, batch: &'a ForwardBatch) -> CpuBatch<'a> {
         CpuBatch {
             forward: batch,
