@@ -444,15 +444,14 @@ mod avx512 {
         for_each_chunk(u, 0, slots, |first, n, keys| {
             let mask = lanes(n);
             for h in 0..g {
-                // SAFETY: `keys` holds 16 slots of `hd` values; `first + n <= ctx`.
-                unsafe {
-                    let d = _mm512_mul_ps(dots16(&u.q[h * hd..(h + 1) * hd], keys), scale);
-                    _mm512_mask_storeu_ps(scores.as_mut_ptr().add(h * ctx + first), mask, d);
-                }
+                let d = _mm512_mul_ps(dots16(&u.q[h * hd..(h + 1) * hd], keys), scale);
+                let row = &mut scores[h * ctx + first..h * ctx + first + n];
+                // SAFETY: the mask stores the first `n` lanes, the length of `row`.
+                unsafe { _mm512_mask_storeu_ps(row.as_mut_ptr(), mask, d) };
             }
         });
         for row in scores.chunks_exact_mut(ctx) {
-            softmax_from(row, unsafe { row_max(row) });
+            softmax_from(row, row_max(row));
         }
         out.fill(0.0);
         for_each_chunk(u, 1, slots, |first, n, values| {
@@ -461,14 +460,11 @@ mod avx512 {
                 for d0 in (0..hd).step_by(64) {
                     let o = &mut out[h * hd + d0..(h + 1) * hd];
                     let v = &values[d0..];
-                    // SAFETY: `d0 + width * 16 <= hd` for the width chosen.
-                    unsafe {
-                        match (hd - d0) / 16 {
-                            1 => weighted_sum::<1>(weights, v, hd, o),
-                            2 => weighted_sum::<2>(weights, v, hd, o),
-                            3 => weighted_sum::<3>(weights, v, hd, o),
-                            _ => weighted_sum::<4>(weights, v, hd, o),
-                        }
+                    match (hd - d0) / 16 {
+                        1 => weighted_sum::<1>(weights, v, hd, o),
+                        2 => weighted_sum::<2>(weights, v, hd, o),
+                        3 => weighted_sum::<3>(weights, v, hd, o),
+                        _ => weighted_sum::<4>(weights, v, hd, o),
                     }
                 }
             }
@@ -540,9 +536,9 @@ mod avx512 {
     /// Lane `s` = `q · keys[s]` for the 16 slots of `keys` (`[16][q.len()]`).
     #[inline]
     #[target_feature(enable = "avx512f,fma")]
-    unsafe fn dots16(q: &[f32], keys: &[f32]) -> __m512 {
+    fn dots16(q: &[f32], keys: &[f32]) -> __m512 {
         let hd = q.len();
-        assert!(keys.len() >= SLOT_CHUNK * hd);
+        assert!(hd.is_multiple_of(16) && keys.len() >= SLOT_CHUNK * hd);
         let mut acc = [_mm512_setzero_ps(); SLOT_CHUNK];
         for c in (0..hd).step_by(16) {
             // SAFETY: `c + 16 <= hd`, and slot `s < 16` holds `hd` values.
@@ -597,7 +593,7 @@ mod avx512 {
     /// The largest value of `row`.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn row_max(row: &[f32]) -> f32 {
+    fn row_max(row: &[f32]) -> f32 {
         let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
         for c in row.chunks(16) {
             // SAFETY: the mask covers only the chunk's values.
@@ -610,12 +606,7 @@ mod avx512 {
     /// `o[..W * 16] += sum_s weights[s] * values[s * hd .. s * hd + W * 16]`.
     #[inline]
     #[target_feature(enable = "avx512f,fma")]
-    unsafe fn weighted_sum<const W: usize>(
-        weights: &[f32],
-        values: &[f32],
-        hd: usize,
-        o: &mut [f32],
-    ) {
+    fn weighted_sum<const W: usize>(weights: &[f32], values: &[f32], hd: usize, o: &mut [f32]) {
         let n = weights.len();
         assert!(o.len() >= W * 16 && (n == 0 || values.len() >= (n - 1) * hd + W * 16));
         let (v, op) = (values.as_ptr(), o.as_mut_ptr());
