@@ -155,12 +155,20 @@ struct Sample {
     tpot_ms: f64,
     e2e_ms: f64,
     output_tokens: usize,
-    itl_ms: Vec<f64>,
     /// When each message with tokens arrived, and how many tokens it carried.
     arrivals: Vec<(Instant, usize)>,
     /// The servers' own account of the request (`Timings` on its last message).
     server: Option<v1::Timings>,
     error: Option<String>,
+}
+
+impl Sample {
+    /// Milliseconds between consecutive messages with tokens.
+    fn itl_ms(&self) -> impl Iterator<Item = f64> + '_ {
+        self.arrivals
+            .windows(2)
+            .map(|w| (w[1].0 - w[0].0).as_secs_f64() * 1e3)
+    }
 }
 
 /// Where the time to first token went, as the router and workers measured it.
@@ -597,7 +605,6 @@ async fn one_request(channel: tonic::transport::Channel, job: &Job) -> Sample {
     }
     let start = Instant::now();
     let mut s = Sample::default();
-    let mut last = None;
     let result: Result<(), tonic::Status> = async {
         let mut stream = client.generate(req).await?.into_inner();
         while let Some(msg) = stream.next().await {
@@ -609,11 +616,9 @@ async fn one_request(channel: tonic::transport::Channel, job: &Job) -> Sample {
                 continue;
             }
             let now = Instant::now();
-            match last {
-                None => s.ttft_ms = (now - start).as_secs_f64() * 1e3,
-                Some(prev) => s.itl_ms.push((now - prev as Instant).as_secs_f64() * 1e3),
+            if s.arrivals.is_empty() {
+                s.ttft_ms = (now - start).as_secs_f64() * 1e3;
             }
-            last = Some(now);
             s.output_tokens += msg.token_ids.len();
             s.arrivals.push((now, msg.token_ids.len()));
         }
@@ -676,7 +681,7 @@ fn summarize(
         full_concurrency,
         ttft_ms: percentiles(ok.iter().map(|s| s.ttft_ms).collect()),
         tpot_ms: percentiles(ok.iter().map(|s| s.tpot_ms).collect()),
-        itl_ms: percentiles(ok.iter().flat_map(|s| s.itl_ms.iter().copied()).collect()),
+        itl_ms: percentiles(ok.iter().flat_map(|s| s.itl_ms()).collect()),
         e2e_ms: percentiles(ok.iter().map(|s| s.e2e_ms).collect()),
         server_ttft_ms: {
             let of = |f: fn(&v1::Timings) -> f64| {
