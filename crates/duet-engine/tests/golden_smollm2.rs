@@ -2,8 +2,8 @@
 //! pass over its dequantized weights (tests/reference/smollm2_reference.py): the logits of a
 //! prompt's last position, and greedy continuations of fixed prompts.
 //!
-//! The engine multiplies quantized weights by 8-bit-quantized activations (as llama.cpp does), so
-//! its logits differ slightly from the f32 reference. Greedy ids must agree wherever the
+//! The engine multiplies quantized weights by 16-bit-quantized activations and keeps an f16 KV
+//! cache, so its logits differ slightly from the f32 reference. Greedy ids must agree wherever the
 //! reference's top-2 logit gap exceeds that error; at a near tie the continuation may
 //! legitimately take the other branch, after which comparing further is meaningless.
 
