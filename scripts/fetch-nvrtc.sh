@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs NVRTC (CUDA 13.0) under .tools/nvrtc from the PyPI wheel nvidia-cuda-nvrtc==13.0.88 and
 # prints the folder to put on LD_LIBRARY_PATH. NVRTC runs without a GPU: the tests compile every
-# kernel in crates/duet-cuda/kernels/ with it, so a kernel that does not compile fails the suite.
+# kernel in kernels/ with it, so a kernel that does not compile fails the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=.tools/nvrtc

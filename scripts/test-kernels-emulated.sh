@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EMU=crates/duet-cuda/emulator
-KERNELS=${KERNELS_DIR:-crates/duet-cuda/kernels}
+KERNELS=${KERNELS_DIR:-kernels}
 CXX=${CXX:-$(command -v g++ || command -v c++)}
 BUILD=$(mktemp -d "${TMPDIR:-/tmp}/duet-kernel-emu.XXXXXX")
 trap 'rm -rf "$BUILD"' EXIT

@@ -4,9 +4,9 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use duet_engine::engine::{Engine, EngineOptions};
-use duet_engine::generation::StopCriteria;
-use duet_engine::sampling::SamplingParams;
+use duet_engine::engine::EngineOptions;
+use duet_model::params::SamplingParams;
+use duet_model::params::StopCriteria;
 use duet_proto::v1;
 use futures::StreamExt;
 
@@ -73,7 +73,7 @@ pub fn reference(
     prompts: &[Vec<u32>],
     max_tokens: usize,
 ) -> Vec<Vec<u32>> {
-    let mut e = Engine::load(model, engine_options()).unwrap();
+    let mut e = duet_cpu::load_engine(model, engine_options()).unwrap();
     prompts
         .iter()
         .map(|p| {

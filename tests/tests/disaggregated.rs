@@ -122,7 +122,7 @@ fn default_model_through_the_cluster_equals_in_process() {
     let Some(model) = default_model() else { return };
     let c = cluster(model.clone(), 1, 1, &["--local-prefill-threshold=16"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let engine = duet_engine::engine::Engine::load(&model, engine_options()).unwrap();
+    let engine = duet_cpu::load_engine(&model, engine_options()).unwrap();
     let texts = [
         "The capital of France is",
         "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",

@@ -7,15 +7,15 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use duet_cuda::{LoadedEngine, WithEngine};
+use duet_device::{LoadedEngine, WithEngine};
 use duet_engine::backend::Backend;
 use duet_engine::device::Device;
 use duet_engine::engine::{Engine, EngineOptions, SeqId};
-use duet_engine::generation::StopCriteria;
-use duet_engine::sampling::SamplingParams;
+use duet_model::params::SamplingParams;
+use duet_model::params::StopCriteria;
 use serde::Serialize;
 
-use duet_engine::model_path::ModelArgs;
+use duet_model::model_path::ModelArgs;
 
 #[derive(Args, Debug)]
 pub struct EngineBenchArgs {
@@ -100,9 +100,9 @@ struct ComputeCeiling {
 
 fn compute_ceiling(
     threads: usize,
-    config: &duet_engine::config::ModelConfig,
+    config: &duet_model::config::ModelConfig,
 ) -> Option<ComputeCeiling> {
-    let path = duet_engine::quant::KernelPath::detect();
+    let path = duet_cpu::quant::KernelPath::detect();
     let per_thread: Vec<Option<f64>> = std::thread::scope(|s| {
         let runs: Vec<_> = (0..threads)
             .map(|_| s.spawn(move || path.integer_macs_per_s()))
@@ -150,7 +150,7 @@ fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) 
     let options = engine.options().clone();
     let rss_after_load = rss_bytes("VmRSS");
     let threads = if options.threads == 0 {
-        duet_engine::threadpool::default_threads()
+        duet_cpu::threadpool::default_threads()
     } else {
         options.threads
     };

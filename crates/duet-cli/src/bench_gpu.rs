@@ -1,11 +1,11 @@
-//! `duet bench gpu`: the GPU checks and timings of `duet_cuda::bench`, as a table and JSON; HF
+//! `duet bench gpu`: the GPU checks and timings of `duet_device::gpu_bench`, as a table and JSON; HF
 //! transformers on the same shapes in the same run with `--compare-hf`.
 
 use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use duet_engine::model_path::ModelArgs;
+use duet_model::model_path::ModelArgs;
 
 #[derive(Args, Debug)]
 pub struct GpuBenchArgs {
@@ -39,7 +39,7 @@ pub struct GpuBenchArgs {
 #[cfg(feature = "cuda")]
 pub fn run(args: GpuBenchArgs) -> Result<()> {
     use anyhow::{Context, bail};
-    use duet_cuda::bench::{GpuBenchOptions, run};
+    use duet_device::gpu_bench::{GpuBenchOptions, run};
 
     // The device first: without one, say so before looking for models.
     duet_cuda::probe::open_device(args.gpu)?;
@@ -99,5 +99,7 @@ pub fn run(args: GpuBenchArgs) -> Result<()> {
 
 #[cfg(not(feature = "cuda"))]
 pub fn run(_: GpuBenchArgs) -> Result<()> {
-    Err(duet_cuda::CudaError::NotBuilt.into())
+    anyhow::bail!(
+        "this build has no CUDA support; rebuild with `cargo build --release --features cuda` to use the GPU"
+    )
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use duet_engine::engine::EngineOptions;
-use duet_engine::model_path::ModelArgs;
+use duet_model::model_path::ModelArgs;
 use duet_proto::v1;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};

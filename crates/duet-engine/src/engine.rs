@@ -4,55 +4,65 @@
 //! `duet bench engine` drive it directly.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use duet_kv::{BlockHash, BlockPool, BlockTable, block_hashes, hash_seed, next_block_hash};
 
 use crate::EngineError;
 use crate::backend::{Backend, KvDtype, KvDtypeChoice, KvLayout};
 use crate::batch::{ForwardBatch, LogitsWanted, SeqInput};
-use crate::chat::{ChatMessage, ChatTemplate};
-use crate::config::ModelConfig;
-use crate::cpu::CpuBackend;
 use crate::device::Device;
-use crate::generation::{FinishReason, StopCriteria, TextStream};
+use crate::generation::TextStream;
 use crate::llama::Llama;
-use crate::model_files::{ModelFiles, open_model};
-use crate::sampling::{Sampled, Sampler, SamplingParams};
-use crate::tokenizer::Tokenizer;
+use crate::sampling::Sampler;
+use duet_model::chat::{ChatMessage, ChatTemplate};
+use duet_model::config::ModelConfig;
+use duet_model::model_files::ModelFiles;
+use duet_model::params::{FinishReason, Sampled, SamplingParams, StopCriteria};
+use duet_model::tokenizer::Tokenizer;
 
 /// Sizes of the engine's resources (also the engine flags of every command that loads a model).
-#[derive(Clone, Debug, clap::Args)]
+#[derive(Clone, Debug)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
 pub struct EngineOptions {
     /// Kernel threads (0: one per core).
-    #[arg(long, env = "DUET_THREADS", default_value_t = 0)]
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_THREADS", default_value_t = 0))]
     pub threads: usize,
     /// Tokens per KV cache block.
-    #[arg(long, env = "DUET_BLOCK_SIZE", default_value_t = 16)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "DUET_BLOCK_SIZE", default_value_t = 16)
+    )]
     pub block_size: usize,
     /// KV cache capacity in tokens, over all sequences.
-    #[arg(long, env = "DUET_KV_CACHE_TOKENS", default_value_t = 16384)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "DUET_KV_CACHE_TOKENS", default_value_t = 16384)
+    )]
     pub kv_cache_tokens: usize,
     /// Most tokens one forward step computes; longer prompts are prefilled in chunks. On a CPU,
     /// 128 costs no prefill speed and keeps a step's activations small; a GPU wants ~2048.
-    #[arg(long, env = "DUET_MAX_STEP_TOKENS", default_value_t = 128)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "DUET_MAX_STEP_TOKENS", default_value_t = 128)
+    )]
     pub max_step_tokens: usize,
     /// Device the model runs on: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
-    #[arg(long, env = "DUET_DEVICE", default_value_t = Device::Cpu)]
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_DEVICE", default_value_t = Device::Cpu))]
     pub device: Device,
     /// On a GPU: share of the memory left free after loading the weights that the KV cache takes
     /// (sizes the cache instead of --kv-cache-tokens).
-    #[arg(long, env = "DUET_GPU_MEMORY_FRACTION", default_value_t = 0.9,
-          value_parser = parse_fraction)]
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_GPU_MEMORY_FRACTION", default_value_t = 0.9,
+          value_parser = parse_fraction))]
     pub gpu_memory_fraction: f64,
     /// Element type of the KV cache: auto, f32, f16 or bf16. `auto` is f16 on a CPU for
     /// quantized or 16-bit weights (half the cache memory, attention reads and KV transfer
     /// bytes; greedy outputs of the default model unchanged) and f32 for f32 weights; bf16 on a
     /// GPU. Workers exchanging KV must use the same type.
-    #[arg(long, env = "DUET_KV_DTYPE", value_enum, default_value_t = KvDtypeChoice::Auto)]
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_KV_DTYPE", value_enum, default_value_t = KvDtypeChoice::Auto))]
     pub kv_dtype: KvDtypeChoice,
 }
 
+#[cfg(feature = "cli")]
 fn parse_fraction(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
@@ -110,7 +120,7 @@ pub struct StepOutput {
     pub finish: Option<FinishReason>,
 }
 
-pub struct Engine<B: Backend = CpuBackend> {
+pub struct Engine<B: Backend> {
     model: Llama<B>,
     kv: B::KvStore,
     kv_layout: KvLayout,
@@ -125,17 +135,6 @@ pub struct Engine<B: Backend = CpuBackend> {
     preemptions: u64,
     /// Steps since freed heap was last given back (see [`Engine::release_step_heap`]).
     steps_since_trim: usize,
-}
-
-impl Engine<CpuBackend> {
-    /// Loads a model (GGUF file or HF directory) onto the CPU backend.
-    pub fn load(path: &Path, options: EngineOptions) -> Result<Self, EngineError> {
-        let files = open_model(path)?;
-        let backend = CpuBackend::new(options.threads);
-        let engine = Self::with_backend(backend, files, options)?;
-        release_freed_heap();
-        Ok(engine)
-    }
 }
 
 /// Loading builds and drops large temporaries (tokenizer tables, repacked-weight staging); glibc
@@ -195,7 +194,7 @@ impl<B: Backend> Engine<B> {
             kv_dtype,
             options.block_size,
         );
-        Ok(Self {
+        let engine = Self {
             hash_seed: hash_seed(fingerprint.as_bytes(), None),
             fingerprint,
             model,
@@ -209,7 +208,9 @@ impl<B: Backend> Engine<B> {
             next_id: 0,
             preemptions: 0,
             steps_since_trim: 0,
-        })
+        };
+        release_freed_heap();
+        Ok(engine)
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -408,6 +409,7 @@ impl<B: Backend> Engine<B> {
         let checked = params
             .validate()
             .and_then(|_| stop.validate())
+            .map_err(EngineError::from)
             .and_then(|_| self.check_prompt(&prompt, stop.max_tokens));
         if let Err(e) = checked {
             self.release(reservation)?;

@@ -1,8 +1,10 @@
 //! The engine's error type: one variant per concern, each message saying what was wrong.
 
-use crate::chat::ChatError;
-use crate::model_files::LoadError;
-use crate::tokenizer::TokenizerError;
+use duet_model::chat::ChatError;
+use duet_model::model_files::LoadError;
+use duet_model::model_path::ModelNotFound;
+use duet_model::params::InvalidParams;
+use duet_model::tokenizer::TokenizerError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -24,11 +26,17 @@ pub enum EngineError {
     Weights(String),
     #[error("bad engine configuration: {0}")]
     Config(String),
-    #[error("{0}")]
-    ModelNotFound(String),
+    #[error(transparent)]
+    ModelNotFound(#[from] ModelNotFound),
     /// The device is missing, misconfigured or failed (CUDA library not found, kernel fault, ...).
     #[error("device: {0}")]
     Device(String),
     #[error("no sequence {0} in this engine")]
     UnknownSequence(u64),
+}
+
+impl From<InvalidParams> for EngineError {
+    fn from(e: InvalidParams) -> Self {
+        EngineError::InvalidRequest(e.0)
+    }
 }

@@ -3,68 +3,7 @@
 //! incremental detokenization that never splits a UTF-8 character.
 
 use crate::EngineError;
-use crate::tokenizer::Tokenizer;
-
-/// Why a sequence ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FinishReason {
-    /// An end-of-sequence token, a stop token id or a stop string.
-    Stop,
-    /// `max_tokens` generated, or the context is full.
-    Length,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-        }
-    }
-}
-
-/// Most stop strings a request may carry, and their longest length in bytes.
-pub const MAX_STOP_STRINGS: usize = 16;
-pub const MAX_STOP_STRING_BYTES: usize = 256;
-
-/// When to stop generating.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct StopCriteria {
-    pub max_tokens: usize,
-    /// Extra token ids that end the sequence (the model's end-of-sequence ids are added unless
-    /// `ignore_eos`).
-    pub stop_token_ids: Vec<u32>,
-    pub stop_strings: Vec<String>,
-    pub ignore_eos: bool,
-}
-
-impl StopCriteria {
-    pub fn validate(&self) -> Result<(), EngineError> {
-        let bad = |m: String| Err(EngineError::InvalidRequest(m));
-        if self.max_tokens == 0 {
-            return bad("max_tokens must be at least 1".into());
-        }
-        if self.stop_strings.len() > MAX_STOP_STRINGS {
-            return bad(format!(
-                "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
-                self.stop_strings.len()
-            ));
-        }
-        for s in &self.stop_strings {
-            if s.is_empty() {
-                return bad("stop strings must not be empty".into());
-            }
-            if s.len() > MAX_STOP_STRING_BYTES {
-                return bad(format!(
-                    "stop strings must be at most {MAX_STOP_STRING_BYTES} bytes, got {}",
-                    s.len()
-                ));
-            }
-        }
-        Ok(())
-    }
-}
+use duet_model::tokenizer::Tokenizer;
 
 /// The text of a sequence's generated tokens, released in pieces that are final: whole UTF-8
 /// characters, and never a piece of a (possible) stop string.

@@ -7,9 +7,10 @@
 use crate::EngineError;
 use crate::backend::{AttentionShape, Backend, KvDtype, KvLayout};
 use crate::batch::ForwardBatch;
-use crate::config::ModelConfig;
-use crate::model_files::{ModelFiles, RawTensor};
-use crate::quant::{QuantType, dequantize_row};
+use duet_model::config::ModelConfig;
+use duet_model::dequant::dequantize_row;
+use duet_model::model_files::{ModelFiles, RawTensor};
+use duet_model::quant_type::QuantType;
 
 struct Layer<B: Backend> {
     attn_norm: B::Vector,
@@ -64,7 +65,7 @@ impl Logits {
 impl<B: Backend> Llama<B> {
     /// Builds the model on `backend` from opened model files (validated shapes).
     pub fn load(backend: B, files: &ModelFiles) -> Result<Self, EngineError> {
-        crate::model_files::validate_llama_tensors(files)?;
+        duet_model::model_files::validate_llama_tensors(files)?;
         let tensors = |name: &str| -> Result<Option<RawTensor>, EngineError> {
             if files.tensors.contains(name) {
                 Ok(Some(files.tensors.get(name)?))
@@ -80,10 +81,10 @@ impl<B: Backend> Llama<B> {
         )
     }
 
-    /// A model of `config`'s shapes with random bf16 weights (see [`crate::synthetic`]): for
+    /// A model of `config`'s shapes with random bf16 weights (see [`duet_model::synthetic`]): for
     /// benchmarks at sizes no file on hand has.
     pub fn synthetic(backend: B, config: ModelConfig, seed: u64) -> Result<Self, EngineError> {
-        let tensors = |name: &str| Ok(crate::synthetic::tensor(&config, name, seed));
+        let tensors = |name: &str| Ok(duet_model::synthetic::tensor(&config, name, seed));
         Self::build(backend, config.clone(), false, &tensors)
     }
 
@@ -197,7 +198,7 @@ impl<B: Backend> Llama<B> {
             head_dim: c.head_dim,
         };
 
-        let _turn = b.forward_turn();
+        let _turn = b.step_turn();
         let device_batch = b.prepare_batch(batch);
         let batch_on_device = &device_batch;
         let mut x = b.alloc(n, c.hidden_size);
@@ -361,7 +362,7 @@ fn unpermute_rows(t: RawTensor, heads: usize) -> Result<RawTensor, EngineError> 
         }
     }
     Ok(RawTensor {
-        bytes: crate::storage::WeightBytes::from_vec(out),
+        bytes: duet_model::storage::WeightBytes::from_vec(out),
         ..t
     })
 }

@@ -5,11 +5,12 @@
 mod common;
 
 use common::fixtures;
+use duet_cpu::CpuBackend;
 use duet_engine::engine::{Engine, EngineOptions, SeqId};
-use duet_engine::generation::StopCriteria;
-use duet_engine::sampling::SamplingParams;
+use duet_model::params::SamplingParams;
+use duet_model::params::StopCriteria;
 
-fn tiny(kv_cache_tokens: usize) -> Engine {
+fn tiny(kv_cache_tokens: usize) -> Engine<CpuBackend> {
     let options = EngineOptions {
         threads: 2,
         block_size: 4,
@@ -17,7 +18,7 @@ fn tiny(kv_cache_tokens: usize) -> Engine {
         max_step_tokens: 64,
         ..Default::default()
     };
-    Engine::load(&fixtures().join("tiny-llama"), options).unwrap()
+    duet_cpu::load_engine(&fixtures().join("tiny-llama"), options).unwrap()
 }
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
@@ -35,7 +36,11 @@ fn stop(n: usize) -> StopCriteria {
 }
 
 /// Runs every sequence to the end and returns their generated tokens, in order of `ids`.
-fn finish_all(engine: &mut Engine, ids: &[SeqId], prompt_lens: &[usize]) -> Vec<Vec<u32>> {
+fn finish_all(
+    engine: &mut Engine<CpuBackend>,
+    ids: &[SeqId],
+    prompt_lens: &[usize],
+) -> Vec<Vec<u32>> {
     while engine.has_work() {
         engine.step().unwrap();
     }

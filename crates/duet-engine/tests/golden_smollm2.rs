@@ -10,15 +10,16 @@
 mod common;
 
 use common::*;
+use duet_cpu::CpuBackend;
 use duet_engine::engine::{Engine, EngineOptions};
-use duet_engine::generation::StopCriteria;
-use duet_engine::sampling::SamplingParams;
+use duet_model::params::SamplingParams;
+use duet_model::params::StopCriteria;
 
 /// A reference top-2 gap below this may flip under activation quantization.
 const NEAR_TIE: f32 = 0.1;
 
-fn engine(path: &std::path::Path) -> Engine {
-    Engine::load(
+fn engine(path: &std::path::Path) -> Engine<CpuBackend> {
+    duet_cpu::load_engine(
         path,
         EngineOptions {
             threads: 2,
@@ -113,7 +114,7 @@ fn batched_greedy_equals_solo_runs() {
         ignore_eos: true,
         ..Default::default()
     };
-    let run = |engine: &mut Engine, batch: &[Vec<u32>]| -> Vec<Vec<u32>> {
+    let run = |engine: &mut Engine<CpuBackend>, batch: &[Vec<u32>]| -> Vec<Vec<u32>> {
         let ids: Vec<_> = batch
             .iter()
             .map(|p| {

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use duet_engine::model_files::open_model;
+use duet_model::model_files::open_model;
 
 #[test]
 fn smollm2_encode_decode_parity() {

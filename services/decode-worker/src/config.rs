@@ -2,9 +2,9 @@
 
 use std::net::SocketAddr;
 
-use duet_cuda::transport::TransportChoice;
 use duet_engine::engine::EngineOptions;
-use duet_engine::model_path::ModelArgs;
+use duet_model::model_path::ModelArgs;
+use duet_transfer::choice::TransportChoice;
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct DecodeConfig {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use duet_cuda::LoadedEngine;
+use duet_device::LoadedEngine;
 use duet_proto::v1;
 use tokio::net::TcpListener;
 

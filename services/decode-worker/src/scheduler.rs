@@ -9,12 +9,12 @@ use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
-use duet_cuda::{LoadedEngine, WithEngine};
+use duet_device::{LoadedEngine, WithEngine};
 use duet_engine::backend::Backend;
 use duet_engine::engine::{Engine, KvReservation, Resumed, SeqId, StepOutput};
-use duet_engine::generation::StopCriteria;
-use duet_engine::sampling::{Sampled, SamplingParams};
 use duet_kv::PoolStats;
+use duet_model::params::StopCriteria;
+use duet_model::params::{Sampled, SamplingParams};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::DecodeError;

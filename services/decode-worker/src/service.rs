@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use duet_engine::backend::KvLayout;
 use duet_engine::engine::Resumed;
-use duet_engine::generation::StopCriteria;
-use duet_engine::sampling::{Logprobs, Sampled, SamplingParams};
+use duet_model::params::StopCriteria;
+use duet_model::params::{Logprobs, Sampled, SamplingParams};
 use duet_proto::{KV_WIRE_LAYOUT, v1};
 use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
@@ -228,10 +228,8 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
                         };
                         if let Some(reason) = out.finish {
                             msg.finish_reason = match reason {
-                                duet_engine::generation::FinishReason::Stop => {
-                                    v1::FinishReason::Stop
-                                }
-                                duet_engine::generation::FinishReason::Length => {
+                                duet_model::params::FinishReason::Stop => v1::FinishReason::Stop,
+                                duet_model::params::FinishReason::Length => {
                                     v1::FinishReason::Length
                                 }
                             } as i32;

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use duet_decode_worker::{DecodeConfig, serve};
-use duet_engine::engine::{Engine, EngineOptions};
-use duet_engine::generation::StopCriteria;
-use duet_engine::model_path::ModelArgs;
-use duet_engine::sampling::SamplingParams;
+use duet_engine::engine::EngineOptions;
+use duet_model::model_path::ModelArgs;
+use duet_model::params::SamplingParams;
+use duet_model::params::StopCriteria;
 use duet_proto::v1;
 use futures::StreamExt;
 
@@ -61,7 +61,7 @@ fn prompt() -> Vec<u32> {
 }
 
 fn reference(prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut e = Engine::load(&tiny(), options()).unwrap();
+    let mut e = duet_cpu::load_engine(&tiny(), options()).unwrap();
     let id = e
         .add_sequence(
             prompt.to_vec(),

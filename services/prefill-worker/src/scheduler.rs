@@ -14,12 +14,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use duet_cuda::{LoadedEngine, WithEngine};
+use duet_device::{LoadedEngine, WithEngine};
 use duet_engine::backend::{Backend, KvDtype};
 use duet_engine::engine::{Engine, EngineOptions, LayerDone, PlannedSeq, SeqId};
-use duet_engine::generation::StopCriteria;
-use duet_engine::sampling::{Sampled, SamplingParams};
 use duet_kv::PoolStats;
+use duet_model::params::StopCriteria;
+use duet_model::params::{Sampled, SamplingParams};
 use duet_proto::v1::KvData;
 use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 

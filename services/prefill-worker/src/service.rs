@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use duet_engine::sampling::{Sampled, SamplingParams};
+use duet_model::params::{Sampled, SamplingParams};
 use duet_proto::v1::prefill_worker_server::PrefillWorker;
 use duet_proto::v1::worker_control_server::WorkerControl;
 use duet_proto::v1::{
@@ -170,7 +170,9 @@ impl Inner {
         let s = &self.scheduler;
         let dest = validate(&req, &s.info)?.clone();
         let params = sampling_params(req.sampling.as_ref());
-        params.validate()?;
+        params
+            .validate()
+            .map_err(|e| PrefillError::InvalidArgument(e.0))?;
         let num_tokens = req.token_ids.len();
         let num_blocks = num_tokens.div_ceil(s.info.block_size);
         let first_block = dest.cached_blocks as usize;

@@ -8,9 +8,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use duet_engine::engine::{Engine, EngineOptions};
-use duet_engine::generation::StopCriteria;
-use duet_engine::sampling::SamplingParams;
+use duet_engine::engine::EngineOptions;
+use duet_model::params::SamplingParams;
+use duet_model::params::StopCriteria;
 use duet_prefill_worker::PrefillConfig;
 use duet_proto::v1::kv_chunk::Kind;
 use duet_proto::v1::kv_transfer_server::{KvTransfer, KvTransferServer};
@@ -214,7 +214,7 @@ struct Reference {
 }
 
 fn reference(tokens: &[u32]) -> Reference {
-    let mut engine = Engine::load(&fixture(), engine_options()).unwrap();
+    let mut engine = duet_cpu::load_engine(&fixture(), engine_options()).unwrap();
     let stop = StopCriteria {
         max_tokens: 2,
         ignore_eos: true,

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 
 use clap::Args;
-use duet_engine::model_path::ModelArgs;
+use duet_model::model_path::ModelArgs;
 
 /// How the router is run: where it listens, which workers it routes to, the model it serves
 /// (config, tokenizer and chat template only; never the weights) and its limits.

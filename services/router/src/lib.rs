@@ -20,8 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use duet_engine::chat::ChatTemplate;
-use duet_engine::model_files::open_model;
+use duet_model::chat::ChatTemplate;
+use duet_model::model_files::open_model;
 use duet_proto::v1::generation_server::GenerationServer;
 
 pub use config::RouterConfig;

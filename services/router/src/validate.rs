@@ -2,11 +2,10 @@
 //! worker-protocol `SamplingParams` with every field resolved, or a typed [`ValidationError`]
 //! that says what was wrong (answered as INVALID_ARGUMENT).
 
-use duet_engine::EngineError;
-use duet_engine::chat::{ChatError, ChatMessage, ChatTemplate};
-use duet_engine::generation::StopCriteria;
-use duet_engine::sampling::SamplingParams as EngineSampling;
-use duet_engine::tokenizer::{Tokenizer, TokenizerError};
+use duet_model::chat::{ChatError, ChatMessage, ChatTemplate};
+use duet_model::params::SamplingParams as EngineSampling;
+use duet_model::params::StopCriteria;
+use duet_model::tokenizer::{Tokenizer, TokenizerError};
 use duet_proto::v1;
 
 /// A bad request. Every variant is the client's to fix.
@@ -84,13 +83,6 @@ pub struct PromptModel {
     pub vocab_size: u32,
     /// `max_tokens` of requests that set none (lowered to fit the context).
     pub default_max_tokens: u32,
-}
-
-fn engine_message(e: EngineError) -> String {
-    match e {
-        EngineError::InvalidRequest(m) => m,
-        other => other.to_string(),
-    }
 }
 
 impl PromptModel {
@@ -191,7 +183,7 @@ impl PromptModel {
         };
         engine
             .validate()
-            .map_err(|e| ValidationError::Sampling(engine_message(e)))?;
+            .map_err(|e| ValidationError::Sampling(e.0))?;
         StopCriteria {
             max_tokens: max_tokens as usize,
             stop_token_ids: req.stop_token_ids.clone(),
@@ -199,7 +191,7 @@ impl PromptModel {
             ignore_eos: req.ignore_eos,
         }
         .validate()
-        .map_err(|e| ValidationError::Stop(engine_message(e)))?;
+        .map_err(|e| ValidationError::Stop(e.0))?;
         if let Some((index, &id)) = req
             .stop_token_ids
             .iter()
@@ -259,7 +251,7 @@ mod tests {
 
     fn model() -> PromptModel {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
-        let files = duet_engine::model_files::open_model(&dir).expect("tiny-llama opens");
+        let files = duet_model::model_files::open_model(&dir).expect("tiny-llama opens");
         PromptModel {
             tokenizer: files.tokenizer,
             chat: std::sync::Arc::new(files.chat_template.unwrap_or_else(ChatTemplate::chatml)),

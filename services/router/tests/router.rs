@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use duet_engine::model_path::ModelArgs;
+use duet_model::model_path::ModelArgs;
 use duet_proto::v1;
 use duet_proto::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
 use duet_proto::v1::generation_client::GenerationClient;

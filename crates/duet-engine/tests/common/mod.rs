@@ -4,11 +4,11 @@
 
 use std::path::PathBuf;
 
+use duet_cpu::{CpuBackend, CpuKvStore};
 use duet_engine::backend::{Backend, KvDtypeChoice};
 use duet_engine::batch::{ForwardBatch, LogitsWanted, SeqInput};
-use duet_engine::cpu::{CpuBackend, CpuKvStore};
 use duet_engine::llama::{Llama, Logits};
-use duet_engine::model_files::open_model;
+use duet_model::model_files::open_model;
 
 pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")

@@ -4,7 +4,10 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 
-use crate::EngineError;
+/// No model where one was asked for (or the default model is not fetched yet).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ModelNotFound(pub String);
 
 /// The default model: file name inside the models directory.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -22,10 +25,10 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     /// The model path to load, or an error that says how to get the default model.
-    pub fn resolve(&self) -> Result<PathBuf, EngineError> {
+    pub fn resolve(&self) -> Result<PathBuf, ModelNotFound> {
         match &self.model {
             Some(p) if p.exists() => Ok(p.clone()),
-            Some(p) => Err(EngineError::ModelNotFound(format!(
+            Some(p) => Err(ModelNotFound(format!(
                 "model {} does not exist",
                 p.display()
             ))),
@@ -34,12 +37,12 @@ impl ModelArgs {
     }
 }
 
-pub fn default_model(models_dir: &Path) -> Result<PathBuf, EngineError> {
+pub fn default_model(models_dir: &Path) -> Result<PathBuf, ModelNotFound> {
     let path = models_dir.join(DEFAULT_MODEL_FILE);
     if path.exists() {
         return Ok(path);
     }
-    Err(EngineError::ModelNotFound(format!(
+    Err(ModelNotFound(format!(
         "the default model is not installed (looked for {}); fetch it with `duet model fetch`{}",
         path.display(),
         if models_dir == Path::new("models") {

@@ -1,9 +1,9 @@
 //! Scalar dequantization of GGML blocks (the reference reading of every format).
 
-use super::QuantType;
+use crate::quant_type::QuantType;
 
 #[inline(always)]
-pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
+pub fn f16_at(b: &[u8], i: usize) -> f32 {
     half::f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
 }
 
@@ -16,7 +16,7 @@ pub fn dequantize_row(ty: QuantType, bytes: &[u8], out: &mut [f32]) {
 
 /// [`dequantize_row`], inlined into callers compiled with wider SIMD (which autovectorize it).
 #[inline(always)]
-pub(crate) fn dequantize_row_inline(ty: QuantType, bytes: &[u8], out: &mut [f32]) {
+pub fn dequantize_row_inline(ty: QuantType, bytes: &[u8], out: &mut [f32]) {
     let expected = ty.row_bytes(out.len());
     assert_eq!(
         Some(bytes.len()),
@@ -54,7 +54,7 @@ pub(crate) fn dequantize_row_inline(ty: QuantType, bytes: &[u8], out: &mut [f32]
 
 /// One block of a block-quantized type.
 #[inline(always)]
-pub(crate) fn dequantize_block(ty: QuantType, b: &[u8], y: &mut [f32]) {
+pub fn dequantize_block(ty: QuantType, b: &[u8], y: &mut [f32]) {
     match ty {
         QuantType::Q4_0 => {
             let d = f16_at(b, 0);
@@ -130,7 +130,7 @@ pub(crate) fn dequantize_block(ty: QuantType, b: &[u8], y: &mut [f32]) {
 
 /// GGML's `get_scale_min_k4`: the 6-bit scale and min of sub-block `j` (0..8) of a Q4_K block.
 #[inline(always)]
-pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use crate::quant::QuantType;
+use crate::quant_type::QuantType;
 use crate::storage::WeightBytes;
 
 const MAGIC: &[u8; 4] = b"GGUF";

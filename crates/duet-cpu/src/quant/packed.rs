@@ -20,7 +20,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::QuantType;
-use super::dequant::f16_at;
+use duet_model::dequant::f16_at;
 
 pub(crate) const GROUP: usize = 16;
 
@@ -159,7 +159,7 @@ fn put_block(ty: QuantType, blk: &[u8], lane: usize, dst: &mut [u8]) {
                 .copy_from_slice(&blk[16 + 4 * q..16 + 4 * q + 4]);
         }
         for j in 0..8 {
-            let (sc, m) = super::dequant::scale_min_k4(j, &blk[4..16]);
+            let (sc, m) = duet_model::dequant::scale_min_k4(j, &blk[4..16]);
             dst[Q4K_SC + j * 16 + lane] = sc;
             dst[Q4K_MN + j * 16 + lane] = m;
         }

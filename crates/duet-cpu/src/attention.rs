@@ -8,10 +8,10 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use crate::EngineError;
-use crate::backend::{AttentionShape, KvDtype, KvLayout};
-use crate::batch::ForwardBatch;
 use crate::threadpool::ThreadPool;
+use duet_engine::EngineError;
+use duet_engine::backend::{AttentionShape, KvDtype, KvLayout};
+use duet_engine::batch::ForwardBatch;
 
 use super::vector::exp_approx;
 use super::{CpuTensor, SendPtr};
@@ -692,7 +692,7 @@ mod tests {
     /// and contexts ending inside and on block boundaries through a scattered block table.
     #[test]
     fn kernels_match_a_float64_reference() {
-        let mut rng = crate::synthetic::Uniform::new(7);
+        let mut rng = duet_model::synthetic::Uniform::new(7);
         for (hd, group, bs) in [
             (16, 1, 16),
             (64, 3, 16),

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use serde_json::Value;
 
-use crate::quant::QuantType;
+use crate::quant_type::QuantType;
 use crate::storage::WeightBytes;
 
 /// Headers larger than this are refused (real ones are well under 1 MiB).

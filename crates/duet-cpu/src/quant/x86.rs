@@ -624,10 +624,10 @@ pub(crate) unsafe fn dequantize_row_avx512(ty: QuantType, bytes: &[u8], out: &mu
                 _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
             }
         }
-        super::dequant::dequantize_row_inline(ty, &bytes[2 * n16..], &mut out[n16..]);
+        duet_model::dequant::dequantize_row_inline(ty, &bytes[2 * n16..], &mut out[n16..]);
         return;
     }
-    super::dequant::dequantize_row_inline(ty, bytes, out)
+    duet_model::dequant::dequantize_row_inline(ty, bytes, out)
 }
 
 /// Row dequantization compiled for AVX2.
@@ -641,10 +641,10 @@ pub(crate) unsafe fn dequantize_row_avx2(ty: QuantType, bytes: &[u8], out: &mut 
                 _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
             }
         }
-        super::dequant::dequantize_row_inline(ty, &bytes[2 * n8..], &mut out[n8..]);
+        duet_model::dequant::dequantize_row_inline(ty, &bytes[2 * n8..], &mut out[n8..]);
         return;
     }
-    super::dequant::dequantize_row_inline(ty, bytes, out)
+    duet_model::dequant::dequantize_row_inline(ty, bytes, out)
 }
 
 /// Dots of `nr` (1..=4) rows of `w` (row stride `cols`) with 4 tokens of `x` (`4 * cols` values):

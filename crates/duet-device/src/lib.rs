@@ -1,17 +1,21 @@
-//! Loading an engine on the device its options name (`--device cpu|cuda[:N]`), and running code
-//! that is generic over the backend on it.
+//! Device selection, outside both backends: loading an engine on the device its options name
+//! (`--device cpu|cuda[:N]`), and running code that is generic over the backend on it.
 //!
 //! Services and commands are written once over `Engine<B>`; [`LoadedEngine::run`] hands the
-//! loaded engine, whatever its backend, to such code.
+//! loaded engine, whatever its backend, to such code. The CUDA backend is linked only with the
+//! `cuda` feature: CPU-only builds do not depend on `duet-cuda` at all.
+
+#[cfg(feature = "cuda")]
+pub mod gpu_bench;
 
 use std::path::Path;
 
+use duet_cpu::CpuBackend;
 use duet_engine::EngineError;
 use duet_engine::backend::{Backend, KvLayout};
-use duet_engine::config::ModelConfig;
-use duet_engine::cpu::CpuBackend;
 use duet_engine::device::Device;
 use duet_engine::engine::{Engine, EngineOptions};
+use duet_model::config::ModelConfig;
 
 /// An engine on whichever device was asked for. Made once per process and moved to its thread,
 /// so the size difference between variants does not matter.
@@ -19,7 +23,7 @@ use duet_engine::engine::{Engine, EngineOptions};
 pub enum LoadedEngine {
     Cpu(Engine<CpuBackend>),
     #[cfg(feature = "cuda")]
-    Cuda(Engine<crate::backend::CudaBackend>),
+    Cuda(Engine<duet_cuda::backend::CudaBackend>),
 }
 
 /// Code generic over the backend, run on a [`LoadedEngine`].
@@ -43,7 +47,7 @@ impl LoadedEngine {
     /// Loads a model (GGUF file or HF directory) on `options.device`.
     pub fn load(path: &Path, options: EngineOptions) -> Result<Self, EngineError> {
         match options.device {
-            Device::Cpu => Ok(Self::Cpu(Engine::load(path, options)?)),
+            Device::Cpu => Ok(Self::Cpu(duet_cpu::load_engine(path, options)?)),
             Device::Cuda(ordinal) => load_cuda(path, options, ordinal),
         }
     }
@@ -82,8 +86,8 @@ fn load_cuda(
     ordinal: usize,
 ) -> Result<LoadedEngine, EngineError> {
     // The device first: a missing GPU is reported before a large model file is read.
-    let backend = crate::backend::CudaBackend::new(ordinal, options.gpu_memory_fraction)?;
-    let files = duet_engine::model_files::open_model(path)?;
+    let backend = duet_cuda::backend::CudaBackend::new(ordinal, options.gpu_memory_fraction)?;
+    let files = duet_model::model_files::open_model(path)?;
     Ok(LoadedEngine::Cuda(Engine::with_backend(
         backend, files, options,
     )?))
@@ -91,7 +95,9 @@ fn load_cuda(
 
 #[cfg(not(feature = "cuda"))]
 fn load_cuda(_: &Path, _: EngineOptions, _: usize) -> Result<LoadedEngine, EngineError> {
-    Err(crate::CudaError::NotBuilt.into())
+    Err(EngineError::Device(
+        "this build has no CUDA support; rebuild with `cargo build --release --features cuda` to use --device cuda".into(),
+    ))
 }
 
 #[cfg(test)]
@@ -113,7 +119,7 @@ mod tests {
         #[cfg(not(feature = "cuda"))]
         assert!(msg.contains("--features cuda"), "{msg}");
         #[cfg(feature = "cuda")]
-        if !crate::probe::driver_present() {
+        if !duet_cuda::probe::driver_present() {
             assert!(msg.contains("libcuda"), "{msg}");
         } else {
             assert!(msg.contains("/nonexistent/model.gguf"), "{msg}");

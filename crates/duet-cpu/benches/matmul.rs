@@ -1,4 +1,4 @@
-//! Matmul kernel benchmark: `cargo bench -p duet-engine --bench matmul [-- --all-paths] [-- --threads N]`.
+//! Matmul kernel benchmark: `cargo bench -p duet-cpu --bench matmul [-- --all-paths] [-- --threads N]`.
 //!
 //! Per-shape numbers repeat one matrix (it stays in cache after the first call); the "whole
 //! model" numbers run all 211 distinct matrices of a SmolLM2-135M forward step in order, so
@@ -6,9 +6,9 @@
 
 use std::time::{Duration, Instant};
 
-use duet_engine::quant::{KernelPath, QMatrix, QuantType};
-use duet_engine::storage::WeightBytes;
-use duet_engine::threadpool::ThreadPool;
+use duet_cpu::quant::{KernelPath, QMatrix, QuantType};
+use duet_cpu::threadpool::ThreadPool;
+use duet_model::storage::WeightBytes;
 
 struct Rng(u64);
 impl Rng {

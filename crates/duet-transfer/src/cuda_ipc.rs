@@ -9,8 +9,8 @@ use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{CudaContext, CudaStream};
 use duet_engine::backend::{KvDtype, KvLayout};
 
-use crate::CudaError;
-use crate::backend::CudaKvStore;
+use duet_cuda::CudaError;
+use duet_cuda::backend::CudaKvStore;
 
 const MAGIC: &[u8; 8] = b"duetipc1";
 

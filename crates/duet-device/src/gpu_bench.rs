@@ -13,24 +13,23 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use duet_cpu::CpuBackend;
 use duet_engine::EngineError;
 use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
 use duet_engine::batch::{ForwardBatch, LogitsWanted, SeqInput};
-use duet_engine::config::ModelConfig;
-use duet_engine::cpu::CpuBackend;
 use duet_engine::device::Device;
 use duet_engine::engine::EngineOptions;
-use duet_engine::generation::StopCriteria;
 use duet_engine::llama::Llama;
-use duet_engine::model_files::open_model;
-use duet_engine::quant::QuantType;
-use duet_engine::sampling::SamplingParams;
-use duet_engine::storage::WeightBytes;
-use duet_engine::synthetic::Uniform;
+use duet_model::config::ModelConfig;
+use duet_model::model_files::open_model;
+use duet_model::params::{SamplingParams, StopCriteria};
+use duet_model::quant_type::QuantType;
+use duet_model::storage::WeightBytes;
+use duet_model::synthetic::Uniform;
 use serde::Serialize;
 
 use crate::LoadedEngine;
-use crate::backend::{CudaBackend, bf16_bits};
+use duet_cuda::backend::{CudaBackend, bf16_bits};
 
 pub struct GpuBenchOptions {
     pub ordinal: usize,

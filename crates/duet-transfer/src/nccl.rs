@@ -9,9 +9,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 use cudarc::nccl::{Comm, Id};
 
-use crate::CudaError;
-use crate::backend::{CudaBackend, CudaKvStore};
-use crate::probe;
+use duet_cuda::CudaError;
+use duet_cuda::backend::{CudaBackend, CudaKvStore};
+use duet_cuda::probe;
 
 /// An NCCL unique id (128 bytes) as it travels in the transport parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

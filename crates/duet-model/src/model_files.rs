@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 use crate::chat::{ChatError, ChatTemplate};
 use crate::config::{Architecture, ConfigError, ModelConfig};
 use crate::gguf::{GgufError, GgufFile};
-use crate::quant::QuantType;
+use crate::quant_type::QuantType;
 use crate::safetensors::{SafetensorsError, open_safetensors_dir};
 use crate::storage::WeightBytes;
 use crate::tokenizer::{Tokenizer, TokenizerError};

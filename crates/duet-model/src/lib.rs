@@ -1,0 +1,16 @@
+//! What a model is, without running it: its configuration, weight files (GGUF, safetensors) and
+//! their tensor types, tokenizer, chat template, and the request parameters generation takes.
+//! The router reads a model through this crate alone; no kernel is linked.
+
+pub mod chat;
+pub mod config;
+pub mod dequant;
+pub mod gguf;
+pub mod model_files;
+pub mod model_path;
+pub mod params;
+pub mod quant_type;
+pub mod safetensors;
+pub mod storage;
+pub mod synthetic;
+pub mod tokenizer;

@@ -1,0 +1,176 @@
+//! What a request asks of generation, and what sampling gives back: the sampling parameters and
+//! stop criteria (with the range checks the router and the workers share), a sampled token with
+//! its log-probabilities, and why a sequence ended. Plain data: the router validates requests
+//! with these without linking the engine.
+
+/// A request parameter out of range; the message names the field and the allowed range.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidParams(pub String);
+
+/// How to pick each next token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 disables.
+    pub top_k: u32,
+    /// Keep the smallest set of tokens whose probability reaches `top_p`; 1 disables.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p ×` the most likely one; 0 disables.
+    pub min_p: f32,
+    /// Divides positive (multiplies negative) logits of tokens already seen; 1 disables.
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token generated so far.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated.
+    pub frequency_penalty: f32,
+    /// Same seed, same tokens. `None` draws a seed.
+    pub seed: Option<u64>,
+    /// Number of most likely alternatives to report with each token (0: none).
+    pub logprobs: u32,
+}
+
+/// Most alternatives a caller may ask log-probabilities for.
+pub const MAX_LOGPROBS: u32 = 20;
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            logprobs: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+
+    /// Checks every field's range; the error names the field and the allowed range.
+    pub fn validate(&self) -> Result<(), InvalidParams> {
+        let bad = |msg: String| Err(InvalidParams(msg));
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
+            return bad(format!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            ));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
+        if self.logprobs > MAX_LOGPROBS {
+            return bad(format!(
+                "logprobs must be at most {MAX_LOGPROBS}, got {}",
+                self.logprobs
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One sampled token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    /// Present when the parameters asked for log-probabilities.
+    pub logprobs: Option<Logprobs>,
+}
+
+/// Log-probabilities at one position (after penalties, before temperature and truncation).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logprobs {
+    /// Of the sampled token.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// An end-of-sequence token, a stop token id or a stop string.
+    Stop,
+    /// `max_tokens` generated, or the context is full.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Most stop strings a request may carry, and their longest length in bytes.
+pub const MAX_STOP_STRINGS: usize = 16;
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+
+/// When to stop generating.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StopCriteria {
+    pub max_tokens: usize,
+    /// Extra token ids that end the sequence (the model's end-of-sequence ids are added unless
+    /// `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    pub stop_strings: Vec<String>,
+    pub ignore_eos: bool,
+}
+
+impl StopCriteria {
+    pub fn validate(&self) -> Result<(), InvalidParams> {
+        let bad = |m: String| Err(InvalidParams(m));
+        if self.max_tokens == 0 {
+            return bad("max_tokens must be at least 1".into());
+        }
+        if self.stop_strings.len() > MAX_STOP_STRINGS {
+            return bad(format!(
+                "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
+                self.stop_strings.len()
+            ));
+        }
+        for s in &self.stop_strings {
+            if s.is_empty() {
+                return bad("stop strings must not be empty".into());
+            }
+            if s.len() > MAX_STOP_STRING_BYTES {
+                return bad(format!(
+                    "stop strings must be at most {MAX_STOP_STRING_BYTES} bytes, got {}",
+                    s.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
