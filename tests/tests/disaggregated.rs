@@ -138,3 +138,46 @@ fn default_model_through_the_cluster_equals_in_process() {
         assert_eq!(&ids, w);
     }
 }
+
+/// `cache_salt` isolates tenants' prefix caches on both workers: the same prompt under another
+/// salt finds nothing cached, under its own salt it finds its prefix, through remote and local
+/// prefill alike.
+#[test]
+fn cache_salt_separates_tenants_prefix_caches() {
+    for threshold in [
+        "--local-prefill-threshold=0",
+        "--local-prefill-threshold=100000",
+    ] {
+        let c = cluster(tiny_model(), 1, 1, &[threshold]);
+        let p = &prompts(1)[0];
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let cached = |salt: &str| {
+            let req = v1::GenerateRequest {
+                cache_salt: salt.into(),
+                ..greedy_request(p, 4)
+            };
+            let (ids, _, last) = rt.block_on(generate(c.router, req)).unwrap();
+            (last.usage.unwrap().cached_prompt_tokens, ids)
+        };
+        let (first, tokens) = cached("tenant-a");
+        assert_eq!(first, 0, "{threshold}: nothing is cached yet");
+        let (other, other_tokens) = cached("tenant-b");
+        assert_eq!(other, 0, "{threshold}: another tenant's prefix was reused");
+        assert_eq!(other_tokens, tokens);
+        let (again, again_tokens) = cached("tenant-a");
+        assert!(
+            again > 0,
+            "{threshold}: the tenant's own prefix was not reused"
+        );
+        assert_eq!(again_tokens, tokens);
+        // A salt longer than 256 bytes is refused, and nothing else is disturbed.
+        let req = v1::GenerateRequest {
+            cache_salt: "s".repeat(257),
+            ..greedy_request(p, 4)
+        };
+        let err = rt.block_on(generate(c.router, req)).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        assert!(err.message().contains("cache_salt"), "{}", err.message());
+        assert_eq!(cached("tenant-a").1, tokens);
+    }
+}

@@ -97,6 +97,8 @@ struct Sequence {
     table: BlockTable,
     /// Hashes of the full blocks registered so far.
     hashes: Vec<BlockHash>,
+    /// Seed of those hashes: the model's, with the request's cache salt.
+    hash_seed: u64,
     sampler: Sampler,
     stop: StopCriteria,
     text: TextStream,
@@ -128,7 +130,6 @@ pub struct Engine<B: Backend> {
     tokenizer: Tokenizer,
     chat: Option<ChatTemplate>,
     options: EngineOptions,
-    hash_seed: u64,
     fingerprint: String,
     seqs: BTreeMap<SeqId, Sequence>,
     next_id: SeqId,
@@ -195,7 +196,6 @@ impl<B: Backend> Engine<B> {
             options.block_size,
         );
         let engine = Self {
-            hash_seed: hash_seed(fingerprint.as_bytes(), None),
             fingerprint,
             model,
             kv,
@@ -270,14 +270,24 @@ impl<B: Backend> Engine<B> {
         Ok(self.tokenizer.encode(text)?)
     }
 
-    /// Validates a request against the model and admits it, reusing cached prefix blocks.
+    /// Validates a request against the model and admits it, reusing cached prefix blocks of the
+    /// shared namespace (no cache salt).
     pub fn add_sequence(
         &mut self,
         prompt: Vec<u32>,
         params: SamplingParams,
         stop: StopCriteria,
     ) -> Result<SeqId, EngineError> {
-        self.resume_sequence(prompt, Resumed::default(), params, stop)
+        self.resume_sequence(prompt, Resumed::default(), "", params, stop)
+    }
+
+    /// The seed of the prefix hashes of requests with this cache salt: requests share cached
+    /// blocks only when their salts are equal (empty: the shared namespace).
+    pub fn hash_seed(&self, cache_salt: &str) -> u64 {
+        hash_seed(
+            self.fingerprint.as_bytes(),
+            (!cache_salt.is_empty()).then_some(cache_salt),
+        )
     }
 
     /// Admits a request that another worker started: the last `resumed.generated` of `tokens`
@@ -287,6 +297,7 @@ impl<B: Backend> Engine<B> {
         &mut self,
         tokens: Vec<u32>,
         resumed: Resumed,
+        cache_salt: &str,
         params: SamplingParams,
         stop: StopCriteria,
     ) -> Result<SeqId, EngineError> {
@@ -303,7 +314,8 @@ impl<B: Backend> Engine<B> {
         self.check_prompt(&tokens, stop.max_tokens - resumed.generated)?;
         let prompt_len = tokens.len() - resumed.generated;
         let bs = self.options.block_size;
-        let hashes = block_hashes(self.hash_seed, &tokens, bs);
+        let seed = self.hash_seed(cache_salt);
+        let hashes = block_hashes(seed, &tokens, bs);
         // Leave at least one token to compute: its logits give the next output token.
         let usable = hashes.len().min((tokens.len() - 1) / bs);
         let cached = self.blocks.lookup_prefix(&hashes[..usable]);
@@ -326,6 +338,7 @@ impl<B: Backend> Engine<B> {
                 num_computed: num_cached,
                 num_cached_prompt: num_cached.min(prompt_len),
                 hashes: hashes[..cached.len()].to_vec(),
+                hash_seed: seed,
                 table: BlockTable::from_blocks(cached),
                 sampler,
                 stop,
@@ -366,10 +379,15 @@ impl<B: Backend> Engine<B> {
     /// Decode side of a transfer: holds blocks for `tokens`' KV, reusing locally cached full
     /// prefix blocks (their KV need not be sent). The blocks stay held until
     /// [`add_prefilled`](Self::add_prefilled) takes them or [`release`](Self::release) frees them.
-    pub fn reserve(&mut self, tokens: &[u32]) -> Result<KvReservation, EngineError> {
+    pub fn reserve(
+        &mut self,
+        tokens: &[u32],
+        cache_salt: &str,
+    ) -> Result<KvReservation, EngineError> {
         self.check_prompt(tokens, 1)?;
         let bs = self.options.block_size;
-        let hashes = block_hashes(self.hash_seed, tokens, bs);
+        let hash_seed = self.hash_seed(cache_salt);
+        let hashes = block_hashes(hash_seed, tokens, bs);
         let cached = self.blocks.lookup_prefix(&hashes);
         let needed = tokens.len().div_ceil(bs) - cached.len();
         let fresh = match self.blocks.allocate(needed) {
@@ -386,6 +404,7 @@ impl<B: Backend> Engine<B> {
             blocks,
             cached_blocks,
             num_tokens: tokens.len(),
+            hash_seed,
         })
     }
 
@@ -433,12 +452,13 @@ impl<B: Backend> Engine<B> {
             tokens: prompt,
             table: BlockTable::from_blocks(reservation.blocks),
             hashes: Vec::new(),
+            hash_seed: reservation.hash_seed,
             sampler,
             text: TextStream::new(stop.stop_strings.clone()),
             stop,
             finish: None,
         };
-        register_full_blocks(&mut seq, &mut self.blocks, self.hash_seed, bs)?;
+        register_full_blocks(&mut seq, &mut self.blocks, bs)?;
         let out = advance(
             &mut seq,
             first,
@@ -596,7 +616,7 @@ impl<B: Backend> Engine<B> {
         for p in &plan {
             let seq = self.seqs.get_mut(&p.seq).expect("planned sequences exist");
             seq.num_computed += p.len;
-            register_full_blocks(seq, &mut self.blocks, self.hash_seed, bs)?;
+            register_full_blocks(seq, &mut self.blocks, bs)?;
             if seq.num_computed < seq.tokens.len() {
                 continue; // a prompt chunk; no token yet
             }
@@ -737,6 +757,8 @@ pub struct KvReservation {
     /// Leading blocks already holding the prompt's KV from the local prefix cache.
     pub cached_blocks: usize,
     pub num_tokens: usize,
+    /// Seed of the prompt's prefix hashes (the request's cache salt).
+    pub hash_seed: u64,
 }
 
 /// One sequence's share of a step.
@@ -811,7 +833,6 @@ fn advance(
 fn register_full_blocks(
     seq: &mut Sequence,
     pool: &mut BlockPool,
-    seed: u64,
     bs: usize,
 ) -> Result<(), EngineError> {
     let full = seq.num_computed / bs;
@@ -820,7 +841,11 @@ fn register_full_blocks(
     }
     let mut prev = seq.hashes.last().copied();
     for b in seq.hashes.len()..full {
-        let h = next_block_hash(seed, prev.unwrap_or(0), &seq.tokens[b * bs..(b + 1) * bs]);
+        let h = next_block_hash(
+            seq.hash_seed,
+            prev.unwrap_or(0),
+            &seq.tokens[b * bs..(b + 1) * bs],
+        );
         pool.register_hash(seq.table.blocks()[b], h)?;
         seq.hashes.push(h);
         prev = Some(h);

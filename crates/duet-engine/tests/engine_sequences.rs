@@ -6,7 +6,7 @@ mod common;
 
 use common::fixtures;
 use duet_cpu::CpuBackend;
-use duet_engine::engine::{Engine, EngineOptions, SeqId};
+use duet_engine::engine::{Engine, EngineOptions, Resumed, SeqId};
 use duet_model::params::SamplingParams;
 use duet_model::params::StopCriteria;
 
@@ -84,7 +84,7 @@ fn kv_moved_between_engines_continues_exactly() {
 
         // Decode engine: reserve, receive every (layer, block), continue.
         let mut decode = tiny(1024);
-        let r = decode.reserve(&p).unwrap();
+        let r = decode.reserve(&p, "").unwrap();
         assert_eq!(r.blocks.len(), src_blocks.len());
         assert_eq!(r.cached_blocks, 0);
         let mut buf = vec![0u8; prefill.kv_block_bytes()];
@@ -115,7 +115,7 @@ fn reservation_reuses_local_prefix_and_release_frees_it() {
         .unwrap();
     finish_all(&mut e, &[id], &[p.len()]);
     let free_before = e.block_pool().available();
-    let r = e.reserve(&p).unwrap();
+    let r = e.reserve(&p, "").unwrap();
     assert_eq!(
         r.cached_blocks, 4,
         "18 tokens = 4 full blocks cached from the first run"
@@ -124,6 +124,43 @@ fn reservation_reuses_local_prefix_and_release_frees_it() {
     e.release(r).unwrap();
     assert_eq!(e.block_pool().available(), free_before);
     assert_eq!(e.block_pool().stats().in_use, 0);
+}
+
+#[test]
+fn prefix_cache_is_shared_only_within_one_cache_salt() {
+    let mut e = tiny(256);
+    let p = prompt(5, 18);
+    let run = |e: &mut Engine<CpuBackend>, salt: &str| {
+        let id = e
+            .resume_sequence(
+                p.clone(),
+                Resumed::default(),
+                salt,
+                SamplingParams::greedy(),
+                stop(2),
+            )
+            .unwrap();
+        let cached = e.cached_prompt_tokens(id).unwrap();
+        let tokens = finish_all(e, &[id], &[p.len()]).remove(0);
+        (cached, tokens)
+    };
+    let (cached, first) = run(&mut e, "tenant-a");
+    assert_eq!(cached, 0, "nothing cached yet");
+    let (cached, other) = run(&mut e, "tenant-b");
+    assert_eq!(cached, 0, "another tenant's prefix is not reused");
+    assert_eq!(other, first);
+    let (cached, again) = run(&mut e, "tenant-a");
+    assert_eq!(cached, 16, "the same tenant reuses its 4 full blocks");
+    assert_eq!(again, first);
+    let (cached, _) = run(&mut e, "");
+    assert_eq!(cached, 0, "the shared namespace is a namespace of its own");
+    // The decode side's reservation honours the salt the same way.
+    let r = e.reserve(&p, "tenant-c").unwrap();
+    assert_eq!(r.cached_blocks, 0);
+    e.release(r).unwrap();
+    let r = e.reserve(&p, "tenant-b").unwrap();
+    assert_eq!(r.cached_blocks, 4);
+    e.release(r).unwrap();
 }
 
 #[test]
@@ -235,7 +272,7 @@ fn a_resumed_request_continues_without_repeats() {
             sent_text_bytes: sent,
         };
         let id = other
-            .resume_sequence(tokens, resumed, params.clone(), stop(14))
+            .resume_sequence(tokens, resumed, "", params.clone(), stop(14))
             .unwrap();
         let mut rest = Vec::new();
         while other.has_work() {

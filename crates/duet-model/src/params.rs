@@ -31,6 +31,9 @@ pub struct SamplingParams {
     pub logprobs: u32,
 }
 
+/// Longest `cache_salt` a request may carry, in bytes.
+pub const MAX_CACHE_SALT_BYTES: usize = 256;
+
 /// Most alternatives a caller may ask log-probabilities for.
 pub const MAX_LOGPROBS: u32 = 20;
 

@@ -8,6 +8,9 @@
 //! [`FILE_DESCRIPTOR_SET`] is the encoded descriptor set of those files, and
 //! [`reflection_services`] builds the v1 and v1alpha server-reflection services that describe
 //! them together with `grpc.health.v1`, so `grpcurl` and `ghz` work with no `.proto` file.
+//!
+//! [`serve`] is every service's edge (deadline, in-flight limit, health, reflection), and
+//! [`convert`] the one place protocol messages become the model's request types and back.
 
 /// Messages, clients (`*_client`) and servers (`*_server`) of package `duet.v1`.
 #[allow(
@@ -21,6 +24,13 @@
 pub mod v1 {
     tonic::include_proto!("duet.v1");
 }
+
+pub mod channels;
+pub mod convert;
+pub mod serve;
+
+pub use channels::{Channels, channel};
+pub use serve::{Edge, EdgeOptions, MAX_MESSAGE_BYTES, deadline};
 
 /// `KvHeader.layout` of a KV push: per (layer, block), K then V, each
 /// `[kv_head][slot][head_dim]`, little-endian values of `KvHeader.dtype`.
@@ -191,51 +201,6 @@ mod tests {
             v1::FinishReason::try_from(2).unwrap(),
             v1::FinishReason::Length
         );
-    }
-}
-
-/// The caller's remaining time, from the `grpc-timeout` header tonic leaves in the metadata
-/// (`<digits><unit>`, unit one of H M S m u n). `None` when the caller set no deadline.
-pub fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<std::time::Duration> {
-    let v = metadata.get("grpc-timeout")?.to_str().ok()?;
-    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
-    let n: u64 = digits.parse().ok()?;
-    use std::time::Duration;
-    Some(match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
-}
-
-#[cfg(test)]
-mod timeout_tests {
-    use super::grpc_timeout;
-    use std::time::Duration;
-
-    #[test]
-    fn parses_every_unit_and_rejects_garbage() {
-        let mut m = tonic::metadata::MetadataMap::new();
-        assert_eq!(grpc_timeout(&m), None);
-        for (v, d) in [
-            ("2H", Duration::from_secs(7200)),
-            ("3M", Duration::from_secs(180)),
-            ("5S", Duration::from_secs(5)),
-            ("250m", Duration::from_millis(250)),
-            ("7u", Duration::from_micros(7)),
-            ("9n", Duration::from_nanos(9)),
-        ] {
-            m.insert("grpc-timeout", v.parse().unwrap());
-            assert_eq!(grpc_timeout(&m), Some(d), "{v}");
-        }
-        for bad in ["12x", "S", "5", "-5S"] {
-            m.insert("grpc-timeout", bad.parse().unwrap());
-            assert_eq!(grpc_timeout(&m), None, "{bad}");
-        }
     }
 }
 

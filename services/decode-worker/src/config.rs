@@ -31,4 +31,11 @@ pub struct DecodeConfig {
     /// Longest a single prefill attempt may take before the next prefill worker is tried.
     #[arg(long, env = "DUET_PREFILL_TIMEOUT_MS", default_value_t = 60_000)]
     pub prefill_timeout_ms: u64,
+    /// Deadline of calls that carry none (no `grpc-timeout`), in milliseconds.
+    #[arg(long, env = "DUET_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
+    pub request_timeout_ms: u64,
+    /// Calls served at once (a Decode stream counts until it ends); past it RESOURCE_EXHAUSTED
+    /// at once.
+    #[arg(long, env = "DUET_MAX_IN_FLIGHT", default_value_t = 4096)]
+    pub max_in_flight: usize,
 }

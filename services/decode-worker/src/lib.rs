@@ -47,36 +47,28 @@ pub async fn serve(
         Duration::from_millis(config.prefill_timeout_ms),
     ));
 
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<v1::decode_worker_server::DecodeWorkerServer<service::DecodeService>>()
-        .await;
-    health
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
-    let (reflection_v1, reflection_v1alpha) = duet_proto::reflection_services();
-    const MAX_MESSAGE: usize = 64 << 20;
     tracing::info!(%addr, worker = %state.worker_id, "decode worker serving");
-    tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(
-            v1::decode_worker_server::DecodeWorkerServer::new(service::DecodeService {
-                state: state.clone(),
-            })
-            .max_decoding_message_size(MAX_MESSAGE),
-        )
-        .add_service(
-            v1::kv_transfer_server::KvTransferServer::new(service::TransferService {
-                state: state.clone(),
-            })
-            .max_decoding_message_size(MAX_MESSAGE),
-        )
-        .add_service(v1::worker_control_server::WorkerControlServer::new(
-            service::ControlService { state },
-        ))
-        .serve_with_incoming_shutdown(duet_proto::incoming(listener), shutdown)
-        .await?;
+    let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
+        default_deadline: Duration::from_millis(config.request_timeout_ms.max(1)),
+        max_in_flight: config.max_in_flight,
+    });
+    edge.add(
+        v1::decode_worker_server::DecodeWorkerServer::new(service::DecodeService {
+            state: state.clone(),
+        })
+        .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+    )
+    .add(
+        v1::kv_transfer_server::KvTransferServer::new(service::TransferService {
+            state: state.clone(),
+        })
+        .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+    )
+    .add(v1::worker_control_server::WorkerControlServer::new(
+        service::ControlService { state },
+    ))
+    .serve(listener, shutdown)
+    .await?;
     Ok(())
 }

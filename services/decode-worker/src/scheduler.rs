@@ -49,6 +49,8 @@ pub struct Generation {
     pub prompt: Vec<u32>,
     /// Set when resuming a request another decode worker started (failover).
     pub resumed: Resumed,
+    /// Per-tenant prefix-cache namespace (empty: shared).
+    pub cache_salt: String,
     pub params: SamplingParams,
     pub stop: StopCriteria,
     pub events: mpsc::UnboundedSender<Event>,
@@ -59,6 +61,7 @@ pub enum Command {
     Reserve {
         job: JobId,
         tokens: Vec<u32>,
+        cache_salt: String,
         reply: oneshot::Sender<Result<ReservationInfo, DecodeError>>,
     },
     /// Number of blocks of a live reservation (a transfer checks its header against it).
@@ -145,10 +148,15 @@ impl<B: Backend> Scheduler<B> {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Reserve { job, tokens, reply } => {
+            Command::Reserve {
+                job,
+                tokens,
+                cache_salt,
+                reply,
+            } => {
                 let r = self
                     .engine
-                    .reserve(&tokens)
+                    .reserve(&tokens, &cache_salt)
                     .map_err(DecodeError::from)
                     .map(|r| {
                         let info = ReservationInfo {
@@ -211,11 +219,15 @@ impl<B: Backend> Scheduler<B> {
                 let Generation {
                     prompt,
                     resumed,
+                    cache_salt,
                     params,
                     stop,
                     events,
                 } = generation;
-                match self.engine.resume_sequence(prompt, resumed, params, stop) {
+                match self
+                    .engine
+                    .resume_sequence(prompt, resumed, &cache_salt, params, stop)
+                {
                     Ok(seq) => self.admitted(job, seq, events, None),
                     Err(e) => {
                         let _ = events.send(Event::Failed(e.into()));

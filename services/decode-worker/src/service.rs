@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 
 use duet_engine::backend::KvLayout;
 use duet_engine::engine::Resumed;
-use duet_model::params::StopCriteria;
-use duet_model::params::{Logprobs, Sampled, SamplingParams};
+use duet_model::params::{SamplingParams, StopCriteria};
 use duet_proto::{KV_WIRE_LAYOUT, v1};
 use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
@@ -28,6 +27,8 @@ pub struct WorkerState {
     pub kv: KvLayout,
     pub scheduler: SchedulerHandle,
     pub prefill_timeout: Duration,
+    /// Channels to prefill workers, reused across requests.
+    pub channels: duet_proto::Channels,
     pub incarnation: u64,
     next_job: AtomicU64,
     pub served: AtomicU64,
@@ -57,6 +58,7 @@ impl WorkerState {
             kv,
             scheduler,
             prefill_timeout,
+            channels: duet_proto::Channels::default(),
             incarnation,
             next_job: AtomicU64::new(1),
             served: AtomicU64::new(0),
@@ -85,54 +87,6 @@ impl Drop for CancelOnDrop {
     }
 }
 
-pub fn engine_params(p: &v1::SamplingParams) -> (SamplingParams, StopCriteria) {
-    let params = SamplingParams {
-        temperature: p.temperature,
-        top_k: p.top_k,
-        top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
-        min_p: p.min_p,
-        repetition_penalty: if p.repetition_penalty == 0.0 {
-            1.0
-        } else {
-            p.repetition_penalty
-        },
-        presence_penalty: p.presence_penalty,
-        frequency_penalty: p.frequency_penalty,
-        seed: p.seed,
-        logprobs: p.logprobs,
-    };
-    let stop = StopCriteria {
-        max_tokens: p.max_tokens as usize,
-        stop_token_ids: p.stop_token_ids.clone(),
-        stop_strings: p.stop.clone(),
-        ignore_eos: p.ignore_eos,
-    };
-    (params, stop)
-}
-
-fn token_logprobs(s: &Sampled) -> Option<v1::TokenLogprobs> {
-    s.logprobs
-        .as_ref()
-        .map(|Logprobs { logprob, top }| v1::TokenLogprobs {
-            token_id: s.token,
-            logprob: *logprob,
-            top: top
-                .iter()
-                .map(|&(token_id, logprob)| v1::TokenLogprob { token_id, logprob })
-                .collect(),
-        })
-}
-
-fn sampled_from(t: &v1::TokenLogprobs, want_logprobs: bool) -> Sampled {
-    Sampled {
-        token: t.token_id,
-        logprobs: want_logprobs.then(|| Logprobs {
-            logprob: t.logprob,
-            top: t.top.iter().map(|a| (a.token_id, a.logprob)).collect(),
-        }),
-    }
-}
-
 type DecodeStream = Pin<Box<dyn Stream<Item = Result<v1::DecodeResponse, Status>> + Send>>;
 
 /// Where the request's time went before decoding started.
@@ -155,8 +109,7 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
         &self,
         request: Request<v1::DecodeRequest>,
     ) -> Result<Response<DecodeStream>, Status> {
-        let received = Instant::now();
-        let deadline = duet_proto::grpc_timeout(request.metadata()).map(|d| received + d);
+        let deadline = duet_proto::deadline(&request).map(|d| d.into_std());
         let req = request.into_inner();
         let state = self.state.clone();
         if !req.model_fingerprint.is_empty() && req.model_fingerprint != state.fingerprint {
@@ -173,7 +126,10 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
         if req.prompt_token_ids.is_empty() {
             return Err(Status::invalid_argument("the prompt is empty"));
         }
-        let (params, stop) = engine_params(&sampling);
+        let (params, stop) = (
+            SamplingParams::from(&sampling),
+            StopCriteria::from(&sampling),
+        );
         let job = state.next_job.fetch_add(1, Ordering::Relaxed);
         let guard = CancelOnDrop {
             job,
@@ -187,6 +143,7 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
         let generation = Generation {
             prompt: req.prompt_token_ids.clone(),
             resumed,
+            cache_salt: req.cache_salt.clone(),
             params,
             stop,
             events: events_tx,
@@ -223,16 +180,17 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
                         let mut msg = v1::DecodeResponse {
                             token_ids: vec![out.token.token],
                             text: out.text.clone(),
-                            logprobs: token_logprobs(&out.token).into_iter().collect(),
+                            logprobs: out
+                                .token
+                                .logprobs
+                                .is_some()
+                                .then(|| v1::TokenLogprobs::from(&out.token))
+                                .into_iter()
+                                .collect(),
                             ..Default::default()
                         };
                         if let Some(reason) = out.finish {
-                            msg.finish_reason = match reason {
-                                duet_model::params::FinishReason::Stop => v1::FinishReason::Stop,
-                                duet_model::params::FinishReason::Length => {
-                                    v1::FinishReason::Length
-                                }
-                            } as i32;
+                            msg.finish_reason = v1::FinishReason::from(reason) as i32;
                             msg.usage = Some(v1::Usage {
                                 prompt_tokens: prompt_tokens - already,
                                 completion_tokens: completion + already,
@@ -282,9 +240,15 @@ async fn prefill_remotely(
 ) -> Result<PrefillReport, Status> {
     let started = Instant::now();
     let tokens = req.prompt_token_ids.clone();
+    let cache_salt = req.cache_salt.clone();
     let reservation = state
         .scheduler
-        .ask(|reply| Command::Reserve { job, tokens, reply })
+        .ask(|reply| Command::Reserve {
+            job,
+            tokens,
+            cache_salt,
+            reply,
+        })
         .await?;
     let reservation = match reservation {
         Ok(r) => r,
@@ -327,14 +291,14 @@ async fn prefill_remotely(
             cache_salt: req.cache_salt.clone(),
             already_generated: req.already_generated,
         };
-        match call_prefill(&target.address, msg, timeout).await {
+        match call_prefill(&state.channels, &target.address, msg, timeout).await {
             Ok(resp) => {
                 let first = resp
                     .first_token
                     .as_ref()
                     .ok_or_else(|| Status::internal("prefill returned no first token"))?;
                 let want_logprobs = req.sampling.as_ref().is_some_and(|s| s.logprobs > 0);
-                let first = sampled_from(first, want_logprobs);
+                let first = duet_proto::convert::sampled(first, want_logprobs);
                 state.prefix_hit_tokens.fetch_add(
                     cached_here.max(resp.cached_tokens) as u64,
                     Ordering::Relaxed,
@@ -372,23 +336,24 @@ async fn prefill_remotely(
 }
 
 async fn call_prefill(
+    channels: &duet_proto::Channels,
     address: &str,
     msg: v1::PrefillRequest,
     timeout: Duration,
 ) -> Result<v1::PrefillResponse, Status> {
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-        .map_err(|e| Status::invalid_argument(e.to_string()))?
-        .connect_timeout(timeout.min(Duration::from_secs(5)));
-    let channel = endpoint
-        .connect()
-        .await
-        .map_err(|e| Status::unavailable(format!("{address}: {e}")))?;
+    let channel = channels
+        .get(address)
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
     let mut client = v1::prefill_worker_client::PrefillWorkerClient::new(channel)
-        .max_decoding_message_size(64 << 20)
-        .max_encoding_message_size(64 << 20);
+        .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
     let mut request = Request::new(msg);
     request.set_timeout(timeout);
-    Ok(client.prefill(request).await?.into_inner())
+    // The attempt's timeout also bounds connecting, which the call's own deadline does not.
+    tokio::time::timeout(timeout, client.prefill(request))
+        .await
+        .map_err(|_| Status::deadline_exceeded(format!("prefill at {address} timed out")))?
+        .map(|r| r.into_inner())
 }
 
 /// A response stream fed by a task (no extra dependency for `async_stream`).

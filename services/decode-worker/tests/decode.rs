@@ -41,6 +41,8 @@ async fn start() -> String {
         kv_transport: Default::default(),
         reservation_timeout_ms: 2_000,
         prefill_timeout_ms: 2_000,
+        request_timeout_ms: 600_000,
+        max_in_flight: 4096,
     };
     tokio::spawn(serve(config, listener, std::future::pending()));
     let url = format!("http://{addr}");

@@ -28,6 +28,12 @@ pub struct PrefillConfig {
     /// at once (a request arriving at an empty queue is always taken).
     #[arg(long, env = "DUET_PREFILL_MAX_QUEUED_TOKENS", default_value_t = 65536)]
     pub max_queued_tokens: u64,
+    /// Deadline of calls that carry none (no `grpc-timeout`), in milliseconds.
+    #[arg(long, env = "DUET_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
+    pub request_timeout_ms: u64,
+    /// Calls served at once; past it RESOURCE_EXHAUSTED at once.
+    #[arg(long, env = "DUET_MAX_IN_FLIGHT", default_value_t = 4096)]
+    pub max_in_flight: usize,
 }
 
 impl PrefillConfig {
@@ -43,6 +49,8 @@ impl PrefillConfig {
             engine: EngineOptions::default(),
             kv_transport: TransportChoice::Auto,
             max_queued_tokens: 65536,
+            request_timeout_ms: 600_000,
+            max_in_flight: 4096,
         }
     }
 

@@ -2,8 +2,6 @@
 //! stream is a `KvHeader`, the `KvData` chunks as the engine thread produces them, and a
 //! closing `KvDone`; the decode worker's `PushAck` ends it.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use duet_proto::v1::kv_chunk::Kind;
@@ -11,49 +9,9 @@ use duet_proto::v1::kv_transfer_client::KvTransferClient;
 use duet_proto::v1::{KvChunk, KvDone, KvHeader, PushAck};
 use futures::StreamExt;
 use tokio::sync::mpsc::UnboundedReceiver;
-use tonic::transport::{Channel, Endpoint};
 
 use crate::error::PrefillError;
 use crate::scheduler::PushMsg;
-
-/// Largest gRPC message we send or accept.
-pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
-
-/// How long connecting to a decode worker may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Channels to decode workers' transfer addresses, reused across requests (a channel
-/// multiplexes calls and reconnects by itself).
-#[derive(Default)]
-pub struct Connections {
-    channels: Mutex<HashMap<String, Channel>>,
-}
-
-impl Connections {
-    fn channel(&self, address: &str) -> Result<Channel, PrefillError> {
-        let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = channels.get(address) {
-            return Ok(c.clone());
-        }
-        let uri = if address.contains("://") {
-            address.to_string()
-        } else {
-            format!("http://{address}")
-        };
-        let endpoint = Endpoint::from_shared(uri).map_err(|e| {
-            PrefillError::InvalidArgument(format!(
-                "dest.transfer_address {address:?} is not a valid address: {e}"
-            ))
-        })?;
-        let channel = endpoint
-            .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true)
-            .http2_adaptive_window(true)
-            .connect_lazy();
-        channels.insert(address.to_string(), channel.clone());
-        Ok(channel)
-    }
-}
 
 /// A finished transfer.
 #[derive(Debug)]
@@ -70,16 +28,18 @@ pub struct Pushed {
 /// with `accepted = false` is an error). If `rx` closes without `Finish`, the stream stays open
 /// (and the caller aborts this task): a push is never completed with missing data.
 pub async fn push(
-    connections: &Connections,
+    channels: &duet_proto::Channels,
     address: &str,
     header: KvHeader,
     rx: UnboundedReceiver<PushMsg>,
     timeout: Duration,
 ) -> Result<Pushed, PrefillError> {
-    let channel = connections.channel(address)?;
+    let channel = channels
+        .get(address)
+        .map_err(|e| PrefillError::InvalidArgument(format!("dest.transfer_address: {e}")))?;
     let mut client = KvTransferClient::new(channel)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+        .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
     let total_bytes = header.total_bytes;
     let first = futures::stream::once(async move {
         KvChunk {

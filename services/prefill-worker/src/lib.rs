@@ -22,8 +22,6 @@ pub use config::PrefillConfig;
 pub use error::PrefillError;
 pub use service::PrefillService;
 
-use kv_push::MAX_MESSAGE_BYTES;
-
 /// Loads the model and serves a prefill worker on `listener` until `shutdown` resolves.
 pub async fn serve(
     config: PrefillConfig,
@@ -46,35 +44,19 @@ pub async fn serve(
         "prefill worker serving"
     );
 
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<PrefillWorkerServer<PrefillService>>()
-        .await;
-    health
-        .set_serving::<WorkerControlServer<PrefillService>>()
-        .await;
-    health
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
-    let (reflection_v1, reflection_v1alpha) = duet_proto::reflection_services();
-
-    tonic::transport::Server::builder()
-        .add_service(
-            PrefillWorkerServer::new(service.clone())
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
-        )
-        .add_service(
-            WorkerControlServer::new(service)
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
-        )
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .serve_with_incoming_shutdown(duet_proto::incoming(listener), shutdown)
-        .await
-        .context("serving gRPC")?;
+    let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
+        default_deadline: std::time::Duration::from_millis(config.request_timeout_ms.max(1)),
+        max_in_flight: config.max_in_flight,
+    });
+    edge.add(
+        PrefillWorkerServer::new(service.clone())
+            .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+    )
+    .add(WorkerControlServer::new(service))
+    .serve(listener, shutdown)
+    .await
+    .context("serving gRPC")?;
     tracing::info!(worker_id, "prefill worker stopped");
     Ok(())
 }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use duet_device::{LoadedEngine, WithEngine};
 use duet_engine::backend::{Backend, KvDtype};
-use duet_engine::engine::{Engine, EngineOptions, LayerDone, PlannedSeq, SeqId};
+use duet_engine::engine::{Engine, EngineOptions, LayerDone, PlannedSeq, Resumed, SeqId};
 use duet_kv::PoolStats;
 use duet_model::params::StopCriteria;
 use duet_model::params::{Sampled, SamplingParams};
@@ -61,6 +61,8 @@ pub struct PrefillJob {
     /// Chosen by the service; [`Command::Cancel`] names it.
     pub id: u64,
     pub tokens: Vec<u32>,
+    /// Per-tenant prefix-cache namespace (empty: shared).
+    pub cache_salt: String,
     pub params: SamplingParams,
     /// Index of the first reservation block to send (`KvDestination.cached_blocks`).
     pub first_block: usize,
@@ -313,7 +315,13 @@ impl<B: Backend> EngineLoop<B> {
             ignore_eos: true,
             ..StopCriteria::default()
         };
-        let seq = match self.engine.add_sequence(job.tokens, job.params, stop) {
+        let seq = match self.engine.resume_sequence(
+            job.tokens,
+            Resumed::default(),
+            &job.cache_salt,
+            job.params,
+            stop,
+        ) {
             Ok(seq) => seq,
             Err(e) => {
                 self.state.unqueue(n);

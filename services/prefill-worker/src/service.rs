@@ -5,23 +5,20 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use duet_model::params::{Sampled, SamplingParams};
+use duet_model::params::SamplingParams;
 use duet_proto::v1::prefill_worker_server::PrefillWorker;
 use duet_proto::v1::worker_control_server::WorkerControl;
 use duet_proto::v1::{
     KvDestination, KvHeader, PrefillRequest, PrefillResponse, StatsRequest, StatsResponse,
-    TokenLogprob, TokenLogprobs, TransportKind, WorkerRole,
+    TokenLogprobs, TransportKind, WorkerRole,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tonic::{Request, Response, Status};
 
 use crate::error::PrefillError;
-use crate::kv_push::{self, Connections, Pushed};
+use crate::kv_push::{self, Pushed};
 use crate::scheduler::{Command, PrefillJob, Prefilled, SchedulerHandle};
-
-/// Deadline applied to a `Prefill` call that came without one (every call should carry one).
-pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
 
 /// Serves `PrefillWorker` and `WorkerControl`; cheap to clone.
 #[derive(Clone)]
@@ -31,7 +28,7 @@ pub struct PrefillService {
 
 struct Inner {
     scheduler: SchedulerHandle,
-    connections: Arc<Connections>,
+    channels: Arc<duet_proto::Channels>,
     worker_id: String,
     incarnation: u64,
     max_queued_tokens: u64,
@@ -47,7 +44,7 @@ impl PrefillService {
         Self {
             inner: Arc::new(Inner {
                 scheduler,
-                connections: Arc::default(),
+                channels: Arc::default(),
                 worker_id,
                 incarnation,
                 max_queued_tokens,
@@ -69,8 +66,10 @@ impl PrefillWorker for PrefillService {
         request: Request<PrefillRequest>,
     ) -> Result<Response<PrefillResponse>, Status> {
         let received = Instant::now();
-        let timeout = duet_proto::grpc_timeout(request.metadata()).unwrap_or(DEFAULT_DEADLINE);
-        let deadline = tokio::time::Instant::now() + timeout;
+        // The edge gives every call a deadline; a call from outside it (a test) gets ten minutes.
+        let deadline = duet_proto::deadline(&request)
+            .unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(600));
+        let timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
         let req = request.into_inner();
         let request_id = req.request_id.clone();
         let result =
@@ -169,7 +168,11 @@ impl Inner {
     ) -> Result<PrefillResponse, PrefillError> {
         let s = &self.scheduler;
         let dest = validate(&req, &s.info)?.clone();
-        let params = sampling_params(req.sampling.as_ref());
+        let params = req
+            .sampling
+            .as_ref()
+            .map(SamplingParams::from)
+            .unwrap_or_default();
         params
             .validate()
             .map_err(|e| PrefillError::InvalidArgument(e.0))?;
@@ -205,9 +208,9 @@ impl Inner {
         let (kv_tx, kv_rx) = mpsc::unbounded_channel();
         let address = dest.transfer_address.clone();
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let connections = self.connections.clone();
+        let channels = self.channels.clone();
         let mut push_task = AbortOnDrop(tokio::spawn(async move {
-            kv_push::push(&connections, &address, header, kv_rx, remaining).await
+            kv_push::push(&channels, &address, header, kv_rx, remaining).await
         }));
 
         let (reply_tx, mut reply_rx) = oneshot::channel();
@@ -215,6 +218,7 @@ impl Inner {
         s.send(Command::Prefill(PrefillJob {
             id: job,
             tokens: req.token_ids,
+            cache_salt: req.cache_salt,
             params,
             first_block,
             kv_tx,
@@ -252,7 +256,7 @@ impl Inner {
             .fetch_add(pushed.bytes_sent, Ordering::Relaxed);
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         Ok(PrefillResponse {
-            first_token: Some(token_logprobs(&prefilled.first)),
+            first_token: Some(TokenLogprobs::from(&prefilled.first)),
             cached_tokens: prefilled.cached_tokens as u32,
             queue_ms: ms(prefilled.queue),
             prefill_ms: ms(prefilled.compute),
@@ -347,43 +351,6 @@ fn validate<'a>(
     Ok(dest)
 }
 
-/// The engine's sampling parameters for the proto's (0 top_p / repetition_penalty mean off).
-fn sampling_params(p: Option<&duet_proto::v1::SamplingParams>) -> SamplingParams {
-    let Some(p) = p else {
-        return SamplingParams::default();
-    };
-    let or_one = |v: f32| if v == 0.0 { 1.0 } else { v };
-    SamplingParams {
-        temperature: p.temperature,
-        top_k: p.top_k,
-        top_p: or_one(p.top_p),
-        min_p: p.min_p,
-        repetition_penalty: or_one(p.repetition_penalty),
-        presence_penalty: p.presence_penalty,
-        frequency_penalty: p.frequency_penalty,
-        seed: p.seed,
-        logprobs: p.logprobs,
-    }
-}
-
-fn token_logprobs(s: &Sampled) -> TokenLogprobs {
-    match &s.logprobs {
-        Some(lp) => TokenLogprobs {
-            token_id: s.token,
-            logprob: lp.logprob,
-            top: lp
-                .top
-                .iter()
-                .map(|&(token_id, logprob)| TokenLogprob { token_id, logprob })
-                .collect(),
-        },
-        None => TokenLogprobs {
-            token_id: s.token,
-            ..Default::default()
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -452,19 +419,6 @@ mod tests {
             code(validate(&request(vec![1; 40], 10), &i)),
             ResourceExhausted
         );
-    }
-
-    #[test]
-    fn sampling_zero_means_off() {
-        let p = sampling_params(Some(&duet_proto::v1::SamplingParams {
-            temperature: 0.0,
-            seed: Some(7),
-            ..Default::default()
-        }));
-        assert_eq!(p.top_p, 1.0);
-        assert_eq!(p.repetition_penalty, 1.0);
-        assert_eq!(p.seed, Some(7));
-        assert!(p.validate().is_ok());
     }
 
     #[test]

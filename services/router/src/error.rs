@@ -11,9 +11,6 @@ pub enum RouterError {
     /// Bad input: INVALID_ARGUMENT.
     #[error(transparent)]
     Invalid(#[from] ValidationError),
-    /// Too many requests in flight: RESOURCE_EXHAUSTED.
-    #[error("overloaded: {limit} requests are already in flight; retry later")]
-    Overloaded { limit: usize },
     /// No decode worker is healthy (or all were tried): UNAVAILABLE.
     #[error("no healthy decode worker{}", detail(.0))]
     NoDecodeWorker(Option<String>),
@@ -44,7 +41,6 @@ impl RouterError {
     pub fn code(&self) -> Code {
         match self {
             RouterError::Invalid(_) => Code::InvalidArgument,
-            RouterError::Overloaded { .. } => Code::ResourceExhausted,
             RouterError::NoDecodeWorker(_) => Code::Unavailable,
             RouterError::AllDecodeWorkersFailed { last_code, .. } => match last_code {
                 Code::ResourceExhausted => Code::ResourceExhausted,
@@ -93,8 +89,6 @@ mod tests {
         let s: Status = RouterError::Invalid(ValidationError::EmptyPrompt).into();
         assert_eq!(s.code(), Code::InvalidArgument);
         assert!(s.message().starts_with("empty prompt"), "{}", s.message());
-        let s: Status = RouterError::Overloaded { limit: 2 }.into();
-        assert_eq!(s.code(), Code::ResourceExhausted);
         let s: Status = RouterError::NoDecodeWorker(None).into();
         assert_eq!(
             (s.code(), s.message()),

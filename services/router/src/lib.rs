@@ -81,19 +81,10 @@ pub async fn serve(
         model_name(&path),
         pools,
         config.local_prefill_threshold,
-        config.max_queued_requests,
-        Duration::from_millis(config.request_timeout_ms.max(1)),
     ));
     let generation = GenerationServer::new(GenerationService::new(state.clone()))
-        .max_decoding_message_size(config.max_request_bytes);
-    let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<GenerationServer<GenerationService>>()
-        .await;
-    health_reporter
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
-    let (reflection_v1, reflection_v1alpha) = duet_proto::reflection_services();
+        .max_decoding_message_size(config.max_request_bytes)
+        .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
     let local = listener.local_addr().ok();
     tracing::info!(
         addr = ?local,
@@ -102,13 +93,11 @@ pub async fn serve(
         prefill_workers = state.pools.prefill.len(),
         "router serving"
     );
-    let result = tonic::transport::Server::builder()
-        .add_service(health)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(generation)
-        .serve_with_incoming_shutdown(duet_proto::incoming(listener), shutdown)
-        .await;
+    let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
+        default_deadline: Duration::from_millis(config.request_timeout_ms.max(1)),
+        max_in_flight: config.max_queued_requests,
+    });
+    let result = edge.add(generation).serve(listener, shutdown).await;
     for p in pollers {
         p.abort();
     }

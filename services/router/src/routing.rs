@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use duet_proto::v1;
 use duet_proto::v1::worker_control_client::WorkerControlClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -71,16 +71,7 @@ impl Drop for InFlight {
 impl Worker {
     /// A worker at `address` (host:port, or a URI); connects lazily.
     pub fn new(address: &str, role: Role) -> anyhow::Result<Self> {
-        let uri = if address.contains("://") {
-            address.to_string()
-        } else {
-            format!("http://{address}")
-        };
-        let channel = Endpoint::from_shared(uri)
-            .map_err(|e| anyhow::anyhow!("bad worker address {address:?}: {e}"))?
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .connect_lazy();
+        let channel = duet_proto::channel(address)?;
         Ok(Self {
             address: address.to_string(),
             role,

@@ -10,7 +10,6 @@
 //! `already_sent_text_bytes`, same seed) and keeps relaying.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use duet_proto::v1;
@@ -25,11 +24,11 @@ use crate::error::{RouterError, is_retryable};
 use crate::routing::Pools;
 use crate::validate::{PromptModel, ValidRequest, random_u64};
 
-/// Largest decode-worker message the router accepts (logprobs of long chunks can be big).
-const MAX_UPSTREAM_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
-
 /// Tokens per KV block reported by Info before any worker reported its own.
 const DEFAULT_BLOCK_SIZE: u32 = 16;
+
+/// How far off "no deadline" is, for a call that did not come through the edge.
+const UNBOUNDED: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Messages buffered between the decode stream and a slow client.
 const RELAY_BUFFER: usize = 32;
@@ -43,20 +42,6 @@ pub struct RouterState {
     pub pools: Pools,
     /// Uncached prompts of at most this many tokens are prefilled on the decode worker.
     pub local_prefill_threshold: u32,
-    /// Requests in flight past which Generate/Complete are refused.
-    pub max_in_flight: usize,
-    /// Deadline of requests that carry none.
-    pub request_timeout: Duration,
-    in_flight: AtomicUsize,
-}
-
-/// Holds one slot of the in-flight limit.
-struct Admission(Arc<RouterState>);
-
-impl Drop for Admission {
-    fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
-    }
 }
 
 impl RouterState {
@@ -65,34 +50,13 @@ impl RouterState {
         model_name: String,
         pools: Pools,
         local_prefill_threshold: u32,
-        max_in_flight: usize,
-        request_timeout: Duration,
     ) -> Self {
         Self {
             model,
             model_name,
             pools,
             local_prefill_threshold,
-            max_in_flight,
-            request_timeout,
-            in_flight: AtomicUsize::new(0),
         }
-    }
-
-    /// Requests being served now.
-    pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::SeqCst)
-    }
-
-    fn admit(self: &Arc<Self>) -> Result<Admission, RouterError> {
-        let prev = self.in_flight.fetch_add(1, Ordering::SeqCst);
-        let admission = Admission(self.clone());
-        if prev >= self.max_in_flight {
-            return Err(RouterError::Overloaded {
-                limit: self.max_in_flight,
-            });
-        }
-        Ok(admission)
     }
 }
 
@@ -130,11 +94,10 @@ impl GenerationService {
         req: Request<v1::GenerateRequest>,
     ) -> Result<mpsc::Receiver<Item>, RouterError> {
         let start = Instant::now();
-        let timeout =
-            duet_proto::grpc_timeout(req.metadata()).unwrap_or(self.state.request_timeout);
+        // The edge sets every call's deadline; a call from outside it has none.
+        let deadline = duet_proto::deadline(&req).unwrap_or(start + UNBOUNDED);
         let req = req.into_inner();
         let valid = self.state.model.validate(&req, random_u64)?;
-        let admission = self.state.admit()?;
         if !self.state.pools.any_decode_routable() {
             return Err(RouterError::NoDecodeWorker(None));
         }
@@ -147,7 +110,7 @@ impl GenerationService {
             request_id,
             valid,
             start,
-            deadline: start + timeout,
+            deadline,
         };
         tracing::debug!(
             request_id = %job.request_id,
@@ -156,13 +119,13 @@ impl GenerationService {
             "admitted"
         );
         let (tx, rx) = mpsc::channel(RELAY_BUFFER);
-        tokio::spawn(relay(self.state.clone(), job, tx, admission));
+        tokio::spawn(relay(self.state.clone(), job, tx));
         Ok(rx)
     }
 }
 
 /// Drives one request until it finishes, fails, passes its deadline or the client leaves.
-async fn relay(state: Arc<RouterState>, job: Job, tx: mpsc::Sender<Item>, _admission: Admission) {
+async fn relay(state: Arc<RouterState>, job: Job, tx: mpsc::Sender<Item>) {
     let result = tokio::select! {
         r = tokio::time::timeout_at(job.deadline, run(&state, &job, &tx)) => {
             r.unwrap_or_else(|_| Err(RouterError::DeadlineExceeded(job.deadline - job.start)))
@@ -232,7 +195,7 @@ async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<
             "decode attempt"
         );
         let mut client = DecodeWorkerClient::new(worker.channel())
-            .max_decoding_message_size(MAX_UPSTREAM_MESSAGE_BYTES);
+            .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
         let failure: Status = match client.decode(call).await {
             Err(s) => s,
             Ok(resp) => {

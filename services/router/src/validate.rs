@@ -3,8 +3,8 @@
 //! that says what was wrong (answered as INVALID_ARGUMENT).
 
 use duet_model::chat::{ChatError, ChatMessage, ChatTemplate};
-use duet_model::params::SamplingParams as EngineSampling;
 use duet_model::params::StopCriteria;
+use duet_model::params::{MAX_CACHE_SALT_BYTES, SamplingParams as EngineSampling};
 use duet_model::tokenizer::{Tokenizer, TokenizerError};
 use duet_proto::v1;
 
@@ -38,6 +38,8 @@ pub enum ValidationError {
         context: u32,
         room: usize,
     },
+    #[error("cache_salt must be at most {max} bytes, got {len}")]
+    CacheSaltTooLong { len: usize, max: usize },
     #[error("top_k must be >= 0, got {0}")]
     NegativeTopK(i32),
     /// A sampling parameter out of range (the message names it and the allowed range).
@@ -167,6 +169,12 @@ impl PromptModel {
             // `room` >= 1 (check_length); the default may be configured as 0 only by mistake.
             None => (self.default_max_tokens as usize).clamp(1, room) as u32,
         };
+        if req.cache_salt.len() > MAX_CACHE_SALT_BYTES {
+            return Err(ValidationError::CacheSaltTooLong {
+                len: req.cache_salt.len(),
+                max: MAX_CACHE_SALT_BYTES,
+            });
+        }
         if req.top_k < 0 {
             return Err(ValidationError::NegativeTopK(req.top_k));
         }
@@ -396,6 +404,24 @@ mod tests {
             &m,
             r,
             &["token_ids[1] = 384", "outside the vocabulary", "0..384"],
+        );
+    }
+
+    #[test]
+    fn cache_salt_length() {
+        let m = model();
+        let salted = |n: usize| v1::GenerateRequest {
+            cache_salt: "x".repeat(n),
+            ..req()
+        };
+        assert_eq!(
+            m.validate(&salted(256), || 0).unwrap().cache_salt.len(),
+            256
+        );
+        assert_err(
+            &m,
+            salted(257),
+            &["cache_salt", "at most 256 bytes", "got 257"],
         );
     }
 

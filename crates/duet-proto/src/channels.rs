@@ -1,0 +1,72 @@
+//! Channels to peers: one lazily connected, reused channel per address (a channel multiplexes
+//! calls and reconnects by itself), with Nagle's algorithm off as on the serving side.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tonic::transport::{Channel, Endpoint};
+
+/// How long connecting to a peer may take before a call fails with UNAVAILABLE.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A peer's address that is not a valid URI.
+#[derive(Debug, thiserror::Error)]
+#[error("{address:?} is not a valid address: {reason}")]
+pub struct BadAddress {
+    pub address: String,
+    pub reason: String,
+}
+
+/// A lazily connected channel to `address` (`host:port`, or a URI).
+pub fn channel(address: &str) -> Result<Channel, BadAddress> {
+    let uri = if address.contains("://") {
+        address.to_string()
+    } else {
+        format!("http://{address}")
+    };
+    let endpoint = Endpoint::from_shared(uri).map_err(|e| BadAddress {
+        address: address.to_string(),
+        reason: e.to_string(),
+    })?;
+    Ok(endpoint
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true)
+        .http2_adaptive_window(true)
+        .connect_lazy())
+}
+
+/// Channels to peers by address, made on first use and reused.
+#[derive(Debug, Default)]
+pub struct Channels {
+    by_address: Mutex<HashMap<String, Channel>>,
+}
+
+impl Channels {
+    /// The channel to `address`, made now if this is the first call for it.
+    pub fn get(&self, address: &str) -> Result<Channel, BadAddress> {
+        let mut map = self.by_address.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = map.get(address) {
+            return Ok(c.clone());
+        }
+        let c = channel(address)?;
+        map.insert(address.to_string(), c.clone());
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn one_channel_per_address_and_bad_addresses_are_named() {
+        let channels = Channels::default();
+        channels.get("127.0.0.1:1").unwrap();
+        channels.get("127.0.0.1:1").unwrap();
+        channels.get("http://127.0.0.1:2").unwrap();
+        assert_eq!(channels.by_address.lock().unwrap().len(), 2);
+        let err = channels.get("bad address with spaces").unwrap_err();
+        assert!(err.to_string().contains("bad address with spaces"), "{err}");
+    }
+}

@@ -1,0 +1,312 @@
+//! Every service's gRPC edge, built once from tower layers: the call's deadline from
+//! `grpc-timeout` (one policy, with a configurable default), a limit on calls in flight that sheds
+//! the excess at once with RESOURCE_EXHAUSTED (a stream counts until it ends), Nagle's algorithm
+//! off, `grpc.health.v1` and server reflection (v1 and v1alpha) for every service added.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{Request, Response};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tonic::body::Body;
+use tonic::server::NamedService;
+use tonic::service::RoutesBuilder;
+use tower::{Layer, Service};
+
+/// Largest gRPC message any duet service or client sends or accepts (KV chunks are 1 MiB; a
+/// stream of logprobs can be large). The router's public limit is its own flag.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// How a service's edge treats calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EdgeOptions {
+    /// Deadline of a call that carries no `grpc-timeout`.
+    pub default_deadline: Duration,
+    /// Calls served at once; past it a call is refused with RESOURCE_EXHAUSTED at once. Health
+    /// checks and reflection are never counted or refused.
+    pub max_in_flight: usize,
+}
+
+/// The deadline of a call: its `grpc-timeout` from when it arrived, or the edge's default.
+/// Handlers read it with [`deadline`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deadline(pub Instant);
+
+/// The deadline the edge gave this call (a call that did not come through an edge, as in a unit
+/// test calling a handler directly, gets its `grpc-timeout` or none).
+pub fn deadline<T>(request: &tonic::Request<T>) -> Option<Instant> {
+    match request.extensions().get::<Deadline>() {
+        Some(d) => Some(d.0),
+        None => grpc_timeout(request.metadata().as_ref()).map(|t| Instant::now() + t),
+    }
+}
+
+/// The caller's remaining time from the `grpc-timeout` header (`<digits><unit>`, unit one of
+/// H M S m u n). `None` when the caller set no deadline or the header is malformed.
+fn grpc_timeout(headers: &http::HeaderMap) -> Option<Duration> {
+    let v = headers.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// Whether a path belongs to a service the edge never limits (health, reflection).
+fn is_infrastructure(path: &str) -> bool {
+    path.starts_with("/grpc.health.v1.") || path.starts_with("/grpc.reflection.")
+}
+
+/// Sets [`Deadline`] on every call.
+#[derive(Clone, Copy, Debug)]
+pub struct DeadlineLayer {
+    default: Duration,
+}
+
+impl<S> Layer<S> for DeadlineLayer {
+    type Service = DeadlineService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        DeadlineService {
+            inner,
+            default: self.default,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct DeadlineService<S> {
+    inner: S,
+    default: Duration,
+}
+
+impl<S, B> Service<Request<B>> for DeadlineService<S>
+where
+    S: Service<Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request<B>) -> Self::Future {
+        let timeout = grpc_timeout(request.headers()).unwrap_or(self.default);
+        request
+            .extensions_mut()
+            .insert(Deadline(Instant::now() + timeout));
+        self.inner.call(request)
+    }
+}
+
+/// Limits the calls in flight; the excess is refused at once (load shedding), never queued.
+#[derive(Clone, Debug)]
+pub struct InFlightLimitLayer {
+    permits: Arc<Semaphore>,
+    limit: usize,
+}
+
+impl InFlightLimitLayer {
+    pub fn new(limit: usize) -> Self {
+        Self {
+            permits: Arc::new(Semaphore::new(limit)),
+            limit,
+        }
+    }
+}
+
+impl<S> Layer<S> for InFlightLimitLayer {
+    type Service = InFlightLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        InFlightLimit {
+            inner,
+            permits: self.permits.clone(),
+            limit: self.limit,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct InFlightLimit<S> {
+    inner: S,
+    permits: Arc<Semaphore>,
+    limit: usize,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S> Service<Request<Body>> for InFlightLimit<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response<Body>, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        if is_infrastructure(request.uri().path()) {
+            return Box::pin(self.inner.call(request));
+        }
+        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
+            let status = tonic::Status::resource_exhausted(format!(
+                "overloaded: {} calls are already in flight; retry later",
+                self.limit
+            ));
+            return Box::pin(std::future::ready(Ok(status.into_http())));
+        };
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let response = response.await?;
+            // The permit lives as long as the response body: a stream counts until it ends.
+            Ok(response.map(|body| {
+                Body::new(HoldPermit {
+                    body,
+                    _permit: permit,
+                })
+            }))
+        })
+    }
+}
+
+/// A response body that holds an in-flight permit until it is dropped.
+struct HoldPermit {
+    body: Body,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl http_body::Body for HoldPermit {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// A service's gRPC edge: the services it serves, with health and reflection added for them.
+pub struct Edge {
+    options: EdgeOptions,
+    routes: RoutesBuilder,
+    names: Vec<&'static str>,
+}
+
+impl Edge {
+    pub fn new(options: EdgeOptions) -> Self {
+        Self {
+            options,
+            routes: RoutesBuilder::default(),
+            names: Vec::new(),
+        }
+    }
+
+    /// Adds a service (a generated `…Server`, already given its message-size limits).
+    pub fn add<S>(mut self, service: S) -> Self
+    where
+        S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        self.names.push(S::NAME);
+        self.routes.add_service(service);
+        self
+    }
+
+    /// Serves every added service, health (SERVING for each, and for "") and reflection on
+    /// `listener` until `shutdown` resolves (then drains open calls).
+    pub async fn serve(
+        mut self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), tonic::transport::Error> {
+        let (reporter, health) = tonic_health::server::health_reporter();
+        for name in std::iter::once("").chain(self.names.iter().copied()) {
+            reporter
+                .set_service_status(name, tonic_health::ServingStatus::Serving)
+                .await;
+        }
+        let (reflection_v1, reflection_v1alpha) = crate::reflection_services();
+        self.routes
+            .add_service(health)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha);
+        tonic::transport::Server::builder()
+            .layer(DeadlineLayer {
+                default: self.options.default_deadline,
+            })
+            .layer(InFlightLimitLayer::new(self.options.max_in_flight))
+            .add_routes(self.routes.routes())
+            .serve_with_incoming_shutdown(crate::incoming(listener), shutdown)
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_parses_every_unit_and_rejects_garbage() {
+        let mut h = http::HeaderMap::new();
+        assert_eq!(grpc_timeout(&h), None);
+        for (v, d) in [
+            ("2H", Duration::from_secs(7200)),
+            ("3M", Duration::from_secs(180)),
+            ("5S", Duration::from_secs(5)),
+            ("250m", Duration::from_millis(250)),
+            ("7u", Duration::from_micros(7)),
+            ("9n", Duration::from_nanos(9)),
+        ] {
+            h.insert("grpc-timeout", v.parse().unwrap());
+            assert_eq!(grpc_timeout(&h), Some(d), "{v}");
+        }
+        for bad in ["12x", "S", "5", "-5S", "+5S"] {
+            h.insert("grpc-timeout", bad.parse().unwrap());
+            assert_eq!(grpc_timeout(&h), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn health_and_reflection_are_never_limited() {
+        assert!(is_infrastructure("/grpc.health.v1.Health/Check"));
+        assert!(is_infrastructure(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+        ));
+        assert!(!is_infrastructure("/duet.v1.Generation/Generate"));
+    }
+}
