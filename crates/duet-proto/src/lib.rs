@@ -69,6 +69,12 @@ pub fn reflection_services() -> (
     (v1, v1alpha)
 }
 
+/// Connections accepted on `listener`, with Nagle's algorithm off: token streams are many small
+/// messages, and delayed ACKs would otherwise add tens of milliseconds per hop.
+pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
 #[cfg(test)]
 mod tests {
     use prost::Message;
@@ -202,10 +208,4 @@ mod tests {
             v1::FinishReason::Length
         );
     }
-}
-
-/// Connections accepted on `listener`, with Nagle's algorithm off: token streams are many small
-/// messages, and delayed ACKs would otherwise add tens of milliseconds per hop.
-pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
-    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }

@@ -232,7 +232,7 @@ impl Edge {
     }
 
     /// Adds a service (a generated `…Server`, already given its message-size limits).
-    pub fn add<S>(mut self, service: S) -> Self
+    pub fn service<S>(mut self, service: S) -> Self
     where
         S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
             + NamedService

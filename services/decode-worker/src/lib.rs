@@ -52,20 +52,20 @@ pub async fn serve(
         default_deadline: Duration::from_millis(config.request_timeout_ms.max(1)),
         max_in_flight: config.max_in_flight,
     });
-    edge.add(
+    edge.service(
         v1::decode_worker_server::DecodeWorkerServer::new(service::DecodeService {
             state: state.clone(),
         })
         .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
     )
-    .add(
+    .service(
         v1::kv_transfer_server::KvTransferServer::new(service::TransferService {
             state: state.clone(),
         })
         .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
     )
-    .add(v1::worker_control_server::WorkerControlServer::new(
+    .service(v1::worker_control_server::WorkerControlServer::new(
         service::ControlService { state },
     ))
     .serve(listener, shutdown)

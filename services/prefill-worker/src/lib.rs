@@ -48,12 +48,12 @@ pub async fn serve(
         default_deadline: std::time::Duration::from_millis(config.request_timeout_ms.max(1)),
         max_in_flight: config.max_in_flight,
     });
-    edge.add(
+    edge.service(
         PrefillWorkerServer::new(service.clone())
             .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
     )
-    .add(WorkerControlServer::new(service))
+    .service(WorkerControlServer::new(service))
     .serve(listener, shutdown)
     .await
     .context("serving gRPC")?;

@@ -97,7 +97,7 @@ pub async fn serve(
         default_deadline: Duration::from_millis(config.request_timeout_ms.max(1)),
         max_in_flight: config.max_queued_requests,
     });
-    let result = edge.add(generation).serve(listener, shutdown).await;
+    let result = edge.service(generation).serve(listener, shutdown).await;
     for p in pollers {
         p.abort();
     }
