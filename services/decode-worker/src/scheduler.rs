@@ -25,6 +25,8 @@ pub type JobId = u64;
 /// What a request receives from the engine thread.
 #[derive(Debug)]
 pub enum Event {
+    /// A prompt prefilled here was admitted; this many of its tokens came from the prefix cache.
+    PrefixHit(usize),
     Output(StepOutput),
     Failed(DecodeError),
 }
@@ -228,7 +230,11 @@ impl<B: Backend> Scheduler<B> {
                     .engine
                     .resume_sequence(prompt, resumed, &cache_salt, params, stop)
                 {
-                    Ok(seq) => self.admitted(job, seq, events, None),
+                    Ok(seq) => {
+                        let cached = self.engine.cached_prompt_tokens(seq).unwrap_or(0);
+                        let _ = events.send(Event::PrefixHit(cached));
+                        self.admitted(job, seq, events, None)
+                    }
                     Err(e) => {
                         let _ = events.send(Event::Failed(e.into()));
                     }

@@ -168,12 +168,20 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
         let prompt_tokens = req.prompt_token_ids.len() as u32;
         let already = req.already_generated;
         let worker_id = state.worker_id.clone();
+        let stats = state.clone();
         let stream = async_stream(move |tx| async move {
             let _guard = guard;
             let mut completion = 0u32;
             let mut first_at = None;
+            let mut cached_tokens = report.cached_tokens;
             while let Some(ev) = events.recv().await {
                 match ev {
+                    Event::PrefixHit(n) => {
+                        stats
+                            .prefix_hit_tokens
+                            .fetch_add(n as u64, Ordering::Relaxed);
+                        cached_tokens = cached_tokens.max(n as u32);
+                    }
                     Event::Output(out) => {
                         first_at.get_or_insert_with(Instant::now);
                         completion += 1;
@@ -194,7 +202,7 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
                             msg.usage = Some(v1::Usage {
                                 prompt_tokens: prompt_tokens - already,
                                 completion_tokens: completion + already,
-                                cached_prompt_tokens: report.cached_tokens,
+                                cached_prompt_tokens: cached_tokens,
                             });
                             let decode_ms =
                                 first_at.map_or(0.0, |t: Instant| t.elapsed().as_secs_f64() * 1e3);
