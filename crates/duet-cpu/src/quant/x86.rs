@@ -51,26 +51,6 @@ const fn n_chains(nt: usize) -> usize {
     }
 }
 
-/// `acc += w · x` over 16 lanes of i16 pairs, with the pair at `x` broadcast: the one instruction
-/// `vpdpwssd acc, w, dword [x]{1to16}`. Written as assembly because LLVM's generic x86 tuning
-/// splits the intrinsic into `vpmaddwd` + `vpaddd` to shorten accumulator chains, which these
-/// kernels (8 chains in flight) do not need: the split only doubles their vector instructions
-/// (fused measured 10-20% faster on Zen 5). No global tuning flag is needed for it.
-#[inline]
-#[target_feature(enable = "avx512f,avx512vnni")]
-unsafe fn dpwssd_bcast(acc: &mut __m512i, w: __m512i, x: *const i32) {
-    // SAFETY: the caller enables AVX-512 VNNI and `x` points at 4 readable bytes.
-    unsafe {
-        std::arch::asm!(
-            "vpdpwssd {acc}, {w}, dword ptr [{x}]{{1to16}}",
-            acc = inout(zmm_reg) *acc,
-            w = in(zmm_reg) w,
-            x = in(reg) x,
-            options(pure, readonly, nostack, preserves_flags),
-        );
-    }
-}
-
 /// Adds the products of 16 i16 weight pairs (`w[m]`: 16 rows, pair `m` of a 32-value block)
 /// with the matching activation pairs of each of `NT` tokens (`x(ti)`) into `s[ti]`.
 #[inline]
@@ -87,7 +67,7 @@ unsafe fn dp_tokens<const NT: usize, const NW: usize>(
             let xp = x(ti);
             for m in 0..NW {
                 let a = &mut s[ti][m % na];
-                dpwssd_bcast(a, w[m], (xp as *const i32).add(m0 + m));
+                *a = _mm512_dpwssd_epi32(*a, w[m], _mm512_set1_epi32(bcast(xp, m0 + m)));
             }
         }
     }
