@@ -36,12 +36,18 @@ pub struct EdgeOptions {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Deadline(pub Instant);
 
-/// The deadline the edge gave this call (a call that did not come through an edge, as in a unit
-/// test calling a handler directly, gets its `grpc-timeout` or none).
-pub fn deadline<T>(request: &tonic::Request<T>) -> Option<Instant> {
+/// The default of every service's `--request-timeout-ms`, and the deadline of a call that did
+/// not come through an edge and carries no `grpc-timeout` (a handler called directly in a test).
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(600);
+
+/// The deadline the edge gave this call (one that did not come through an edge gets its
+/// `grpc-timeout`, else [`DEFAULT_DEADLINE`]: the same policy).
+pub fn deadline<T>(request: &tonic::Request<T>) -> Instant {
     match request.extensions().get::<Deadline>() {
-        Some(d) => Some(d.0),
-        None => grpc_timeout(request.metadata().as_ref()).map(|t| Instant::now() + t),
+        Some(d) => d.0,
+        None => {
+            Instant::now() + grpc_timeout(request.metadata().as_ref()).unwrap_or(DEFAULT_DEADLINE)
+        }
     }
 }
 

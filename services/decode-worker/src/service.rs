@@ -109,7 +109,7 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
         &self,
         request: Request<v1::DecodeRequest>,
     ) -> Result<Response<DecodeStream>, Status> {
-        let deadline = duet_proto::deadline(&request).map(|d| d.into_std());
+        let deadline = Some(duet_proto::deadline(&request).into_std());
         let req = request.into_inner();
         let state = self.state.clone();
         if !req.model_fingerprint.is_empty() && req.model_fingerprint != state.fingerprint {

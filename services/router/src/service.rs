@@ -27,9 +27,6 @@ use crate::validate::{PromptModel, ValidRequest, random_u64};
 /// Tokens per KV block reported by Info before any worker reported its own.
 const DEFAULT_BLOCK_SIZE: u32 = 16;
 
-/// How far off "no deadline" is, for a call that did not come through the edge.
-const UNBOUNDED: Duration = Duration::from_secs(365 * 24 * 3600);
-
 /// Messages buffered between the decode stream and a slow client.
 const RELAY_BUFFER: usize = 32;
 
@@ -94,8 +91,7 @@ impl GenerationService {
         req: Request<v1::GenerateRequest>,
     ) -> Result<mpsc::Receiver<Item>, RouterError> {
         let start = Instant::now();
-        // The edge sets every call's deadline; a call from outside it has none.
-        let deadline = duet_proto::deadline(&req).unwrap_or(start + UNBOUNDED);
+        let deadline = duet_proto::deadline(&req);
         let req = req.into_inner();
         let valid = self.state.model.validate(&req, random_u64)?;
         if !self.state.pools.any_decode_routable() {
