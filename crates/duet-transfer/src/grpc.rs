@@ -1,0 +1,530 @@
+//! The `grpc` KV transport, both sides of `KvTransfer/Push`: one client-streaming call per
+//! request whose stream is a `KvHeader`, the `KvData` chunks (whole blocks, at most
+//! [`MAX_CHUNK_BYTES`], each with its xxh3) as the engine produces them, and a closing `KvDone`;
+//! the receiver's `PushAck` ends it.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use duet_proto::v1::kv_chunk::Kind;
+use duet_proto::v1::kv_transfer_client::KvTransferClient;
+use duet_proto::v1::{self, KvChunk, KvData, KvDone, PushAck};
+use futures::{Stream, StreamExt};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+use tonic::Status;
+
+use crate::{KvSender, KvSink, KvTransport, KvWire, OpenPush, PushSpec, Pushed, TransferError};
+
+/// Largest `KvData` payload built (whole blocks; a single larger block is sent alone).
+pub const MAX_CHUNK_BYTES: usize = 1 << 20;
+
+/// Pushes over gRPC on channels reused across requests.
+#[derive(Debug, Default)]
+pub struct GrpcTransport {
+    channels: Arc<duet_proto::Channels>,
+}
+
+impl KvTransport for GrpcTransport {
+    fn kind(&self) -> v1::TransportKind {
+        v1::TransportKind::Grpc
+    }
+
+    fn open(&self, wire: &KvWire, spec: PushSpec) -> Result<OpenPush, TransferError> {
+        let channel = self
+            .channels
+            .get(&spec.address)
+            .map_err(|e| TransferError::Malformed(format!("dest.transfer_address: {e}")))?;
+        let (tx, rx) = unbounded_channel();
+        let header = wire.header(&spec);
+        let sender = ChunkSender::new(tx, wire.block_bytes());
+        let acked = push(KvTransferClient::new(channel), spec, header, rx);
+        Ok(OpenPush {
+            sender: Box::new(sender),
+            acked: Box::pin(acked),
+        })
+    }
+}
+
+/// Cuts each layer's blocks into checksummed chunks for the push task.
+#[derive(Debug)]
+pub struct ChunkSender {
+    tx: UnboundedSender<KvChunk>,
+    block_bytes: usize,
+    num_chunks: u64,
+    bytes: u64,
+}
+
+impl ChunkSender {
+    pub fn new(tx: UnboundedSender<KvChunk>, block_bytes: usize) -> Self {
+        Self {
+            tx,
+            block_bytes,
+            num_chunks: 0,
+            bytes: 0,
+        }
+    }
+
+    fn send(&self, kind: Kind) {
+        // A closed channel means the push was abandoned: the request is being cancelled.
+        let _ = self.tx.send(KvChunk { kind: Some(kind) });
+    }
+}
+
+impl KvSender for ChunkSender {
+    fn send_layer(
+        &mut self,
+        layer: usize,
+        blocks: Range<usize>,
+        read_block: &mut dyn FnMut(usize, &mut Vec<u8>) -> Result<(), TransferError>,
+    ) -> Result<(), TransferError> {
+        let per_chunk = (MAX_CHUNK_BYTES / self.block_bytes).max(1);
+        let mut start = blocks.start;
+        while start < blocks.end {
+            let end = (start + per_chunk).min(blocks.end);
+            let mut payload = Vec::with_capacity((end - start) * self.block_bytes);
+            for block in start..end {
+                read_block(block, &mut payload)?;
+            }
+            self.num_chunks += 1;
+            self.bytes += payload.len() as u64;
+            self.send(Kind::Data(KvData {
+                layer: layer as u32,
+                block_start: start as u32,
+                block_end: end as u32,
+                xxh3: xxhash_rust::xxh3::xxh3_64(&payload),
+                payload,
+            }));
+            start = end;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) {
+        self.send(Kind::Done(KvDone {
+            num_chunks: self.num_chunks,
+            total_bytes: self.bytes,
+        }));
+    }
+}
+
+/// The push's request stream: the header, then the chunks until `KvDone`. If the sender goes
+/// away before `KvDone` the stream stays open (and the caller drops the push): a push is never
+/// completed with missing data.
+fn chunk_stream(
+    header: v1::KvHeader,
+    rx: UnboundedReceiver<KvChunk>,
+) -> impl Stream<Item = KvChunk> + Send + 'static {
+    let first = futures::stream::once(async move {
+        KvChunk {
+            kind: Some(Kind::Header(header)),
+        }
+    });
+    let rest = futures::stream::unfold(Some(rx), |rx| async move {
+        let mut rx = rx?;
+        match rx.recv().await {
+            Some(chunk) => {
+                let last = matches!(chunk.kind, Some(Kind::Done(_)));
+                Some((chunk, (!last).then_some(rx)))
+            }
+            None => std::future::pending().await,
+        }
+    });
+    first.chain(rest)
+}
+
+async fn push(
+    mut client: KvTransferClient<tonic::transport::Channel>,
+    spec: PushSpec,
+    header: v1::KvHeader,
+    rx: UnboundedReceiver<KvChunk>,
+) -> Result<Pushed, TransferError> {
+    client = client
+        .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+        .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
+    let bytes_sent = header.total_bytes;
+    let mut request = tonic::Request::new(chunk_stream(header, rx));
+    request.set_timeout(spec.timeout);
+    let ack = client
+        .push(request)
+        .await
+        .map_err(|status| TransferError::Call {
+            address: spec.address.clone(),
+            status,
+        })?
+        .into_inner();
+    if !ack.accepted {
+        return Err(TransferError::Rejected {
+            address: spec.address,
+            message: ack.message,
+        });
+    }
+    Ok(Pushed {
+        bytes_sent,
+        acked_at: Instant::now(),
+    })
+}
+
+/// Serves one `KvTransfer/Push`: checks the header against `wire`, every chunk's checksum and
+/// range, writes the chunks into `sink`'s reservation, and acknowledges once every (layer,
+/// block) arrived exactly once. A reservation that is gone is answered `accepted = false`.
+pub async fn receive<S, K>(mut chunks: S, wire: &KvWire, sink: &K) -> Result<PushAck, TransferError>
+where
+    S: Stream<Item = Result<KvChunk, Status>> + Unpin,
+    K: KvSink,
+{
+    let network = |status: Status| TransferError::Call {
+        address: "the sender".into(),
+        status,
+    };
+    let header = match chunks.next().await.transpose().map_err(network)? {
+        Some(KvChunk {
+            kind: Some(Kind::Header(h)),
+        }) => h,
+        _ => {
+            return Err(TransferError::Malformed(
+                "a KV push must start with a header".into(),
+            ));
+        }
+    };
+    wire.check(&header)?;
+    let id = header.reservation_id;
+    let Some(reserved) = sink.reservation_blocks(id).await? else {
+        return Ok(rejected(format!(
+            "reservation {id} is gone (cancelled or expired)"
+        )));
+    };
+    let mut tracker = PushTracker::new(&header, wire.layout.num_layers, reserved)?;
+    let mut writes = Vec::new();
+    while let Some(chunk) = chunks.next().await.transpose().map_err(network)? {
+        match chunk.kind {
+            Some(Kind::Data(d)) => {
+                let blocks = tracker.accept(&d)?;
+                writes.push(sink.write(id, d.layer as usize, blocks, d.payload)?);
+            }
+            Some(Kind::Done(done)) => {
+                for write in writes.drain(..) {
+                    match write.await {
+                        Ok(()) => {}
+                        Err(e @ TransferError::ReservationGone(_)) => {
+                            return Ok(rejected(e.to_string()));
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                tracker.complete(&done)?;
+                return Ok(PushAck {
+                    accepted: true,
+                    bytes_received: tracker.bytes,
+                    chunks_received: tracker.chunks,
+                    message: String::new(),
+                });
+            }
+            _ => {
+                return Err(TransferError::Malformed(
+                    "a second header in one KV push".into(),
+                ));
+            }
+        }
+    }
+    Err(TransferError::Corrupt(
+        "the KV push ended without its final message".into(),
+    ))
+}
+
+fn rejected(message: String) -> PushAck {
+    PushAck {
+        accepted: false,
+        message,
+        ..Default::default()
+    }
+}
+
+/// What a receiver has seen of one push: every (layer, block) of the announced range exactly
+/// once, and the totals `KvDone` must match.
+#[derive(Debug)]
+struct PushTracker {
+    blocks: Range<usize>,
+    num_layers: usize,
+    seen: Vec<bool>,
+    chunks: u64,
+    bytes: u64,
+}
+
+impl PushTracker {
+    fn new(
+        header: &v1::KvHeader,
+        num_layers: usize,
+        reserved: usize,
+    ) -> Result<Self, TransferError> {
+        let first = header.first_block as usize;
+        let blocks = first..first + header.total_blocks as usize;
+        if blocks.end != reserved {
+            return Err(TransferError::Malformed(format!(
+                "the push covers blocks {first}..{} but the reservation has {reserved}",
+                blocks.end
+            )));
+        }
+        Ok(Self {
+            seen: vec![false; num_layers * blocks.len()],
+            blocks,
+            num_layers,
+            chunks: 0,
+            bytes: 0,
+        })
+    }
+
+    /// Checks one chunk; returns its block range.
+    fn accept(&mut self, d: &KvData) -> Result<Range<usize>, TransferError> {
+        if xxhash_rust::xxh3::xxh3_64(&d.payload) != d.xxh3 {
+            return Err(TransferError::Corrupt(format!(
+                "checksum mismatch in the KV of layer {}",
+                d.layer
+            )));
+        }
+        let (layer, start, end) = (
+            d.layer as usize,
+            d.block_start as usize,
+            d.block_end as usize,
+        );
+        if layer >= self.num_layers
+            || start < self.blocks.start
+            || end > self.blocks.end
+            || start >= end
+        {
+            return Err(TransferError::Malformed(format!(
+                "KV chunk out of range: layer {layer}, blocks {start}..{end}"
+            )));
+        }
+        for b in start..end {
+            let slot = &mut self.seen[layer * self.blocks.len() + b - self.blocks.start];
+            if *slot {
+                return Err(TransferError::Malformed(format!(
+                    "KV of layer {layer} block {b} sent twice"
+                )));
+            }
+            *slot = true;
+        }
+        self.chunks += 1;
+        self.bytes += d.payload.len() as u64;
+        Ok(start..end)
+    }
+
+    /// Checks the closing message against what arrived.
+    fn complete(&self, done: &KvDone) -> Result<(), TransferError> {
+        let missing = self.seen.iter().filter(|s| !**s).count();
+        if done.num_chunks != self.chunks || done.total_bytes != self.bytes || missing > 0 {
+            return Err(TransferError::Corrupt(format!(
+                "incomplete KV push: {} chunks / {} bytes received, {} / {} announced, {missing} blocks missing",
+                self.chunks, self.bytes, done.num_chunks, done.total_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use duet_engine::backend::{KvDtype, KvLayout};
+
+    use super::*;
+
+    fn wire() -> KvWire {
+        KvWire {
+            fingerprint: "fp".into(),
+            layout: KvLayout {
+                num_layers: 2,
+                num_kv_heads: 1,
+                head_dim: 4,
+                block_size: 2,
+                num_blocks: 8,
+                dtype: KvDtype::F32,
+            },
+        }
+    }
+
+    /// A reservation of `blocks` blocks whose writes land in a map.
+    struct MemorySink {
+        blocks: Option<usize>,
+        written: Mutex<HashMap<(usize, usize), Vec<u8>>>,
+        block_bytes: usize,
+    }
+
+    impl KvSink for MemorySink {
+        async fn reservation_blocks(&self, _: u64) -> Result<Option<usize>, TransferError> {
+            Ok(self.blocks)
+        }
+
+        fn write(
+            &self,
+            _: u64,
+            layer: usize,
+            blocks: Range<usize>,
+            payload: Vec<u8>,
+        ) -> Result<impl Future<Output = Result<(), TransferError>> + Send + 'static, TransferError>
+        {
+            let mut w = self.written.lock().unwrap();
+            for (i, b) in blocks.enumerate() {
+                let bytes = payload[i * self.block_bytes..(i + 1) * self.block_bytes].to_vec();
+                w.insert((layer, b), bytes);
+            }
+            Ok(std::future::ready(Ok(())))
+        }
+    }
+
+    fn sink(blocks: Option<usize>) -> MemorySink {
+        MemorySink {
+            blocks,
+            written: Mutex::default(),
+            block_bytes: wire().block_bytes(),
+        }
+    }
+
+    fn spec(blocks: Range<usize>) -> PushSpec {
+        PushSpec {
+            address: "127.0.0.1:1".into(),
+            reservation_id: 7,
+            request_id: "r".into(),
+            blocks,
+            num_tokens: 10,
+            sender_worker_id: "p".into(),
+            timeout: Duration::from_secs(1),
+        }
+    }
+
+    /// The chunks a sender produces for blocks `blocks` of every layer, each block's bytes
+    /// holding its (layer, block).
+    fn produce(blocks: Range<usize>, block_bytes: usize) -> Vec<KvChunk> {
+        let w = wire();
+        let (tx, rx) = unbounded_channel();
+        let mut sender = ChunkSender::new(tx, block_bytes);
+        for layer in 0..w.layout.num_layers {
+            sender
+                .send_layer(layer, blocks.clone(), &mut |b, out| {
+                    out.extend(std::iter::repeat_n((layer * 16 + b) as u8, block_bytes));
+                    Ok(())
+                })
+                .unwrap();
+        }
+        sender.finish();
+        drop(sender);
+        let stream = chunk_stream(w.header(&spec(blocks)), rx);
+        futures::executor::block_on(stream.collect())
+    }
+
+    fn receive_all(chunks: Vec<KvChunk>, sink: &MemorySink) -> Result<PushAck, TransferError> {
+        let stream = futures::stream::iter(chunks.into_iter().map(Ok));
+        futures::executor::block_on(receive(stream, &wire(), sink))
+    }
+
+    #[test]
+    fn a_push_round_trips_every_block_of_every_layer() {
+        let w = wire();
+        let chunks = produce(1..5, w.block_bytes());
+        assert!(matches!(chunks.last().unwrap().kind, Some(Kind::Done(_))));
+        let s = sink(Some(5));
+        let ack = receive_all(chunks, &s).unwrap();
+        assert!(ack.accepted, "{}", ack.message);
+        assert_eq!(ack.bytes_received, (2 * 4 * w.block_bytes()) as u64);
+        let written = s.written.lock().unwrap();
+        assert_eq!(written.len(), 8);
+        assert!(!written.contains_key(&(0, 0)), "cached block 0 is not sent");
+        assert_eq!(written[&(1, 3)], vec![19u8; w.block_bytes()]);
+    }
+
+    #[test]
+    fn chunks_hold_whole_blocks_within_the_size_limit() {
+        let block_bytes = MAX_CHUNK_BYTES / 3 + 1; // two blocks per chunk would pass the limit
+        let chunks = produce(0..5, block_bytes);
+        let data: Vec<_> = chunks
+            .iter()
+            .filter_map(|c| match &c.kind {
+                Some(Kind::Data(d)) => Some(d),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(data.len(), 2 * 3, "5 blocks in chunks of 2 per layer");
+        assert!(data.iter().all(|d| d.payload.len() <= MAX_CHUNK_BYTES));
+        assert_eq!((data[2].block_start, data[2].block_end), (4, 5));
+    }
+
+    #[test]
+    fn damaged_duplicated_missing_or_foreign_pushes_are_refused() {
+        let w = wire();
+        let good = produce(0..3, w.block_bytes());
+        let data_at = |chunks: &mut Vec<KvChunk>, i: usize| -> KvData {
+            match chunks[i].kind.clone() {
+                Some(Kind::Data(d)) => d,
+                _ => panic!("chunk {i} is not data"),
+            }
+        };
+
+        let mut damaged = good.clone();
+        let mut d = data_at(&mut damaged, 1);
+        d.payload[0] ^= 1;
+        damaged[1].kind = Some(Kind::Data(d));
+        let e = receive_all(damaged, &sink(Some(3))).unwrap_err();
+        assert!(matches!(e, TransferError::Corrupt(_)), "{e}");
+
+        let mut twice = good.clone();
+        let again = twice[1].clone();
+        twice.insert(2, again);
+        let e = receive_all(twice, &sink(Some(3))).unwrap_err();
+        assert!(e.to_string().contains("sent twice"), "{e}");
+
+        let mut missing = good.clone();
+        missing.remove(1);
+        let e = receive_all(missing, &sink(Some(3))).unwrap_err();
+        assert!(e.to_string().contains("incomplete"), "{e}");
+
+        let mut cut = good.clone();
+        cut.pop();
+        let e = receive_all(cut, &sink(Some(3))).unwrap_err();
+        assert!(matches!(e, TransferError::Corrupt(_)), "{e}");
+
+        let mut foreign = good.clone();
+        let mut h = match foreign[0].kind.clone() {
+            Some(Kind::Header(h)) => h,
+            _ => panic!("the first chunk is the header"),
+        };
+        h.head_dim = 8;
+        foreign[0].kind = Some(Kind::Header(h));
+        let e = receive_all(foreign, &sink(Some(3))).unwrap_err();
+        assert!(matches!(e, TransferError::Mismatch(_)), "{e}");
+
+        let e = receive_all(good.clone(), &sink(Some(4))).unwrap_err();
+        assert!(matches!(e, TransferError::Malformed(_)), "{e}");
+
+        let ack = receive_all(good, &sink(None)).unwrap();
+        assert!(!ack.accepted && ack.message.contains("gone"), "{ack:?}");
+    }
+
+    #[test]
+    fn an_abandoned_sender_never_completes_the_stream() {
+        let w = wire();
+        let (tx, rx) = unbounded_channel();
+        let mut sender = ChunkSender::new(tx, w.block_bytes());
+        sender
+            .send_layer(0, 0..1, &mut |_, out| {
+                out.resize(out.len() + w.block_bytes(), 0);
+                Ok(())
+            })
+            .unwrap();
+        drop(sender);
+        let mut stream = Box::pin(chunk_stream(w.header(&spec(0..1)), rx));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            assert!(stream.next().await.is_some()); // header
+            assert!(stream.next().await.is_some()); // data
+            let end = tokio::time::timeout(Duration::from_millis(50), stream.next()).await;
+            assert!(end.is_err(), "the stream must stay open, not end");
+        });
+    }
+}

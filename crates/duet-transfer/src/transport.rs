@@ -1,0 +1,164 @@
+//! The seam every KV transport implements: a sending side, opened per request by the prefill
+//! worker and fed by its engine thread layer by layer while later layers still compute, and a
+//! receiving side, the decode worker's reservations that the transport writes into.
+
+use std::future::Future;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use duet_engine::backend::KvLayout;
+use duet_proto::v1;
+use futures::future::BoxFuture;
+
+use crate::TransferError;
+
+/// One side's KV as it travels: the model that computed it and the cache geometry. Both ends
+/// must agree on everything but the number of blocks.
+#[derive(Clone, Debug)]
+pub struct KvWire {
+    pub fingerprint: String,
+    pub layout: KvLayout,
+}
+
+impl KvWire {
+    /// Bytes of one (layer, block) in the wire layout: K then V, each
+    /// `[kv_head][slot][head_dim]`.
+    pub fn block_bytes(&self) -> usize {
+        let l = &self.layout;
+        2 * l.block_size * l.num_kv_heads * l.head_dim * l.dtype.bytes()
+    }
+
+    /// The header that opens a push of `spec`'s blocks from this (sending) side.
+    pub fn header(&self, spec: &PushSpec) -> v1::KvHeader {
+        let l = &self.layout;
+        v1::KvHeader {
+            reservation_id: spec.reservation_id,
+            request_id: spec.request_id.clone(),
+            model_fingerprint: self.fingerprint.clone(),
+            block_size: l.block_size as u32,
+            num_layers: l.num_layers as u32,
+            num_kv_heads: l.num_kv_heads as u32,
+            head_dim: l.head_dim as u32,
+            dtype: l.dtype.name().into(),
+            layout: duet_proto::KV_WIRE_LAYOUT.into(),
+            first_block: spec.blocks.start as u32,
+            total_blocks: spec.blocks.len() as u32,
+            total_bytes: (l.num_layers * spec.blocks.len() * self.block_bytes()) as u64,
+            num_tokens: spec.num_tokens as u32,
+            sender_worker_id: spec.sender_worker_id.clone(),
+        }
+    }
+
+    /// Checks a sender's header against this (receiving) side.
+    pub fn check(&self, h: &v1::KvHeader) -> Result<(), TransferError> {
+        if h.model_fingerprint != self.fingerprint {
+            return Err(TransferError::Mismatch(format!(
+                "model fingerprint mismatch: sender {}, receiver {}",
+                h.model_fingerprint, self.fingerprint
+            )));
+        }
+        let l = &self.layout;
+        let geometry = (
+            h.block_size as usize,
+            h.num_layers as usize,
+            h.num_kv_heads as usize,
+            h.head_dim as usize,
+        );
+        if geometry != (l.block_size, l.num_layers, l.num_kv_heads, l.head_dim)
+            || h.dtype != l.dtype.name()
+            || h.layout != duet_proto::KV_WIRE_LAYOUT
+        {
+            return Err(TransferError::Mismatch(format!(
+                "KV geometry mismatch: sender (block {}, layers {}, kv heads {}, head dim {}, {} {}), receiver (block {}, layers {}, kv heads {}, head dim {}, {} {})",
+                h.block_size,
+                h.num_layers,
+                h.num_kv_heads,
+                h.head_dim,
+                h.dtype,
+                h.layout,
+                l.block_size,
+                l.num_layers,
+                l.num_kv_heads,
+                l.head_dim,
+                l.dtype,
+                duet_proto::KV_WIRE_LAYOUT
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Where one request's KV goes and what it covers.
+#[derive(Clone, Debug)]
+pub struct PushSpec {
+    /// The decode worker's KV address (`KvDestination.transfer_address`).
+    pub address: String,
+    pub reservation_id: u64,
+    pub request_id: String,
+    /// Reservation block indices sent (from `KvDestination.cached_blocks` to the prompt's end).
+    pub blocks: Range<usize>,
+    pub num_tokens: usize,
+    pub sender_worker_id: String,
+    /// How long the whole push may take.
+    pub timeout: Duration,
+}
+
+/// A finished push.
+#[derive(Debug)]
+pub struct Pushed {
+    /// Payload bytes sent.
+    pub bytes_sent: u64,
+    /// When the receiver acknowledged.
+    pub acked_at: Instant,
+}
+
+/// The engine thread's end of one push.
+pub trait KvSender: Send {
+    /// Ships `layer`'s KV of reservation blocks `blocks`. `read_block(i, out)` appends block
+    /// `i`'s bytes in the wire layout, read from the engine's cache.
+    fn send_layer(
+        &mut self,
+        layer: usize,
+        blocks: Range<usize>,
+        read_block: &mut dyn FnMut(usize, &mut Vec<u8>) -> Result<(), TransferError>,
+    ) -> Result<(), TransferError>;
+
+    /// Every block of every layer has been shipped: the push may complete.
+    fn finish(&mut self);
+}
+
+/// A push in flight: the sender for the engine thread, and the receiver's acknowledgement.
+/// Dropping the sender without [`KvSender::finish`] never completes the push with missing data.
+pub struct OpenPush {
+    pub sender: Box<dyn KvSender>,
+    pub acked: BoxFuture<'static, Result<Pushed, TransferError>>,
+}
+
+/// The sending side of a transport.
+pub trait KvTransport: Send + Sync {
+    /// The kind reported to the decode worker and in metrics.
+    fn kind(&self) -> v1::TransportKind;
+
+    /// Starts pushing `spec`'s blocks of KV laid out as `wire` describes.
+    fn open(&self, wire: &KvWire, spec: PushSpec) -> Result<OpenPush, TransferError>;
+}
+
+/// The receiving side: a decode worker's reservations, as a transport fills them.
+pub trait KvSink: Sync {
+    /// Blocks of reservation `id`; `None` once it is gone (cancelled or expired).
+    fn reservation_blocks(
+        &self,
+        id: u64,
+    ) -> impl Future<Output = Result<Option<usize>, TransferError>> + Send;
+
+    /// Starts writing `payload`, the KV of reservation blocks `blocks` of `layer`. The returned
+    /// future resolves once it is in the cache; a transport starts every write of a push before
+    /// awaiting any, so a running batch is not paused once per chunk.
+    fn write(
+        &self,
+        id: u64,
+        layer: usize,
+        blocks: Range<usize>,
+        payload: Vec<u8>,
+    ) -> Result<impl Future<Output = Result<(), TransferError>> + Send + 'static, TransferError>;
+}

@@ -1,0 +1,509 @@
+//! The engine-thread actor: the one place the model runs, in the manner of TGI's `queue_task`.
+//!
+//! Everything that touches the engine (admitting prompts, KV reservations and the writes that
+//! fill them, forward steps, cancellation) is a [`Command`] processed here in order, between
+//! steps. With nothing to compute the thread sleeps on its channel (until the next reservation
+//! lease runs out); otherwise each turn takes every command that arrived, expires leases, runs
+//! one step over everything admitted (the engine batches decode tokens and prompt chunks up to
+//! its step budget), and publishes a [`Snapshot`] for `Stats`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use duet_engine::EngineError;
+use duet_engine::backend::KvLayout;
+use duet_engine::engine::{KvReservation, PlannedSeq, SeqId};
+use duet_model::params::Sampled;
+use duet_transfer::{KvSender, TransferError};
+use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::oneshot;
+
+use crate::actor_engine::{ActorEngine, LayerKv};
+use crate::stats::{Counters, Published, Snapshot};
+use crate::{Event, Request, RequestId, WorkerError};
+
+/// What the services ask of the engine thread.
+pub enum Command {
+    /// Runs a prompt here: prefill, then generate (or, with a `kv_out`, ship the KV and end with
+    /// the first token). A reservation held under the same id is released first.
+    Submit(Request),
+    /// Holds KV blocks for a prompt another worker will prefill, until the lease runs out.
+    Reserve {
+        id: RequestId,
+        tokens: Vec<u32>,
+        cache_salt: String,
+        reply: oneshot::Sender<Result<ReservationInfo, WorkerError>>,
+    },
+    /// Number of blocks of a live reservation (`None` once it is gone).
+    ReservationBlocks {
+        id: RequestId,
+        reply: oneshot::Sender<Option<usize>>,
+    },
+    /// KV of reservation blocks `blocks` of one layer, from a transfer.
+    WriteKv {
+        id: RequestId,
+        layer: usize,
+        blocks: Range<usize>,
+        payload: Vec<u8>,
+        reply: oneshot::Sender<Result<(), TransferError>>,
+    },
+    /// The reservation is filled: generate on from the prefill's first token.
+    Activate { request: Request, first: Sampled },
+    /// The request is gone (client cancelled, deadline, failure): free whatever it holds.
+    Cancel(RequestId),
+}
+
+/// The blocks of a reservation, as a prefill worker needs them.
+#[derive(Clone, Debug)]
+pub struct ReservationInfo {
+    pub block_ids: Vec<u32>,
+    /// Leading blocks already holding the prompt's KV here (not sent).
+    pub cached_blocks: usize,
+}
+
+/// A request admitted into the engine.
+struct Admitted {
+    id: RequestId,
+    events: UnboundedSender<Event>,
+    shipping: Option<Shipping>,
+    /// Prompt tokens not computed yet (counted in `Counters::queued_tokens`).
+    remaining: usize,
+    scheduled: bool,
+}
+
+/// A prefill request's KV on its way out.
+struct Shipping {
+    sender: Box<dyn KvSender>,
+    /// Next reservation block to send; the blocks before it went out for every layer.
+    next_block: usize,
+    num_blocks: usize,
+    num_tokens: usize,
+}
+
+impl Shipping {
+    /// Sends this layer's KV of the blocks that the planned chunk `p` completes; the last
+    /// layer commits them. A block is sent once every layer of it is computed; the last,
+    /// partial block goes out with the prompt's final chunk.
+    fn ship(&mut self, p: &PlannedSeq, done: &dyn LayerKv, block_size: usize, last_layer: bool) {
+        let computed = p.start_pos + p.len;
+        let end = if computed >= self.num_tokens {
+            self.num_blocks
+        } else {
+            computed / block_size
+        };
+        if end <= self.next_block {
+            return;
+        }
+        let table = &p.block_table;
+        let sent = self
+            .sender
+            .send_layer(done.layer(), self.next_block..end, &mut |i, out| {
+                done.append_kv_block(table[i], out)
+                    .map_err(|e| TransferError::Cache(e.to_string()))
+            });
+        // A device failure fails the step, and with it the request, unsent.
+        if sent.is_ok() && last_layer {
+            self.next_block = end;
+        }
+    }
+}
+
+pub struct Actor<E: ActorEngine> {
+    engine: E,
+    layout: KvLayout,
+    /// How long a reservation waits for its transfer.
+    lease: Duration,
+    counters: Arc<Counters>,
+    published: Arc<Published>,
+    reservations: HashMap<RequestId, (KvReservation, Instant)>,
+    admitted: BTreeMap<SeqId, Admitted>,
+    by_id: HashMap<RequestId, SeqId>,
+}
+
+impl<E: ActorEngine> Actor<E> {
+    pub fn new(engine: E, lease: Duration) -> Self {
+        let published = Arc::new(Published::new(Snapshot {
+            pool: engine.pool_stats(),
+            waiting: 0,
+            running: 0,
+            reservations: 0,
+        }));
+        Self {
+            layout: engine.kv_layout(),
+            engine,
+            lease,
+            counters: Arc::default(),
+            published,
+            reservations: HashMap::new(),
+            admitted: BTreeMap::new(),
+            by_id: HashMap::new(),
+        }
+    }
+
+    pub fn engine(&self) -> &E {
+        &self.engine
+    }
+
+    pub(crate) fn shared(&self) -> (Arc<Counters>, Arc<Published>) {
+        (self.counters.clone(), self.published.clone())
+    }
+
+    /// Runs until every command sender is gone and nothing is left to compute.
+    pub fn run(mut self, commands: Receiver<Command>) {
+        loop {
+            if !self.engine.has_work() {
+                let next = match self.next_expiry() {
+                    Some(at) => {
+                        match commands.recv_timeout(at.saturating_duration_since(Instant::now())) {
+                            Ok(cmd) => Some(cmd),
+                            Err(RecvTimeoutError::Timeout) => None,
+                            Err(RecvTimeoutError::Disconnected) => break,
+                        }
+                    }
+                    None => match commands.recv() {
+                        Ok(cmd) => Some(cmd),
+                        Err(_) => break,
+                    },
+                };
+                if let Some(cmd) = next {
+                    self.handle(cmd);
+                }
+            }
+            while let Ok(cmd) = commands.try_recv() {
+                self.handle(cmd);
+            }
+            self.turn(Instant::now());
+        }
+        tracing::debug!("engine thread stopped");
+    }
+
+    fn next_expiry(&self) -> Option<Instant> {
+        self.reservations.values().map(|(_, at)| *at).min()
+    }
+
+    pub fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit(request) => self.submit(request),
+            Command::Reserve {
+                id,
+                tokens,
+                cache_salt,
+                reply,
+            } => {
+                let _ = reply.send(self.reserve(id, &tokens, &cache_salt));
+            }
+            Command::ReservationBlocks { id, reply } => {
+                let _ = reply.send(self.reservations.get(&id).map(|(r, _)| r.blocks.len()));
+            }
+            Command::WriteKv {
+                id,
+                layer,
+                blocks,
+                payload,
+                reply,
+            } => {
+                let _ = reply.send(self.write_kv(id, layer, blocks, &payload));
+            }
+            Command::Activate { request, first } => self.activate(request, first),
+            Command::Cancel(id) => {
+                self.release_reservation(id);
+                if let Some(&seq) = self.by_id.get(&id) {
+                    tracing::debug!(request = id, "cancelled");
+                    self.remove(seq);
+                }
+            }
+        }
+    }
+
+    /// One turn after the commands: expire leases, step, publish.
+    pub fn turn(&mut self, now: Instant) {
+        self.expire_leases(now);
+        if self.engine.has_work() {
+            self.step(now);
+        }
+        self.publish();
+    }
+
+    fn submit(&mut self, r: Request) {
+        let n = r.prompt.len();
+        if r.events.is_closed() {
+            self.counters.unqueue(n); // cancelled while queued
+            return;
+        }
+        self.release_reservation(r.id);
+        let seq =
+            match self
+                .engine
+                .resume_sequence(r.prompt, r.resumed, &r.cache_salt, r.params, r.stop)
+            {
+                Ok(seq) => seq,
+                Err(e) => {
+                    self.counters.unqueue(n);
+                    let _ = r.events.send(Event::Failed(e.into()));
+                    return;
+                }
+            };
+        let cached = self.engine.cached_prompt_tokens(seq).unwrap_or(0);
+        self.counters.unqueue(cached);
+        let _ = r.events.send(Event::Admitted {
+            cached_tokens: cached,
+        });
+        let shipping = r.kv_out.map(|k| Shipping {
+            sender: k.sender,
+            next_block: k.first_block,
+            num_blocks: n.div_ceil(self.layout.block_size),
+            num_tokens: n,
+        });
+        self.insert(
+            seq,
+            Admitted {
+                id: r.id,
+                events: r.events,
+                shipping,
+                remaining: n - cached,
+                scheduled: false,
+            },
+        );
+    }
+
+    fn insert(&mut self, seq: SeqId, a: Admitted) {
+        self.by_id.insert(a.id, seq);
+        self.admitted.insert(seq, a);
+    }
+
+    fn reserve(
+        &mut self,
+        id: RequestId,
+        tokens: &[u32],
+        cache_salt: &str,
+    ) -> Result<ReservationInfo, WorkerError> {
+        self.release_reservation(id);
+        let r = self.engine.reserve(tokens, cache_salt)?;
+        let info = ReservationInfo {
+            block_ids: r.blocks.clone(),
+            cached_blocks: r.cached_blocks,
+        };
+        self.reservations
+            .insert(id, (r, Instant::now() + self.lease));
+        Ok(info)
+    }
+
+    fn release_reservation(&mut self, id: RequestId) {
+        if let Some((r, _)) = self.reservations.remove(&id)
+            && let Err(e) = self.engine.release(r)
+        {
+            tracing::error!(request = id, "releasing a KV reservation: {e}");
+        }
+    }
+
+    fn write_kv(
+        &mut self,
+        id: RequestId,
+        layer: usize,
+        blocks: Range<usize>,
+        payload: &[u8],
+    ) -> Result<(), TransferError> {
+        let (r, _) = self.reservations.get(&id).ok_or_else(|| {
+            TransferError::ReservationGone(format!("no reservation {id} (expired or cancelled)"))
+        })?;
+        let block_bytes = payload.len() / blocks.len().max(1);
+        if blocks.is_empty()
+            || blocks.end > r.blocks.len()
+            || layer >= self.layout.num_layers
+            || payload.len() != blocks.len() * block_bytes
+        {
+            return Err(TransferError::Malformed(format!(
+                "KV chunk for layer {layer} blocks {blocks:?} with {} bytes does not fit a reservation of {} blocks",
+                payload.len(),
+                r.blocks.len()
+            )));
+        }
+        for (chunk, &block) in payload.chunks(block_bytes).zip(&r.blocks[blocks]) {
+            self.engine
+                .write_kv_block(layer, block, chunk)
+                .map_err(|e| TransferError::Malformed(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    fn activate(&mut self, request: Request, first: Sampled) {
+        let id = request.id;
+        let Some((reservation, _)) = self.reservations.remove(&id) else {
+            let _ = request
+                .events
+                .send(Event::Failed(WorkerError::NotFound(format!(
+                    "reservation {id} expired before its KV arrived"
+                ))));
+            return;
+        };
+        let added = self.engine.add_prefilled(
+            request.prompt,
+            reservation,
+            first,
+            request.params,
+            request.stop,
+        );
+        match added {
+            Ok((seq, out)) => {
+                let done = out.finish.is_some();
+                let delivered = request.events.send(Event::Output(out)).is_ok();
+                if done || !delivered {
+                    self.remove_sequence(seq);
+                    return;
+                }
+                self.insert(
+                    seq,
+                    Admitted {
+                        id,
+                        events: request.events,
+                        shipping: None,
+                        remaining: 0,
+                        scheduled: true,
+                    },
+                );
+            }
+            Err(e) => {
+                let _ = request.events.send(Event::Failed(e.into()));
+            }
+        }
+    }
+
+    fn expire_leases(&mut self, now: Instant) {
+        let expired: Vec<RequestId> = self
+            .reservations
+            .iter()
+            .filter(|(_, (_, at))| *at <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in expired {
+            tracing::warn!(
+                request = id,
+                "KV reservation expired before its transfer completed; blocks reclaimed"
+            );
+            self.release_reservation(id);
+        }
+    }
+
+    /// Takes a request out of the engine without answering it.
+    fn remove(&mut self, seq: SeqId) -> Option<Admitted> {
+        let a = self.admitted.remove(&seq)?;
+        self.by_id.remove(&a.id);
+        self.counters.unqueue(a.remaining);
+        self.remove_sequence(seq);
+        Some(a)
+    }
+
+    fn remove_sequence(&mut self, seq: SeqId) {
+        if let Err(e) = self.engine.remove_sequence(seq) {
+            tracing::error!(seq, "removing a sequence: {e}");
+        }
+    }
+
+    fn fail(&mut self, seq: SeqId, e: WorkerError) {
+        if let Some(a) = self.remove(seq) {
+            let _ = a.events.send(Event::Failed(e));
+        }
+    }
+
+    fn step(&mut self, now: Instant) {
+        let (num_layers, block_size) = (self.layout.num_layers, self.layout.block_size);
+        let admitted = &mut self.admitted;
+        let counters = &self.counters;
+        let mut on_layer = |done: &dyn LayerKv| {
+            let last_layer = done.layer() + 1 == num_layers;
+            for p in done.plan() {
+                let Some(a) = admitted.get_mut(&p.seq) else {
+                    continue;
+                };
+                if !a.scheduled {
+                    a.scheduled = true;
+                    let _ = a.events.send(Event::Scheduled(now));
+                }
+                if let Some(s) = a.shipping.as_mut() {
+                    s.ship(p, done, block_size, last_layer);
+                }
+                if last_layer {
+                    let computed = p.len.min(a.remaining);
+                    a.remaining -= computed;
+                    counters.unqueue(computed);
+                }
+            }
+        };
+        let outputs = match self.engine.step_with(&mut on_layer) {
+            Ok(outputs) => outputs,
+            Err(e) => return self.step_failed(e),
+        };
+        let mut deliveries = Vec::with_capacity(outputs.len());
+        for out in outputs {
+            let Some(a) = self.admitted.get(&out.seq) else {
+                continue;
+            };
+            // A prefill request ends with its first token; others at their finish, or when
+            // their caller has gone.
+            if out.finish.is_some() || a.shipping.is_some() || a.events.is_closed() {
+                let a = self.remove(out.seq).expect("admitted");
+                deliveries.push((Delivery::Last(a), out));
+            } else {
+                deliveries.push((Delivery::Next(a.events.clone()), out));
+            }
+        }
+        // Publish first, so a caller reading `Stats` after its answer sees this step's effect.
+        self.publish();
+        for (delivery, out) in deliveries {
+            match delivery {
+                Delivery::Next(events) => {
+                    let _ = events.send(Event::Output(out));
+                }
+                Delivery::Last(mut a) => {
+                    if let Some(s) = a.shipping.as_mut() {
+                        s.sender.finish();
+                    }
+                    let _ = a.events.send(Event::Output(out));
+                }
+            }
+        }
+    }
+
+    fn step_failed(&mut self, e: EngineError) {
+        if matches!(e, EngineError::Kv(duet_kv::KvError::Exhausted { .. })) {
+            // Admitted prompts hold their blocks chunk by chunk; when the oldest cannot go on,
+            // give up the newest so the others can finish.
+            if let Some(&newest) = self.admitted.keys().next_back() {
+                tracing::warn!(seq = newest, "KV cache full; failing the newest request");
+                self.fail(
+                    newest,
+                    WorkerError::ResourceExhausted(format!("the KV cache is full ({e})")),
+                );
+            }
+            return;
+        }
+        // A step that cannot run fails every request rather than spinning.
+        tracing::error!("step failed: {e}");
+        let message = e.to_string();
+        for seq in self.admitted.keys().copied().collect::<Vec<_>>() {
+            self.fail(seq, WorkerError::Internal(message.clone()));
+        }
+    }
+
+    fn publish(&self) {
+        let scheduled = self.admitted.values().filter(|a| a.scheduled).count();
+        self.published.set(Snapshot {
+            pool: self.engine.pool_stats(),
+            waiting: self.admitted.len() - scheduled,
+            running: scheduled,
+            reservations: self.reservations.len(),
+        });
+    }
+}
+
+/// Where a step's output goes.
+enum Delivery {
+    Next(UnboundedSender<Event>),
+    Last(Admitted),
+}
+
+#[cfg(test)]
+mod tests;

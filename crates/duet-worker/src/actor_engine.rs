@@ -1,0 +1,129 @@
+//! The engine as the actor drives it: [`Engine`] in production, a scripted engine in the
+//! actor's tests, so the actor's decisions are tested without threads or a model.
+
+use duet_engine::EngineError;
+use duet_engine::backend::{Backend, KvLayout};
+use duet_engine::engine::{
+    Engine, KvReservation, LayerDone, PlannedSeq, Resumed, SeqId, StepOutput,
+};
+use duet_kv::PoolStats;
+use duet_model::params::{Sampled, SamplingParams, StopCriteria};
+
+/// One layer's K/V, finished during a step.
+pub trait LayerKv {
+    fn layer(&self) -> usize;
+    /// Every sequence's share of the step.
+    fn plan(&self) -> &[PlannedSeq];
+    /// Appends this layer's KV of physical `block` in the wire layout.
+    fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError>;
+}
+
+impl<B: Backend> LayerKv for LayerDone<'_, B> {
+    fn layer(&self) -> usize {
+        self.layer
+    }
+
+    fn plan(&self) -> &[PlannedSeq] {
+        self.plan
+    }
+
+    fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError> {
+        LayerDone::append_kv_block(self, block, out)
+    }
+}
+
+/// The engine operations the actor uses (see [`Engine`] for each one's contract).
+pub trait ActorEngine {
+    fn kv_layout(&self) -> KvLayout;
+    fn pool_stats(&self) -> PoolStats;
+    fn has_work(&self) -> bool;
+    fn resume_sequence(
+        &mut self,
+        tokens: Vec<u32>,
+        resumed: Resumed,
+        cache_salt: &str,
+        params: SamplingParams,
+        stop: StopCriteria,
+    ) -> Result<SeqId, EngineError>;
+    fn cached_prompt_tokens(&self, seq: SeqId) -> Option<usize>;
+    fn remove_sequence(&mut self, seq: SeqId) -> Result<(), EngineError>;
+    fn reserve(&mut self, tokens: &[u32], cache_salt: &str) -> Result<KvReservation, EngineError>;
+    fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError>;
+    fn add_prefilled(
+        &mut self,
+        prompt: Vec<u32>,
+        reservation: KvReservation,
+        first: Sampled,
+        params: SamplingParams,
+        stop: StopCriteria,
+    ) -> Result<(SeqId, StepOutput), EngineError>;
+    fn write_kv_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), EngineError>;
+    /// One forward step; `on_layer` sees each layer's K/V once written.
+    fn step_with(
+        &mut self,
+        on_layer: &mut dyn FnMut(&dyn LayerKv),
+    ) -> Result<Vec<StepOutput>, EngineError>;
+}
+
+impl<B: Backend> ActorEngine for Engine<B> {
+    fn kv_layout(&self) -> KvLayout {
+        Engine::kv_layout(self)
+    }
+
+    fn pool_stats(&self) -> PoolStats {
+        self.block_pool().stats()
+    }
+
+    fn has_work(&self) -> bool {
+        Engine::has_work(self)
+    }
+
+    fn resume_sequence(
+        &mut self,
+        tokens: Vec<u32>,
+        resumed: Resumed,
+        cache_salt: &str,
+        params: SamplingParams,
+        stop: StopCriteria,
+    ) -> Result<SeqId, EngineError> {
+        Engine::resume_sequence(self, tokens, resumed, cache_salt, params, stop)
+    }
+
+    fn cached_prompt_tokens(&self, seq: SeqId) -> Option<usize> {
+        Engine::cached_prompt_tokens(self, seq)
+    }
+
+    fn remove_sequence(&mut self, seq: SeqId) -> Result<(), EngineError> {
+        Engine::remove_sequence(self, seq)
+    }
+
+    fn reserve(&mut self, tokens: &[u32], cache_salt: &str) -> Result<KvReservation, EngineError> {
+        Engine::reserve(self, tokens, cache_salt)
+    }
+
+    fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError> {
+        Engine::release(self, reservation)
+    }
+
+    fn add_prefilled(
+        &mut self,
+        prompt: Vec<u32>,
+        reservation: KvReservation,
+        first: Sampled,
+        params: SamplingParams,
+        stop: StopCriteria,
+    ) -> Result<(SeqId, StepOutput), EngineError> {
+        Engine::add_prefilled(self, prompt, reservation, first, params, stop)
+    }
+
+    fn write_kv_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), EngineError> {
+        Engine::write_kv_block(self, layer, block, data)
+    }
+
+    fn step_with(
+        &mut self,
+        on_layer: &mut dyn FnMut(&dyn LayerKv),
+    ) -> Result<Vec<StepOutput>, EngineError> {
+        Engine::step_with(self, &mut |done: &LayerDone<'_, B>| on_layer(done))
+    }
+}
