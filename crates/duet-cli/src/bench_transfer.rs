@@ -1,8 +1,8 @@
 //! `duet bench transfer`: the gRPC KV transport alone. A real decode worker (in this process)
 //! reserves KV for an N-token prompt and asks a stand-in prefill worker to fill it; the stand-in
-//! computes nothing and pushes the prompt's KV (every layer, every block, 1 MiB checksummed
-//! chunks) as fast as the transport takes it, timing from the first chunk to the decode worker's
-//! acknowledgement.
+//! computes nothing and pushes the prompt's KV (every layer, every block) through the same
+//! transport code as the real prefill worker (`duet_transfer::grpc`: 1 MiB checksummed chunks),
+//! timing from cutting the first chunk to the decode worker's acknowledgement.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -10,11 +10,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::Args;
 use duet_cpu::CpuBackend;
-use duet_engine::backend::{Backend, KvDtype, KvDtypeChoice};
+use duet_engine::backend::{Backend, KvDtypeChoice, KvLayout};
 use duet_engine::engine::EngineOptions;
 use duet_model::model_files::open_model;
 use duet_model::model_path::ModelArgs;
 use duet_proto::v1;
+use duet_transfer::grpc::GrpcTransport;
+use duet_transfer::{KvTransport, KvWire, PushSpec, TransferError};
 use futures::StreamExt;
 use tonic::{Request, Response, Status};
 
@@ -37,11 +39,48 @@ struct Measured {
     seconds: f64,
 }
 
+/// A prefill worker that computes nothing: it pushes zeroed KV for the whole reservation
+/// through the transport the real prefill worker uses.
 struct StandIn {
-    fingerprint: String,
-    geometry: (u32, u32, u32, u32), // block size, layers, kv heads, head dim
-    kv_dtype: KvDtype,
+    wire: KvWire,
+    transport: GrpcTransport,
     last: Arc<Mutex<Measured>>,
+}
+
+impl StandIn {
+    async fn push(&self, req: v1::PrefillRequest) -> Result<Measured, TransferError> {
+        let dest = req
+            .dest
+            .ok_or_else(|| TransferError::Malformed("no destination".into()))?;
+        let blocks = dest.cached_blocks as usize..dest.block_ids.len();
+        let push = self.transport.open(
+            &self.wire,
+            PushSpec {
+                address: dest.transfer_address,
+                reservation_id: dest.reservation_id,
+                request_id: req.request_id,
+                blocks: blocks.clone(),
+                num_tokens: req.token_ids.len(),
+                sender_worker_id: "bench-stand-in".into(),
+                timeout: Duration::from_secs(60),
+            },
+        )?;
+        let started = Instant::now();
+        let block_bytes = self.wire.block_bytes();
+        let mut sender = push.sender;
+        for layer in 0..self.wire.layout.num_layers {
+            sender.send_layer(layer, blocks.clone(), &mut |_, out| {
+                out.resize(out.len() + block_bytes, 0);
+                Ok(())
+            })?;
+        }
+        sender.finish();
+        let pushed = push.acked.await?;
+        Ok(Measured {
+            bytes: pushed.bytes_sent,
+            seconds: started.elapsed().as_secs_f64(),
+        })
+    }
 }
 
 #[tonic::async_trait]
@@ -50,84 +89,15 @@ impl v1::prefill_worker_server::PrefillWorker for StandIn {
         &self,
         request: Request<v1::PrefillRequest>,
     ) -> Result<Response<v1::PrefillResponse>, Status> {
-        let req = request.into_inner();
-        let dest = req
-            .dest
-            .ok_or_else(|| Status::invalid_argument("no destination"))?;
-        let (bs, layers, heads, hd) = self.geometry;
-        let block_bytes = 2 * (bs * heads * hd) as usize * self.kv_dtype.bytes();
-        let first = dest.cached_blocks as usize;
-        let total = dest.block_ids.len() - first;
-        let per_chunk = ((1 << 20) / block_bytes).max(1);
-        let mut chunks = vec![v1::KvChunk {
-            kind: Some(v1::kv_chunk::Kind::Header(v1::KvHeader {
-                reservation_id: dest.reservation_id,
-                request_id: req.request_id.clone(),
-                model_fingerprint: self.fingerprint.clone(),
-                block_size: bs,
-                num_layers: layers,
-                num_kv_heads: heads,
-                head_dim: hd,
-                dtype: self.kv_dtype.name().into(),
-                layout: duet_proto::KV_WIRE_LAYOUT.into(),
-                first_block: first as u32,
-                total_blocks: total as u32,
-                total_bytes: (layers as usize * total * block_bytes) as u64,
-                num_tokens: req.token_ids.len() as u32,
-                sender_worker_id: "bench-stand-in".into(),
-            })),
-        }];
-        let (mut n, mut bytes) = (0u64, 0u64);
-        for layer in 0..layers {
-            let mut start = first;
-            while start < first + total {
-                let end = (start + per_chunk).min(first + total);
-                let payload = vec![0u8; (end - start) * block_bytes];
-                let xxh3 = xxhash_rust::xxh3::xxh3_64(&payload);
-                bytes += payload.len() as u64;
-                n += 1;
-                chunks.push(v1::KvChunk {
-                    kind: Some(v1::kv_chunk::Kind::Data(v1::KvData {
-                        layer,
-                        block_start: start as u32,
-                        block_end: end as u32,
-                        payload,
-                        xxh3,
-                    })),
-                });
-                start = end;
-            }
-        }
-        chunks.push(v1::KvChunk {
-            kind: Some(v1::kv_chunk::Kind::Done(v1::KvDone {
-                num_chunks: n,
-                total_bytes: bytes,
-            })),
-        });
-        let mut client = v1::kv_transfer_client::KvTransferClient::connect(format!(
-            "http://{}",
-            dest.transfer_address
-        ))
-        .await
-        .map_err(|e| Status::unavailable(e.to_string()))?
-        .max_encoding_message_size(64 << 20);
-        let started = Instant::now();
-        let ack = client
-            .push(futures::stream::iter(chunks))
-            .await?
-            .into_inner();
-        let seconds = started.elapsed().as_secs_f64();
-        if !ack.accepted {
-            return Err(Status::unavailable(ack.message));
-        }
-        *self.last.lock().unwrap() = Measured { bytes, seconds };
+        let m = self.push(request.into_inner()).await?;
+        *self.last.lock().unwrap() = m;
         Ok(Response::new(v1::PrefillResponse {
             first_token: Some(v1::TokenLogprobs {
                 token_id: 3,
                 ..Default::default()
             }),
-            bytes_sent: bytes,
-            transfer_ms: seconds * 1e3,
+            bytes_sent: m.bytes,
+            transfer_ms: m.seconds * 1e3,
             worker_id: "bench-stand-in".into(),
             ..Default::default()
         }))
@@ -176,9 +146,18 @@ pub fn run(args: TransferBenchArgs) -> Result<()> {
         };
         let last = Arc::new(Mutex::new(Measured::default()));
         let stand_in = StandIn {
-            fingerprint,
-            geometry: (16, config.num_layers as u32, config.num_kv_heads as u32, config.head_dim as u32),
-            kv_dtype,
+            wire: KvWire {
+                fingerprint,
+                layout: KvLayout {
+                    num_layers: config.num_layers,
+                    num_kv_heads: config.num_kv_heads,
+                    head_dim: config.head_dim,
+                    block_size: 16,
+                    num_blocks: engine.kv_cache_tokens / 16,
+                    dtype: kv_dtype,
+                },
+            },
+            transport: GrpcTransport::default(),
             last: last.clone(),
         };
         let prefill_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -7,22 +7,19 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use duet_engine::device::Device;
+use duet_proto::v1::TransportKind;
+
+use crate::KvTransport;
+use crate::grpc::GrpcTransport;
 
 /// What a worker's `--kv-transport` flag asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum TransportChoice {
     #[default]
     Auto,
-    Grpc,
-    CudaIpc,
-    Nccl,
-}
-
-/// The transport a pair resolves to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvTransport {
     Grpc,
     CudaIpc,
     Nccl,
@@ -97,12 +94,25 @@ impl TransportChoice {
 
     /// What a worker started with this flag pushes KV with: the flag checked against its device,
     /// and against the transports the push path carries today (gRPC; `auto` resolves to it).
-    pub fn for_worker(self, device: Device) -> Result<KvTransport, TransportError> {
+    pub fn for_worker(self, device: Device) -> Result<TransportKind, TransportError> {
         self.check_device(device)?;
         match self {
-            Self::Auto | Self::Grpc => Ok(KvTransport::Grpc),
+            Self::Auto | Self::Grpc => Ok(TransportKind::Grpc),
             Self::CudaIpc | Self::Nccl => Err(TransportError::NotConnected { choice: self }),
         }
+    }
+}
+
+/// The sending side of `kind`, as this build carries it.
+pub fn open_transport(kind: TransportKind) -> Result<Arc<dyn KvTransport>, TransportError> {
+    match kind {
+        TransportKind::Grpc | TransportKind::Unspecified => Ok(Arc::new(GrpcTransport::default())),
+        TransportKind::CudaIpc => Err(TransportError::NotConnected {
+            choice: TransportChoice::CudaIpc,
+        }),
+        TransportKind::Nccl => Err(TransportError::NotConnected {
+            choice: TransportChoice::Nccl,
+        }),
     }
 }
 
@@ -112,7 +122,7 @@ pub fn choose(
     choice: TransportChoice,
     prefill: &Placement,
     decode: &Placement,
-) -> Result<KvTransport, TransportError> {
+) -> Result<TransportKind, TransportError> {
     let both_gpu = matches!(
         (prefill.device, decode.device),
         (Device::Cuda(_), Device::Cuda(_))
@@ -124,10 +134,10 @@ pub fn choose(
         "decode"
     };
     match choice {
-        TransportChoice::Grpc => Ok(KvTransport::Grpc),
-        TransportChoice::Auto if !both_gpu => Ok(KvTransport::Grpc),
-        TransportChoice::Auto if same_node => Ok(KvTransport::CudaIpc),
-        TransportChoice::Auto => Ok(KvTransport::Nccl),
+        TransportChoice::Grpc => Ok(TransportKind::Grpc),
+        TransportChoice::Auto if !both_gpu => Ok(TransportKind::Grpc),
+        TransportChoice::Auto if same_node => Ok(TransportKind::CudaIpc),
+        TransportChoice::Auto => Ok(TransportKind::Nccl),
         TransportChoice::CudaIpc | TransportChoice::Nccl if !both_gpu => {
             Err(TransportError::PeerOnCpu { choice, cpu_side })
         }
@@ -135,8 +145,8 @@ pub fn choose(
             prefill: prefill.node.clone(),
             decode: decode.node.clone(),
         }),
-        TransportChoice::CudaIpc => Ok(KvTransport::CudaIpc),
-        TransportChoice::Nccl => Ok(KvTransport::Nccl),
+        TransportChoice::CudaIpc => Ok(TransportKind::CudaIpc),
+        TransportChoice::Nccl => Ok(TransportKind::Nccl),
     }
 }
 
@@ -158,14 +168,14 @@ mod tests {
         let gpu_b = at("b", Device::Cuda(0));
         let cpu_a = at("a", Device::Cpu);
         let auto = TransportChoice::Auto;
-        assert_eq!(choose(auto, &gpu_a0, &gpu_a1), Ok(KvTransport::CudaIpc));
-        assert_eq!(choose(auto, &gpu_a0, &gpu_a0), Ok(KvTransport::CudaIpc));
-        assert_eq!(choose(auto, &gpu_a0, &gpu_b), Ok(KvTransport::Nccl));
-        assert_eq!(choose(auto, &cpu_a, &gpu_a0), Ok(KvTransport::Grpc));
-        assert_eq!(choose(auto, &gpu_a0, &cpu_a), Ok(KvTransport::Grpc));
+        assert_eq!(choose(auto, &gpu_a0, &gpu_a1), Ok(TransportKind::CudaIpc));
+        assert_eq!(choose(auto, &gpu_a0, &gpu_a0), Ok(TransportKind::CudaIpc));
+        assert_eq!(choose(auto, &gpu_a0, &gpu_b), Ok(TransportKind::Nccl));
+        assert_eq!(choose(auto, &cpu_a, &gpu_a0), Ok(TransportKind::Grpc));
+        assert_eq!(choose(auto, &gpu_a0, &cpu_a), Ok(TransportKind::Grpc));
         assert_eq!(
             choose(TransportChoice::Grpc, &gpu_a0, &gpu_a1),
-            Ok(KvTransport::Grpc)
+            Ok(TransportKind::Grpc)
         );
     }
 
@@ -183,7 +193,7 @@ mod tests {
         );
         assert_eq!(
             choose(TransportChoice::Nccl, &gpu_a, &gpu_b),
-            Ok(KvTransport::Nccl)
+            Ok(TransportKind::Nccl)
         );
     }
 
@@ -212,11 +222,11 @@ mod tests {
     fn workers_refuse_a_transport_their_push_path_does_not_carry() {
         assert_eq!(
             TransportChoice::Auto.for_worker(Device::Cpu),
-            Ok(KvTransport::Grpc)
+            Ok(TransportKind::Grpc)
         );
         assert_eq!(
             TransportChoice::Grpc.for_worker(Device::Cuda(0)),
-            Ok(KvTransport::Grpc)
+            Ok(TransportKind::Grpc)
         );
         let err = TransportChoice::CudaIpc
             .for_worker(Device::Cuda(0))

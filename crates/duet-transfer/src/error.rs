@@ -22,6 +22,9 @@ pub enum TransferError {
     /// The push call itself failed; its status code is passed on.
     #[error("KV push to {address} failed: {}", .status.message())]
     Call { address: String, status: Status },
+    /// The push's own stream failed on the receiving side (the sender went away, reset).
+    #[error("the KV push stream failed: {}", .0.message())]
+    Stream(Status),
     /// The KV could not be read from or written to the local cache.
     #[error("{0}")]
     Cache(String),
@@ -45,6 +48,7 @@ impl TransferError {
                 Code::Unknown | Code::Internal | Code::Ok => Code::Unavailable,
                 code => code,
             },
+            TransferError::Stream(status) => status.code(),
             TransferError::Cache(_) => Code::Internal,
         }
     }

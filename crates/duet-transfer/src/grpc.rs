@@ -14,6 +14,7 @@ use futures::{Stream, StreamExt};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tonic::Status;
 
+use crate::transport::ReadBlock;
 use crate::{KvSender, KvSink, KvTransport, KvWire, OpenPush, PushSpec, Pushed, TransferError};
 
 /// Largest `KvData` payload built (whole blocks; a single larger block is sent alone).
@@ -76,7 +77,7 @@ impl KvSender for ChunkSender {
         &mut self,
         layer: usize,
         blocks: Range<usize>,
-        read_block: &mut dyn FnMut(usize, &mut Vec<u8>) -> Result<(), TransferError>,
+        read_block: &mut ReadBlock<'_>,
     ) -> Result<(), TransferError> {
         let per_chunk = (MAX_CHUNK_BYTES / self.block_bytes).max(1);
         let mut start = blocks.start;
@@ -173,11 +174,12 @@ where
     S: Stream<Item = Result<KvChunk, Status>> + Unpin,
     K: KvSink,
 {
-    let network = |status: Status| TransferError::Call {
-        address: "the sender".into(),
-        status,
-    };
-    let header = match chunks.next().await.transpose().map_err(network)? {
+    let header = match chunks
+        .next()
+        .await
+        .transpose()
+        .map_err(TransferError::Stream)?
+    {
         Some(KvChunk {
             kind: Some(Kind::Header(h)),
         }) => h,
@@ -196,7 +198,12 @@ where
     };
     let mut tracker = PushTracker::new(&header, wire.layout.num_layers, reserved)?;
     let mut writes = Vec::new();
-    while let Some(chunk) = chunks.next().await.transpose().map_err(network)? {
+    while let Some(chunk) = chunks
+        .next()
+        .await
+        .transpose()
+        .map_err(TransferError::Stream)?
+    {
         match chunk.kind {
             Some(Kind::Data(d)) => {
                 let blocks = tracker.accept(&d)?;

@@ -112,6 +112,10 @@ pub struct Pushed {
     pub acked_at: Instant,
 }
 
+/// Appends the wire-layout bytes of one reservation block (by index) to a payload, reading them
+/// from the engine's cache.
+pub type ReadBlock<'a> = dyn FnMut(usize, &mut Vec<u8>) -> Result<(), TransferError> + 'a;
+
 /// The engine thread's end of one push.
 pub trait KvSender: Send {
     /// Ships `layer`'s KV of reservation blocks `blocks`. `read_block(i, out)` appends block
@@ -120,7 +124,7 @@ pub trait KvSender: Send {
         &mut self,
         layer: usize,
         blocks: Range<usize>,
-        read_block: &mut dyn FnMut(usize, &mut Vec<u8>) -> Result<(), TransferError>,
+        read_block: &mut ReadBlock<'_>,
     ) -> Result<(), TransferError>;
 
     /// Every block of every layer has been shipped: the push may complete.

@@ -123,21 +123,13 @@ impl EngineHandle {
     }
 
     /// Admits `request`: counts its prompt as queued, refusing at once (RESOURCE_EXHAUSTED)
-    /// when that would pass `max_queued_tokens`, and hands it to the engine thread. The guard
-    /// cancels the request when dropped, unless disarmed.
-    pub fn submit(
-        &self,
-        request: Request,
-        max_queued_tokens: u64,
-    ) -> Result<CancelOnDrop, WorkerError> {
+    /// when that would pass `max_queued_tokens`, and hands it to the engine thread.
+    pub fn submit(&self, request: Request, max_queued_tokens: u64) -> Result<(), WorkerError> {
         let n = request.prompt.len() as u64;
         enqueue_tokens(&self.counters.queued_tokens, n, max_queued_tokens)?;
-        let guard = self.cancel_on_drop(request.id);
-        if let Err(e) = self.send(Command::Submit(request)) {
+        self.send(Command::Submit(request)).inspect_err(|_| {
             self.counters.unqueue(n as usize);
-            return Err(e);
-        }
-        Ok(guard)
+        })
     }
 
     /// A guard that cancels request `id` when dropped.

@@ -4,20 +4,17 @@
 //! with iteration-level continuous batching and streams tokens back.
 
 mod config;
-mod error;
-mod scheduler;
+mod remote_prefill;
 mod service;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
-use duet_device::LoadedEngine;
 use duet_proto::v1;
+use duet_worker::{EngineHandle, Identity};
 use tokio::net::TcpListener;
 
 pub use config::DecodeConfig;
-pub use error::DecodeError;
 
 /// Loads the model and serves until `shutdown` completes.
 pub async fn serve(
@@ -27,27 +24,27 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     config.kv_transport.for_worker(config.engine.device)?;
     let addr = listener.local_addr()?;
-    let path = config.model.resolve()?;
-    let options = config.engine.clone();
-    let engine = tokio::task::spawn_blocking(move || LoadedEngine::load(&path, options))
-        .await?
-        .context("loading the model")?;
-    let state = Arc::new(service::WorkerState::new(
-        config
-            .worker_id
-            .clone()
-            .unwrap_or_else(|| format!("decode-{}", addr.port())),
-        config.advertise.clone().unwrap_or_else(|| addr.to_string()),
-        engine.fingerprint().to_string(),
-        engine.kv_layout(),
-        scheduler::SchedulerHandle::spawn(
-            engine,
-            Duration::from_millis(config.reservation_timeout_ms),
+    let engine = EngineHandle::spawn(
+        "decode-engine",
+        config.model.resolve()?,
+        config.engine.clone(),
+        Duration::from_millis(config.reservation_timeout_ms),
+    )
+    .await?;
+    let state = Arc::new(service::WorkerState {
+        identity: Identity::new(
+            config
+                .worker_id
+                .clone()
+                .unwrap_or_else(|| format!("decode-{}", addr.port())),
         ),
-        Duration::from_millis(config.prefill_timeout_ms),
-    ));
+        advertise: config.advertise.clone().unwrap_or_else(|| addr.to_string()),
+        engine,
+        prefill_timeout: Duration::from_millis(config.prefill_timeout_ms),
+        channels: duet_proto::Channels::default(),
+    });
 
-    tracing::info!(%addr, worker = %state.worker_id, "decode worker serving");
+    tracing::info!(%addr, worker = %state.identity.worker_id, "decode worker serving");
     let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
         default_deadline: Duration::from_millis(config.request_timeout_ms.max(1)),
         max_in_flight: config.max_in_flight,

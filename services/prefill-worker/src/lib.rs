@@ -3,13 +3,11 @@
 //! later layers compute, and returns the first sampled token.
 //!
 //! [`serve`] runs the whole worker on one port: `duet.v1.PrefillWorker`, `duet.v1.WorkerControl`,
-//! `grpc.health.v1.Health` and server reflection (v1 and v1alpha). The model runs on one
-//! dedicated engine thread ([`scheduler`]); the gRPC side never blocks on it.
+//! `grpc.health.v1.Health` and server reflection (v1 and v1alpha). The model runs on the
+//! engine thread of the shared worker runtime ([`duet_worker`]); the gRPC side never blocks on
+//! it, and the KV goes out through the transport seam ([`duet_transfer`]).
 
 pub mod config;
-pub mod error;
-pub mod kv_push;
-pub mod scheduler;
 pub mod service;
 
 use std::future::Future;
@@ -19,7 +17,6 @@ use duet_proto::v1::prefill_worker_server::PrefillWorkerServer;
 use duet_proto::v1::worker_control_server::WorkerControlServer;
 
 pub use config::PrefillConfig;
-pub use error::PrefillError;
 pub use service::PrefillService;
 
 /// Loads the model and serves a prefill worker on `listener` until `shutdown` resolves.
@@ -28,15 +25,29 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    config.kv_transport.for_worker(config.engine.device)?;
+    let transport = duet_transfer::choice::open_transport(
+        config.kv_transport.for_worker(config.engine.device)?,
+    )?;
     let addr = listener
         .local_addr()
         .context("reading the listener's address")?;
     let worker_id = config.worker_id_for(addr.port());
     let model = config.model.resolve()?;
     tracing::info!(worker_id, model = %model.display(), "loading the model");
-    let scheduler = scheduler::spawn(model, config.engine.clone()).await?;
-    let service = PrefillService::new(scheduler, worker_id.clone(), config.max_queued_tokens);
+    // A prefill worker holds no KV reservations, so their lease does not matter here.
+    let engine = duet_worker::EngineHandle::spawn(
+        "prefill-engine",
+        model,
+        config.engine.clone(),
+        std::time::Duration::ZERO,
+    )
+    .await?;
+    let service = PrefillService::new(
+        engine,
+        transport,
+        worker_id.clone(),
+        config.max_queued_tokens,
+    );
     tracing::info!(
         worker_id,
         %addr,

@@ -10,6 +10,8 @@ use duet_kv::PoolStats;
 use duet_model::params::{FinishReason, SamplingParams, StopCriteria};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
+use duet_transfer::transport::ReadBlock;
+
 use super::*;
 use crate::KvOut;
 
@@ -262,7 +264,7 @@ impl KvSender for RecordingSender {
         &mut self,
         layer: usize,
         blocks: Range<usize>,
-        read_block: &mut dyn FnMut(usize, &mut Vec<u8>) -> Result<(), TransferError>,
+        read_block: &mut ReadBlock<'_>,
     ) -> Result<(), TransferError> {
         let mut bytes = Vec::new();
         for b in blocks.clone() {

@@ -1,0 +1,168 @@
+//! Prefill on another worker: reserve KV for the prompt here, ask the plan's prefill workers in
+//! order to compute it and push its KV into the reservation, then activate it with their first
+//! token; when none succeeds, prefill here.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use duet_proto::v1;
+use duet_worker::stats::Counters;
+use duet_worker::{Command, Request, ReservationInfo, WorkerError};
+use tonic::Status;
+
+use crate::service::WorkerState;
+
+/// Where a request's time went before decoding started.
+#[derive(Clone, Debug, Default)]
+pub struct PrefillReport {
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
+    pub transfer_ms: f64,
+    /// The prefill worker that computed the prompt; `None`: this worker did.
+    pub worker: Option<String>,
+    pub cached_tokens: u32,
+    pub retries: u32,
+}
+
+/// Hands the request to this worker's engine to prefill here.
+pub fn prefill_here(
+    state: &WorkerState,
+    request: Request,
+    report: PrefillReport,
+) -> Result<PrefillReport, WorkerError> {
+    // Decode admission is the KV cache's (the engine preempts), not a token queue.
+    state.engine.submit(request, u64::MAX)?;
+    Ok(PrefillReport {
+        worker: None,
+        ..report
+    })
+}
+
+/// Prefills `request` on the plan's workers (see the module docs).
+pub async fn run(
+    state: &Arc<WorkerState>,
+    req: &v1::DecodeRequest,
+    plan: &v1::PrefillPlan,
+    request: Request,
+    deadline: Instant,
+) -> Result<PrefillReport, WorkerError> {
+    let started = Instant::now();
+    let (id, tokens, cache_salt) = (
+        request.id,
+        request.prompt.clone(),
+        request.cache_salt.clone(),
+    );
+    let reservation = state
+        .engine
+        .ask(|reply| Command::Reserve {
+            id,
+            tokens,
+            cache_salt,
+            reply,
+        })
+        .await?;
+    let reservation = match reservation {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(request = id, error = %e, "no KV room for a transfer; prefilling here");
+            return prefill_here(state, request, PrefillReport::default());
+        }
+    };
+    let queue_ms = started.elapsed().as_secs_f64() * 1e3;
+    let block_size = state.engine.info().wire.layout.block_size;
+    let cached_here = (reservation.cached_blocks * block_size) as u32;
+    let mut retries = 0;
+    for target in &plan.prefill_workers {
+        let timeout = state
+            .prefill_timeout
+            .min(deadline.saturating_duration_since(Instant::now()));
+        if timeout.is_zero() {
+            break;
+        }
+        let msg = prefill_request(state, req, id, &reservation);
+        match call(&state.channels, &target.address, msg, timeout).await {
+            Ok(resp) => {
+                let first = resp.first_token.as_ref().ok_or_else(|| {
+                    WorkerError::Internal("prefill returned no first token".into())
+                })?;
+                let want_logprobs = req.sampling.as_ref().is_some_and(|s| s.logprobs > 0);
+                let first = duet_proto::convert::sampled(first, want_logprobs);
+                let cached_tokens = cached_here.max(resp.cached_tokens);
+                Counters::add(
+                    &state.engine.counters().prefix_hit_tokens,
+                    cached_tokens as u64,
+                );
+                state.engine.send(Command::Activate { request, first })?;
+                return Ok(PrefillReport {
+                    queue_ms: queue_ms + resp.queue_ms,
+                    prefill_ms: resp.prefill_ms,
+                    transfer_ms: resp.transfer_ms,
+                    worker: Some(resp.worker_id),
+                    cached_tokens,
+                    retries,
+                });
+            }
+            Err(status) => {
+                retries += 1;
+                tracing::warn!(request = id, worker = %target.address, %status, "prefill attempt failed; trying the next");
+            }
+        }
+    }
+    // No prefill worker succeeded: the reservation is released and the prompt computed here.
+    prefill_here(
+        state,
+        request,
+        PrefillReport {
+            queue_ms,
+            retries,
+            ..PrefillReport::default()
+        },
+    )
+}
+
+fn prefill_request(
+    state: &WorkerState,
+    req: &v1::DecodeRequest,
+    id: u64,
+    reservation: &ReservationInfo,
+) -> v1::PrefillRequest {
+    v1::PrefillRequest {
+        request_id: req.request_id.clone(),
+        token_ids: req.prompt_token_ids.clone(),
+        sampling: req.sampling.clone(),
+        dest: Some(v1::KvDestination {
+            transfer_address: state.advertise.clone(),
+            reservation_id: id,
+            block_ids: reservation.block_ids.clone(),
+            cached_blocks: reservation.cached_blocks as u32,
+            transport: v1::TransportKind::Grpc as i32,
+            transport_params: Vec::new(),
+            block_size: state.engine.info().wire.layout.block_size as u32,
+            decode_worker_id: state.identity.worker_id.clone(),
+        }),
+        model_fingerprint: state.engine.info().wire.fingerprint.clone(),
+        cache_salt: req.cache_salt.clone(),
+        already_generated: req.already_generated,
+    }
+}
+
+async fn call(
+    channels: &duet_proto::Channels,
+    address: &str,
+    msg: v1::PrefillRequest,
+    timeout: Duration,
+) -> Result<v1::PrefillResponse, Status> {
+    let channel = channels
+        .get(address)
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    let mut client = v1::prefill_worker_client::PrefillWorkerClient::new(channel)
+        .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
+    let mut request = tonic::Request::new(msg);
+    request.set_timeout(timeout);
+    // The attempt's timeout also bounds connecting, which the call's own deadline does not.
+    tokio::time::timeout(timeout, client.prefill(request))
+        .await
+        .map_err(|_| Status::deadline_exceeded(format!("prefill at {address} timed out")))?
+        .map(|r| r.into_inner())
+}
