@@ -11,6 +11,7 @@
 
 pub mod config;
 pub mod error;
+mod relay;
 pub mod routing;
 pub mod service;
 pub mod validate;

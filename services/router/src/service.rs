@@ -2,27 +2,22 @@
 //! stream, with failover), Complete (the same, gathered into one message), Tokenize and Info.
 //!
 //! Each Generate/Complete call is validated, admitted against the in-flight limit, then driven
-//! by one task that calls `DecodeWorker/Decode` with the request's remaining deadline and
-//! relays every message into a small bounded channel read by the client's stream. When the
-//! client goes away the task ends, dropping the upstream call (tonic cancels it). When the
-//! decode stream fails before its final message the task re-submits the request to another
-//! decode worker with the tokens already streamed (`already_generated`,
-//! `already_sent_text_bytes`, same seed) and keeps relaying.
+//! by one task ([`crate::relay`]) that relays the decode worker's messages into a small bounded
+//! channel read by the client's stream.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use duet_proto::v1;
-use duet_proto::v1::decode_worker_client::DecodeWorkerClient;
 use duet_proto::v1::generation_server::Generation;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Code, Request, Response, Status};
+use tonic::{Request, Response, Status};
 
-use crate::error::{RouterError, is_retryable};
+use crate::error::RouterError;
+use crate::relay::{self, Item, Job};
 use crate::routing::Pools;
-use crate::validate::{PromptModel, ValidRequest, random_u64};
+use crate::validate::{PromptModel, random_u64};
 
 /// Tokens per KV block reported by Info before any worker reported its own.
 const DEFAULT_BLOCK_SIZE: u32 = 16;
@@ -69,20 +64,6 @@ impl GenerationService {
     }
 }
 
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
-/// One admitted request.
-struct Job {
-    request_id: String,
-    valid: ValidRequest,
-    start: Instant,
-    deadline: Instant,
-}
-
-type Item = Result<v1::GenerateResponse, Status>;
-
 impl GenerationService {
     /// Validates and admits a request and starts relaying it; the receiver yields the client's
     /// messages (an error ends it).
@@ -115,171 +96,8 @@ impl GenerationService {
             "admitted"
         );
         let (tx, rx) = mpsc::channel(RELAY_BUFFER);
-        tokio::spawn(relay(self.state.clone(), job, tx));
+        tokio::spawn(relay::relay(self.state.clone(), job, tx));
         Ok(rx)
-    }
-}
-
-/// Drives one request until it finishes, fails, passes its deadline or the client leaves.
-async fn relay(state: Arc<RouterState>, job: Job, tx: mpsc::Sender<Item>) {
-    let result = tokio::select! {
-        r = tokio::time::timeout_at(job.deadline, run(&state, &job, &tx)) => {
-            r.unwrap_or_else(|_| Err(RouterError::DeadlineExceeded(job.deadline - job.start)))
-        }
-        () = tx.closed() => {
-            tracing::debug!(request_id = %job.request_id, "client went away; request cancelled");
-            return;
-        }
-    };
-    if let Err(e) = result {
-        tracing::info!(request_id = %job.request_id, error = %e, "request failed");
-        let _ = tx.send(Err(e.into())).await;
-    }
-}
-
-/// Calls decode workers (failing over) and relays their messages to `tx`.
-async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<(), RouterError> {
-    let prompt = &job.valid.prompt;
-    let max_tokens = job.valid.sampling.max_tokens as usize;
-    let mut generated: Vec<u32> = Vec::new();
-    let mut sent_text_bytes: u64 = 0;
-    let mut tried: Vec<usize> = Vec::new();
-    let mut failures: u32 = 0;
-    let mut last: Option<(String, Status)> = None;
-    let mut first_token_at: Option<Instant> = None;
-    let usage = |generated: usize, cached: u32| v1::Usage {
-        prompt_tokens: prompt.len() as u32,
-        completion_tokens: generated as u32,
-        cached_prompt_tokens: cached.min(prompt.len() as u32),
-    };
-    loop {
-        let Some(route) = state.pools.route(
-            prompt.len() + generated.len(),
-            state.local_prefill_threshold,
-            &tried,
-        ) else {
-            return Err(match last {
-                Some((worker, status)) => RouterError::AllDecodeWorkersFailed {
-                    attempts: tried.len(),
-                    last: format!("{worker}: {}", status.message()),
-                    last_code: status.code(),
-                },
-                None => RouterError::NoDecodeWorker(None),
-            });
-        };
-        tried.push(route.decode_index);
-        let worker = route.decode.clone();
-        let worker_id = worker.id();
-        let _busy = worker.begin();
-        let mut tokens = prompt.clone();
-        tokens.extend_from_slice(&generated);
-        let mut call = Request::new(v1::DecodeRequest {
-            request_id: job.request_id.clone(),
-            prompt_token_ids: tokens,
-            sampling: Some(job.valid.sampling.clone()),
-            plan: Some(route.plan),
-            already_generated: generated.len() as u32,
-            already_sent_text_bytes: sent_text_bytes,
-            cache_salt: job.valid.cache_salt.clone(),
-            model_fingerprint: route.fingerprint,
-        });
-        call.set_timeout(job.deadline.saturating_duration_since(Instant::now()));
-        tracing::debug!(
-            request_id = %job.request_id,
-            worker = %worker_id,
-            already_generated = generated.len(),
-            "decode attempt"
-        );
-        let mut client = DecodeWorkerClient::new(worker.channel())
-            .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
-        let failure: Status = match client.decode(call).await {
-            Err(s) => s,
-            Ok(resp) => {
-                let mut stream = resp.into_inner();
-                loop {
-                    let msg = match stream.message().await {
-                        Ok(Some(msg)) => msg,
-                        Ok(None) => {
-                            break Status::unavailable(
-                                "the decode stream ended without a final message",
-                            );
-                        }
-                        Err(s) => break s,
-                    };
-                    let finished = msg.finish_reason != v1::FinishReason::Unspecified as i32;
-                    generated.extend_from_slice(&msg.token_ids);
-                    sent_text_bytes += msg.text.len() as u64;
-                    if first_token_at.is_none() && !msg.token_ids.is_empty() {
-                        first_token_at = Some(Instant::now());
-                    }
-                    let mut out = v1::GenerateResponse {
-                        request_id: job.request_id.clone(),
-                        text: msg.text,
-                        token_ids: msg.token_ids,
-                        logprobs: msg.logprobs,
-                        finish_reason: msg.finish_reason,
-                        usage: None,
-                        timings: None,
-                    };
-                    if finished {
-                        let cached = msg.usage.map(|u| u.cached_prompt_tokens).unwrap_or(0);
-                        out.usage = Some(usage(generated.len(), cached));
-                        let mut t = msg.timings.unwrap_or_default();
-                        let now = Instant::now();
-                        t.ttft_ms = ms(first_token_at.unwrap_or(now) - job.start);
-                        t.total_ms = ms(now - job.start);
-                        t.decode_failovers = failures;
-                        if t.decode_worker.is_empty() {
-                            t.decode_worker = worker_id.clone();
-                        }
-                        out.timings = Some(t);
-                        let _ = tx.send(Ok(out)).await;
-                        return Ok(());
-                    }
-                    if tx.send(Ok(out)).await.is_err() {
-                        return Ok(()); // the client went away
-                    }
-                }
-            }
-        };
-        if !is_retryable(&failure) {
-            return Err(RouterError::Worker {
-                worker: worker_id,
-                status: failure,
-            });
-        }
-        tracing::warn!(
-            request_id = %job.request_id,
-            worker = %worker_id,
-            code = ?failure.code(),
-            error = failure.message(),
-            streamed = generated.len(),
-            "decode attempt failed; failing over"
-        );
-        if failure.code() != Code::ResourceExhausted {
-            worker.mark_failed(failure.message());
-        }
-        failures += 1;
-        last = Some((worker_id.clone(), failure));
-        if generated.len() >= max_tokens {
-            // Every token was streamed; only the final message was lost.
-            let now = Instant::now();
-            let out = v1::GenerateResponse {
-                request_id: job.request_id.clone(),
-                finish_reason: v1::FinishReason::Length as i32,
-                usage: Some(usage(generated.len(), 0)),
-                timings: Some(v1::Timings {
-                    ttft_ms: ms(first_token_at.unwrap_or(now) - job.start),
-                    total_ms: ms(now - job.start),
-                    decode_worker: worker_id,
-                    decode_failovers: failures,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            };
-            let _ = tx.send(Ok(out)).await;
-            return Ok(());
-        }
     }
 }
 

@@ -1,0 +1,257 @@
+//! Relaying one admitted request: call `DecodeWorker/Decode` with the request's remaining
+//! deadline and pass every message on to the client. When the client goes away the task ends,
+//! dropping the upstream call (tonic cancels it). When the decode stream fails before its final
+//! message the request is re-submitted to another decode worker with the tokens already
+//! streamed (`already_generated`, `already_sent_text_bytes`, same seed), and relaying goes on.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use duet_proto::v1;
+use duet_proto::v1::decode_worker_client::DecodeWorkerClient;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tonic::{Code, Request, Status};
+
+use crate::error::{RouterError, is_retryable};
+use crate::routing::Worker;
+use crate::service::RouterState;
+use crate::validate::ValidRequest;
+
+/// One admitted request.
+pub(crate) struct Job {
+    pub request_id: String,
+    pub valid: ValidRequest,
+    pub start: Instant,
+    pub deadline: Instant,
+}
+
+/// A message for the client's stream (an error ends it).
+pub(crate) type Item = Result<v1::GenerateResponse, Status>;
+
+/// Drives one request until it finishes, fails, passes its deadline or the client leaves.
+pub(crate) async fn relay(state: Arc<RouterState>, job: Job, tx: mpsc::Sender<Item>) {
+    let result = tokio::select! {
+        r = tokio::time::timeout_at(job.deadline, run(&state, &job, &tx)) => {
+            r.unwrap_or_else(|_| Err(RouterError::DeadlineExceeded(job.deadline - job.start)))
+        }
+        () = tx.closed() => {
+            tracing::debug!(request_id = %job.request_id, "client went away; request cancelled");
+            return;
+        }
+    };
+    if let Err(e) = result {
+        tracing::info!(request_id = %job.request_id, error = %e, "request failed");
+        let _ = tx.send(Err(e.into())).await;
+    }
+}
+
+/// What the client has been sent so far, carried across failovers.
+#[derive(Default)]
+struct Progress {
+    generated: Vec<u32>,
+    sent_text_bytes: u64,
+    first_token_at: Option<Instant>,
+    failovers: u32,
+}
+
+/// How one decode attempt ended.
+enum Attempt {
+    /// The final message was relayed, or the client went away.
+    Done,
+    Failed(Status),
+}
+
+/// Calls decode workers (failing over) and relays their messages to `tx`.
+async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<(), RouterError> {
+    let mut progress = Progress::default();
+    let mut tried: Vec<usize> = Vec::new();
+    let mut last: Option<(String, Status)> = None;
+    loop {
+        let Some(route) = state.pools.route(
+            job.valid.prompt.len() + progress.generated.len(),
+            state.local_prefill_threshold,
+            &tried,
+        ) else {
+            return Err(match last {
+                Some((worker, status)) => RouterError::AllDecodeWorkersFailed {
+                    attempts: tried.len(),
+                    last: format!("{worker}: {}", status.message()),
+                    last_code: status.code(),
+                },
+                None => RouterError::NoDecodeWorker(None),
+            });
+        };
+        tried.push(route.decode_index);
+        let worker = route.decode.clone();
+        let worker_id = worker.id();
+        let _busy = worker.begin();
+        let call = progress.decode_request(job, route.plan, route.fingerprint);
+        tracing::debug!(
+            request_id = %job.request_id,
+            worker = %worker_id,
+            already_generated = progress.generated.len(),
+            "decode attempt"
+        );
+        let failure = match attempt(&worker, &worker_id, call, job, &mut progress, tx).await {
+            Attempt::Done => return Ok(()),
+            Attempt::Failed(status) => status,
+        };
+        if !is_retryable(&failure) {
+            return Err(RouterError::Worker {
+                worker: worker_id,
+                status: failure,
+            });
+        }
+        tracing::warn!(
+            request_id = %job.request_id,
+            worker = %worker_id,
+            code = ?failure.code(),
+            error = failure.message(),
+            streamed = progress.generated.len(),
+            "decode attempt failed; failing over"
+        );
+        if failure.code() != Code::ResourceExhausted {
+            worker.mark_failed(failure.message());
+        }
+        progress.failovers += 1;
+        if progress.generated.len() >= job.valid.sampling.max_tokens as usize {
+            // Every token was streamed; only the final message was lost.
+            let _ = tx.send(Ok(progress.lost_final(job, worker_id))).await;
+            return Ok(());
+        }
+        last = Some((worker_id, failure));
+    }
+}
+
+/// One call to a decode worker, relayed until it ends.
+async fn attempt(
+    worker: &Worker,
+    worker_id: &str,
+    call: Request<v1::DecodeRequest>,
+    job: &Job,
+    progress: &mut Progress,
+    tx: &mpsc::Sender<Item>,
+) -> Attempt {
+    let mut client = DecodeWorkerClient::new(worker.channel())
+        .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
+    let mut stream = match client.decode(call).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => return Attempt::Failed(status),
+    };
+    loop {
+        let msg = match stream.message().await {
+            Ok(Some(msg)) => msg,
+            Ok(None) => {
+                return Attempt::Failed(Status::unavailable(
+                    "the decode stream ended without a final message",
+                ));
+            }
+            Err(status) => return Attempt::Failed(status),
+        };
+        let (out, finished) = progress.relayed(job, msg, worker_id);
+        // A closed channel: the client went away.
+        if tx.send(Ok(out)).await.is_err() || finished {
+            return Attempt::Done;
+        }
+    }
+}
+
+impl Progress {
+    /// The call that resumes the request from here on the routed worker.
+    fn decode_request(
+        &self,
+        job: &Job,
+        plan: v1::PrefillPlan,
+        fingerprint: String,
+    ) -> Request<v1::DecodeRequest> {
+        let mut tokens = job.valid.prompt.clone();
+        tokens.extend_from_slice(&self.generated);
+        let mut call = Request::new(v1::DecodeRequest {
+            request_id: job.request_id.clone(),
+            prompt_token_ids: tokens,
+            sampling: Some(job.valid.sampling.clone()),
+            plan: Some(plan),
+            already_generated: self.generated.len() as u32,
+            already_sent_text_bytes: self.sent_text_bytes,
+            cache_salt: job.valid.cache_salt.clone(),
+            model_fingerprint: fingerprint,
+        });
+        call.set_timeout(job.deadline.saturating_duration_since(Instant::now()));
+        call
+    }
+
+    /// Records a decode worker's message and turns it into the client's; `true` when it is the
+    /// final one.
+    fn relayed(
+        &mut self,
+        job: &Job,
+        msg: v1::DecodeResponse,
+        worker_id: &str,
+    ) -> (v1::GenerateResponse, bool) {
+        let finished = msg.finish_reason != v1::FinishReason::Unspecified as i32;
+        self.generated.extend_from_slice(&msg.token_ids);
+        self.sent_text_bytes += msg.text.len() as u64;
+        if self.first_token_at.is_none() && !msg.token_ids.is_empty() {
+            self.first_token_at = Some(Instant::now());
+        }
+        let mut out = v1::GenerateResponse {
+            request_id: job.request_id.clone(),
+            text: msg.text,
+            token_ids: msg.token_ids,
+            logprobs: msg.logprobs,
+            finish_reason: msg.finish_reason,
+            usage: None,
+            timings: None,
+        };
+        if finished {
+            let cached = msg.usage.map(|u| u.cached_prompt_tokens).unwrap_or(0);
+            out.usage = Some(self.usage(job, cached));
+            let mut t = msg.timings.unwrap_or_default();
+            self.stamp(job, &mut t);
+            if t.decode_worker.is_empty() {
+                t.decode_worker = worker_id.to_string();
+            }
+            out.timings = Some(t);
+        }
+        (out, finished)
+    }
+
+    /// The final message when every token was streamed but the worker's own final message was
+    /// lost.
+    fn lost_final(&self, job: &Job, worker_id: String) -> v1::GenerateResponse {
+        let mut timings = v1::Timings {
+            decode_worker: worker_id,
+            ..Default::default()
+        };
+        self.stamp(job, &mut timings);
+        v1::GenerateResponse {
+            request_id: job.request_id.clone(),
+            finish_reason: v1::FinishReason::Length as i32,
+            usage: Some(self.usage(job, 0)),
+            timings: Some(timings),
+            ..Default::default()
+        }
+    }
+
+    fn usage(&self, job: &Job, cached: u32) -> v1::Usage {
+        let prompt = job.valid.prompt.len() as u32;
+        v1::Usage {
+            prompt_tokens: prompt,
+            completion_tokens: self.generated.len() as u32,
+            cached_prompt_tokens: cached.min(prompt),
+        }
+    }
+
+    /// The router's own timings: time to first token, total time, failovers.
+    fn stamp(&self, job: &Job, t: &mut v1::Timings) {
+        let now = Instant::now();
+        t.ttft_ms = ms(self.first_token_at.unwrap_or(now) - job.start);
+        t.total_ms = ms(now - job.start);
+        t.decode_failovers = self.failovers;
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
