@@ -4,10 +4,14 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use duet_decode_worker::DecodeConfig;
 use duet_engine::engine::EngineOptions;
 use duet_model::params::SamplingParams;
 use duet_model::params::StopCriteria;
+use duet_prefill_worker::PrefillConfig;
 use duet_proto::v1;
+use duet_router::RouterConfig;
+pub use duet_router::RoutingOptions;
 use futures::StreamExt;
 
 pub use duet_cli::cluster::{Cluster, ClusterSpec};
@@ -52,19 +56,40 @@ pub fn free_addr() -> SocketAddr {
         .unwrap()
 }
 
-pub fn cluster(model: PathBuf, prefill: usize, decode: usize, router_args: &[&str]) -> Cluster {
-    Cluster::start(&ClusterSpec {
-        kv_transport: Default::default(),
-        router_listen: free_addr(),
+/// The launch spec of a cluster in this process whose workers use [`engine_options`].
+pub fn spec(model: PathBuf, prefill: usize, decode: usize, routing: RoutingOptions) -> ClusterSpec {
+    ClusterSpec {
+        router: RouterConfig {
+            listen: free_addr(),
+            routing,
+            ..Default::default()
+        },
+        prefill: PrefillConfig {
+            engine: engine_options(),
+            ..Default::default()
+        },
+        decode: DecodeConfig {
+            engine: engine_options(),
+            ..Default::default()
+        },
         prefill_workers: prefill,
         decode_workers: decode,
         model,
-        engine: engine_options(),
-        router_args: router_args.iter().map(|s| s.to_string()).collect(),
         processes: false,
         bin_dir: None,
-    })
-    .expect("starting the cluster")
+    }
+}
+
+pub fn cluster(model: PathBuf, prefill: usize, decode: usize, routing: RoutingOptions) -> Cluster {
+    Cluster::start(&spec(model, prefill, decode, routing)).expect("starting the cluster")
+}
+
+/// The router's defaults, but prompts of at most `tokens` tokens prefill on the decode worker.
+pub fn local_prefill_threshold(tokens: u32) -> RoutingOptions {
+    RoutingOptions {
+        local_prefill_threshold: tokens,
+        ..Default::default()
+    }
 }
 
 /// Greedy continuations computed by one engine in this process, one prompt at a time.

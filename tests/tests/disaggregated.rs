@@ -28,7 +28,7 @@ fn check(got: &[Vec<u32>], want: &[Vec<u32>]) {
 
 #[test]
 fn remote_prefill_gives_the_engines_tokens() {
-    let c = cluster(tiny_model(), 1, 1, &["--local-prefill-threshold=0"]);
+    let c = cluster(tiny_model(), 1, 1, local_prefill_threshold(0));
     let ps = prompts(3);
     let want = reference(&tiny_model(), &ps, 12);
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -51,7 +51,7 @@ fn remote_prefill_gives_the_engines_tokens() {
 
 #[test]
 fn local_prefill_gives_the_engines_tokens() {
-    let c = cluster(tiny_model(), 1, 1, &["--local-prefill-threshold=100000"]);
+    let c = cluster(tiny_model(), 1, 1, local_prefill_threshold(100_000));
     let ps = prompts(2);
     let want = reference(&tiny_model(), &ps, 10);
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -66,7 +66,7 @@ fn local_prefill_gives_the_engines_tokens() {
 
 #[test]
 fn sixty_four_concurrent_requests_each_equal_their_solo_run() {
-    let c = cluster(tiny_model(), 1, 1, &["--local-prefill-threshold=0"]);
+    let c = cluster(tiny_model(), 1, 1, local_prefill_threshold(0));
     let ps: Vec<Vec<u32>> = (0..64)
         .map(|i| {
             (0..(17 + (i * 13) % 90) as u32)
@@ -97,7 +97,7 @@ fn sixty_four_concurrent_requests_each_equal_their_solo_run() {
 
 #[test]
 fn complete_equals_the_concatenated_stream_and_prefix_hits_are_reported() {
-    let c = cluster(tiny_model(), 1, 1, &["--local-prefill-threshold=0"]);
+    let c = cluster(tiny_model(), 1, 1, local_prefill_threshold(0));
     let p = prompts(1).remove(0);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (ids, text, first) = rt
@@ -120,7 +120,7 @@ fn complete_equals_the_concatenated_stream_and_prefix_hits_are_reported() {
 #[test]
 fn default_model_through_the_cluster_equals_in_process() {
     let Some(model) = default_model() else { return };
-    let c = cluster(model.clone(), 1, 1, &["--local-prefill-threshold=16"]);
+    let c = cluster(model.clone(), 1, 1, local_prefill_threshold(16));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let engine = duet_cpu::load_engine(&model, engine_options()).unwrap();
     let texts = [
@@ -144,11 +144,8 @@ fn default_model_through_the_cluster_equals_in_process() {
 /// prefill alike.
 #[test]
 fn cache_salt_separates_tenants_prefix_caches() {
-    for threshold in [
-        "--local-prefill-threshold=0",
-        "--local-prefill-threshold=100000",
-    ] {
-        let c = cluster(tiny_model(), 1, 1, &[threshold]);
+    for threshold in [0, 100_000] {
+        let c = cluster(tiny_model(), 1, 1, local_prefill_threshold(threshold));
         let p = &prompts(1)[0];
         let rt = tokio::runtime::Runtime::new().unwrap();
         let cached = |salt: &str| {

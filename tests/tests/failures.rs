@@ -21,7 +21,7 @@ async fn stats(addr: SocketAddr) -> v1::StatsResponse {
 #[test]
 fn cancelling_a_stream_frees_its_blocks_on_both_workers() {
     let Some(model) = default_model() else { return };
-    let c = cluster(model, 1, 1, &["--local-prefill-threshold=0"]);
+    let c = cluster(model, 1, 1, local_prefill_threshold(0));
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let prompt: Vec<u32> = (0..70u32).map(|i| 3 + (i * 11) % 370).collect();
@@ -57,7 +57,7 @@ fn cancelling_a_stream_frees_its_blocks_on_both_workers() {
 
 #[test]
 fn bad_input_through_the_cluster_is_rejected_and_it_keeps_serving() {
-    let c = cluster(tiny_model(), 1, 1, &[]);
+    let c = cluster(tiny_model(), 1, 1, RoutingOptions::default());
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let mut client = client(c.router).await;
@@ -164,15 +164,9 @@ fn bin_dir() -> std::path::PathBuf {
 fn a_prefill_worker_killed_mid_request_is_survived() {
     let Some(model) = default_model() else { return };
     let spec = ClusterSpec {
-        kv_transport: Default::default(),
-        router_listen: free_addr(),
-        prefill_workers: 2,
-        decode_workers: 1,
-        model: model.clone(),
-        engine: engine_options(),
-        router_args: vec!["--local-prefill-threshold=0".into()],
         processes: true,
         bin_dir: Some(bin_dir()),
+        ..spec(model.clone(), 2, 1, local_prefill_threshold(0))
     };
     let mut c = Cluster::start(&spec).unwrap();
     // A long prompt keeps the prefill worker busy for a while.

@@ -13,9 +13,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
+use duet_decode_worker::DecodeConfig;
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
+use duet_prefill_worker::PrefillConfig;
 use duet_proto::v1;
+use duet_router::{RouterConfig, RoutingOptions};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
@@ -46,9 +49,6 @@ pub struct ServeBenchArgs {
     /// Decode workers of a launched cluster.
     #[arg(long, default_value_t = 1)]
     pub decode_workers: usize,
-    /// Extra router flags for launched clusters (repeatable).
-    #[arg(long = "router-arg", allow_hyphen_values = true)]
-    pub router_args: Vec<String>,
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
@@ -93,6 +93,11 @@ pub struct ServeBenchArgs {
     /// Write an SVG chart of the latency percentiles here (FILE.svg).
     #[arg(long)]
     pub plot_out: Option<PathBuf>,
+    /// The launched routers' routing and limits (the `duet-router` flags of the same names; a
+    /// colocated cluster prefills every prompt locally whatever --local-prefill-threshold says).
+    // Last: the heading applies to every flag after it.
+    #[command(flatten, next_help_heading = "Router")]
+    pub routing: RoutingOptions,
 }
 
 /// `N` or `A..B` (inclusive).
@@ -298,20 +303,32 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
     } else {
         measure_engine(&mut engine_alone)?;
         for design in &args.launch {
-            let (prefill, router_extra) = match design {
-                Design::Disaggregated => (args.prefill_workers, vec![]),
-                Design::Colocated => (0, vec!["--local-prefill-threshold=4294967295".to_string()]),
+            let (prefill, local_prefill_threshold) = match design {
+                Design::Disaggregated => {
+                    (args.prefill_workers, args.routing.local_prefill_threshold)
+                }
+                Design::Colocated => (0, u32::MAX),
             };
-            let mut router_args = args.router_args.clone();
-            router_args.extend(router_extra);
             let spec = ClusterSpec {
-                kv_transport: Default::default(),
-                router_listen: std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?,
+                router: RouterConfig {
+                    listen: std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?,
+                    routing: RoutingOptions {
+                        local_prefill_threshold,
+                        ..args.routing.clone()
+                    },
+                    ..RouterConfig::default()
+                },
+                prefill: PrefillConfig {
+                    engine: args.engine.clone(),
+                    ..PrefillConfig::default()
+                },
+                decode: DecodeConfig {
+                    engine: args.engine.clone(),
+                    ..DecodeConfig::default()
+                },
                 prefill_workers: prefill,
                 decode_workers: args.decode_workers,
                 model: args.model.resolve()?,
-                engine: args.engine.clone(),
-                router_args,
                 processes: false,
                 bin_dir: None,
             };

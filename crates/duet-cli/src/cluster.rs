@@ -1,30 +1,39 @@
 //! A whole cluster on loopback — router + N prefill + M decode workers — in this process or as
-//! separate processes. Every service is configured through the same command line its own binary
-//! takes, so the in-process and multi-process clusters are the same configuration. Used by
-//! `duet up` and the integration tests.
+//! separate processes. Every service gets a typed configuration: in this process it is handed to
+//! the service's `serve` as it is; a separate process gets it as its command line through the
+//! config's `to_args`, which parses back to an equal configuration (tested in each service), so
+//! both kinds of cluster run the same configuration. Used by `duet up`, `duet bench serve` and
+//! the integration tests.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use clap::Parser;
-use duet_engine::engine::EngineOptions;
+use duet_decode_worker::DecodeConfig;
+use duet_model::model_path::ModelArgs;
+use duet_prefill_worker::PrefillConfig;
 use duet_proto::v1;
-use duet_transfer::choice::TransportChoice;
+use duet_router::RouterConfig;
 
-/// What to start.
+/// What to start: a configuration for each kind of service. The launcher fills in what it owns:
+/// the workers' `listen` (free loopback ports), the router's worker lists, and every service's
+/// model; the rest is taken as it is (leave the workers' `worker_id` unset: each defaults to one
+/// from its port).
 #[derive(Clone, Debug)]
 pub struct ClusterSpec {
-    pub router_listen: SocketAddr,
+    /// The router; its `listen` is the cluster's address.
+    pub router: RouterConfig,
+    /// Every prefill worker.
+    pub prefill: PrefillConfig,
+    /// Every decode worker.
+    pub decode: DecodeConfig,
     pub prefill_workers: usize,
     pub decode_workers: usize,
+    /// The model every service serves.
     pub model: PathBuf,
-    pub engine: EngineOptions,
-    pub kv_transport: TransportChoice,
-    /// Extra router flags (`--local-prefill-threshold=0`, ...).
-    pub router_args: Vec<String>,
     /// Separate processes (the service binaries next to the current executable, or in `bin_dir`).
     pub processes: bool,
     pub bin_dir: Option<PathBuf>,
@@ -36,8 +45,52 @@ pub struct Cluster {
     pub router: SocketAddr,
     pub prefill: Vec<SocketAddr>,
     pub decode: Vec<SocketAddr>,
-    children: Vec<(String, Child)>,
+    children: Vec<(&'static str, Child)>,
     runtime: Option<tokio::runtime::Runtime>,
+}
+
+/// One service's full configuration.
+enum Service {
+    Router(RouterConfig),
+    Prefill(PrefillConfig),
+    Decode(DecodeConfig),
+}
+
+impl Service {
+    fn binary(&self) -> &'static str {
+        match self {
+            Service::Router(_) => "duet-router",
+            Service::Prefill(_) => "duet-prefill",
+            Service::Decode(_) => "duet-decode",
+        }
+    }
+
+    fn args(&self) -> Vec<OsString> {
+        match self {
+            Service::Router(c) => c.to_args(),
+            Service::Prefill(c) => c.to_args(),
+            Service::Decode(c) => c.to_args(),
+        }
+    }
+
+    /// Binds the service's address and serves on it until the runtime stops.
+    async fn serve(self) -> Result<()> {
+        let never = std::future::pending::<()>();
+        match self {
+            Service::Router(c) => {
+                let listener = bind(c.listen).await?;
+                duet_router::serve(c, listener, never).await
+            }
+            Service::Prefill(c) => {
+                let listener = bind(c.listen).await?;
+                duet_prefill_worker::serve(c, listener, never).await
+            }
+            Service::Decode(c) => {
+                let listener = bind(c.listen).await?;
+                duet_decode_worker::serve(c, listener, never).await
+            }
+        }
+    }
 }
 
 impl Cluster {
@@ -45,45 +98,46 @@ impl Cluster {
     pub fn start(spec: &ClusterSpec) -> Result<Cluster> {
         let prefill = free_ports(spec.prefill_workers)?;
         let decode = free_ports(spec.decode_workers)?;
-        let worker = |listen: SocketAddr| -> Vec<String> {
-            let e = &spec.engine;
-            vec![
-                format!("--listen={listen}"),
-                format!("--model={}", spec.model.display()),
-                format!("--threads={}", e.threads),
-                format!("--block-size={}", e.block_size),
-                format!("--kv-cache-tokens={}", e.kv_cache_tokens),
-                format!("--max-step-tokens={}", e.max_step_tokens),
-                format!("--device={}", e.device),
-                format!("--gpu-memory-fraction={}", e.gpu_memory_fraction),
-                format!("--kv-dtype={}", e.kv_dtype),
-                format!("--kv-transport={}", spec.kv_transport),
-            ]
+        let model = |template: &ModelArgs| ModelArgs {
+            model: Some(spec.model.clone()),
+            ..template.clone()
         };
-        let mut services: Vec<(&'static str, Vec<String>)> = Vec::new();
-        services.extend(prefill.iter().map(|a| ("duet-prefill", worker(*a))));
-        services.extend(decode.iter().map(|a| ("duet-decode", worker(*a))));
-        let mut router = vec![
-            format!("--listen={}", spec.router_listen),
-            format!("--model={}", spec.model.display()),
-        ];
-        router.extend(prefill.iter().map(|a| format!("--prefill={a}")));
-        router.extend(decode.iter().map(|a| format!("--decode={a}")));
-        router.extend(spec.router_args.iter().cloned());
-        services.push(("duet-router", router));
+        // Start order: prefill workers, then decode workers (the indices of `kill_process`).
+        let mut services: Vec<Service> = Vec::new();
+        services.extend(prefill.iter().map(|&listen| {
+            Service::Prefill(PrefillConfig {
+                listen,
+                model: model(&spec.prefill.model),
+                ..spec.prefill.clone()
+            })
+        }));
+        services.extend(decode.iter().map(|&listen| {
+            Service::Decode(DecodeConfig {
+                listen,
+                model: model(&spec.decode.model),
+                ..spec.decode.clone()
+            })
+        }));
+        services.push(Service::Router(RouterConfig {
+            prefill: prefill.iter().map(SocketAddr::to_string).collect(),
+            decode: decode.iter().map(SocketAddr::to_string).collect(),
+            model: model(&spec.router.model),
+            ..spec.router.clone()
+        }));
 
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()?;
         let mut cluster = Cluster {
-            router: spec.router_listen,
+            router: spec.router.listen,
             prefill,
             decode,
             children: Vec::new(),
             runtime: None,
         };
-        for (binary, args) in services {
+        for service in services {
+            let binary = service.binary();
             if spec.processes {
                 let dir = match &spec.bin_dir {
                     Some(d) => d.clone(),
@@ -92,11 +146,10 @@ impl Cluster {
                         .context("executable without a directory")?
                         .to_path_buf(),
                 };
-                cluster
-                    .children
-                    .push((binary.to_string(), spawn_process(&dir, binary, &args)?));
+                let child = spawn_process(&dir, binary, &service.args())?;
+                cluster.children.push((binary, child));
             } else {
-                runtime.spawn(serve_in_process(binary, args)?);
+                runtime.spawn(async move { report(binary, service.serve().await) });
             }
         }
         let router = cluster.router;
@@ -127,67 +180,6 @@ impl Drop for Cluster {
     }
 }
 
-/// Parses a service's command line with its own flag definitions and returns its server future.
-fn serve_in_process(
-    binary: &'static str,
-    args: Vec<String>,
-) -> Result<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>> {
-    #[derive(Parser)]
-    struct Router {
-        #[command(flatten)]
-        c: duet_router::RouterConfig,
-    }
-    #[derive(Parser)]
-    struct Prefill {
-        #[command(flatten)]
-        c: duet_prefill_worker::PrefillConfig,
-    }
-    #[derive(Parser)]
-    struct Decode {
-        #[command(flatten)]
-        c: duet_decode_worker::DecodeConfig,
-    }
-    let argv = std::iter::once(binary.to_string()).chain(args);
-    let never = std::future::pending::<()>();
-    Ok(match binary {
-        "duet-router" => {
-            let c = Router::try_parse_from(argv)?.c;
-            Box::pin(async move {
-                report(
-                    binary,
-                    async { duet_router::serve(c.clone(), bind(c.listen).await?, never).await }
-                        .await,
-                )
-            })
-        }
-        "duet-prefill" => {
-            let c = Prefill::try_parse_from(argv)?.c;
-            Box::pin(async move {
-                report(
-                    binary,
-                    async {
-                        duet_prefill_worker::serve(c.clone(), bind(c.listen).await?, never).await
-                    }
-                    .await,
-                )
-            })
-        }
-        "duet-decode" => {
-            let c = Decode::try_parse_from(argv)?.c;
-            Box::pin(async move {
-                report(
-                    binary,
-                    async {
-                        duet_decode_worker::serve(c.clone(), bind(c.listen).await?, never).await
-                    }
-                    .await,
-                )
-            })
-        }
-        other => bail!("unknown service {other}"),
-    })
-}
-
 async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(addr)
         .await
@@ -201,7 +193,7 @@ fn report(service: &str, r: Result<()>) {
     }
 }
 
-fn spawn_process(dir: &Path, binary: &str, args: &[String]) -> Result<Child> {
+fn spawn_process(dir: &Path, binary: &str, args: &[OsString]) -> Result<Child> {
     let path = dir.join(binary);
     if !path.exists() {
         bail!(
@@ -209,8 +201,16 @@ fn spawn_process(dir: &Path, binary: &str, args: &[String]) -> Result<Child> {
             path.display()
         );
     }
-    Command::new(&path)
-        .args(args)
+    let mut command = Command::new(&path);
+    command.args(args);
+    // The command line is the whole configuration: a `DUET_*` variable of this process would
+    // fill a flag it leaves out (an unset worker id, an empty worker list) in every service.
+    for (name, _) in std::env::vars_os() {
+        if name.as_encoded_bytes().starts_with(b"DUET_") {
+            command.env_remove(name);
+        }
+    }
+    command
         .spawn()
         .with_context(|| format!("starting {}", path.display()))
 }

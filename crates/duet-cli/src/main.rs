@@ -86,3 +86,24 @@ fn main() {
         std::process::exit(1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn up_takes_the_router_flags() {
+        let cli = Cli::try_parse_from(["duet", "up", "--local-prefill-threshold=7"]).unwrap();
+        let Command::Up(args) = cli.command else {
+            panic!("not `up`")
+        };
+        assert_eq!(args.routing.local_prefill_threshold, 7);
+    }
+}

@@ -6,8 +6,11 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
+use duet_decode_worker::DecodeConfig;
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
+use duet_prefill_worker::PrefillConfig;
+use duet_router::{RouterConfig, RoutingOptions};
 use duet_transfer::choice::TransportChoice;
 
 use crate::cluster::{Cluster, ClusterSpec};
@@ -15,7 +18,7 @@ use crate::cluster::{Cluster, ClusterSpec};
 #[derive(Args, Debug)]
 pub struct UpArgs {
     /// Address the router listens on.
-    #[arg(long, env = "DUET_ROUTER_LISTEN", default_value = "127.0.0.1:50051")]
+    #[arg(long, env = "DUET_ROUTER_LISTEN", default_value_t = RouterConfig::default().listen)]
     pub listen: SocketAddr,
     /// Number of prefill workers.
     #[arg(long, env = "DUET_PREFILL_WORKERS_COUNT", default_value_t = 1)]
@@ -27,9 +30,6 @@ pub struct UpArgs {
     /// binaries next to this one) instead of all in this process.
     #[arg(long)]
     pub processes: bool,
-    /// Extra flags for the router (e.g. `--router-arg=--local-prefill-threshold=64`).
-    #[arg(long = "router-arg", allow_hyphen_values = true)]
-    pub router_args: Vec<String>,
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
@@ -41,17 +41,32 @@ pub struct UpArgs {
     /// Exit after the cluster is ready and one sample request succeeded (for scripts and tests).
     #[arg(long, hide = true)]
     pub exit_when_ready: bool,
+    /// The router's routing and limits (the `duet-router` flags of the same names).
+    // Last: the heading applies to every flag after it.
+    #[command(flatten, next_help_heading = "Router")]
+    pub routing: RoutingOptions,
 }
 
 pub fn run(args: UpArgs) -> Result<()> {
     let spec = ClusterSpec {
-        kv_transport: args.kv_transport,
-        router_listen: args.listen,
+        router: RouterConfig {
+            listen: args.listen,
+            routing: args.routing.clone(),
+            ..RouterConfig::default()
+        },
+        prefill: PrefillConfig {
+            engine: args.engine.clone(),
+            kv_transport: args.kv_transport,
+            ..PrefillConfig::default()
+        },
+        decode: DecodeConfig {
+            engine: args.engine.clone(),
+            kv_transport: args.kv_transport,
+            ..DecodeConfig::default()
+        },
         prefill_workers: args.prefill_workers,
         decode_workers: args.decode_workers,
         model: args.model.resolve()?,
-        engine: args.engine.clone(),
-        router_args: args.router_args.clone(),
         processes: args.processes,
         bin_dir: None,
     };

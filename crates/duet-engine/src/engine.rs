@@ -21,44 +21,47 @@ use duet_model::params::{FinishReason, Sampled, SamplingParams, StopCriteria};
 use duet_model::tokenizer::Tokenizer;
 
 /// Sizes of the engine's resources (also the engine flags of every command that loads a model).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 #[cfg_attr(feature = "cli", derive(clap::Args))]
 pub struct EngineOptions {
     /// Kernel threads (0: one per core).
-    #[cfg_attr(feature = "cli", arg(long, env = "DUET_THREADS", default_value_t = 0))]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "DUET_THREADS", default_value_t = EngineOptions::default().threads)
+    )]
     pub threads: usize,
     /// Tokens per KV cache block.
     #[cfg_attr(
         feature = "cli",
-        arg(long, env = "DUET_BLOCK_SIZE", default_value_t = 16)
+        arg(long, env = "DUET_BLOCK_SIZE", default_value_t = EngineOptions::default().block_size)
     )]
     pub block_size: usize,
     /// KV cache capacity in tokens, over all sequences.
     #[cfg_attr(
         feature = "cli",
-        arg(long, env = "DUET_KV_CACHE_TOKENS", default_value_t = 16384)
+        arg(long, env = "DUET_KV_CACHE_TOKENS", default_value_t = EngineOptions::default().kv_cache_tokens)
     )]
     pub kv_cache_tokens: usize,
     /// Most tokens one forward step computes; longer prompts are prefilled in chunks. On a CPU,
     /// 128 costs no prefill speed and keeps a step's activations small; a GPU wants ~2048.
     #[cfg_attr(
         feature = "cli",
-        arg(long, env = "DUET_MAX_STEP_TOKENS", default_value_t = 128)
+        arg(long, env = "DUET_MAX_STEP_TOKENS", default_value_t = EngineOptions::default().max_step_tokens)
     )]
     pub max_step_tokens: usize,
     /// Device the model runs on: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
-    #[cfg_attr(feature = "cli", arg(long, env = "DUET_DEVICE", default_value_t = Device::Cpu))]
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_DEVICE", default_value_t = EngineOptions::default().device))]
     pub device: Device,
     /// On a GPU: share of the memory left free after loading the weights that the KV cache takes
     /// (sizes the cache instead of --kv-cache-tokens).
-    #[cfg_attr(feature = "cli", arg(long, env = "DUET_GPU_MEMORY_FRACTION", default_value_t = 0.9,
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_GPU_MEMORY_FRACTION", default_value_t = EngineOptions::default().gpu_memory_fraction,
           value_parser = parse_fraction))]
     pub gpu_memory_fraction: f64,
     /// Element type of the KV cache: auto, f32, f16 or bf16. `auto` is f16 on a CPU for
     /// quantized or 16-bit weights (half the cache memory, attention reads and KV transfer
     /// bytes; greedy outputs of the default model unchanged) and f32 for f32 weights; bf16 on a
     /// GPU. Workers exchanging KV must use the same type.
-    #[cfg_attr(feature = "cli", arg(long, env = "DUET_KV_DTYPE", value_enum, default_value_t = KvDtypeChoice::Auto))]
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_KV_DTYPE", value_enum, default_value_t = EngineOptions::default().kv_dtype))]
     pub kv_dtype: KvDtypeChoice,
 }
 
@@ -70,6 +73,7 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
     }
 }
 
+/// The flags' defaults (the flags above take theirs from here).
 impl Default for EngineOptions {
     fn default() -> Self {
         Self {
@@ -81,6 +85,36 @@ impl Default for EngineOptions {
             gpu_memory_fraction: 0.9,
             kv_dtype: KvDtypeChoice::Auto,
         }
+    }
+}
+
+#[cfg(feature = "cli")]
+impl EngineOptions {
+    /// These options as the flags above: parsed back, they give `self`.
+    pub fn to_args(&self) -> Vec<std::ffi::OsString> {
+        let Self {
+            threads,
+            block_size,
+            kv_cache_tokens,
+            max_step_tokens,
+            device,
+            gpu_memory_fraction,
+            kv_dtype,
+        } = self;
+        let kv_dtype =
+            clap::ValueEnum::to_possible_value(kv_dtype).expect("every KV dtype is a flag value");
+        [
+            format!("--threads={threads}"),
+            format!("--block-size={block_size}"),
+            format!("--kv-cache-tokens={kv_cache_tokens}"),
+            format!("--max-step-tokens={max_step_tokens}"),
+            format!("--device={device}"),
+            format!("--gpu-memory-fraction={gpu_memory_fraction}"),
+            format!("--kv-dtype={}", kv_dtype.get_name()),
+        ]
+        .into_iter()
+        .map(Into::into)
+        .collect()
     }
 }
 

@@ -1,5 +1,6 @@
 //! Where models live and how commands find the default one.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use clap::Args;
@@ -12,15 +13,24 @@ pub struct ModelNotFound(pub String);
 /// The default model: file name inside the models directory.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
-#[derive(Args, Clone, Debug)]
+#[derive(Args, Clone, Debug, PartialEq)]
 pub struct ModelArgs {
     /// Model to load: a GGUF file or a Hugging Face directory (config.json, *.safetensors,
     /// tokenizer.json). Defaults to the fetched default model.
     #[arg(long, env = "DUET_MODEL")]
     pub model: Option<PathBuf>,
     /// Directory holding fetched models.
-    #[arg(long, env = "DUET_MODELS_DIR", default_value = "models")]
+    #[arg(long, env = "DUET_MODELS_DIR", default_value_os_t = ModelArgs::default().models_dir)]
     pub models_dir: PathBuf,
+}
+
+impl Default for ModelArgs {
+    fn default() -> Self {
+        Self {
+            model: None,
+            models_dir: "models".into(),
+        }
+    }
 }
 
 impl ModelArgs {
@@ -35,6 +45,24 @@ impl ModelArgs {
             None => default_model(&self.models_dir),
         }
     }
+
+    /// These options as the flags above: parsed back, they give `self` (paths go as they are,
+    /// not through UTF-8).
+    pub fn to_args(&self) -> Vec<OsString> {
+        let Self { model, models_dir } = self;
+        let mut args = Vec::new();
+        if let Some(model) = model {
+            args.push(flag_path("--model=", model));
+        }
+        args.push(flag_path("--models-dir=", models_dir));
+        args
+    }
+}
+
+fn flag_path(flag: &str, path: &Path) -> OsString {
+    let mut arg = OsString::from(flag);
+    arg.push(path);
+    arg
 }
 
 pub fn default_model(models_dir: &Path) -> Result<PathBuf, ModelNotFound> {

@@ -1,5 +1,6 @@
 //! The prefill worker's configuration: command-line flags, each with an environment variable.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 
 use duet_engine::engine::EngineOptions;
@@ -7,10 +8,10 @@ use duet_model::model_path::ModelArgs;
 use duet_transfer::choice::TransportChoice;
 
 /// Everything a prefill worker needs to start.
-#[derive(Clone, Debug, clap::Args)]
+#[derive(Clone, Debug, PartialEq, clap::Args)]
 pub struct PrefillConfig {
     /// Address to serve gRPC on (PrefillWorker, WorkerControl, health, reflection).
-    #[arg(long, env = "DUET_PREFILL_LISTEN", default_value = "127.0.0.1:50061")]
+    #[arg(long, env = "DUET_PREFILL_LISTEN", default_value_t = PrefillConfig::default().listen)]
     pub listen: SocketAddr,
     /// This worker's id in the cluster (default: "prefill-<port>", the port actually bound).
     #[arg(long, env = "DUET_WORKER_ID")]
@@ -22,36 +23,79 @@ pub struct PrefillConfig {
     pub engine: EngineOptions,
     /// KV transport between the pools: auto, grpc, cuda-ipc or nccl. The push path carries gRPC
     /// today (auto resolves to it); cuda-ipc and nccl are refused at start until it carries them.
-    #[arg(long, env = "DUET_KV_TRANSPORT", default_value_t = TransportChoice::Auto)]
+    #[arg(long, env = "DUET_KV_TRANSPORT", default_value_t = PrefillConfig::default().kv_transport)]
     pub kv_transport: TransportChoice,
     /// Most prompt tokens waiting to be computed; past it, `Prefill` answers RESOURCE_EXHAUSTED
     /// at once (a request arriving at an empty queue is always taken).
-    #[arg(long, env = "DUET_PREFILL_MAX_QUEUED_TOKENS", default_value_t = 65536)]
+    #[arg(long, env = "DUET_PREFILL_MAX_QUEUED_TOKENS", default_value_t = PrefillConfig::default().max_queued_tokens)]
     pub max_queued_tokens: u64,
     /// Deadline of calls that carry none (no `grpc-timeout`), in milliseconds.
-    #[arg(long, env = "DUET_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
+    #[arg(long, env = "DUET_REQUEST_TIMEOUT_MS", default_value_t = PrefillConfig::default().request_timeout_ms)]
     pub request_timeout_ms: u64,
     /// Calls served at once; past it RESOURCE_EXHAUSTED at once.
-    #[arg(long, env = "DUET_MAX_IN_FLIGHT", default_value_t = 4096)]
+    #[arg(long, env = "DUET_MAX_IN_FLIGHT", default_value_t = PrefillConfig::default().max_in_flight)]
     pub max_in_flight: usize,
 }
 
-impl PrefillConfig {
-    /// A configuration with every default, serving `model`.
-    pub fn for_model(model: std::path::PathBuf) -> Self {
+/// The flags' defaults (the flags take theirs from here).
+impl Default for PrefillConfig {
+    fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 50061)),
             worker_id: None,
-            model: ModelArgs {
-                model: Some(model),
-                models_dir: "models".into(),
-            },
+            model: ModelArgs::default(),
             engine: EngineOptions::default(),
             kv_transport: TransportChoice::Auto,
             max_queued_tokens: 65536,
             request_timeout_ms: 600_000,
             max_in_flight: 4096,
         }
+    }
+}
+
+impl PrefillConfig {
+    /// A configuration with every default, serving `model`.
+    pub fn for_model(model: std::path::PathBuf) -> Self {
+        Self {
+            model: ModelArgs {
+                model: Some(model),
+                ..ModelArgs::default()
+            },
+            ..Self::default()
+        }
+    }
+
+    /// This configuration as the worker's command line (without the program name): parsed back,
+    /// it gives `self`.
+    pub fn to_args(&self) -> Vec<OsString> {
+        let Self {
+            listen,
+            worker_id,
+            model,
+            engine,
+            kv_transport,
+            max_queued_tokens,
+            request_timeout_ms,
+            max_in_flight,
+        } = self;
+        let mut args: Vec<OsString> = vec![format!("--listen={listen}").into()];
+        args.extend(
+            worker_id
+                .iter()
+                .map(|id| format!("--worker-id={id}").into()),
+        );
+        args.extend(model.to_args());
+        args.extend(engine.to_args());
+        args.extend(
+            [
+                format!("--kv-transport={kv_transport}"),
+                format!("--max-queued-tokens={max_queued_tokens}"),
+                format!("--request-timeout-ms={request_timeout_ms}"),
+                format!("--max-in-flight={max_in_flight}"),
+            ]
+            .map(Into::into),
+        );
+        args
     }
 
     /// The worker id: the configured one, else "prefill-<port>".
@@ -65,6 +109,8 @@ impl PrefillConfig {
 #[cfg(test)]
 mod tests {
     use clap::Parser;
+    use duet_engine::backend::KvDtypeChoice;
+    use duet_engine::device::Device;
 
     use super::*;
 
@@ -98,5 +144,40 @@ mod tests {
         assert_eq!(cli.config.worker_id_for(7000), "p1");
         assert_eq!(cli.config.max_queued_tokens, 10);
         assert_eq!(cli.config.engine.max_step_tokens, 64);
+    }
+
+    #[test]
+    fn no_flags_give_the_default() {
+        let c = Cli::try_parse_from(["duet-prefill"]).unwrap().config;
+        assert_eq!(c, PrefillConfig::default());
+    }
+
+    /// Every field (the engine's and the model's too) differs from its default, so a flag
+    /// `to_args` leaves out fails the test.
+    #[test]
+    fn to_args_parses_back_to_the_same_config() {
+        let c = PrefillConfig {
+            listen: "0.0.0.0:7002".parse().unwrap(),
+            worker_id: Some("p-7".into()),
+            model: ModelArgs {
+                model: Some("some dir/m.gguf".into()),
+                models_dir: "elsewhere".into(),
+            },
+            engine: EngineOptions {
+                threads: 3,
+                block_size: 8,
+                kv_cache_tokens: 999,
+                max_step_tokens: 77,
+                device: Device::Cuda(2),
+                gpu_memory_fraction: 0.123,
+                kv_dtype: KvDtypeChoice::Bf16,
+            },
+            kv_transport: TransportChoice::Nccl,
+            max_queued_tokens: 5,
+            request_timeout_ms: 6,
+            max_in_flight: 7,
+        };
+        let argv = std::iter::once("duet-prefill".into()).chain(c.to_args());
+        assert_eq!(Cli::try_parse_from(argv).unwrap().config, c);
     }
 }

@@ -1,5 +1,6 @@
 //! The router's configuration: command-line flags, each with an environment variable.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 
 use clap::Args;
@@ -7,10 +8,10 @@ use duet_model::model_path::ModelArgs;
 
 /// How the router is run: where it listens, which workers it routes to, the model it serves
 /// (config, tokenizer and chat template only; never the weights) and its limits.
-#[derive(Args, Clone, Debug)]
+#[derive(Args, Clone, Debug, PartialEq)]
 pub struct RouterConfig {
     /// Address to serve the public `duet.v1.Generation` API on (with health and reflection).
-    #[arg(long, env = "DUET_ROUTER_LISTEN", default_value = "127.0.0.1:50051")]
+    #[arg(long, env = "DUET_ROUTER_LISTEN", default_value_t = RouterConfig::default().listen)]
     pub listen: SocketAddr,
 
     /// A prefill worker's gRPC address (host:port). Repeat the flag, or give a comma-separated
@@ -37,30 +38,110 @@ pub struct RouterConfig {
     #[command(flatten)]
     pub model: ModelArgs,
 
+    #[command(flatten)]
+    pub routing: RoutingOptions,
+}
+
+/// The flags' defaults (the flags take theirs from here).
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            model: ModelArgs::default(),
+            routing: RoutingOptions::default(),
+        }
+    }
+}
+
+impl RouterConfig {
+    /// This configuration as the router's command line (without the program name): parsed back,
+    /// it gives `self`.
+    pub fn to_args(&self) -> Vec<OsString> {
+        let Self {
+            listen,
+            prefill,
+            decode,
+            model,
+            routing,
+        } = self;
+        let mut args = vec![OsString::from(format!("--listen={listen}"))];
+        args.extend(prefill.iter().map(|a| format!("--prefill={a}").into()));
+        args.extend(decode.iter().map(|a| format!("--decode={a}").into()));
+        args.extend(model.to_args());
+        args.extend(routing.to_args());
+        args
+    }
+}
+
+/// How requests are routed and limited: the router flags that name no address and no model
+/// (`duet up` and `duet bench serve` take them as they are).
+#[derive(Args, Clone, Debug, PartialEq)]
+pub struct RoutingOptions {
     /// `max_tokens` of requests that do not set it (lowered to fit the context).
-    #[arg(long, env = "DUET_DEFAULT_MAX_TOKENS", default_value_t = 256)]
+    #[arg(long, env = "DUET_DEFAULT_MAX_TOKENS", default_value_t = RoutingOptions::default().default_max_tokens)]
     pub default_max_tokens: u32,
 
     /// Prompts of at most this many tokens are prefilled on the decode worker itself (no KV
     /// transfer).
-    #[arg(long, env = "DUET_LOCAL_PREFILL_THRESHOLD", default_value_t = 32)]
+    #[arg(long, env = "DUET_LOCAL_PREFILL_THRESHOLD", default_value_t = RoutingOptions::default().local_prefill_threshold)]
     pub local_prefill_threshold: u32,
 
     /// Requests in flight past which `Generate` and `Complete` answer RESOURCE_EXHAUSTED at once.
-    #[arg(long, env = "DUET_MAX_QUEUED_REQUESTS", default_value_t = 256)]
+    #[arg(long, env = "DUET_MAX_QUEUED_REQUESTS", default_value_t = RoutingOptions::default().max_queued_requests)]
     pub max_queued_requests: usize,
 
     /// Largest request message accepted, in bytes.
-    #[arg(long, env = "DUET_MAX_REQUEST_BYTES", default_value_t = 4 * 1024 * 1024)]
+    #[arg(long, env = "DUET_MAX_REQUEST_BYTES", default_value_t = RoutingOptions::default().max_request_bytes)]
     pub max_request_bytes: usize,
 
     /// How often each worker's health and stats are polled, in milliseconds.
-    #[arg(long, env = "DUET_STATS_INTERVAL_MS", default_value_t = 500)]
+    #[arg(long, env = "DUET_STATS_INTERVAL_MS", default_value_t = RoutingOptions::default().stats_interval_ms)]
     pub stats_interval_ms: u64,
 
     /// Deadline of requests whose client sets none (no `grpc-timeout`), in milliseconds.
-    #[arg(long, env = "DUET_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
+    #[arg(long, env = "DUET_REQUEST_TIMEOUT_MS", default_value_t = RoutingOptions::default().request_timeout_ms)]
     pub request_timeout_ms: u64,
+}
+
+/// The flags' defaults (the flags take theirs from here).
+impl Default for RoutingOptions {
+    fn default() -> Self {
+        Self {
+            default_max_tokens: 256,
+            local_prefill_threshold: 32,
+            max_queued_requests: 256,
+            max_request_bytes: 4 * 1024 * 1024,
+            stats_interval_ms: 500,
+            request_timeout_ms: 600_000,
+        }
+    }
+}
+
+impl RoutingOptions {
+    /// These options as the flags above: parsed back, they give `self`.
+    pub fn to_args(&self) -> Vec<OsString> {
+        let Self {
+            default_max_tokens,
+            local_prefill_threshold,
+            max_queued_requests,
+            max_request_bytes,
+            stats_interval_ms,
+            request_timeout_ms,
+        } = self;
+        [
+            format!("--default-max-tokens={default_max_tokens}"),
+            format!("--local-prefill-threshold={local_prefill_threshold}"),
+            format!("--max-queued-requests={max_queued_requests}"),
+            format!("--max-request-bytes={max_request_bytes}"),
+            format!("--stats-interval-ms={stats_interval_ms}"),
+            format!("--request-timeout-ms={request_timeout_ms}"),
+        ]
+        .into_iter()
+        .map(Into::into)
+        .collect()
+    }
 }
 
 #[cfg(test)]
@@ -98,8 +179,39 @@ mod tests {
             c.model.model.as_deref(),
             Some(std::path::Path::new("m.gguf"))
         );
-        assert_eq!((c.default_max_tokens, c.local_prefill_threshold), (256, 32));
-        assert_eq!((c.max_queued_requests, c.max_request_bytes), (256, 4 << 20));
-        assert_eq!((c.stats_interval_ms, c.request_timeout_ms), (500, 600_000));
+        let r = &c.routing;
+        assert_eq!((r.default_max_tokens, r.local_prefill_threshold), (256, 32));
+        assert_eq!((r.max_queued_requests, r.max_request_bytes), (256, 4 << 20));
+        assert_eq!((r.stats_interval_ms, r.request_timeout_ms), (500, 600_000));
+    }
+
+    #[test]
+    fn no_flags_give_the_default() {
+        let c = Cli::try_parse_from(["duet-router"]).unwrap().config;
+        assert_eq!(c, RouterConfig::default());
+    }
+
+    /// Every field differs from its default, so a flag `to_args` leaves out fails the test.
+    #[test]
+    fn to_args_parses_back_to_the_same_config() {
+        let c = RouterConfig {
+            listen: "0.0.0.0:7001".parse().unwrap(),
+            prefill: vec!["p:1".into(), "p:2".into()],
+            decode: vec!["d:1".into()],
+            model: ModelArgs {
+                model: Some("some dir/m.gguf".into()),
+                models_dir: "elsewhere".into(),
+            },
+            routing: RoutingOptions {
+                default_max_tokens: 7,
+                local_prefill_threshold: 0,
+                max_queued_requests: 9,
+                max_request_bytes: 1234,
+                stats_interval_ms: 11,
+                request_timeout_ms: 13,
+            },
+        };
+        let argv = std::iter::once("duet-router".into()).chain(c.to_args());
+        assert_eq!(Cli::try_parse_from(argv).unwrap().config, c);
     }
 }

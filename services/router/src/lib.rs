@@ -25,7 +25,7 @@ use duet_model::chat::ChatTemplate;
 use duet_model::model_files::open_model;
 use duet_proto::v1::generation_server::GenerationServer;
 
-pub use config::RouterConfig;
+pub use config::{RouterConfig, RoutingOptions};
 pub use error::RouterError;
 pub use routing::Pools;
 pub use service::{GenerationService, RouterState};
@@ -64,7 +64,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let path = config.model.resolve()?;
-    let default_max_tokens = config.default_max_tokens;
+    let default_max_tokens = config.routing.default_max_tokens;
     let load_path = path.clone();
     let model =
         tokio::task::spawn_blocking(move || load_prompt_model(&load_path, default_max_tokens))
@@ -76,15 +76,17 @@ pub async fn serve(
             "no decode workers configured (--decode); every Generate will be UNAVAILABLE"
         );
     }
-    let pollers = pools.spawn_pollers(Duration::from_millis(config.stats_interval_ms.max(1)));
+    let pollers = pools.spawn_pollers(Duration::from_millis(
+        config.routing.stats_interval_ms.max(1),
+    ));
     let state = Arc::new(RouterState::new(
         model,
         model_name(&path),
         pools,
-        config.local_prefill_threshold,
+        config.routing.local_prefill_threshold,
     ));
     let generation = GenerationServer::new(GenerationService::new(state.clone()))
-        .max_decoding_message_size(config.max_request_bytes)
+        .max_decoding_message_size(config.routing.max_request_bytes)
         .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
     let local = listener.local_addr().ok();
     tracing::info!(
@@ -95,8 +97,8 @@ pub async fn serve(
         "router serving"
     );
     let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
-        default_deadline: Duration::from_millis(config.request_timeout_ms.max(1)),
-        max_in_flight: config.max_queued_requests,
+        default_deadline: Duration::from_millis(config.routing.request_timeout_ms.max(1)),
+        max_in_flight: config.routing.max_queued_requests,
     });
     let result = edge.service(generation).serve(listener, shutdown).await;
     for p in pollers {

@@ -14,7 +14,7 @@ use duet_proto::v1;
 use duet_proto::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
 use duet_proto::v1::generation_client::GenerationClient;
 use duet_proto::v1::worker_control_server::{WorkerControl, WorkerControlServer};
-use duet_router::RouterConfig;
+use duet_router::{RouterConfig, RoutingOptions};
 use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
@@ -186,12 +186,12 @@ fn config(decode: Vec<String>, max_queued: usize) -> RouterConfig {
             model: Some(model_dir()),
             models_dir: PathBuf::from("models"),
         },
-        default_max_tokens: 256,
-        local_prefill_threshold: 32,
-        max_queued_requests: max_queued,
-        max_request_bytes: 4 << 20,
-        stats_interval_ms: 50,
-        request_timeout_ms: 30_000,
+        routing: RoutingOptions {
+            max_queued_requests: max_queued,
+            stats_interval_ms: 50,
+            request_timeout_ms: 30_000,
+            ..Default::default()
+        },
     }
 }
 
