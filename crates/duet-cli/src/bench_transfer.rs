@@ -125,15 +125,15 @@ pub fn run(args: TransferBenchArgs) -> Result<()> {
         };
         let decode_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let decode_addr = decode_listener.local_addr()?;
-        let mut cli = vec!["duet-decode".to_string(), format!("--listen={decode_addr}"), format!("--model={}", path.display())];
-        cli.push(format!("--kv-cache-tokens={}", engine.kv_cache_tokens));
-        cli.push("--threads=1".into());
-        #[derive(clap::Parser)]
-        struct Decode {
-            #[command(flatten)]
-            c: duet_decode_worker::DecodeConfig,
-        }
-        let decode = <Decode as clap::Parser>::try_parse_from(cli)?.c;
+        let decode = duet_decode_worker::DecodeConfig {
+            listen: decode_addr,
+            model: ModelArgs {
+                model: Some(path.clone()),
+                ..ModelArgs::default()
+            },
+            engine: engine.clone(),
+            ..Default::default()
+        };
         tokio::spawn(duet_decode_worker::serve(decode, decode_listener, std::future::pending()));
         let url = format!("http://{decode_addr}");
         let fingerprint = loop {
