@@ -410,10 +410,15 @@ impl<E: ActorEngine> Actor<E> {
 
     fn step(&mut self, now: Instant) {
         let (num_layers, block_size) = (self.layout.num_layers, self.layout.block_size);
+        // Only prefill requests need every layer; the others are accounted for once a step.
+        let shipping = self.admitted.values().any(|a| a.shipping.is_some());
         let admitted = &mut self.admitted;
         let counters = &self.counters;
         let mut on_layer = |done: &dyn LayerKv| {
             let last_layer = done.layer() + 1 == num_layers;
+            if !last_layer && !shipping {
+                return;
+            }
             for p in done.plan() {
                 let Some(a) = admitted.get_mut(&p.seq) else {
                     continue;
