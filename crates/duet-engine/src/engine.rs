@@ -2,18 +2,23 @@
 //! forward over every sequence that has work (prompt chunks and decode tokens mixed), samples,
 //! and reports the new tokens. This is the unit the services schedule; `duet generate` and
 //! `duet bench engine` drive it directly.
+//!
+//! The engine composes three parts, as vLLM v1 does: the [`Scheduler`] decides what each step
+//! computes, through the [`KvCacheManager`] it owns (the only owner of the block pool); the
+//! [`ModelRunner`] runs the plan on the model; the engine samples and applies stop criteria.
 
 use std::collections::BTreeMap;
 
-use duet_kv::{BlockHash, BlockPool, BlockTable, block_hashes, hash_seed, next_block_hash};
+use duet_kv::{BlockPool, KvCacheManager};
 
 use crate::EngineError;
 use crate::backend::{Backend, KvDtype, KvDtypeChoice, KvLayout};
-use crate::batch::{ForwardBatch, LogitsWanted, SeqInput};
 use crate::device::Device;
 use crate::generation::TextStream;
 use crate::llama::Llama;
+use crate::model_runner::{ModelRunner, release_freed_heap};
 use crate::sampling::Sampler;
+use crate::scheduler::Scheduler;
 use duet_model::chat::{ChatMessage, ChatTemplate};
 use duet_model::config::ModelConfig;
 use duet_model::model_files::ModelFiles;
@@ -118,31 +123,20 @@ impl EngineOptions {
     }
 }
 
-/// Identifies a sequence inside one engine.
-pub type SeqId = u64;
+// The engine's API names these; they are defined by the part that makes them.
+pub use crate::model_runner::LayerDone;
+pub use crate::scheduler::PlannedSeq;
+pub use duet_kv::{KvReservation, SeqId};
 
-struct Sequence {
-    tokens: Vec<u32>,
+/// What turns a sequence's logits into output: sampling, stop criteria and text. Its tokens and
+/// blocks are the scheduler's.
+struct OutputState {
     prompt_len: usize,
-    /// Tokens whose KV is in the cache.
-    num_computed: usize,
     /// Prompt tokens found in the prefix cache at admission.
     num_cached_prompt: usize,
-    table: BlockTable,
-    /// Hashes of the full blocks registered so far.
-    hashes: Vec<BlockHash>,
-    /// Seed of those hashes: the model's, with the request's cache salt.
-    hash_seed: u64,
     sampler: Sampler,
     stop: StopCriteria,
     text: TextStream,
-    finish: Option<FinishReason>,
-}
-
-impl Sequence {
-    fn generated(&self) -> usize {
-        self.tokens.len() - self.prompt_len
-    }
 }
 
 /// What one step produced for one sequence.
@@ -157,34 +151,14 @@ pub struct StepOutput {
 }
 
 pub struct Engine<B: Backend> {
-    model: Llama<B>,
-    kv: B::KvStore,
-    kv_layout: KvLayout,
-    blocks: BlockPool,
+    runner: ModelRunner<B>,
+    scheduler: Scheduler,
+    seqs: BTreeMap<SeqId, OutputState>,
     tokenizer: Tokenizer,
     chat: Option<ChatTemplate>,
     options: EngineOptions,
     fingerprint: String,
-    seqs: BTreeMap<SeqId, Sequence>,
     next_id: SeqId,
-    preemptions: u64,
-    /// Steps since freed heap was last given back (see [`Engine::release_step_heap`]).
-    steps_since_trim: usize,
-}
-
-/// Loading builds and drops large temporaries (tokenizer tables, repacked-weight staging); glibc
-/// keeps freed heap pages resident unless asked to give them back.
-fn release_freed_heap() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        unsafe extern "C" {
-            fn malloc_trim(pad: usize) -> i32;
-        }
-        // SAFETY: malloc_trim only returns free heap memory to the kernel.
-        unsafe {
-            malloc_trim(0);
-        }
-    }
 }
 
 impl<B: Backend> Engine<B> {
@@ -222,33 +196,31 @@ impl<B: Backend> Engine<B> {
             )));
         }
         let kv_layout = model.kv_layout(options.block_size, num_blocks, kv_dtype);
-        let kv = model.backend().alloc_kv(kv_layout)?;
+        let runner = ModelRunner::new(model, kv_layout)?;
         let fingerprint = model_fingerprint(
             &files.config,
             &files.weights_digest,
             kv_dtype,
             options.block_size,
         );
+        let kv_cache = KvCacheManager::new(num_blocks, options.block_size, fingerprint.as_bytes());
         let engine = Self {
-            fingerprint,
-            model,
-            kv,
-            kv_layout,
-            blocks: BlockPool::new(num_blocks, options.block_size),
+            runner,
+            scheduler: Scheduler::new(kv_cache, options.max_step_tokens),
+            seqs: BTreeMap::new(),
             tokenizer: files.tokenizer,
             chat: files.chat_template,
             options,
-            seqs: BTreeMap::new(),
+            fingerprint,
             next_id: 0,
-            preemptions: 0,
-            steps_since_trim: 0,
         };
+        // Loading builds and drops large temporaries (tokenizer tables, repacked-weight staging).
         release_freed_heap();
         Ok(engine)
     }
 
     pub fn config(&self) -> &ModelConfig {
-        self.model.config()
+        self.runner.model().config()
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -265,25 +237,25 @@ impl<B: Backend> Engine<B> {
     }
 
     pub fn model(&self) -> &Llama<B> {
-        &self.model
+        self.runner.model()
     }
 
     pub fn kv_store(&self) -> &B::KvStore {
-        &self.kv
+        self.runner.kv_store()
     }
 
     pub fn block_pool(&self) -> &BlockPool {
-        &self.blocks
+        self.scheduler.kv_cache().pool()
     }
 
     /// Geometry and element type of the KV cache.
     pub fn kv_layout(&self) -> KvLayout {
-        self.kv_layout
+        self.runner.kv_layout()
     }
 
     /// Forgets every cached prefix block (blocks held by sequences are untouched).
     pub fn clear_prefix_cache(&mut self) {
-        self.blocks.clear_cache();
+        self.scheduler.kv_cache_mut().clear_prefix_cache();
     }
 
     /// Formats a conversation with the model's chat template (ChatML when it has none).
@@ -318,10 +290,7 @@ impl<B: Backend> Engine<B> {
     /// The seed of the prefix hashes of requests with this cache salt: requests share cached
     /// blocks only when their salts are equal (empty: the shared namespace).
     pub fn hash_seed(&self, cache_salt: &str) -> u64 {
-        hash_seed(
-            self.fingerprint.as_bytes(),
-            (!cache_salt.is_empty()).then_some(cache_salt),
-        )
+        self.scheduler.kv_cache().hash_seed(cache_salt)
     }
 
     /// Admits a request that another worker started: the last `resumed.generated` of `tokens`
@@ -347,13 +316,6 @@ impl<B: Backend> Engine<B> {
         }
         self.check_prompt(&tokens, stop.max_tokens - resumed.generated)?;
         let prompt_len = tokens.len() - resumed.generated;
-        let bs = self.options.block_size;
-        let seed = self.hash_seed(cache_salt);
-        let hashes = block_hashes(seed, &tokens, bs);
-        // Leave at least one token to compute: its logits give the next output token.
-        let usable = hashes.len().min((tokens.len() - 1) / bs);
-        let cached = self.blocks.lookup_prefix(&hashes[..usable]);
-        let num_cached = cached.len() * bs;
         let id = self.next_id;
         self.next_id += 1;
         let mut sampler = Sampler::new(params, &tokens[..prompt_len]);
@@ -364,20 +326,15 @@ impl<B: Backend> Engine<B> {
             &tokens[prompt_len..],
             resumed.sent_text_bytes,
         )?;
+        let num_cached = self.scheduler.add_sequence(id, tokens, cache_salt)?;
         self.seqs.insert(
             id,
-            Sequence {
+            OutputState {
                 prompt_len,
-                tokens,
-                num_computed: num_cached,
                 num_cached_prompt: num_cached.min(prompt_len),
-                hashes: hashes[..cached.len()].to_vec(),
-                hash_seed: seed,
-                table: BlockTable::from_blocks(cached),
                 sampler,
                 stop,
                 text,
-                finish: None,
             },
         );
         Ok(id)
@@ -419,33 +376,13 @@ impl<B: Backend> Engine<B> {
         cache_salt: &str,
     ) -> Result<KvReservation, EngineError> {
         self.check_prompt(tokens, 1)?;
-        let bs = self.options.block_size;
-        let hash_seed = self.hash_seed(cache_salt);
-        let hashes = block_hashes(hash_seed, tokens, bs);
-        let cached = self.blocks.lookup_prefix(&hashes);
-        let needed = tokens.len().div_ceil(bs) - cached.len();
-        let fresh = match self.blocks.allocate(needed) {
-            Ok(b) => b,
-            Err(e) => {
-                self.blocks.release(&cached)?;
-                return Err(e.into());
-            }
-        };
-        let cached_blocks = cached.len();
-        let mut blocks = cached;
-        blocks.extend(fresh);
-        Ok(KvReservation {
-            blocks,
-            cached_blocks,
-            num_tokens: tokens.len(),
-            hash_seed,
-        })
+        Ok(self.scheduler.kv_cache_mut().reserve(tokens, cache_salt)?)
     }
 
     /// Frees a reservation that will not be used (cancelled request, expired lease, failed
     /// transfer).
     pub fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError> {
-        Ok(self.blocks.release(&reservation.blocks)?)
+        Ok(self.scheduler.kv_cache_mut().release(reservation)?)
     }
 
     /// Starts generating for a prompt whose KV was written into `reservation` by a prefill
@@ -474,42 +411,41 @@ impl<B: Backend> Engine<B> {
                 "the reservation was made for another prompt".into(),
             ));
         }
-        let bs = self.options.block_size;
         let id = self.next_id;
         self.next_id += 1;
         let mut sampler = Sampler::new(params, &prompt);
         sampler.record(&[first.token]);
-        let mut seq = Sequence {
+        let mut generation = OutputState {
             prompt_len: prompt.len(),
-            num_computed: prompt.len(),
-            num_cached_prompt: reservation.cached_blocks * bs,
-            tokens: prompt,
-            table: BlockTable::from_blocks(reservation.blocks),
-            hashes: Vec::new(),
-            hash_seed: reservation.hash_seed,
+            num_cached_prompt: reservation.cached_blocks * self.options.block_size,
             sampler,
             text: TextStream::new(stop.stop_strings.clone()),
             stop,
-            finish: None,
         };
-        register_full_blocks(&mut seq, &mut self.blocks, bs)?;
-        let out = advance(
-            &mut seq,
-            first,
-            &self.tokenizer,
-            self.config().max_position_embeddings,
+        self.scheduler.add_prefilled(id, prompt, reservation)?;
+        let max_positions = self.config().max_position_embeddings;
+        let advanced = advance(
+            &mut generation,
             id,
-        )?;
-        if out.finish.is_some() {
-            self.blocks.release(&seq.table.take())?;
-        }
-        self.seqs.insert(id, seq);
+            first,
+            &mut self.scheduler,
+            &self.tokenizer,
+            max_positions,
+        );
+        let out = match advanced {
+            Ok(out) => out,
+            Err(e) => {
+                self.scheduler.remove(id)?;
+                return Err(e);
+            }
+        };
+        self.seqs.insert(id, generation);
         Ok((id, out))
     }
 
     /// Bytes of one (layer, block) of KV in transfer layout.
     pub fn kv_block_bytes(&self) -> usize {
-        self.model.backend().kv_block_bytes(&self.kv)
+        self.runner.kv_block_bytes()
     }
 
     /// Copies one (layer, block) of KV out, in transfer layout.
@@ -519,11 +455,7 @@ impl<B: Backend> Engine<B> {
         block: u32,
         out: &mut [u8],
     ) -> Result<(), EngineError> {
-        self.check_block(layer, block, out.len())?;
-        self.model
-            .backend()
-            .read_kv_block(&self.kv, layer, block as usize, out);
-        self.model.backend().sync()
+        self.runner.read_kv_block(layer, block, out)
     }
 
     /// Writes one (layer, block) of KV received from a transfer.
@@ -533,26 +465,7 @@ impl<B: Backend> Engine<B> {
         block: u32,
         data: &[u8],
     ) -> Result<(), EngineError> {
-        self.check_block(layer, block, data.len())?;
-        self.model
-            .backend()
-            .write_kv_block(&mut self.kv, layer, block as usize, data);
-        self.model.backend().sync()
-    }
-
-    fn check_block(&self, layer: usize, block: u32, len: usize) -> Result<(), EngineError> {
-        if layer >= self.config().num_layers
-            || block as usize >= self.blocks.num_blocks()
-            || len != self.kv_block_bytes()
-        {
-            return Err(EngineError::InvalidBatch(format!(
-                "KV block (layer {layer}, block {block}, {len} bytes) does not fit a cache of {} layers, {} blocks of {} bytes",
-                self.config().num_layers,
-                self.blocks.num_blocks(),
-                self.kv_block_bytes()
-            )));
-        }
-        Ok(())
+        self.runner.write_kv_block(layer, block, data)
     }
 
     /// Prompt tokens of a sequence that were found in the prefix cache.
@@ -562,12 +475,12 @@ impl<B: Backend> Engine<B> {
 
     /// The blocks holding a sequence's KV, in position order.
     pub fn block_table(&self, id: SeqId) -> Option<&[u32]> {
-        self.seqs.get(&id).map(|s| s.table.blocks())
+        self.scheduler.kv_cache().blocks(id).map(|b| b.ids())
     }
 
     /// All tokens (prompt and generated) of a sequence.
     pub fn tokens(&self, id: SeqId) -> Option<&[u32]> {
-        self.seqs.get(&id).map(|s| s.tokens.as_slice())
+        self.scheduler.tokens(id)
     }
 
     pub fn num_sequences(&self) -> usize {
@@ -576,18 +489,16 @@ impl<B: Backend> Engine<B> {
 
     /// Whether any sequence still has work.
     pub fn has_work(&self) -> bool {
-        self.seqs.values().any(|s| s.finish.is_none())
+        self.scheduler.has_work()
     }
 
     /// Removes a sequence (finished or not) and releases its blocks; full blocks stay in the
     /// prefix cache.
     pub fn remove_sequence(&mut self, id: SeqId) -> Result<(), EngineError> {
-        let mut seq = self
-            .seqs
+        self.seqs
             .remove(&id)
             .ok_or(EngineError::UnknownSequence(id))?;
-        self.blocks.release(&seq.table.take())?;
-        Ok(())
+        Ok(self.scheduler.remove(id)?)
     }
 
     /// Runs one forward step over every unfinished sequence (see [`Engine::step_with`]).
@@ -595,182 +506,51 @@ impl<B: Backend> Engine<B> {
         self.step_with(&mut |_| {})
     }
 
-    /// Runs one forward step over every unfinished sequence: decode tokens first (oldest
-    /// sequence first), then prompt chunks, within the step token budget. When the cache cannot
-    /// hold a decoding sequence's next token, the newest sequences are preempted: their blocks are
-    /// released (full ones stay in the prefix cache) and they are recomputed later. `on_layer` is
-    /// called after each layer's K/V are written, with the step's plan, so a caller can ship KV
-    /// while later layers still compute.
+    /// Runs one forward step over every unfinished sequence, as [`Scheduler::plan_step`] plans
+    /// it: decode tokens first, then prompt chunks, within the step token budget, preempting the
+    /// newest sequences when the cache cannot hold a decoding sequence's next token. `on_layer`
+    /// is called after each layer's K/V are written, with the step's plan, so a caller can ship
+    /// KV while later layers still compute.
     pub fn step_with(
         &mut self,
         on_layer: &mut dyn FnMut(&LayerDone<'_, B>),
     ) -> Result<Vec<StepOutput>, EngineError> {
-        let bs = self.options.block_size;
-        let plan = self.plan_step()?;
+        let plan = self.scheduler.plan_step()?;
         if plan.is_empty() {
             return Ok(Vec::new());
         }
-        let inputs: Vec<SeqInput<'_>> = plan
-            .iter()
-            .map(|p| {
-                let s = &self.seqs[&p.seq];
-                SeqInput {
-                    tokens: &s.tokens[p.start_pos..p.start_pos + p.len],
-                    start_pos: p.start_pos,
-                    block_table: s.table.blocks(),
-                    logits: if p.start_pos + p.len == s.tokens.len() {
-                        LogitsWanted::Last
-                    } else {
-                        LogitsWanted::None
-                    },
-                }
-            })
-            .collect();
-        let cfg = self.model.config();
-        let batch = ForwardBatch::new(
-            &inputs,
-            bs,
-            self.blocks.num_blocks(),
-            cfg.vocab_size,
-            cfg.max_position_embeddings,
+        let scheduler = &self.scheduler;
+        let mut logits = self.runner.forward(
+            &plan,
+            |seq| scheduler.tokens(seq).expect("planned sequences exist"),
+            on_layer,
         )?;
-        let batch_rows = batch.num_rows();
-        let backend = self.model.backend();
-        let mut logits = self.model.forward(&batch, &mut self.kv, &mut |layer, kv| {
-            on_layer(&LayerDone {
-                layer,
-                kv,
-                backend,
-                plan: &plan,
-            })
-        })?;
-
+        let max_positions = self.config().max_position_embeddings;
         let mut outputs = Vec::new();
         let mut logit_row = 0;
         for p in &plan {
-            let seq = self.seqs.get_mut(&p.seq).expect("planned sequences exist");
-            seq.num_computed += p.len;
-            register_full_blocks(seq, &mut self.blocks, bs)?;
-            if seq.num_computed < seq.tokens.len() {
+            if !self.scheduler.record_computed(p)? {
                 continue; // a prompt chunk; no token yet
             }
-            let sampled = seq.sampler.sample(logits.row_mut(logit_row));
+            let generation = self.seqs.get_mut(&p.seq).expect("planned sequences exist");
+            let sampled = generation.sampler.sample(logits.row_mut(logit_row));
             logit_row += 1;
-            let out = advance(
-                seq,
-                sampled,
-                &self.tokenizer,
-                cfg.max_position_embeddings,
+            outputs.push(advance(
+                generation,
                 p.seq,
-            )?;
-            if out.finish.is_some() {
-                // Finished sequences give their blocks back at once (full ones stay cached);
-                // the record stays until the caller removes it.
-                self.blocks.release(&seq.table.take())?;
-            }
-            outputs.push(out);
+                sampled,
+                &mut self.scheduler,
+                &self.tokenizer,
+                max_positions,
+            )?);
         }
-        drop((logits, batch));
-        self.release_step_heap(batch_rows);
+        self.runner.end_step(logits, &plan);
         Ok(outputs)
-    }
-
-    /// Gives freed heap back to the kernel after large steps, and now and then after small ones.
-    /// A step's activations and logits are freed when it ends, but glibc keeps freed heap pages
-    /// resident: over a run that is tens of MiB held for nothing (the resident-memory budget is
-    /// 1.3 × the weights file plus the KV pool). Trimming costs well under a millisecond, against
-    /// tens of milliseconds for a step with that many rows.
-    fn release_step_heap(&mut self, rows: usize) {
-        const LARGE_STEP_ROWS: usize = 64;
-        const SMALL_STEPS_BETWEEN_TRIMS: usize = 8;
-        self.steps_since_trim += 1;
-        if rows >= LARGE_STEP_ROWS || self.steps_since_trim >= SMALL_STEPS_BETWEEN_TRIMS {
-            release_freed_heap();
-            self.steps_since_trim = 0;
-        }
-    }
-
-    /// Chooses the sequences and token counts of the next step and gives them their blocks.
-    fn plan_step(&mut self) -> Result<Vec<PlannedSeq>, EngineError> {
-        let bs = self.options.block_size;
-        let mut budget = self.options.max_step_tokens;
-        let mut order: Vec<SeqId> = self
-            .seqs
-            .iter()
-            .filter(|(_, s)| s.finish.is_none())
-            .map(|(&id, _)| id)
-            .collect();
-        // Decoding sequences first (oldest first), then prompts (oldest first).
-        order.sort_by_key(|id| {
-            (
-                self.seqs[id].tokens.len() - self.seqs[id].num_computed > 1,
-                *id,
-            )
-        });
-        let mut plan: Vec<PlannedSeq> = Vec::new();
-        let mut preempted = Vec::new();
-        for (i, &id) in order.iter().enumerate() {
-            if budget == 0 {
-                break;
-            }
-            if preempted.contains(&id) {
-                continue; // recomputed in a later step
-            }
-            let seq = &self.seqs[&id];
-            let n = (seq.tokens.len() - seq.num_computed).min(budget);
-            let missing = seq.table.blocks_missing(seq.num_computed + n, bs);
-            if missing > self.blocks.available() {
-                let decoding = seq.tokens.len() - seq.num_computed == 1;
-                if !decoding {
-                    continue; // a prompt waits for room
-                }
-                // Make room by preempting the newest sequences not already in this step.
-                for &victim in order[i + 1..].iter().rev() {
-                    if missing <= self.blocks.available() {
-                        break;
-                    }
-                    if !preempted.contains(&victim) {
-                        self.preempt(victim)?;
-                        preempted.push(victim);
-                    }
-                }
-                if missing > self.blocks.available() {
-                    continue;
-                }
-            }
-            let new_blocks = self.blocks.allocate(missing)?;
-            let seq = self.seqs.get_mut(&id).expect("listed above");
-            seq.table.extend(new_blocks);
-            plan.push(PlannedSeq {
-                seq: id,
-                start_pos: seq.num_computed,
-                len: n,
-                block_table: seq.table.blocks().to_vec(),
-            });
-            budget -= n;
-        }
-        if plan.is_empty() && self.has_work() {
-            return Err(EngineError::Kv(duet_kv::KvError::Exhausted {
-                requested: 1,
-                available: self.blocks.available(),
-            }));
-        }
-        Ok(plan)
-    }
-
-    /// Releases a sequence's blocks so it is recomputed from its tokens later.
-    fn preempt(&mut self, id: SeqId) -> Result<(), EngineError> {
-        let seq = self.seqs.get_mut(&id).expect("preempting a known sequence");
-        self.blocks.release(&seq.table.take())?;
-        seq.num_computed = 0;
-        seq.hashes.clear();
-        self.preemptions += 1;
-        Ok(())
     }
 
     /// Sequences preempted (and recomputed) since the engine started.
     pub fn preemptions(&self) -> u64 {
-        self.preemptions
+        self.scheduler.preemptions()
     }
 }
 
@@ -783,108 +563,46 @@ pub struct Resumed {
     pub sent_text_bytes: usize,
 }
 
-/// KV blocks held on the decode side for a prompt whose KV is being transferred.
-#[derive(Debug, PartialEq, Eq)]
-pub struct KvReservation {
-    /// One block per `block_size` tokens of the prompt, in order.
-    pub blocks: Vec<u32>,
-    /// Leading blocks already holding the prompt's KV from the local prefix cache.
-    pub cached_blocks: usize,
-    pub num_tokens: usize,
-    /// Seed of the prompt's prefix hashes (the request's cache salt).
-    pub hash_seed: u64,
-}
-
-/// One sequence's share of a step.
-#[derive(Clone, Debug)]
-pub struct PlannedSeq {
-    pub seq: SeqId,
-    /// Position of the first token computed.
-    pub start_pos: usize,
-    /// Tokens computed.
-    pub len: usize,
-    /// The sequence's blocks (covering at least `start_pos + len` positions).
-    pub block_table: Vec<u32>,
-}
-
-/// Passed to a step's layer callback once a layer's K/V are in the cache.
-pub struct LayerDone<'a, B: Backend> {
-    pub layer: usize,
-    pub kv: &'a B::KvStore,
-    pub backend: &'a B,
-    pub plan: &'a [PlannedSeq],
-}
-
-impl<B: Backend> LayerDone<'_, B> {
-    /// Appends this layer's KV of `block` in transfer layout (see [`Engine::read_kv_block`]).
-    pub fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError> {
-        let start = out.len();
-        out.resize(start + self.backend.kv_block_bytes(self.kv), 0);
-        self.backend
-            .read_kv_block(self.kv, self.layer, block as usize, &mut out[start..]);
-        self.backend.sync()
-    }
-}
-
-/// Appends a sampled token to a sequence and decides whether it finished.
+/// Appends a sampled token to a sequence and decides whether it finished; a finished sequence
+/// gives its blocks back at once (full ones stay cached), its record stays until removed.
 fn advance(
-    seq: &mut Sequence,
+    generation: &mut OutputState,
+    id: SeqId,
     sampled: Sampled,
+    scheduler: &mut Scheduler,
     tokenizer: &Tokenizer,
     max_positions: usize,
-    id: SeqId,
 ) -> Result<StepOutput, EngineError> {
-    let is_stop_token = seq.stop.stop_token_ids.contains(&sampled.token)
-        || (!seq.stop.ignore_eos && tokenizer.eos_token_ids().contains(&sampled.token));
-    if is_stop_token {
+    let stop = &generation.stop;
+    let is_stop_token = stop.stop_token_ids.contains(&sampled.token)
+        || (!stop.ignore_eos && tokenizer.eos_token_ids().contains(&sampled.token));
+    let (text, finish) = if is_stop_token {
         // Reported (it counts as generated) but not part of the text or the context.
-        seq.finish = Some(FinishReason::Stop);
-        let text = seq.text.finish(tokenizer)?;
-        return Ok(StepOutput {
-            seq: id,
-            token: sampled,
-            text,
-            finish: seq.finish,
-        });
-    }
-    seq.tokens.push(sampled.token);
-    let (mut text, hit_stop_string) = seq.text.push(tokenizer, sampled.token)?;
-    if hit_stop_string {
-        seq.finish = Some(FinishReason::Stop);
-    } else if seq.generated() >= seq.stop.max_tokens || seq.tokens.len() >= max_positions {
-        seq.finish = Some(FinishReason::Length);
-        text.push_str(&seq.text.finish(tokenizer)?);
+        (generation.text.finish(tokenizer)?, Some(FinishReason::Stop))
+    } else {
+        let num_tokens = scheduler.append_token(id, sampled.token)?;
+        let (mut text, hit_stop_string) = generation.text.push(tokenizer, sampled.token)?;
+        let finish = if hit_stop_string {
+            Some(FinishReason::Stop)
+        } else if num_tokens - generation.prompt_len >= stop.max_tokens
+            || num_tokens >= max_positions
+        {
+            text.push_str(&generation.text.finish(tokenizer)?);
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        (text, finish)
+    };
+    if finish.is_some() {
+        scheduler.finish(id)?;
     }
     Ok(StepOutput {
         seq: id,
         token: sampled,
         text,
-        finish: seq.finish,
+        finish,
     })
-}
-
-/// Registers the content hash of every block that became full with computed KV.
-fn register_full_blocks(
-    seq: &mut Sequence,
-    pool: &mut BlockPool,
-    bs: usize,
-) -> Result<(), EngineError> {
-    let full = seq.num_computed / bs;
-    if full <= seq.hashes.len() {
-        return Ok(());
-    }
-    let mut prev = seq.hashes.last().copied();
-    for b in seq.hashes.len()..full {
-        let h = next_block_hash(
-            seq.hash_seed,
-            prev.unwrap_or(0),
-            &seq.tokens[b * bs..(b + 1) * bs],
-        );
-        pool.register_hash(seq.table.blocks()[b], h)?;
-        seq.hashes.push(h);
-        prev = Some(h);
-    }
-    Ok(())
 }
 
 /// Architecture, geometry, dtype, block size and weights digest in one printable string.

@@ -1,6 +1,6 @@
 //! duet's model engine over any device: the [`backend::Backend`] trait a device implements, the
-//! Llama-family forward pass written once over it, batches of sequences over a paged KV cache,
-//! sampling and stop handling. The devices themselves are peers in their own crates (`duet-cpu`,
+//! Llama-family forward pass written once over it, batches of sequences over a paged KV cache
+//! (planned by the [`scheduler`], run by the [`model_runner`]), sampling and stop handling. The devices themselves are peers in their own crates (`duet-cpu`,
 //! `duet-cuda`); `duet-device` picks one.
 
 pub mod backend;
@@ -10,6 +10,8 @@ pub mod engine;
 pub mod error;
 pub mod generation;
 pub mod llama;
+pub mod model_runner;
 pub mod sampling;
+pub mod scheduler;
 
 pub use error::EngineError;

@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::BlockHash;
+use crate::{BlockHash, SeqId};
 
 /// Index of a block in the pool (and in the KV storage that mirrors it).
 pub type BlockId = u32;
@@ -23,6 +23,10 @@ pub enum KvError {
     NotInUse(BlockId),
     #[error("block {block} out of range for a pool of {num_blocks} blocks")]
     OutOfRange { block: BlockId, num_blocks: usize },
+    #[error("no sequence {0} holds KV blocks here")]
+    UnknownSequence(SeqId),
+    #[error("sequence {0} already holds KV blocks")]
+    DuplicateSequence(SeqId),
 }
 
 #[derive(Clone, Debug, Default)]

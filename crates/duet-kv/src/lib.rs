@@ -4,11 +4,15 @@
 //!   freed-but-still-valid blocks keyed by their chained content hash, evicted LRU.
 //! - [`BlockTable`]: the blocks of one sequence, in position order.
 //! - [`block_hashes`]: the chained 64-bit hashes of a token sequence's full blocks.
+//! - [`KvCacheManager`]: owns the pool; gives sequences blocks (prefix hits first), registers and
+//!   frees them, and holds blocks for transferred KV. Schedulers see only [`KvBlocks`].
 
 mod block_pool;
 mod block_table;
 mod hashing;
+mod kv_cache_manager;
 
 pub use block_pool::{BlockId, BlockPool, KvError, PoolStats};
 pub use block_table::BlockTable;
 pub use hashing::{BlockHash, block_hashes, hash_seed, next_block_hash};
+pub use kv_cache_manager::{KvBlocks, KvCacheManager, KvReservation, SeqId};

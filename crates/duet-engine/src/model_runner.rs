@@ -1,0 +1,184 @@
+//! The model runner: the model with the KV store its forward passes write. It turns a step's plan
+//! into a [`ForwardBatch`], runs it, and hands back the logits to sample from.
+
+use crate::EngineError;
+use crate::backend::{Backend, KvLayout};
+use crate::batch::{ForwardBatch, LogitsWanted, SeqInput};
+use crate::llama::{Llama, Logits};
+use crate::scheduler::PlannedSeq;
+use duet_kv::SeqId;
+
+pub struct ModelRunner<B: Backend> {
+    model: Llama<B>,
+    kv: B::KvStore,
+    kv_layout: KvLayout,
+    /// Steps since freed heap was last given back (see [`ModelRunner::end_step`]).
+    steps_since_trim: usize,
+}
+
+impl<B: Backend> ModelRunner<B> {
+    /// Allocates the KV store of `kv_layout` for `model`.
+    pub fn new(model: Llama<B>, kv_layout: KvLayout) -> Result<Self, EngineError> {
+        let kv = model.backend().alloc_kv(kv_layout)?;
+        Ok(Self {
+            model,
+            kv,
+            kv_layout,
+            steps_since_trim: 0,
+        })
+    }
+
+    pub fn model(&self) -> &Llama<B> {
+        &self.model
+    }
+
+    pub fn kv_store(&self) -> &B::KvStore {
+        &self.kv
+    }
+
+    pub fn kv_layout(&self) -> KvLayout {
+        self.kv_layout
+    }
+
+    /// Bytes of one (layer, block) of KV in transfer layout.
+    pub fn kv_block_bytes(&self) -> usize {
+        self.model.backend().kv_block_bytes(&self.kv)
+    }
+
+    /// Copies one (layer, block) of KV out, in transfer layout.
+    pub fn read_kv_block(
+        &self,
+        layer: usize,
+        block: u32,
+        out: &mut [u8],
+    ) -> Result<(), EngineError> {
+        self.check_block(layer, block, out.len())?;
+        self.model
+            .backend()
+            .read_kv_block(&self.kv, layer, block as usize, out);
+        self.model.backend().sync()
+    }
+
+    /// Writes one (layer, block) of KV received from a transfer.
+    pub fn write_kv_block(
+        &mut self,
+        layer: usize,
+        block: u32,
+        data: &[u8],
+    ) -> Result<(), EngineError> {
+        self.check_block(layer, block, data.len())?;
+        self.model
+            .backend()
+            .write_kv_block(&mut self.kv, layer, block as usize, data);
+        self.model.backend().sync()
+    }
+
+    fn check_block(&self, layer: usize, block: u32, len: usize) -> Result<(), EngineError> {
+        let l = self.kv_layout;
+        if layer >= l.num_layers || block as usize >= l.num_blocks || len != self.kv_block_bytes() {
+            return Err(EngineError::InvalidBatch(format!(
+                "KV block (layer {layer}, block {block}, {len} bytes) does not fit a cache of {} layers, {} blocks of {} bytes",
+                l.num_layers,
+                l.num_blocks,
+                self.kv_block_bytes()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs one forward pass over `plan` (`seq_tokens` gives each planned sequence's tokens):
+    /// writes their K/V into the cache and returns, in plan order, the logits of the sequences
+    /// whose every token is then computed. `on_layer` is called after each layer's K/V are
+    /// written. Pass the logits to [`end_step`](Self::end_step) once sampled.
+    pub fn forward<'t>(
+        &mut self,
+        plan: &[PlannedSeq],
+        seq_tokens: impl Fn(SeqId) -> &'t [u32],
+        on_layer: &mut dyn FnMut(&LayerDone<'_, B>),
+    ) -> Result<Logits, EngineError> {
+        let inputs: Vec<SeqInput<'_>> = plan
+            .iter()
+            .map(|p| {
+                let tokens = seq_tokens(p.seq);
+                SeqInput {
+                    tokens: &tokens[p.start_pos..p.start_pos + p.len],
+                    start_pos: p.start_pos,
+                    block_table: &p.block_table,
+                    logits: if p.start_pos + p.len == tokens.len() {
+                        LogitsWanted::Last
+                    } else {
+                        LogitsWanted::None
+                    },
+                }
+            })
+            .collect();
+        let cfg = self.model.config();
+        let batch = ForwardBatch::new(
+            &inputs,
+            self.kv_layout.block_size,
+            self.kv_layout.num_blocks,
+            cfg.vocab_size,
+            cfg.max_position_embeddings,
+        )?;
+        let backend = self.model.backend();
+        self.model.forward(&batch, &mut self.kv, &mut |layer, kv| {
+            on_layer(&LayerDone {
+                layer,
+                kv,
+                backend,
+                plan,
+            })
+        })
+    }
+
+    /// Ends the step of `plan`: drops its logits, then gives freed heap back to the kernel after
+    /// large steps, and now and then after small ones. A step's activations and logits are freed
+    /// when it ends, but glibc keeps freed heap pages resident: over a run that is tens of MiB
+    /// held for nothing (the resident-memory budget is 1.3 × the weights file plus the KV pool).
+    /// Trimming costs well under a millisecond, against tens of milliseconds for a step with that
+    /// many rows.
+    pub fn end_step(&mut self, logits: Logits, plan: &[PlannedSeq]) {
+        const LARGE_STEP_ROWS: usize = 64;
+        const SMALL_STEPS_BETWEEN_TRIMS: usize = 8;
+        drop(logits);
+        let rows: usize = plan.iter().map(|p| p.len).sum();
+        self.steps_since_trim += 1;
+        if rows >= LARGE_STEP_ROWS || self.steps_since_trim >= SMALL_STEPS_BETWEEN_TRIMS {
+            release_freed_heap();
+            self.steps_since_trim = 0;
+        }
+    }
+}
+
+/// Passed to a step's layer callback once a layer's K/V are in the cache.
+pub struct LayerDone<'a, B: Backend> {
+    pub layer: usize,
+    pub kv: &'a B::KvStore,
+    pub backend: &'a B,
+    pub plan: &'a [PlannedSeq],
+}
+
+impl<B: Backend> LayerDone<'_, B> {
+    /// Appends this layer's KV of `block` in transfer layout (see [`ModelRunner::read_kv_block`]).
+    pub fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError> {
+        let start = out.len();
+        out.resize(start + self.backend.kv_block_bytes(self.kv), 0);
+        self.backend
+            .read_kv_block(self.kv, self.layer, block as usize, &mut out[start..]);
+        self.backend.sync()
+    }
+}
+
+/// Gives freed heap back to the kernel: glibc keeps freed heap pages resident unless asked.
+pub(crate) fn release_freed_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        unsafe extern "C" {
+            fn malloc_trim(pad: usize) -> i32;
+        }
+        // SAFETY: malloc_trim only returns free heap memory to the kernel.
+        unsafe {
+            malloc_trim(0);
+        }
+    }
+}

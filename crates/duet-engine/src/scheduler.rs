@@ -1,0 +1,423 @@
+//! The scheduler: which sequences run in the next step and how many tokens each, within the step
+//! token budget (long prompts are computed in chunks), and which sequences give up their KV when
+//! the cache is full. It knows sequences only as tokens and counts, and the cache only through
+//! the [`KvCacheManager`] it owns, so its decisions are tested without a model.
+
+use std::collections::BTreeMap;
+
+use duet_kv::{KvCacheManager, KvError, KvReservation, SeqId};
+
+/// One sequence's share of a step.
+#[derive(Clone, Debug)]
+pub struct PlannedSeq {
+    pub seq: SeqId,
+    /// Position of the first token computed.
+    pub start_pos: usize,
+    /// Tokens computed.
+    pub len: usize,
+    /// The sequence's blocks (covering at least `start_pos + len` positions).
+    pub block_table: Vec<u32>,
+}
+
+struct ScheduledSeq {
+    /// Prompt and generated tokens.
+    tokens: Vec<u32>,
+    /// Tokens whose KV is in the cache.
+    num_computed: usize,
+    finished: bool,
+}
+
+impl ScheduledSeq {
+    /// Tokens still to compute: 1 while decoding, more while a prompt is computed.
+    fn remaining(&self) -> usize {
+        self.tokens.len() - self.num_computed
+    }
+}
+
+/// The running queue (decoding sequences) and the waiting queue (prompts still being computed)
+/// are the unfinished sequences split by what they have left, each in admission order.
+pub struct Scheduler {
+    kv_cache: KvCacheManager,
+    max_step_tokens: usize,
+    /// By id, which is admission order: oldest first.
+    seqs: BTreeMap<SeqId, ScheduledSeq>,
+    preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(kv_cache: KvCacheManager, max_step_tokens: usize) -> Self {
+        Self {
+            kv_cache,
+            max_step_tokens,
+            seqs: BTreeMap::new(),
+            preemptions: 0,
+        }
+    }
+
+    pub fn kv_cache(&self) -> &KvCacheManager {
+        &self.kv_cache
+    }
+
+    /// For what concerns no scheduled sequence: reservations, clearing the prefix cache.
+    pub fn kv_cache_mut(&mut self) -> &mut KvCacheManager {
+        &mut self.kv_cache
+    }
+
+    /// Admits a sequence whose KV is still to compute, reusing cached prefix blocks of its cache
+    /// salt's namespace. Returns the number of tokens found in the prefix cache.
+    pub fn add_sequence(
+        &mut self,
+        seq: SeqId,
+        tokens: Vec<u32>,
+        cache_salt: &str,
+    ) -> Result<usize, KvError> {
+        let cached = self
+            .kv_cache
+            .add_sequence(seq, &tokens, cache_salt)?
+            .num_cached();
+        let num_computed = cached * self.kv_cache.block_size();
+        self.seqs.insert(
+            seq,
+            ScheduledSeq {
+                tokens,
+                num_computed,
+                finished: false,
+            },
+        );
+        Ok(num_computed)
+    }
+
+    /// Admits a sequence whose every token's KV was written into `reservation`.
+    pub fn add_prefilled(
+        &mut self,
+        seq: SeqId,
+        tokens: Vec<u32>,
+        reservation: KvReservation,
+    ) -> Result<(), KvError> {
+        self.kv_cache.add_reserved(seq, &tokens, reservation)?;
+        self.seqs.insert(
+            seq,
+            ScheduledSeq {
+                num_computed: tokens.len(),
+                tokens,
+                finished: false,
+            },
+        );
+        Ok(())
+    }
+
+    /// All tokens (prompt and generated) of a sequence.
+    pub fn tokens(&self, seq: SeqId) -> Option<&[u32]> {
+        self.seqs.get(&seq).map(|s| s.tokens.as_slice())
+    }
+
+    /// Whether any sequence is unfinished.
+    pub fn has_work(&self) -> bool {
+        self.seqs.values().any(|s| !s.finished)
+    }
+
+    /// Sequences preempted (and recomputed) since the scheduler started.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// Chooses the sequences and token counts of the next step and gives them their blocks:
+    /// decoding sequences first (oldest first), then prompt chunks (oldest first), within the
+    /// step token budget. When the cache cannot hold a decoding sequence's next token, the newest
+    /// sequences are preempted: their blocks are released (full ones stay in the prefix cache)
+    /// and they are recomputed later. A prompt that does not fit waits.
+    pub fn plan_step(&mut self) -> Result<Vec<PlannedSeq>, KvError> {
+        let mut budget = self.max_step_tokens;
+        let (decoding, prefilling): (Vec<_>, Vec<_>) = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| !s.finished)
+            .partition(|(_, s)| s.remaining() <= 1);
+        let order: Vec<SeqId> = decoding
+            .into_iter()
+            .chain(prefilling)
+            .map(|(&id, _)| id)
+            .collect();
+        let mut plan = Vec::new();
+        let mut preempted = Vec::new();
+        for (i, &id) in order.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            if preempted.contains(&id) {
+                continue; // recomputed in a later step
+            }
+            let seq = &self.seqs[&id];
+            let start_pos = seq.num_computed;
+            let decoding = seq.remaining() == 1;
+            let len = seq.remaining().min(budget);
+            let mut victims = order[i + 1..].iter().rev();
+            let block_table = loop {
+                match self.kv_cache.allocate_slots(id, start_pos + len) {
+                    Ok(blocks) => break Some(blocks.ids().to_vec()),
+                    Err(KvError::Exhausted { .. }) if decoding => {
+                        // Make room by preempting the newest sequences not already in this step.
+                        match victims.find(|v| !preempted.contains(*v)) {
+                            Some(&victim) => {
+                                self.preempt(victim)?;
+                                preempted.push(victim);
+                            }
+                            None => break None,
+                        }
+                    }
+                    Err(KvError::Exhausted { .. }) => break None, // a prompt waits for room
+                    Err(e) => return Err(e),
+                }
+            };
+            let Some(block_table) = block_table else {
+                continue;
+            };
+            plan.push(PlannedSeq {
+                seq: id,
+                start_pos,
+                len,
+                block_table,
+            });
+            budget -= len;
+        }
+        if plan.is_empty() && self.has_work() {
+            return Err(KvError::Exhausted {
+                requested: 1,
+                available: self.kv_cache.pool().available(),
+            });
+        }
+        Ok(plan)
+    }
+
+    /// Releases a sequence's blocks so it is recomputed from its tokens later.
+    fn preempt(&mut self, seq: SeqId) -> Result<(), KvError> {
+        self.kv_cache.free(seq)?;
+        tracked(&mut self.seqs, seq)?.num_computed = 0;
+        self.preemptions += 1;
+        Ok(())
+    }
+
+    /// Records that a step computed `planned`, registering the blocks it filled in the prefix
+    /// cache. Returns whether every token of the sequence is now computed (it needs its next
+    /// token) rather than part of a prompt.
+    pub fn record_computed(&mut self, planned: &PlannedSeq) -> Result<bool, KvError> {
+        let seq = tracked(&mut self.seqs, planned.seq)?;
+        seq.num_computed += planned.len;
+        self.kv_cache
+            .cache_full_blocks(planned.seq, &seq.tokens, seq.num_computed)?;
+        Ok(seq.num_computed == seq.tokens.len())
+    }
+
+    /// Appends a sequence's next token (its KV is computed in the next step). Returns the
+    /// sequence's length.
+    pub fn append_token(&mut self, seq: SeqId, token: u32) -> Result<usize, KvError> {
+        let seq = tracked(&mut self.seqs, seq)?;
+        seq.tokens.push(token);
+        Ok(seq.tokens.len())
+    }
+
+    /// Stops scheduling a sequence and gives its blocks back at once (full ones stay cached); its
+    /// tokens stay until it is removed.
+    pub fn finish(&mut self, seq: SeqId) -> Result<(), KvError> {
+        tracked(&mut self.seqs, seq)?.finished = true;
+        self.kv_cache.free(seq)
+    }
+
+    /// Forgets a sequence (finished or not) and releases its blocks.
+    pub fn remove(&mut self, seq: SeqId) -> Result<(), KvError> {
+        self.kv_cache.remove(seq)?;
+        self.seqs.remove(&seq);
+        Ok(())
+    }
+}
+
+fn tracked(
+    seqs: &mut BTreeMap<SeqId, ScheduledSeq>,
+    seq: SeqId,
+) -> Result<&mut ScheduledSeq, KvError> {
+    seqs.get_mut(&seq).ok_or(KvError::UnknownSequence(seq))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BLOCK_SIZE: usize = 4;
+
+    fn scheduler(num_blocks: usize, max_step_tokens: usize) -> Scheduler {
+        Scheduler::new(
+            KvCacheManager::new(num_blocks, BLOCK_SIZE, b"model"),
+            max_step_tokens,
+        )
+    }
+
+    fn tokens(first: u32, n: usize) -> Vec<u32> {
+        (first..first + n as u32).collect()
+    }
+
+    /// (sequence, first position, tokens) of each planned sequence.
+    fn shape(plan: &[PlannedSeq]) -> Vec<(SeqId, usize, usize)> {
+        plan.iter().map(|p| (p.seq, p.start_pos, p.len)).collect()
+    }
+
+    /// Plans a step and completes it as a model would: every sequence whose tokens are all
+    /// computed gets a next token.
+    fn step(s: &mut Scheduler) -> Vec<(SeqId, usize, usize)> {
+        let plan = s.plan_step().unwrap();
+        for p in &plan {
+            if s.record_computed(p).unwrap() {
+                s.append_token(p.seq, 1).unwrap();
+            }
+        }
+        shape(&plan)
+    }
+
+    fn blocks_in_use(s: &Scheduler) -> usize {
+        s.kv_cache().pool().stats().in_use
+    }
+
+    #[test]
+    fn long_prompts_are_chunked_within_the_step_budget() {
+        let mut s = scheduler(16, 8);
+        s.add_sequence(0, tokens(0, 19), "").unwrap();
+        s.add_sequence(1, tokens(100, 5), "").unwrap();
+        assert_eq!(step(&mut s), [(0, 0, 8)]);
+        assert_eq!(step(&mut s), [(0, 8, 8)]);
+        assert_eq!(step(&mut s), [(0, 16, 3), (1, 0, 5)]);
+        // Both now decode: one token each.
+        assert_eq!(step(&mut s), [(0, 19, 1), (1, 5, 1)]);
+        assert_eq!(s.tokens(0).unwrap().len(), 21);
+    }
+
+    #[test]
+    fn decoding_sequences_go_before_prompts_and_the_oldest_first() {
+        let mut s = scheduler(32, 6);
+        s.add_sequence(0, tokens(0, 3), "").unwrap();
+        s.add_sequence(1, tokens(10, 2), "").unwrap();
+        assert_eq!(step(&mut s), [(0, 0, 3), (1, 0, 2)]);
+        s.add_sequence(2, tokens(20, 9), "").unwrap();
+        s.add_sequence(3, tokens(40, 9), "").unwrap();
+        assert_eq!(step(&mut s), [(0, 3, 1), (1, 2, 1), (2, 0, 4)]);
+        assert_eq!(step(&mut s), [(0, 4, 1), (1, 3, 1), (2, 4, 4)]);
+        // Sequence 2 needs one more token; 3 gets the rest of the budget.
+        assert_eq!(step(&mut s), [(0, 5, 1), (1, 4, 1), (2, 8, 1), (3, 0, 3)]);
+        assert_eq!(step(&mut s), [(0, 6, 1), (1, 5, 1), (2, 9, 1), (3, 3, 3)]);
+    }
+
+    #[test]
+    fn a_planned_sequence_holds_blocks_for_its_tokens() {
+        let mut s = scheduler(16, 16);
+        s.add_sequence(0, tokens(0, 9), "").unwrap();
+        let plan = s.plan_step().unwrap();
+        assert_eq!(plan[0].block_table.len(), 3);
+        assert_eq!(
+            s.kv_cache().blocks(0).unwrap().ids(),
+            plan[0].block_table.as_slice()
+        );
+    }
+
+    #[test]
+    fn a_prompt_that_does_not_fit_waits_and_preempts_nobody() {
+        // 4 blocks: sequence 0 holds 2 (8 tokens), the 12-token prompt needs 3.
+        let mut s = scheduler(4, 64);
+        s.add_sequence(0, tokens(0, 7), "").unwrap();
+        assert_eq!(step(&mut s), [(0, 0, 7)]);
+        s.add_sequence(1, tokens(50, 12), "").unwrap();
+        assert_eq!(step(&mut s), [(0, 7, 1)]);
+        assert_eq!(s.preemptions(), 0);
+        s.finish(0).unwrap();
+        assert_eq!(step(&mut s), [(1, 0, 12)]);
+    }
+
+    #[test]
+    fn a_decoding_sequence_out_of_blocks_preempts_the_newest() {
+        // 5 blocks; three sequences of 4 tokens decode, each at a block boundary in turn.
+        let mut s = scheduler(5, 64);
+        for id in 0..3 {
+            s.add_sequence(id, tokens(10 * id as u32, 4 - id as usize), "")
+                .unwrap();
+        }
+        assert_eq!(step(&mut s), [(0, 0, 4), (1, 0, 3), (2, 0, 2)]);
+        assert_eq!(blocks_in_use(&s), 3);
+        // Sequence 0 needs a second block, 1 and 2 fit in theirs.
+        assert_eq!(step(&mut s), [(0, 4, 1), (1, 3, 1), (2, 2, 1)]);
+        assert_eq!(blocks_in_use(&s), 4);
+        // Now 1 needs a block: one is free.
+        assert_eq!(step(&mut s), [(0, 5, 1), (1, 4, 1), (2, 3, 1)]);
+        assert_eq!(blocks_in_use(&s), 5);
+        assert_eq!(s.preemptions(), 0);
+        // 2 needs a block and none is free: only newer sequences are preempted, and 2 is the
+        // newest, so it waits.
+        assert_eq!(step(&mut s), [(0, 6, 1), (1, 5, 1)]);
+        assert_eq!(s.preemptions(), 0);
+        // 0 and 1 decode on until 0 crosses into its third block: 2, the newest, is preempted.
+        assert_eq!(step(&mut s), [(0, 7, 1), (1, 6, 1)]);
+        assert_eq!(step(&mut s), [(0, 8, 1), (1, 7, 1)]);
+        assert_eq!(s.preemptions(), 1);
+        assert!(s.kv_cache().blocks(2).unwrap().ids().is_empty());
+        // Once room is back, 2 is recomputed from its first token.
+        s.finish(1).unwrap();
+        assert_eq!(step(&mut s), [(0, 9, 1), (2, 0, 5)]);
+    }
+
+    #[test]
+    fn preemption_picks_the_newest_sequences_first() {
+        let mut s = scheduler(4, 64);
+        for id in 0..4 {
+            s.add_sequence(id, tokens(10 * id as u32, 4), "").unwrap();
+        }
+        assert_eq!(step(&mut s), [(0, 0, 4), (1, 0, 4), (2, 0, 4), (3, 0, 4)]);
+        // Every sequence needs a second block: 0 takes 3's, 1 takes 2's.
+        assert_eq!(step(&mut s), [(0, 4, 1), (1, 4, 1)]);
+        assert_eq!(s.preemptions(), 2);
+        assert!(s.kv_cache().blocks(3).unwrap().ids().is_empty());
+        assert!(s.kv_cache().blocks(2).unwrap().ids().is_empty());
+        assert_eq!(blocks_in_use(&s), 4);
+    }
+
+    #[test]
+    fn nothing_runnable_is_an_exhausted_cache() {
+        let mut s = scheduler(2, 64);
+        s.add_sequence(0, tokens(0, 12), "").unwrap();
+        assert_eq!(
+            s.plan_step().unwrap_err(),
+            KvError::Exhausted {
+                requested: 1,
+                available: 2
+            }
+        );
+        s.finish(0).unwrap();
+        assert!(s.plan_step().unwrap().is_empty(), "no work, no plan");
+    }
+
+    #[test]
+    fn prefix_cache_hits_skip_computed_tokens_within_one_salt() {
+        let mut s = scheduler(16, 64);
+        let prompt = tokens(0, 10);
+        assert_eq!(s.add_sequence(0, prompt.clone(), "a").unwrap(), 0);
+        assert_eq!(step(&mut s), [(0, 0, 10)]);
+        s.remove(0).unwrap();
+        assert_eq!(blocks_in_use(&s), 0);
+        // 2 full blocks cached; the rest is computed.
+        assert_eq!(s.add_sequence(1, prompt.clone(), "a").unwrap(), 8);
+        assert_eq!(s.add_sequence(2, prompt.clone(), "b").unwrap(), 0);
+        assert_eq!(s.add_sequence(3, prompt[..8].to_vec(), "a").unwrap(), 4);
+        assert_eq!(step(&mut s), [(1, 8, 2), (2, 0, 10), (3, 4, 4)]);
+    }
+
+    #[test]
+    fn removing_and_finishing_free_blocks() {
+        let mut s = scheduler(8, 64);
+        s.add_sequence(0, tokens(0, 9), "").unwrap();
+        s.add_sequence(1, tokens(20, 9), "").unwrap();
+        step(&mut s);
+        assert_eq!(blocks_in_use(&s), 6);
+        s.finish(0).unwrap();
+        assert!(s.has_work());
+        assert_eq!(s.tokens(0).unwrap().len(), 10, "tokens stay until removed");
+        s.remove(1).unwrap();
+        assert!(!s.has_work());
+        assert_eq!(blocks_in_use(&s), 0);
+        assert_eq!(s.remove(1), Err(KvError::UnknownSequence(1)));
+    }
+}
