@@ -309,11 +309,11 @@ impl<E: ActorEngine> Actor<E> {
         let (r, _) = self.reservations.get(&id).ok_or_else(|| {
             TransferError::ReservationGone(format!("no reservation {id} (expired or cancelled)"))
         })?;
-        let block_bytes = payload.len() / blocks.len().max(1);
+        // The engine checks each block's size against its cache; here, the range and the split.
         if blocks.is_empty()
             || blocks.end > r.blocks.len()
             || layer >= self.layout.num_layers
-            || payload.len() != blocks.len() * block_bytes
+            || payload.len() % blocks.len() != 0
         {
             return Err(TransferError::Malformed(format!(
                 "KV chunk for layer {layer} blocks {blocks:?} with {} bytes does not fit a reservation of {} blocks",
@@ -321,6 +321,7 @@ impl<E: ActorEngine> Actor<E> {
                 r.blocks.len()
             )));
         }
+        let block_bytes = payload.len() / blocks.len();
         for (chunk, &block) in payload.chunks(block_bytes).zip(&r.blocks[blocks]) {
             self.engine
                 .write_kv_block(layer, block, chunk)
