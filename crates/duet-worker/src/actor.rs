@@ -313,7 +313,7 @@ impl<E: ActorEngine> Actor<E> {
         if blocks.is_empty()
             || blocks.end > r.blocks.len()
             || layer >= self.layout.num_layers
-            || payload.len() % blocks.len() != 0
+            || !payload.len().is_multiple_of(blocks.len())
         {
             return Err(TransferError::Malformed(format!(
                 "KV chunk for layer {layer} blocks {blocks:?} with {} bytes does not fit a reservation of {} blocks",
