@@ -2,6 +2,7 @@
 //! store, every op split over the kernel thread pool.
 
 mod attention;
+mod kv_store;
 pub mod quant;
 pub mod threadpool;
 mod vector;
@@ -9,7 +10,7 @@ mod vector;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
-use crate::quant::{QMatrix, QuantType};
+use crate::quant::{KernelPath, QMatrix, QuantType};
 use crate::threadpool::ThreadPool;
 use duet_engine::EngineError;
 use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
@@ -18,7 +19,7 @@ use duet_engine::engine::{Engine, EngineOptions};
 use duet_model::model_files::open_model;
 use duet_model::storage::WeightBytes;
 
-pub use attention::CpuKvStore;
+pub use kv_store::CpuKvStore;
 
 /// Row-major f32 activations.
 #[derive(Clone, Debug, PartialEq)]
@@ -36,16 +37,32 @@ impl CpuTensor {
 
 pub struct CpuBackend {
     pool: Arc<ThreadPool>,
+    kernels: KernelPath,
 }
 
 impl CpuBackend {
-    /// A backend with `threads` kernel threads (0: one per core). Backends in one process with
-    /// the same thread count share one pool, so engines living side by side (`duet up` runs a
-    /// prefill and a decode worker in one process) take turns instead of oversubscribing cores.
+    /// A backend with `threads` kernel threads (0: one per core) on the best kernels this CPU
+    /// supports. Backends in one process with the same thread count share one pool, so engines
+    /// living side by side (`duet up` runs a prefill and a decode worker in one process) take
+    /// turns instead of oversubscribing cores.
     pub fn new(threads: usize) -> Self {
+        Self::with_kernels(threads, KernelPath::detect())
+    }
+
+    /// [`CpuBackend::new`] on a kernel path this CPU supports (see [`KernelPath::choose`]).
+    pub fn with_kernels(threads: usize, kernels: KernelPath) -> Self {
+        assert!(
+            kernels.supported(),
+            "{kernels:?} kernels on a CPU without them"
+        );
         Self {
             pool: shared_pool(threads),
+            kernels,
         }
+    }
+
+    pub fn kernels(&self) -> KernelPath {
+        self.kernels
     }
 
     pub fn threads(&self) -> usize {
@@ -76,7 +93,12 @@ fn shared_pool(threads: usize) -> Arc<ThreadPool> {
 /// Loads a model (GGUF file or HF directory) into an engine on the CPU backend.
 pub fn load_engine(path: &Path, options: EngineOptions) -> Result<Engine<CpuBackend>, EngineError> {
     let files = open_model(path)?;
-    Engine::with_backend(CpuBackend::new(options.threads), files, options)
+    let kernels = KernelPath::choose(options.cpu_kernels)?;
+    Engine::with_backend(
+        CpuBackend::with_kernels(options.threads, kernels),
+        files,
+        options,
+    )
 }
 
 /// Rows below which an elementwise op is not worth dispatching to the pool.
@@ -203,7 +225,7 @@ impl Backend for CpuBackend {
         if out.rows != x.rows || out.cols != w.rows() {
             *out = self.alloc(x.rows, w.rows());
         }
-        w.matmul(&x.data, x.rows, &mut out.data, &self.pool);
+        w.matmul_with(self.kernels, &x.data, x.rows, &mut out.data, &self.pool);
     }
 
     fn split_cols(&self, x: &CpuTensor, parts: &mut [&mut CpuTensor]) {
@@ -277,7 +299,7 @@ impl Backend for CpuBackend {
         batch: &CpuBatch<'_>,
         out: &mut CpuTensor,
     ) {
-        attention::paged_attention(&self.pool, q, kv, layer, shape, batch.forward, out);
+        attention::paged_attention(self, q, kv, layer, shape, batch.forward, out);
     }
 
     fn silu_mul(&self, gate: &mut CpuTensor, up: &CpuTensor) {

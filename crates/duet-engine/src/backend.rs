@@ -74,6 +74,32 @@ impl std::fmt::Display for KvDtypeChoice {
     }
 }
 
+/// Which kernels run a model on the CPU: the best this CPU supports, or one path forced — to
+/// compare paths, or to run the portable code on any machine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum CpuKernels {
+    #[default]
+    Auto,
+    /// Plain Rust, any CPU.
+    Portable,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+    /// x86-64 AVX-512 F/BW/VL + VNNI.
+    Avx512,
+}
+
+impl std::fmt::Display for CpuKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CpuKernels::Auto => "auto",
+            CpuKernels::Portable => "portable",
+            CpuKernels::Avx2 => "avx2",
+            CpuKernels::Avx512 => "avx512",
+        })
+    }
+}
+
 /// Geometry of the paged KV store: `num_blocks` blocks of `block_size` token slots, for every
 /// layer, K and V, `num_kv_heads × head_dim` values of `dtype` per slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use duet_kv::{BlockPool, KvCacheManager};
 
 use crate::EngineError;
-use crate::backend::{Backend, KvDtype, KvDtypeChoice, KvLayout};
+use crate::backend::{Backend, CpuKernels, KvDtype, KvDtypeChoice, KvLayout};
 use crate::device::Device;
 use crate::generation::TextStream;
 use crate::llama::Llama;
@@ -68,6 +68,10 @@ pub struct EngineOptions {
     /// GPU. Workers exchanging KV must use the same type.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_KV_DTYPE", value_enum, default_value_t = EngineOptions::default().kv_dtype))]
     pub kv_dtype: KvDtypeChoice,
+    /// CPU kernels: auto (the best this CPU supports), portable, avx2 or avx512. Forcing a path
+    /// the CPU lacks is an error at load.
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_CPU_KERNELS", value_enum, default_value_t = EngineOptions::default().cpu_kernels))]
+    pub cpu_kernels: CpuKernels,
 }
 
 #[cfg(feature = "cli")]
@@ -89,6 +93,7 @@ impl Default for EngineOptions {
             device: Device::Cpu,
             gpu_memory_fraction: 0.9,
             kv_dtype: KvDtypeChoice::Auto,
+            cpu_kernels: CpuKernels::Auto,
         }
     }
 }
@@ -105,6 +110,7 @@ impl EngineOptions {
             device,
             gpu_memory_fraction,
             kv_dtype,
+            cpu_kernels,
         } = self;
         let kv_dtype =
             clap::ValueEnum::to_possible_value(kv_dtype).expect("every KV dtype is a flag value");
@@ -116,6 +122,7 @@ impl EngineOptions {
             format!("--device={device}"),
             format!("--gpu-memory-fraction={gpu_memory_fraction}"),
             format!("--kv-dtype={}", kv_dtype.get_name()),
+            format!("--cpu-kernels={cpu_kernels}"),
         ]
         .into_iter()
         .map(Into::into)

@@ -11,6 +11,8 @@ mod common;
 
 use common::*;
 use duet_cpu::CpuBackend;
+use duet_cpu::quant::KernelPath;
+use duet_engine::backend::CpuKernels;
 use duet_engine::engine::{Engine, EngineOptions};
 use duet_model::params::SamplingParams;
 use duet_model::params::StopCriteria;
@@ -18,11 +20,12 @@ use duet_model::params::StopCriteria;
 /// A reference top-2 gap below this may flip under activation quantization.
 const NEAR_TIE: f32 = 0.1;
 
-fn engine(path: &std::path::Path) -> Engine<CpuBackend> {
+fn engine(path: &std::path::Path, cpu_kernels: CpuKernels) -> Engine<CpuBackend> {
     duet_cpu::load_engine(
         path,
         EngineOptions {
             threads: 2,
+            cpu_kernels,
             ..Default::default()
         },
     )
@@ -48,11 +51,19 @@ fn last_position_logits_match_reference() {
     );
 }
 
+/// On every kernel path this CPU can run (`--cpu-kernels`), the portable one included.
 #[test]
 fn greedy_continuations_match_reference() {
     let Some(path) = default_model() else { return };
     let golden = read_json("smollm2-greedy.json");
-    let mut engine = engine(&path);
+    let paths = [CpuKernels::Portable, CpuKernels::Avx2, CpuKernels::Avx512];
+    for kernels in paths.into_iter().filter(|&k| KernelPath::choose(k).is_ok()) {
+        eprintln!("--cpu-kernels {kernels}");
+        greedy_continuations_match(&mut engine(&path, kernels), &golden);
+    }
+}
+
+fn greedy_continuations_match(engine: &mut Engine<CpuBackend>, golden: &serde_json::Value) {
     for p in golden["prompts"].as_array().unwrap() {
         let name = p["name"].as_str().unwrap();
         let want = ids(&p["greedy_ids"]);
@@ -134,7 +145,7 @@ fn batched_greedy_equals_solo_runs() {
             })
             .collect()
     };
-    let mut engine = engine(&path);
+    let mut engine = engine(&path, CpuKernels::Auto);
     let solo: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| run(&mut engine, std::slice::from_ref(p)).remove(0))

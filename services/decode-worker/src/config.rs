@@ -101,7 +101,7 @@ impl DecodeConfig {
 #[cfg(test)]
 mod tests {
     use clap::Parser;
-    use duet_engine::backend::KvDtypeChoice;
+    use duet_engine::backend::{CpuKernels, KvDtypeChoice};
     use duet_engine::device::Device;
 
     use super::*;
@@ -138,6 +138,7 @@ mod tests {
                 device: Device::Cuda(2),
                 gpu_memory_fraction: 0.123,
                 kv_dtype: KvDtypeChoice::F16,
+                cpu_kernels: CpuKernels::Portable,
             },
             kv_transport: TransportChoice::CudaIpc,
             reservation_timeout_ms: 1,

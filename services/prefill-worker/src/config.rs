@@ -109,7 +109,7 @@ impl PrefillConfig {
 #[cfg(test)]
 mod tests {
     use clap::Parser;
-    use duet_engine::backend::KvDtypeChoice;
+    use duet_engine::backend::{CpuKernels, KvDtypeChoice};
     use duet_engine::device::Device;
 
     use super::*;
@@ -171,6 +171,7 @@ mod tests {
                 device: Device::Cuda(2),
                 gpu_memory_fraction: 0.123,
                 kv_dtype: KvDtypeChoice::Bf16,
+                cpu_kernels: CpuKernels::Avx2,
             },
             kv_transport: TransportChoice::Nccl,
             max_queued_tokens: 5,

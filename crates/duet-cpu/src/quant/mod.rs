@@ -26,6 +26,8 @@ use std::cell::RefCell;
 use std::sync::{Arc, OnceLock};
 
 use crate::threadpool::{ThreadPool, split_range};
+use duet_engine::EngineError;
+use duet_engine::backend::CpuKernels;
 pub use duet_model::dequant::dequantize_row;
 pub use duet_model::quant_type::QuantType;
 use duet_model::storage::WeightBytes;
@@ -101,6 +103,34 @@ impl KernelPath {
             _ => return None,
         };
         Some(macs as f64 / t.elapsed().as_secs_f64())
+    }
+
+    /// The path `choice` asks for: the best this CPU supports for `auto`, else the one named, if
+    /// this CPU can run it.
+    pub fn choose(choice: CpuKernels) -> Result<KernelPath, EngineError> {
+        let path = match choice {
+            CpuKernels::Auto => return Ok(KernelPath::detect()),
+            CpuKernels::Portable => KernelPath::Scalar,
+            CpuKernels::Avx2 => KernelPath::Avx2,
+            CpuKernels::Avx512 => KernelPath::Avx512,
+        };
+        if path.supported() {
+            Ok(path)
+        } else {
+            Err(EngineError::Config(format!(
+                "--cpu-kernels {choice}: this CPU cannot run them (the best it supports is {})",
+                KernelPath::detect().name()
+            )))
+        }
+    }
+
+    /// The name `--cpu-kernels` gives the path.
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelPath::Scalar => "portable",
+            KernelPath::Avx2 => "avx2",
+            KernelPath::Avx512 => "avx512",
+        }
     }
 
     /// The best path this CPU supports (detected once).
