@@ -1,47 +1,148 @@
 #!/usr/bin/env python3
-"""llama.cpp (through llama-cpp-python) on a GGUF file: prefill and single-stream decode
-throughput, measured the way `duet bench engine` measures ours. Prints one JSON line.
+"""llama.cpp (through llama-cpp-python's low-level API) on a GGUF file, measured the way
+`duet bench engine` measures duet, at the same points. Prints one JSON object on stdout:
 
-Prefill: a fresh prompt of --prompt-tokens random ids evaluated at once (best of --repeats).
-Decode: --decode-steps single tokens evaluated one at a time after a 64-token context.
+  {"version", "system_info",
+   "prefill": [{"tokens", "tokens_per_s"}],
+   "decode": [{"batch", "context", "tokens_per_s"}]}
+
+Prefill: one fresh prompt of each --prefill-tokens length, decoded in llama.cpp's own batches
+until its last token's logits (best of --repeats).
+
+Decode, at every (--batch, --contexts) point: a context with n_seq_max = batch and a separate KV
+stream per sequence (kv_unified = false), so each sequence reads its own KV as in duet; one
+prompt of `context` tokens prefilled into sequence 0 and copied to the others with
+llama_memory_seq_cp (across streams that copies the buffer: distinct memory, not shared cells).
+Each repeat drops what earlier repeats decoded (back to `context`), runs one untimed step, then
+times --decode-steps steps of a llama_batch holding one token per sequence, logits for each.
+Other context parameters are llama.cpp's defaults (f16 KV, flash attention on auto).
 """
-import argparse, json, random, sys, time
+import argparse
+import ctypes
+import json
+import random
+import sys
+import time
+
+
+def ints(s):
+    return [int(x) for x in s.split(",") if x]
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt-tokens", type=int, default=200)
+    ap.add_argument("--contexts", type=ints, default=[64, 512, 2048])
+    ap.add_argument("--batch", type=ints, default=[1, 8, 32])
+    ap.add_argument("--prefill-tokens", type=ints, default=[200, 2000])
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    import llama_cpp
-    llm = llama_cpp.Llama(model_path=a.model, n_ctx=2048, n_batch=512, n_threads=a.threads,
-                          n_threads_batch=a.threads, verbose=False)
-    vocab = llm.n_vocab()
+
+    import llama_cpp as L
+
+    # llama.cpp logs every context it creates to stderr; only our progress lines should be there.
+    @L.llama_log_callback
+    def quiet(level, text, user_data):
+        pass
+
+    L.llama_log_set(quiet, ctypes.c_void_p())
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(a.model.encode(), L.llama_model_default_params())
+    if not model:
+        sys.exit(f"llama.cpp could not load {a.model}")
+    vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     rng = random.Random(7)
-    prompt = lambda n: [rng.randrange(300, vocab) for _ in range(n)]
 
-    best_prefill = 0.0
-    for _ in range(a.repeats):
-        llm.reset()
-        llm._ctx.kv_cache_clear() if hasattr(llm._ctx, "kv_cache_clear") else None
-        toks = prompt(a.prompt_tokens)
-        t = time.perf_counter()
-        llm.eval(toks)
-        best_prefill = max(best_prefill, len(toks) / (time.perf_counter() - t))
+    def prompt(n):
+        # The same range as duet's prompts: above the low ids where special tokens live.
+        return [rng.randrange(300, vocab) for _ in range(n)]
 
-    best_decode = 0.0
-    for _ in range(a.repeats):
-        llm.reset()
-        llm.eval(prompt(64))
-        t = time.perf_counter()
-        for tok in prompt(a.decode_steps):
-            llm.eval([tok])
-        best_decode = max(best_decode, a.decode_steps / (time.perf_counter() - t))
+    def new_context(n_seq, tokens_per_seq):
+        p = L.llama_context_default_params()
+        p.n_ctx = n_seq * tokens_per_seq
+        p.n_seq_max = n_seq
+        p.kv_unified = False
+        p.n_threads = p.n_threads_batch = a.threads
+        p.no_perf = True
+        ctx = L.llama_init_from_model(model, p)
+        if not ctx:
+            sys.exit(f"llama.cpp could not make a context of {p.n_ctx} tokens for {n_seq} sequences")
+        return ctx
 
-    print(json.dumps({"prefill_tokens_per_s": best_prefill, "decode_tokens_per_s": best_decode,
-                      "version": getattr(llama_cpp, "__version__", "")}))
+    def decode(ctx, batch, rows):
+        """Decodes `rows`, each (token, pos, seq, logits)."""
+        for i, (tok, pos, seq, logits) in enumerate(rows):
+            batch.token[i] = tok
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = logits
+        batch.n_tokens = len(rows)
+        rc = L.llama_decode(ctx, batch)
+        if rc != 0:
+            sys.exit(f"llama_decode failed ({rc})")
+        L.llama_synchronize(ctx)
+
+    def prefill(ctx, batch, tokens):
+        """Prompt `tokens` into sequence 0 from position 0, in the context's batches."""
+        n = L.llama_n_batch(ctx)
+        for start in range(0, len(tokens), n):
+            chunk = tokens[start:start + n]
+            last = start + len(chunk) == len(tokens)
+            decode(ctx, batch, [(t, start + i, 0, last and i == len(chunk) - 1)
+                                for i, t in enumerate(chunk)])
+
+    def progress(line):
+        print(f"llama.cpp: {line}", file=sys.stderr, flush=True)
+
+    batch = L.llama_batch_init(max(a.prefill_tokens + a.contexts + a.batch), 0, 1)
+    result = {"version": L.__version__,
+              "system_info": L.llama_print_system_info().decode().strip(),
+              "prefill": [], "decode": []}
+
+    ctx = new_context(1, max(a.prefill_tokens))
+    mem = L.llama_get_memory(ctx)
+    for n in a.prefill_tokens:
+        best = 0.0
+        for _ in range(a.repeats):
+            L.llama_memory_clear(mem, True)
+            toks = prompt(n)
+            t = time.perf_counter()
+            prefill(ctx, batch, toks)
+            best = max(best, n / (time.perf_counter() - t))
+        progress(f"prefill {n} tokens: {best:.1f} tok/s")
+        result["prefill"].append({"tokens": n, "tokens_per_s": best})
+    L.llama_free(ctx)
+
+    for b in a.batch:
+        # Room per sequence: the prompt, the untimed step and the timed steps.
+        ctx = new_context(b, max(a.contexts) + a.decode_steps + 1)
+        mem = L.llama_get_memory(ctx)
+        for c in a.contexts:
+            L.llama_memory_clear(mem, True)
+            prefill(ctx, batch, prompt(c))
+            for s in range(1, b):
+                L.llama_memory_seq_cp(mem, 0, s, -1, -1)
+            best = 0.0
+            for _ in range(a.repeats):
+                L.llama_memory_seq_rm(mem, -1, c, -1)
+                # Untimed: also where llama.cpp performs the pending cross-stream copies.
+                decode(ctx, batch, [(tok, c, s, True) for s, tok in enumerate(prompt(b))])
+                steps = [prompt(b) for _ in range(a.decode_steps)]
+                t = time.perf_counter()
+                for k, toks in enumerate(steps):
+                    decode(ctx, batch, [(tok, c + 1 + k, s, True) for s, tok in enumerate(toks)])
+                best = max(best, b * a.decode_steps / (time.perf_counter() - t))
+            progress(f"decode batch {b} at context {c}: {best:.1f} tok/s")
+            result["decode"].append({"batch": b, "context": c, "tokens_per_s": best})
+        L.llama_free(ctx)
+
+    L.llama_batch_free(batch)
+    L.llama_model_free(model)
+    print(json.dumps(result))
+
 
 if __name__ == "__main__":
     sys.exit(main())

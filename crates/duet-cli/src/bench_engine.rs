@@ -1,21 +1,35 @@
-//! `duet bench engine`: prefill and decode throughput of the engine alone, single stream and
-//! batched, resident memory, and (optionally) llama.cpp on the same file in the same run.
+//! `duet bench engine`: the engine alone as its users see it, swept over decode context × batch
+//! and prompt length, next to llama.cpp on the same file in the same run, and against two
+//! ceilings measured in the same run: the memory bandwidth (single-stream decode) and the
+//! integer dot rate (batched decode, prefill).
+//!
+//! A decode batch is made the way a decode worker admits remotely prefilled prompts: ONE prompt
+//! of `context` tokens is prefilled per context and its KV kept in a reservation, and every
+//! sequence of every batch at that context gets its own physical copy of those blocks
+//! (`reserve`, `read_kv_block` / `write_kv_block`, `add_prefilled`), so the 32 × 2048 point
+//! costs one 2048-token prefill, not 32. Sharing the prompt's blocks through the prefix cache
+//! would be cheaper still, but then every sequence would read the same blocks and a batch's KV
+//! traffic would be one sequence's: each copy gets its own cache salt in a cleared prefix cache,
+//! and the bench fails unless the batch's block tables are disjoint.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::Instant;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use clap::Args;
 use duet_device::{LoadedEngine, WithEngine};
 use duet_engine::backend::Backend;
 use duet_engine::device::Device;
-use duet_engine::engine::{Engine, EngineOptions, SeqId};
-use duet_model::params::SamplingParams;
-use duet_model::params::StopCriteria;
-use serde::Serialize;
-
+use duet_engine::engine::{Engine, EngineOptions, KvReservation, SeqId};
+use duet_model::config::ModelConfig;
+use duet_model::model_files::{ModelFiles, open_model};
 use duet_model::model_path::ModelArgs;
+use duet_model::params::{Sampled, SamplingParams, StopCriteria};
+use serde::{Deserialize, Serialize};
+
+use crate::bandwidth::{self, Bandwidth};
 
 #[derive(Args, Debug)]
 pub struct EngineBenchArgs {
@@ -23,22 +37,31 @@ pub struct EngineBenchArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineOptions,
-    /// Batch sizes to measure.
+    /// Decode contexts: tokens of KV every sequence holds when the timed steps start. Each
+    /// context is measured at every --batch size. The KV cache is sized for the largest point
+    /// unless --kv-cache-tokens is given.
+    #[arg(long, value_delimiter = ',', default_value = "64,512,2048")]
+    pub contexts: Vec<usize>,
+    /// Decode batch sizes: sequences decoding together, each with its own copy of the context's
+    /// KV.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     pub batch: Vec<usize>,
-    /// Prompt length for the prefill measurement.
-    #[arg(long, default_value_t = 200)]
-    pub prompt_tokens: usize,
-    /// Prompt length of each sequence in the decode measurement.
-    #[arg(long, default_value_t = 64)]
-    pub decode_context: usize,
-    /// Decode steps timed per batch size.
+    /// Prompt lengths of the prefill measurement: one fresh prompt at a time, timed until its
+    /// first token.
+    #[arg(long, value_delimiter = ',', default_value = "200,2000")]
+    pub prefill_tokens: Vec<usize>,
+    /// Decode steps timed at each (batch, context) point, after one untimed step.
     #[arg(long, default_value_t = 64)]
     pub decode_steps: usize,
-    /// Repetitions of each measurement (the best is reported).
+    /// Timed runs of each point; the best is reported.
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
-    /// Also run llama.cpp (Python package llama-cpp-python) on the same model file.
+    /// MiB the memory-bandwidth measurement streams through; it must be far larger than the
+    /// CPU's last-level cache for the rate to be memory's.
+    #[arg(long, default_value_t = 1024)]
+    pub bandwidth_mib: usize,
+    /// Also run llama.cpp (Python package llama-cpp-python) on the same model file, at every
+    /// point of the sweep, with as many threads as the engine.
     #[arg(long)]
     pub compare_llamacpp: bool,
     /// Script that measures llama.cpp.
@@ -52,38 +75,120 @@ pub struct EngineBenchArgs {
     pub json_out: Option<PathBuf>,
 }
 
-#[derive(Serialize, Clone)]
-struct Row {
-    batch: usize,
-    prefill_tokens_per_s: f64,
-    decode_tokens_per_s: f64,
+impl EngineBenchArgs {
+    fn check(&self) -> Result<()> {
+        for (flag, values) in [
+            ("--contexts", &self.contexts),
+            ("--batch", &self.batch),
+            ("--prefill-tokens", &self.prefill_tokens),
+        ] {
+            ensure!(
+                !values.is_empty() && !values.contains(&0),
+                "{flag} takes positive numbers"
+            );
+        }
+        ensure!(
+            self.decode_steps > 0 && self.repeats > 0 && self.bandwidth_mib > 0,
+            "--decode-steps, --repeats and --bandwidth-mib must be positive"
+        );
+        Ok(())
+    }
+
+    /// Every decode point, `(batch, context)`, in the order they are measured.
+    fn decode_points(&self) -> Vec<(usize, usize)> {
+        let contexts = self.contexts.iter();
+        contexts
+            .flat_map(|&c| self.batch.iter().map(move |&b| (b, c)))
+            .collect()
+    }
 }
 
-#[derive(Serialize, serde::Deserialize, Clone)]
-struct PeerResult {
-    prefill_tokens_per_s: f64,
-    decode_tokens_per_s: f64,
-    #[serde(default)]
-    version: String,
+/// One prefill length.
+#[derive(Serialize)]
+struct PrefillPoint {
+    tokens: usize,
+    tokens_per_s: f64,
+    llamacpp_tokens_per_s: Option<f64>,
+    /// duet ÷ llama.cpp.
+    ratio: Option<f64>,
+    /// Share of [`ComputeCeiling::prefill_tokens_per_s`].
+    compute_fraction: Option<f64>,
+}
+
+/// One (batch, context) decode point.
+#[derive(Serialize)]
+struct DecodePoint {
+    batch: usize,
+    context: usize,
+    tokens_per_s: f64,
+    llamacpp_tokens_per_s: Option<f64>,
+    /// duet ÷ llama.cpp.
+    ratio: Option<f64>,
+    /// Batch 1: the memory-bandwidth roofline at this context ([`MemoryRoofline::tokens_per_s`]).
+    roofline_tokens_per_s: Option<f64>,
+    roofline_fraction: Option<f64>,
+    /// Batched: share of [`ComputeCeiling::decode_tokens_per_s`].
+    compute_fraction: Option<f64>,
+    /// Blocks in the batch's block tables after the timed steps, and how many of them are
+    /// distinct: equal, or the bench fails (every sequence reads its own KV).
+    kv_blocks: usize,
+    kv_blocks_distinct: usize,
+}
+
+#[derive(Serialize)]
+struct Cpu {
+    /// `model name` in /proc/cpuinfo.
+    model: String,
+    /// `cpu family` in /proc/cpuinfo.
+    family: String,
 }
 
 #[derive(Serialize)]
 struct Report {
     model: String,
+    device: String,
+    cpu: Cpu,
+    /// The CPU matrix kernels' path (AVX-512 / AVX2 / portable).
+    kernel_path: String,
     threads: usize,
-    prompt_tokens: usize,
-    decode_context: usize,
     decode_steps: usize,
-    rows: Vec<Row>,
-    batched_decode_speedup_max: f64,
+    repeats: usize,
+    prefill: Vec<PrefillPoint>,
+    decode: Vec<DecodePoint>,
+    /// On a CPU: what single-stream decode can reach, bandwidth-bound.
+    memory_roofline: Option<MemoryRoofline>,
+    /// On a CPU: what the matrix kernels' dot instruction allows batched decode and prefill.
+    compute_ceiling: Option<ComputeCeiling>,
+    llamacpp: Option<LlamaCppBuild>,
     model_file_bytes: u64,
     kv_dtype: String,
+    kv_cache_tokens: usize,
     kv_pool_bytes: u64,
     peak_rss_bytes: u64,
     rss_after_load_bytes: u64,
-    /// On a CPU: what the matrix kernels' dot instruction allows batched decode at most.
-    compute_ceiling: Option<ComputeCeiling>,
-    llamacpp: Option<PeerResult>,
+}
+
+/// Single-stream decode reads every weight once per token and the sequence's whole KV, so it
+/// cannot beat the memory bandwidth divided by those bytes.
+#[derive(Serialize)]
+struct MemoryRoofline {
+    bandwidth: Bandwidth,
+    /// Weights read per decode token: see [`weight_bytes_per_token`].
+    weight_bytes_per_token: u64,
+    /// KV bytes of one context token: layers × (K and V) × KV heads × head dim × element bytes.
+    kv_bytes_per_context_token: u64,
+}
+
+impl MemoryRoofline {
+    /// Decode tokens per second at `context` when only memory traffic costs time. The KV read is
+    /// the mean over the timed steps: step `k` (from 0) attends `context + 2 + k` positions (the
+    /// prompt, the untimed step's token, the tokens of the timed steps so far and its own).
+    fn tokens_per_s(&self, context: usize, steps: usize) -> f64 {
+        let mean_context = context as f64 + (steps as f64 + 3.0) / 2.0;
+        let bytes = self.weight_bytes_per_token as f64
+            + mean_context * self.kv_bytes_per_context_token as f64;
+        self.bandwidth.bytes_per_s / bytes
+    }
 }
 
 /// Batched decode cannot beat the rate at which the cores execute the integer dot instruction
@@ -96,12 +201,12 @@ struct ComputeCeiling {
     matmul_macs_per_token: usize,
     /// `integer_macs_per_s / matmul_macs_per_token`: attention and everything else taken as free.
     decode_tokens_per_s: f64,
+    /// The same for a prompt token, which skips the output head (only the last prompt row's
+    /// logits are computed).
+    prefill_tokens_per_s: f64,
 }
 
-fn compute_ceiling(
-    threads: usize,
-    config: &duet_model::config::ModelConfig,
-) -> Option<ComputeCeiling> {
+fn compute_ceiling(threads: usize, config: &ModelConfig) -> Option<ComputeCeiling> {
     let path = duet_cpu::quant::KernelPath::detect();
     let per_thread: Vec<Option<f64>> = std::thread::scope(|s| {
         let runs: Vec<_> = (0..threads)
@@ -111,42 +216,90 @@ fn compute_ceiling(
     });
     let integer_macs_per_s = per_thread.into_iter().sum::<Option<f64>>()?;
     let matmul_macs_per_token = config.matmul_params();
+    let head_macs = config.vocab_size * config.hidden_size;
     Some(ComputeCeiling {
         kernel_path: format!("{path:?}"),
         integer_macs_per_s,
         matmul_macs_per_token,
         decode_tokens_per_s: integer_macs_per_s / matmul_macs_per_token as f64,
+        prefill_tokens_per_s: integer_macs_per_s / (matmul_macs_per_token - head_macs) as f64,
     })
 }
 
-pub fn run(args: EngineBenchArgs) -> Result<()> {
+/// Bytes of weights one decode token reads: every matrix a forward step multiplies (each
+/// layer's q, k, v, o, gate, up and down projections, and the output head: `output.weight`, or
+/// the embedding when tied) plus the one embedding row the lookup reads. The sizes are the
+/// file's (GGML layout), which is what the CPU backend streams: it keeps that size when it
+/// repacks (`QMatrix::size_bytes`). Norm weights (a few KiB per layer) are left out.
+fn weight_bytes_per_token(files: &ModelFiles) -> Result<u64> {
+    let bytes = |name: &str| -> Result<u64> { Ok(files.tensors.get(name)?.bytes.len() as u64) };
+    let mut total = 0;
+    for i in 0..files.config.num_layers {
+        for m in [
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ] {
+            total += bytes(&format!("blk.{i}.{m}.weight"))?;
+        }
+    }
+    let embedding = files.tensors.get("token_embd.weight")?;
+    total += embedding.bytes.len() as u64 / embedding.rows as u64;
+    total += if files.tensors.contains("output.weight") {
+        bytes("output.weight")?
+    } else {
+        embedding.bytes.len() as u64
+    };
+    Ok(total)
+}
+
+/// `kv_cache_tokens_given`: whether --kv-cache-tokens (or its environment variable) was set;
+/// if not, the cache is sized for the sweep.
+pub fn run(args: EngineBenchArgs, kv_cache_tokens_given: bool) -> Result<()> {
+    args.check()?;
     let path = args.model.resolve()?;
-    let options = args.engine.clone();
-    let batch = args.batch.iter().max().copied().unwrap_or(1);
-    let needed = (batch * (args.prompt_tokens + 1)).max(decode_kv_tokens(
-        (batch, args.decode_context, args.decode_steps),
-        options.max_step_tokens,
-    ));
-    check_kv_capacity(&options, needed)?;
+    let mut options = args.engine.clone();
+    let needed = sweep_kv_tokens(
+        &args.decode_points(),
+        &args.prefill_tokens,
+        args.decode_steps,
+        options.block_size,
+    );
+    fit_kv_cache(&mut options, needed, kv_cache_tokens_given)?;
+    let weight_bytes = weight_bytes_per_token(&open_model(&path)?)?;
     eprintln!("loading {} on {}", path.display(), options.device);
     let engine = LoadedEngine::load(&path, options)?;
-    engine.run(EngineBench { args, path })
+    engine.run(EngineBench {
+        args,
+        path,
+        weight_bytes,
+    })
 }
 
 struct EngineBench {
     args: EngineBenchArgs,
     path: PathBuf,
+    weight_bytes: u64,
 }
 
 impl WithEngine for EngineBench {
     type Output = Result<()>;
 
     fn run<B: Backend + 'static>(self, engine: Engine<B>) -> Result<()> {
-        bench(self.args, &self.path, engine)
+        bench(self, engine)
     }
 }
 
-fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) -> Result<()> {
+fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
+    let EngineBench {
+        args,
+        path,
+        weight_bytes,
+    } = run;
     let options = engine.options().clone();
     let rss_after_load = rss_bytes("VmRSS");
     let threads = if options.threads == 0 {
@@ -154,110 +307,137 @@ fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) 
     } else {
         options.threads
     };
+    let cpu = cpu_info();
+    let kernel_path = format!("{:?}", duet_cpu::quant::KernelPath::detect());
+    eprintln!(
+        "cpu: {} (family {}), kernel path {kernel_path}, {threads} threads",
+        cpu.model, cpu.family
+    );
     let mut prompt = prompt_source(engine.config().vocab_size);
+    let total = args.prefill_tokens.len() + args.decode_points().len();
+    let mut done = 0;
 
-    let mut rows = Vec::new();
-    for &batch in &args.batch {
-        // Prefill: `batch` fresh prompts (never cached) until each has its first token.
-        let mut best_prefill = 0f64;
+    let mut prefill = Vec::new();
+    for &tokens in &args.prefill_tokens {
+        let mut best = 0f64;
         for _ in 0..args.repeats {
-            let rate = prefill_rate(&mut engine, batch, args.prompt_tokens, &mut prompt)?;
-            best_prefill = best_prefill.max(rate);
+            best = best.max(prefill_rate(&mut engine, prompt(tokens))?);
         }
-        // Decode: `batch` sequences past their prompt, then `decode_steps` timed steps.
-        let mut best_decode = 0f64;
-        for _ in 0..args.repeats {
-            let shape = (batch, args.decode_context, args.decode_steps);
-            best_decode = best_decode.max(decode_rate(&mut engine, shape, &mut prompt)?);
-        }
-        eprintln!(
-            "batch {batch:>3}: prefill {best_prefill:8.1} tok/s, decode {best_decode:8.1} tok/s"
-        );
-        rows.push(Row {
-            batch,
-            prefill_tokens_per_s: best_prefill,
-            decode_tokens_per_s: best_decode,
-        });
+        done += 1;
+        eprintln!("[{done}/{total}] prefill {tokens} tokens: {best:.1} tok/s");
+        prefill.push((tokens, best));
     }
+    let mut decode = Vec::new();
+    for &context in &args.contexts {
+        let source = PrefilledPrompt::new(&mut engine, prompt(context))
+            .with_context(|| format!("prefilling the {context}-token decode context"))?;
+        for &batch in &args.batch {
+            let m = decode_point(&mut engine, &source, batch, args.decode_steps, args.repeats)
+                .with_context(|| format!("decode at batch {batch}, context {context}"))?;
+            done += 1;
+            eprintln!(
+                "[{done}/{total}] decode batch {batch} at context {context}: {:.1} tok/s",
+                m.tokens_per_s
+            );
+            decode.push((batch, context, m));
+        }
+        source.release(&mut engine)?;
+    }
+    // Before the bandwidth buffer is allocated: the peak is the engine's.
+    let peak_rss = rss_bytes("VmHWM");
 
+    let layout = engine.kv_layout();
+    let (memory_roofline, compute_ceiling) = match options.device {
+        Device::Cpu => {
+            eprintln!(
+                "measuring the memory bandwidth ({} MiB streamed)",
+                args.bandwidth_mib
+            );
+            let roofline = MemoryRoofline {
+                bandwidth: bandwidth::streaming_read(threads, args.bandwidth_mib << 20, 5),
+                weight_bytes_per_token: weight_bytes,
+                kv_bytes_per_context_token: (layout.values_per_token() * layout.dtype.bytes())
+                    as u64,
+            };
+            (Some(roofline), compute_ceiling(threads, engine.config()))
+        }
+        Device::Cuda(_) => (None, None),
+    };
     let llamacpp = if args.compare_llamacpp {
-        Some(run_llamacpp(&args, path, threads)?)
+        Some(run_llamacpp(&args, &path, threads)?)
     } else {
         None
     };
-    let single = rows
-        .iter()
-        .find(|r| r.batch == 1)
-        .map(|r| r.decode_tokens_per_s);
-    let speedup = match single {
-        Some(s) if s > 0.0 => rows
-            .iter()
-            .map(|r| r.decode_tokens_per_s / s)
-            .fold(0.0, f64::max),
-        _ => 0.0,
-    };
-    let layout = engine.kv_layout();
+
+    let prefill = prefill
+        .into_iter()
+        .map(|(tokens, rate)| {
+            let peer = llamacpp
+                .as_ref()
+                .map(|l| l.prefill_rate(tokens))
+                .transpose()?;
+            Ok(PrefillPoint {
+                tokens,
+                tokens_per_s: rate,
+                llamacpp_tokens_per_s: peer,
+                ratio: peer.map(|p| rate / p),
+                compute_fraction: compute_ceiling
+                    .as_ref()
+                    .map(|c| rate / c.prefill_tokens_per_s),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let decode = decode
+        .into_iter()
+        .map(|(batch, context, m)| {
+            let peer = llamacpp
+                .as_ref()
+                .map(|l| l.decode_rate(batch, context))
+                .transpose()?;
+            let roofline = memory_roofline
+                .as_ref()
+                .filter(|_| batch == 1)
+                .map(|r| r.tokens_per_s(context, args.decode_steps));
+            let rate = m.tokens_per_s;
+            Ok(DecodePoint {
+                batch,
+                context,
+                tokens_per_s: rate,
+                llamacpp_tokens_per_s: peer,
+                ratio: peer.map(|p| rate / p),
+                roofline_tokens_per_s: roofline,
+                roofline_fraction: roofline.map(|r| rate / r),
+                compute_fraction: compute_ceiling
+                    .as_ref()
+                    .filter(|_| batch > 1)
+                    .map(|c| rate / c.decode_tokens_per_s),
+                kv_blocks: m.kv_blocks,
+                kv_blocks_distinct: m.kv_blocks_distinct,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+
     let report = Report {
         model: path.display().to_string(),
+        device: options.device.to_string(),
+        cpu,
+        kernel_path,
         threads,
-        prompt_tokens: args.prompt_tokens,
-        decode_context: args.decode_context,
         decode_steps: args.decode_steps,
-        rows: rows.clone(),
-        batched_decode_speedup_max: speedup,
-        model_file_bytes: std::fs::metadata(path).map(|m| m.len()).unwrap_or(0),
+        repeats: args.repeats,
+        prefill,
+        decode,
+        memory_roofline,
+        compute_ceiling,
+        llamacpp: llamacpp.map(|l| l.build),
+        model_file_bytes: std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0),
         kv_dtype: layout.dtype.name().into(),
+        kv_cache_tokens: layout.num_blocks * layout.block_size,
         kv_pool_bytes: layout.bytes() as u64,
-        peak_rss_bytes: rss_bytes("VmHWM"),
+        peak_rss_bytes: peak_rss,
         rss_after_load_bytes: rss_after_load,
-        compute_ceiling: match options.device {
-            duet_engine::device::Device::Cpu => compute_ceiling(threads, engine.config()),
-            duet_engine::device::Device::Cuda(_) => None,
-        },
-        llamacpp: llamacpp.clone(),
     };
-
-    println!("engine benchmark: {} ({} threads)", report.model, threads);
-    println!(
-        "{:>6} {:>16} {:>16} {:>12}",
-        "batch", "prefill tok/s", "decode tok/s", "decode ×b1"
-    );
-    for r in &rows {
-        let x = single.map(|s| r.decode_tokens_per_s / s).unwrap_or(0.0);
-        println!(
-            "{:>6} {:>16.1} {:>16.1} {:>12.2}",
-            r.batch, r.prefill_tokens_per_s, r.decode_tokens_per_s, x
-        );
-    }
-    if let (Some(peer), Some(b1)) = (&llamacpp, rows.iter().find(|r| r.batch == 1)) {
-        println!(
-            "llama.cpp {}: prefill {:.1} tok/s, decode {:.1} tok/s → duet/llama.cpp: prefill {:.2}×, decode {:.2}×",
-            peer.version,
-            peer.prefill_tokens_per_s,
-            peer.decode_tokens_per_s,
-            b1.prefill_tokens_per_s / peer.prefill_tokens_per_s,
-            b1.decode_tokens_per_s / peer.decode_tokens_per_s
-        );
-    }
-    if let (Some(c), Some(b1)) = (&report.compute_ceiling, single) {
-        println!(
-            "compute ceiling: {} integer dots {:.1} GMAC/s on {threads} threads / {:.1} M MACs per token = {:.0} tok/s batched decode at most ({:.2}× single stream)",
-            c.kernel_path,
-            c.integer_macs_per_s / 1e9,
-            c.matmul_macs_per_token as f64 / 1e6,
-            c.decode_tokens_per_s,
-            c.decode_tokens_per_s / b1
-        );
-    }
-    let budget = 1.3 * report.model_file_bytes as f64 + report.kv_pool_bytes as f64;
-    println!(
-        "memory: peak RSS {:.0} MiB; model file {:.0} MiB, KV pool {:.0} MiB ({}) → RSS / (1.3×file + KV) = {:.2}",
-        mib(report.peak_rss_bytes),
-        mib(report.model_file_bytes),
-        mib(report.kv_pool_bytes),
-        report.kv_dtype,
-        report.peak_rss_bytes as f64 / budget
-    );
+    print_report(&report);
     let json = serde_json::to_string_pretty(&report)?;
     println!("{json}");
     if let Some(out) = &args.json_out {
@@ -266,14 +446,140 @@ fn bench<B: Backend>(args: EngineBenchArgs, path: &Path, mut engine: Engine<B>) 
     Ok(())
 }
 
-/// A CPU KV cache sized by --kv-cache-tokens must hold the `needed` tokens of a run at once.
-fn check_kv_capacity(options: &EngineOptions, needed: usize) -> Result<()> {
-    if options.device == Device::Cpu && options.kv_cache_tokens < needed {
+fn print_report(r: &Report) {
+    println!(
+        "engine benchmark: {} on {}, {} threads",
+        r.model, r.device, r.threads
+    );
+    println!(
+        "cpu: {} (family {}); kernel path {}",
+        r.cpu.model, r.cpu.family, r.kernel_path
+    );
+    if let Some(m) = &r.memory_roofline {
+        println!(
+            "memory bandwidth: {:.1} GB/s streaming read ({} threads, {} MiB, best of {}); a token reads {:.1} MB of weights + {:.1} KB of KV per context token",
+            m.bandwidth.bytes_per_s / 1e9,
+            m.bandwidth.threads,
+            m.bandwidth.buffer_bytes >> 20,
+            m.bandwidth.passes,
+            m.weight_bytes_per_token as f64 / 1e6,
+            m.kv_bytes_per_context_token as f64 / 1e3
+        );
+    }
+    if let Some(c) = &r.compute_ceiling {
+        println!(
+            "compute ceiling: {} integer dots {:.1} GMAC/s / {:.1} M MACs per token = {:.0} tok/s decode, {:.0} tok/s prefill at most",
+            c.kernel_path,
+            c.integer_macs_per_s / 1e9,
+            c.matmul_macs_per_token as f64 / 1e6,
+            c.decode_tokens_per_s,
+            c.prefill_tokens_per_s
+        );
+    }
+    if let Some(l) = &r.llamacpp {
+        println!("llama.cpp: llama-cpp-python {}", l.version);
+    }
+    let opt = |x: Option<f64>, f: &dyn Fn(f64) -> String| x.map_or("-".to_string(), f);
+    let rate = |x: f64| format!("{x:.1}");
+    let ratio = |x: f64| format!("{x:.2}×");
+    let pct = |x: f64| format!("{:.0}%", 100.0 * x);
+    println!();
+    println!(
+        "{:>8} {:>8} {:>12} {:>16} {:>8} {:>16}",
+        "prefill", "tokens", "duet tok/s", "llama.cpp tok/s", "ratio", "compute ceiling"
+    );
+    for p in &r.prefill {
+        println!(
+            "{:>8} {:>8} {:>12.1} {:>16} {:>8} {:>16}",
+            "",
+            p.tokens,
+            p.tokens_per_s,
+            opt(p.llamacpp_tokens_per_s, &rate),
+            opt(p.ratio, &ratio),
+            opt(p.compute_fraction, &pct)
+        );
+    }
+    println!();
+    println!(
+        "{:>8} {:>8} {:>12} {:>16} {:>8} {:>16}",
+        "batch", "context", "duet tok/s", "llama.cpp tok/s", "ratio", "roofline"
+    );
+    for d in &r.decode {
+        let ceiling = match (d.roofline_fraction, d.compute_fraction) {
+            (Some(f), _) => format!("{} bandwidth", pct(f)),
+            (None, Some(f)) => format!("{} compute", pct(f)),
+            (None, None) => "-".into(),
+        };
+        println!(
+            "{:>8} {:>8} {:>12.1} {:>16} {:>8} {:>16}",
+            d.batch,
+            d.context,
+            d.tokens_per_s,
+            opt(d.llamacpp_tokens_per_s, &rate),
+            opt(d.ratio, &ratio),
+            ceiling
+        );
+    }
+    println!();
+    let budget = 1.3 * r.model_file_bytes as f64 + r.kv_pool_bytes as f64;
+    println!(
+        "memory: peak RSS {:.0} MiB; model file {:.0} MiB, KV pool {:.0} MiB ({}, {} tokens) → RSS / (1.3×file + KV) = {:.2}",
+        mib(r.peak_rss_bytes),
+        mib(r.model_file_bytes),
+        mib(r.kv_pool_bytes),
+        r.kv_dtype,
+        r.kv_cache_tokens,
+        r.peak_rss_bytes as f64 / budget
+    );
+}
+
+/// `model name` and `cpu family` of the first processor in /proc/cpuinfo ("unknown" where there
+/// is none).
+fn cpu_info() -> Cpu {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |key: &str| {
+        info.lines()
+            .filter_map(|l| l.split_once(':'))
+            .find(|(k, _)| k.trim() == key)
+            .map_or_else(|| "unknown".into(), |(_, v)| v.trim().to_string())
+    };
+    Cpu {
+        model: field("model name"),
+        family: field("cpu family"),
+    }
+}
+
+/// KV tokens the sweep holds at its fullest, in whole blocks: a decode point holds the prompt its
+/// sequences copy and `batch` sequences grown to `context + 1 + steps` tokens (the prompt, the
+/// untimed step's token, the timed steps' tokens); a prefill point holds its one prompt.
+fn sweep_kv_tokens(
+    decode_points: &[(usize, usize)],
+    prefill_tokens: &[usize],
+    steps: usize,
+    block_size: usize,
+) -> usize {
+    let blocks = |tokens: usize| tokens.div_ceil(block_size);
+    let decode = decode_points
+        .iter()
+        .map(|&(batch, context)| blocks(context) + batch * blocks(context + 1 + steps));
+    let prefill = prefill_tokens.iter().map(|&p| blocks(p));
+    decode.chain(prefill).max().unwrap_or(0) * block_size
+}
+
+/// Makes a CPU KV cache hold the `needed` tokens of a run: one sized by the user (`given`) must
+/// already; otherwise it is grown to fit.
+fn fit_kv_cache(options: &mut EngineOptions, needed: usize, given: bool) -> Result<()> {
+    if options.device != Device::Cpu || options.kv_cache_tokens >= needed {
+        return Ok(());
+    }
+    if given {
         bail!(
             "--kv-cache-tokens {} is too small for this run: it needs {needed}",
             options.kv_cache_tokens
         );
     }
+    eprintln!("KV cache: {needed} tokens, what this run needs (--kv-cache-tokens)");
+    options.kv_cache_tokens = needed;
     Ok(())
 }
 
@@ -294,65 +600,168 @@ fn prompt_source(vocab: usize) -> impl FnMut(usize) -> Vec<u32> {
     }
 }
 
-/// Decode tokens per second of `batch` sequences past `context`-token prompts over `steps`
-/// steps: `shape = (batch, context, steps)`.
-/// Steps that prefilling `batch` prompts of `context` tokens may take before every sequence has
-/// its first token; the sequences that finish their prompts first decode meanwhile.
-fn warmup_steps(batch: usize, context: usize, max_step_tokens: usize) -> usize {
-    (batch * context).div_ceil(max_step_tokens.max(1)) + batch
-}
-
-/// KV tokens a decode measurement of this shape may hold.
-fn decode_kv_tokens(
-    (batch, context, steps): (usize, usize, usize),
-    max_step_tokens: usize,
-) -> usize {
-    batch * (context + warmup_steps(batch, context, max_step_tokens) + steps + 1)
-}
-
-/// Decode tokens per second with `batch` sequences of `context` tokens: every sequence is past
-/// its prompt before the clock starts and none finishes before it stops (the first prompts
-/// finished decode while later ones still prefill, so a `max_tokens` of `steps` would let them
-/// end inside the timed steps and leave a smaller batch running); the tokens counted are the
-/// ones the timed steps produced.
-fn decode_rate(
+/// Adds `prompt` as a sequence that stops at its first token and steps until it has it. Returns
+/// the sequence (still holding its KV), the token and the time taken.
+fn prefill(
     engine: &mut Engine<impl Backend>,
-    (batch, context, steps): (usize, usize, usize),
-    prompt: &mut impl FnMut(usize) -> Vec<u32>,
-) -> Result<f64> {
-    let max_tokens = warmup_steps(batch, context, engine.options().max_step_tokens) + steps + 1;
-    let ids = add(engine, batch, context, max_tokens, prompt)?;
-    run_until_tokens(engine, &ids, 1)?;
+    prompt: Vec<u32>,
+) -> Result<(SeqId, Sampled, Duration)> {
+    let stop = StopCriteria {
+        max_tokens: 1,
+        ignore_eos: true,
+        ..Default::default()
+    };
     let t = Instant::now();
-    let mut produced = 0;
-    for _ in 0..steps {
-        produced += engine.step()?.len();
+    let id = engine.add_sequence(prompt, SamplingParams::greedy(), stop)?;
+    loop {
+        if let Some(out) = engine.step()?.into_iter().find(|o| o.seq == id) {
+            return Ok((id, out.token, t.elapsed()));
+        }
     }
-    let rate = produced as f64 / t.elapsed().as_secs_f64();
-    remove(engine, &ids)?;
-    if produced != batch * steps {
-        bail!(
-            "the decode measurement ran {produced} of {} sequence-steps: the KV cache is too small for batch {batch} at context {context}",
-            batch * steps
-        );
-    }
-    Ok(rate)
 }
 
-/// Prompt tokens per second prefilling `batch` fresh prompts (never cached) of `len` tokens
-/// until each has its first token.
-fn prefill_rate(
+/// Prompt tokens per second prefilling one fresh prompt (never cached) until its first token.
+fn prefill_rate(engine: &mut Engine<impl Backend>, prompt: Vec<u32>) -> Result<f64> {
+    let len = prompt.len();
+    let (id, _, took) = prefill(engine, prompt)?;
+    engine.remove_sequence(id)?;
+    Ok(len as f64 / took.as_secs_f64())
+}
+
+/// A prompt's KV, prefilled once and kept in a reservation (not a sequence, so no step touches
+/// it), with the token its prefill sampled: what decode batches at its context are copied from.
+struct PrefilledPrompt {
+    prompt: Vec<u32>,
+    kv: KvReservation,
+    first: Sampled,
+}
+
+impl PrefilledPrompt {
+    fn new(engine: &mut Engine<impl Backend>, prompt: Vec<u32>) -> Result<Self> {
+        let (id, first, _) = prefill(engine, prompt.clone())?;
+        let kv = engine.reserve(&prompt, "duet-bench-source")?;
+        let blocks = engine
+            .block_table(id)
+            .context("the prefilled sequence")?
+            .to_vec();
+        copy_kv(engine, &blocks, &kv.blocks)?;
+        engine.remove_sequence(id)?;
+        Ok(Self { prompt, kv, first })
+    }
+
+    fn release(self, engine: &mut Engine<impl Backend>) -> Result<()> {
+        Ok(engine.release(self.kv)?)
+    }
+
+    /// `batch` sequences, each admitted as a remotely prefilled prompt into its own copy of this
+    /// KV, with room for `max_tokens` (the first included) before any stops.
+    fn copies(
+        &self,
+        engine: &mut Engine<impl Backend>,
+        batch: usize,
+        max_tokens: usize,
+    ) -> Result<Vec<SeqId>> {
+        // Blocks cached by an earlier batch (same salts) would be found instead of copied into.
+        engine.clear_prefix_cache();
+        let stop = StopCriteria {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        (0..batch)
+            .map(|i| {
+                let kv = engine.reserve(&self.prompt, &format!("duet-bench-copy-{i}"))?;
+                ensure!(
+                    kv.cached_blocks == 0,
+                    "a decode copy found cached KV blocks"
+                );
+                copy_kv(engine, &self.kv.blocks, &kv.blocks)?;
+                let (id, out) = engine.add_prefilled(
+                    self.prompt.clone(),
+                    kv,
+                    self.first.clone(),
+                    SamplingParams::greedy(),
+                    stop.clone(),
+                )?;
+                ensure!(out.finish.is_none(), "a decode copy finished at once");
+                Ok(id)
+            })
+            .collect()
+    }
+}
+
+/// Copies every layer's KV of blocks `from` into blocks `to`, pairwise.
+fn copy_kv(engine: &mut Engine<impl Backend>, from: &[u32], to: &[u32]) -> Result<()> {
+    let mut buf = vec![0u8; engine.kv_block_bytes()];
+    for layer in 0..engine.config().num_layers {
+        for (&src, &dst) in from.iter().zip(to) {
+            engine.read_kv_block(layer, src, &mut buf)?;
+            engine.write_kv_block(layer, dst, &buf)?;
+        }
+    }
+    Ok(())
+}
+
+struct DecodeMeasured {
+    /// The best of the repeats.
+    tokens_per_s: f64,
+    kv_blocks: usize,
+    kv_blocks_distinct: usize,
+}
+
+/// Decode tokens per second of `batch` sequences holding copies of `source`: each repeat admits
+/// a fresh batch (so every repeat starts at the same context), runs one untimed step, then
+/// times `steps` steps and counts the tokens they produced. No sequence may finish inside the
+/// timed window (a shrinking batch would be timed as a full one), so the count must be
+/// `batch × steps`.
+fn decode_point(
     engine: &mut Engine<impl Backend>,
+    source: &PrefilledPrompt,
     batch: usize,
-    len: usize,
-    prompt: &mut impl FnMut(usize) -> Vec<u32>,
-) -> Result<f64> {
-    let ids = add(engine, batch, len, 1, prompt)?;
-    let t = Instant::now();
-    run_until_tokens(engine, &ids, 1)?;
-    let rate = (batch * len) as f64 / t.elapsed().as_secs_f64();
-    remove(engine, &ids)?;
-    Ok(rate)
+    steps: usize,
+    repeats: usize,
+) -> Result<DecodeMeasured> {
+    let mut best = DecodeMeasured {
+        tokens_per_s: 0.0,
+        kv_blocks: 0,
+        kv_blocks_distinct: 0,
+    };
+    for _ in 0..repeats {
+        // The first token, the untimed step's, the timed steps' and one spare.
+        let ids = source.copies(engine, batch, steps + 3)?;
+        let warm = engine.step()?.len();
+        let t = Instant::now();
+        let mut produced = 0;
+        for _ in 0..steps {
+            produced += engine.step()?.len();
+        }
+        let rate = produced as f64 / t.elapsed().as_secs_f64();
+        let mut tables = Vec::new();
+        for &id in &ids {
+            tables.extend_from_slice(engine.block_table(id).context("a decoding sequence")?);
+            engine.remove_sequence(id)?;
+        }
+        if warm != batch || produced != batch * steps {
+            bail!(
+                "the decode measurement ran {produced} of {} sequence-steps: the KV cache is too small",
+                batch * steps
+            );
+        }
+        let distinct = tables.iter().collect::<HashSet<_>>().len();
+        ensure!(
+            distinct == tables.len(),
+            "the batch's sequences share KV blocks ({distinct} distinct of {})",
+            tables.len()
+        );
+        if rate > best.tokens_per_s {
+            best = DecodeMeasured {
+                tokens_per_s: rate,
+                kv_blocks: tables.len(),
+                kv_blocks_distinct: distinct,
+            };
+        }
+    }
+    Ok(best)
 }
 
 /// What a cluster benchmark compares a run with: the engine alone on the run's mean shape.
@@ -364,10 +773,11 @@ pub struct EngineAloneRates {
 }
 
 /// The engine alone, loaded afresh in this process: the best of `repeats` measurements of each
-/// rate (`shape = (batch, context, steps)`), for benchmarks that compare a cluster with it.
+/// rate (`shape = (batch, context, steps)`), for benchmarks that compare a cluster with it. The
+/// KV cache is the cluster's (`options`), so it must hold the measurement as given.
 pub fn engine_alone_rates(
     model: &Path,
-    options: EngineOptions,
+    mut options: EngineOptions,
     shape: (usize, usize, usize),
     repeats: usize,
 ) -> Result<EngineAloneRates> {
@@ -379,87 +789,103 @@ pub fn engine_alone_rates(
         type Output = Result<EngineAloneRates>;
         fn run<B: Backend + 'static>(self, mut engine: Engine<B>) -> Result<EngineAloneRates> {
             let mut prompt = prompt_source(engine.config().vocab_size);
-            let context = self.shape.1;
-            let (mut prefill, mut decode) = (0f64, 0f64);
-            for _ in 0..self.repeats.max(1) {
-                prefill = prefill.max(prefill_rate(&mut engine, 1, context, &mut prompt)?);
-                decode = decode.max(decode_rate(&mut engine, self.shape, &mut prompt)?);
+            let (batch, context, steps) = self.shape;
+            let repeats = self.repeats.max(1);
+            let mut prefill = 0f64;
+            for _ in 0..repeats {
+                prefill = prefill.max(prefill_rate(&mut engine, prompt(context))?);
             }
+            let source = PrefilledPrompt::new(&mut engine, prompt(context))?;
+            let decode = decode_point(&mut engine, &source, batch, steps, repeats)?;
+            source.release(&mut engine)?;
             Ok(EngineAloneRates {
                 prefill_ms: 1e3 * context as f64 / prefill,
-                decode_tokens_per_s: decode,
+                decode_tokens_per_s: decode.tokens_per_s,
             })
         }
     }
-    check_kv_capacity(&options, decode_kv_tokens(shape, options.max_step_tokens))?;
+    let (batch, context, steps) = shape;
+    let needed = sweep_kv_tokens(&[(batch, context)], &[context], steps, options.block_size);
+    fit_kv_cache(&mut options, needed, true)?;
     LoadedEngine::load(model, options)?.run(Rates { shape, repeats })
 }
 
-fn add(
-    engine: &mut Engine<impl Backend>,
-    n: usize,
-    len: usize,
-    max_tokens: usize,
-    prompt: &mut impl FnMut(usize) -> Vec<u32>,
-) -> Result<Vec<SeqId>> {
-    let stop = StopCriteria {
-        max_tokens,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    (0..n)
-        .map(|_| Ok(engine.add_sequence(prompt(len), SamplingParams::greedy(), stop.clone())?))
-        .collect()
+/// What `bench/llamacpp_engine.py` prints: llama.cpp's rate at every point it was given.
+#[derive(Deserialize)]
+struct LlamaCpp {
+    #[serde(flatten)]
+    build: LlamaCppBuild,
+    prefill: Vec<LlamaCppPrefill>,
+    decode: Vec<LlamaCppDecode>,
 }
 
-/// Steps until every sequence in `ids` has generated at least `n` tokens.
-fn run_until_tokens(engine: &mut Engine<impl Backend>, ids: &[SeqId], n: usize) -> Result<()> {
-    let mut counts = vec![0usize; ids.len()];
-    while counts.iter().any(|&c| c < n) {
-        for out in engine.step()? {
-            if let Some(i) = ids.iter().position(|&id| id == out.seq) {
-                counts[i] += 1;
-            }
-        }
+#[derive(Serialize, Deserialize)]
+struct LlamaCppBuild {
+    /// llama-cpp-python's version.
+    version: String,
+    /// llama.cpp's `llama_print_system_info()`: the CPU features its kernels use.
+    system_info: String,
+}
+
+#[derive(Deserialize)]
+struct LlamaCppPrefill {
+    tokens: usize,
+    tokens_per_s: f64,
+}
+
+#[derive(Deserialize)]
+struct LlamaCppDecode {
+    batch: usize,
+    context: usize,
+    tokens_per_s: f64,
+}
+
+impl LlamaCpp {
+    fn prefill_rate(&self, tokens: usize) -> Result<f64> {
+        self.prefill
+            .iter()
+            .find(|p| p.tokens == tokens)
+            .map(|p| p.tokens_per_s)
+            .with_context(|| format!("llama.cpp reported no prefill of {tokens} tokens"))
     }
-    Ok(())
-}
 
-fn remove(engine: &mut Engine<impl Backend>, ids: &[SeqId]) -> Result<()> {
-    for &id in ids {
-        engine.remove_sequence(id)?;
+    fn decode_rate(&self, batch: usize, context: usize) -> Result<f64> {
+        self.decode
+            .iter()
+            .find(|d| (d.batch, d.context) == (batch, context))
+            .map(|d| d.tokens_per_s)
+            .with_context(|| {
+                format!("llama.cpp reported no decode at batch {batch}, context {context}")
+            })
     }
-    Ok(())
 }
 
-fn run_llamacpp(args: &EngineBenchArgs, model: &Path, threads: usize) -> Result<PeerResult> {
+/// Runs the llama.cpp script on the same points; its progress goes to our stderr as it runs.
+fn run_llamacpp(args: &EngineBenchArgs, model: &Path, threads: usize) -> Result<LlamaCpp> {
     eprintln!(
         "running llama.cpp through {}",
         args.llamacpp_script.display()
     );
+    let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let out = Command::new(&args.python)
         .arg(&args.llamacpp_script)
         .arg("--model")
         .arg(model)
         .args(["--threads", &threads.to_string()])
-        .args(["--prompt-tokens", &args.prompt_tokens.to_string()])
+        .args(["--contexts", &list(&args.contexts)])
+        .args(["--batch", &list(&args.batch)])
+        .args(["--prefill-tokens", &list(&args.prefill_tokens)])
         .args(["--decode-steps", &args.decode_steps.to_string()])
         .args(["--repeats", &args.repeats.to_string()])
+        .stderr(Stdio::inherit())
         .output()
         .with_context(|| format!("running {}", args.python))?;
     if !out.status.success() {
         bail!(
-            "the llama.cpp benchmark failed (is llama-cpp-python installed? `pip install llama-cpp-python`):\n{}",
-            String::from_utf8_lossy(&out.stderr)
+            "the llama.cpp benchmark failed (its error is above; is llama-cpp-python installed? `pip install llama-cpp-python`)"
         );
     }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.trim_start().starts_with('{'))
-        .context("llama.cpp script printed no JSON")?;
-    Ok(serde_json::from_str(line)?)
+    serde_json::from_slice(&out.stdout).context("reading the llama.cpp script's JSON")
 }
 
 fn rss_bytes(field: &str) -> u64 {
@@ -476,4 +902,32 @@ fn rss_bytes(field: &str) -> u64 {
 
 fn mib(b: u64) -> f64 {
     b as f64 / (1 << 20) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kv_cache_is_sized_for_the_largest_point_in_whole_blocks() {
+        // Batch 4 at context 20, 5 steps, blocks of 16: the 2-block source + 4 × 2 blocks
+        // (26 tokens) beats a 40-token prefill (3 blocks).
+        assert_eq!(sweep_kv_tokens(&[(4, 20)], &[40], 5, 16), 16 * 10);
+        // Batch 1 at context 100 (7 + 7 blocks) beats both.
+        assert_eq!(sweep_kv_tokens(&[(1, 100), (4, 20)], &[40], 5, 16), 16 * 14);
+        assert_eq!(sweep_kv_tokens(&[], &[40], 5, 16), 16 * 3);
+    }
+
+    #[test]
+    fn a_cache_the_user_sized_is_never_grown() {
+        let mut options = EngineOptions {
+            kv_cache_tokens: 64,
+            ..EngineOptions::default()
+        };
+        let err = fit_kv_cache(&mut options, 100, true).unwrap_err();
+        assert!(err.to_string().contains("--kv-cache-tokens 64"), "{err}");
+        assert!(err.to_string().contains("needs 100"), "{err}");
+        fit_kv_cache(&mut options, 100, false).unwrap();
+        assert_eq!(options.kv_cache_tokens, 100);
+    }
 }

@@ -1,5 +1,6 @@
 //! `duet`: fetch the default model, generate text, benchmark the engine.
 
+mod bandwidth;
 mod bench_engine;
 mod bench_gpu;
 mod bench_serve;
@@ -12,7 +13,8 @@ mod up;
 
 use duet_cli::cluster;
 
-use clap::{Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(name = "duet", version, about = "Disaggregated LLM serving: prefill and decode pools", long_about = None)]
@@ -61,7 +63,9 @@ enum BenchCommand {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    // Parsed through the matches so that commands can tell a flag given from its default.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::Model {
             command: ModelCommand::Fetch(args),
@@ -70,7 +74,10 @@ fn main() {
         Command::Up(args) => up::run(args),
         Command::Bench {
             command: BenchCommand::Engine(args),
-        } => bench_engine::run(args),
+        } => {
+            let given = given(&matches, &["bench", "engine"], "kv_cache_tokens");
+            bench_engine::run(args, given)
+        }
         Command::Bench {
             command: BenchCommand::Serve(args),
         } => bench_serve::run(args),
@@ -87,10 +94,18 @@ fn main() {
     }
 }
 
+/// Whether argument `id` of the subcommand at `path` was set on the command line or through its
+/// environment variable, rather than left at its default.
+fn given(matches: &ArgMatches, path: &[&str], id: &str) -> bool {
+    let sub = path
+        .iter()
+        .try_fold(matches, |m, name| m.subcommand_matches(name));
+    sub.and_then(|m| m.value_source(id))
+        .is_some_and(|s| s != ValueSource::DefaultValue)
+}
+
 #[cfg(test)]
 mod tests {
-    use clap::CommandFactory;
-
     use super::*;
 
     #[test]
@@ -105,5 +120,15 @@ mod tests {
             panic!("not `up`")
         };
         assert_eq!(args.routing.local_prefill_threshold, 7);
+    }
+
+    #[test]
+    fn a_flag_given_is_told_from_its_default() {
+        let engine = ["bench", "engine"];
+        let matches = Cli::command().get_matches_from(["duet", "bench", "engine"]);
+        assert!(!given(&matches, &engine, "kv_cache_tokens"));
+        let matches =
+            Cli::command().get_matches_from(["duet", "bench", "engine", "--kv-cache-tokens=64"]);
+        assert!(given(&matches, &engine, "kv_cache_tokens"));
     }
 }

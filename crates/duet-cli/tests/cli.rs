@@ -243,3 +243,104 @@ fn bench_serve_reports_both_designs_against_the_engine_alone() {
         assert!(values.iter().all(|x| x.as_f64().unwrap() > 0.0), "{series}");
     }
 }
+
+/// `duet bench engine` measures every (batch, context) point of its sweep and every prefill
+/// length, each decode sequence on its own copy of the context's KV.
+#[test]
+fn bench_engine_sweeps_every_point_with_private_kv() {
+    let json = std::env::temp_dir().join(format!("duet-bench-engine-{}.json", std::process::id()));
+    let (contexts, batches, steps) = ([16, 40], [1, 3], 4);
+    let out = duet()
+        .args([
+            "bench",
+            "engine",
+            "--contexts=16,40",
+            "--batch=1,3",
+            "--prefill-tokens=20,33",
+            "--decode-steps=4",
+            "--repeats=2",
+            "--bandwidth-mib=8",
+        ])
+        .arg("--model")
+        .arg(fixture("tiny-llama"))
+        .arg("--json-out")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert_succeeded(&out);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+
+    assert!(!v["cpu"]["model"].as_str().unwrap().is_empty());
+    assert!(!v["kernel_path"].as_str().unwrap().is_empty());
+    let prefill: Vec<(u64, f64)> = v["prefill"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["tokens"].as_u64().unwrap(),
+                p["tokens_per_s"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(prefill.iter().map(|p| p.0).collect::<Vec<_>>(), [20, 33]);
+    assert!(prefill.iter().all(|p| p.1 > 0.0), "{prefill:?}");
+
+    let decode = v["decode"].as_array().unwrap();
+    let block_size = 16;
+    let mut seen = Vec::new();
+    for d in decode {
+        let (batch, context) = (d["batch"].as_u64().unwrap(), d["context"].as_u64().unwrap());
+        seen.push((batch, context));
+        assert!(d["tokens_per_s"].as_f64().unwrap() > 0.0, "{d}");
+        // Every sequence holds its own blocks for the context and the decoded tokens.
+        let blocks = d["kv_blocks"].as_u64().unwrap();
+        assert_eq!(blocks, d["kv_blocks_distinct"].as_u64().unwrap(), "{d}");
+        assert!(
+            blocks >= batch * (context + 1 + steps).div_ceil(block_size),
+            "{d}"
+        );
+        if batch == 1 {
+            assert!(d["roofline_fraction"].as_f64().unwrap() > 0.0, "{d}");
+        }
+    }
+    let expected: Vec<(u64, u64)> = contexts
+        .iter()
+        .flat_map(|&c| batches.iter().map(move |&b| (b, c)))
+        .collect();
+    assert_eq!(seen, expected);
+    assert!(
+        v["memory_roofline"]["bandwidth"]["bytes_per_s"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+}
+
+/// A KV cache the user sized too small for the sweep is an error that names the flag and the
+/// size needed, not a failed measurement.
+#[test]
+fn bench_engine_says_what_kv_cache_its_sweep_needs() {
+    let out = duet()
+        .args([
+            "bench",
+            "engine",
+            "--contexts=40",
+            "--batch=3",
+            "--prefill-tokens=20",
+            "--decode-steps=4",
+            "--kv-cache-tokens=64",
+        ])
+        .arg("--model")
+        .arg(fixture("tiny-llama"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    // The copied-from prompt (3 blocks) and 3 sequences of 45 tokens (3 blocks each).
+    assert!(
+        err.contains("--kv-cache-tokens 64 is too small for this run: it needs 192"),
+        "{err}"
+    );
+}
