@@ -206,8 +206,11 @@ struct ComputeCeiling {
     prefill_tokens_per_s: f64,
 }
 
-fn compute_ceiling(threads: usize, config: &ModelConfig) -> Option<ComputeCeiling> {
-    let path = duet_cpu::quant::KernelPath::detect();
+fn compute_ceiling(
+    path: duet_cpu::quant::KernelPath,
+    threads: usize,
+    config: &ModelConfig,
+) -> Option<ComputeCeiling> {
     let per_thread: Vec<Option<f64>> = std::thread::scope(|s| {
         let runs: Vec<_> = (0..threads)
             .map(|_| s.spawn(move || path.integer_macs_per_s()))
@@ -308,7 +311,8 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
         options.threads
     };
     let cpu = cpu_info();
-    let kernel_path = format!("{:?}", duet_cpu::quant::KernelPath::detect());
+    let kernels = duet_cpu::quant::KernelPath::choose(options.cpu_kernels)?;
+    let kernel_path = format!("{kernels:?}");
     eprintln!(
         "cpu: {} (family {}), kernel path {kernel_path}, {threads} threads",
         cpu.model, cpu.family
@@ -359,7 +363,10 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
                 kv_bytes_per_context_token: (layout.values_per_token() * layout.dtype.bytes())
                     as u64,
             };
-            (Some(roofline), compute_ceiling(threads, engine.config()))
+            (
+                Some(roofline),
+                compute_ceiling(kernels, threads, engine.config()),
+            )
         }
         Device::Cuda(_) => (None, None),
     };
