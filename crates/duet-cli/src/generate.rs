@@ -287,6 +287,12 @@ async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
             _ => {}
         }
     }
+    // A generation always brings at least one token (a stop token is reported too), so a stream
+    // that ends cleanly without one is a broken server: `helm test` relies on this failing.
+    anyhow::ensure!(
+        !token_ids.is_empty(),
+        "{server} ended the Generate stream without a token"
+    );
     let end = Instant::now();
     let first = first_at.unwrap_or(end);
     finish_output(

@@ -344,3 +344,75 @@ fn bench_engine_says_what_kv_cache_its_sweep_needs() {
         "{err}"
     );
 }
+
+/// A router that answers `Generate` with a stream that ends cleanly and carries no token.
+struct TokenlessRouter;
+
+#[tonic::async_trait]
+impl duet_proto::v1::generation_server::Generation for TokenlessRouter {
+    type GenerateStream = std::pin::Pin<
+        Box<
+            dyn futures::Stream<Item = Result<duet_proto::v1::GenerateResponse, tonic::Status>>
+                + Send,
+        >,
+    >;
+
+    async fn generate(
+        &self,
+        _: tonic::Request<duet_proto::v1::GenerateRequest>,
+    ) -> Result<tonic::Response<Self::GenerateStream>, tonic::Status> {
+        Ok(tonic::Response::new(Box::pin(futures::stream::empty())))
+    }
+
+    async fn complete(
+        &self,
+        _: tonic::Request<duet_proto::v1::GenerateRequest>,
+    ) -> Result<tonic::Response<duet_proto::v1::GenerateResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("complete"))
+    }
+
+    async fn tokenize(
+        &self,
+        _: tonic::Request<duet_proto::v1::TokenizeRequest>,
+    ) -> Result<tonic::Response<duet_proto::v1::TokenizeResponse>, tonic::Status> {
+        Ok(tonic::Response::new(duet_proto::v1::TokenizeResponse {
+            token_ids: vec![1, 2, 3],
+            ..Default::default()
+        }))
+    }
+
+    async fn info(
+        &self,
+        _: tonic::Request<duet_proto::v1::InfoRequest>,
+    ) -> Result<tonic::Response<duet_proto::v1::InfoResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("info"))
+    }
+}
+
+/// `helm test` runs `duet generate --server`: it must fail unless tokens come back.
+#[test]
+fn generate_through_a_server_fails_unless_tokens_come_back() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    runtime.spawn(
+        tonic::transport::Server::builder()
+            .add_service(duet_proto::v1::generation_server::GenerationServer::new(
+                TokenlessRouter,
+            ))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let out = duet()
+        .args(["generate", "--json", "--prompt", "hello", "--server"])
+        .arg(addr.to_string())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "succeeded with no token: {stderr}");
+    assert!(
+        stderr.contains("ended the Generate stream without a token"),
+        "{stderr}"
+    );
+}
