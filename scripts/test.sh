@@ -3,7 +3,8 @@
 # (the golden tests run the real default model), built with the CUDA backend (`--features cuda`;
 # CUDA libraries are opened at run time, so no GPU is needed) and NVRTC installed so that every
 # kernel is compiled, then every kernel file run in a CPU emulation of CUDA against numpy
-# references. Fetches the default model and NVRTC first if missing.
+# references, then the deployment tests (the Helm chart validated offline, the OCI image built with
+# buildah and run: scripts/test-deploy.sh). Fetches the default model and NVRTC first if missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH="$(./scripts/fetch-nvrtc.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -11,3 +12,4 @@ cargo build --release --locked --workspace --bins --features cuda
 ./target/release/duet model fetch
 cargo test --release --locked --workspace --features cuda
 ./scripts/test-kernels-emulated.sh
+./scripts/test-deploy.sh
