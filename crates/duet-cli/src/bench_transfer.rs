@@ -16,7 +16,7 @@ use duet_model::model_files::open_model;
 use duet_model::model_path::ModelArgs;
 use duet_proto::v1;
 use duet_transfer::grpc::GrpcTransport;
-use duet_transfer::{KvTransport, KvWire, PushSpec, TransferError};
+use duet_transfer::{KvTransport, KvWire, PushSpec, ReservationKey, TransferError};
 use futures::StreamExt;
 use tonic::{Request, Response, Status};
 
@@ -39,6 +39,9 @@ struct Measured {
     seconds: f64,
 }
 
+/// The stand-in's worker id: the decode worker makes its reservations for it.
+const STAND_IN: &str = "bench-stand-in";
+
 /// A prefill worker that computes nothing: it pushes zeroed KV for the whole reservation
 /// through the transport the real prefill worker uses.
 struct StandIn {
@@ -57,11 +60,11 @@ impl StandIn {
             &self.wire,
             PushSpec {
                 address: dest.transfer_address,
-                reservation_id: dest.reservation_id,
+                reservation_id: ReservationKey::from_wire(&dest.reservation_id)?,
                 request_id: req.request_id,
                 blocks: blocks.clone(),
                 num_tokens: req.token_ids.len(),
-                sender_worker_id: "bench-stand-in".into(),
+                sender_worker_id: STAND_IN.into(),
                 timeout: Duration::from_secs(60),
             },
         )?;
@@ -98,7 +101,7 @@ impl v1::prefill_worker_server::PrefillWorker for StandIn {
             }),
             bytes_sent: m.bytes,
             transfer_ms: m.seconds * 1e3,
-            worker_id: "bench-stand-in".into(),
+            worker_id: STAND_IN.into(),
             ..Default::default()
         }))
     }
@@ -179,7 +182,7 @@ pub fn run(args: TransferBenchArgs) -> Result<()> {
                 sampling: Some(v1::SamplingParams { max_tokens: 1, top_p: 1.0, ..Default::default() }),
                 plan: Some(v1::PrefillPlan {
                     local: false,
-                    prefill_workers: vec![v1::PrefillTarget { worker_id: "stand-in".into(), address: prefill_addr.to_string() }],
+                    prefill_workers: vec![v1::PrefillTarget { worker_id: STAND_IN.into(), address: prefill_addr.to_string() }],
                 }),
                 ..Default::default()
             };

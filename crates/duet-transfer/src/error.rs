@@ -13,6 +13,10 @@ pub enum TransferError {
     /// Bytes lost or damaged on the way (checksum mismatch, missing blocks).
     #[error("{0}")]
     Corrupt(String),
+    /// A push the reservation does not allow: from another prefill worker than the one it was
+    /// handed to, or into its cached blocks.
+    #[error("{0}")]
+    Forbidden(String),
     /// The reservation being filled was released (cancelled or expired).
     #[error("{0}")]
     ReservationGone(String),
@@ -40,6 +44,7 @@ impl TransferError {
             TransferError::Mismatch(_) => Code::FailedPrecondition,
             TransferError::Malformed(_) => Code::InvalidArgument,
             TransferError::Corrupt(_) => Code::DataLoss,
+            TransferError::Forbidden(_) => Code::PermissionDenied,
             TransferError::ReservationGone(_) => Code::NotFound,
             TransferError::Rejected { .. } | TransferError::Unavailable(_) => Code::Unavailable,
             TransferError::Call { status, .. } => match status.code() {

@@ -15,7 +15,10 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tonic::Status;
 
 use crate::transport::ReadBlock;
-use crate::{KvSender, KvSink, KvTransport, KvWire, OpenPush, PushSpec, Pushed, TransferError};
+use crate::{
+    KvSender, KvSink, KvTransport, KvWire, OpenPush, PushSpec, Pushed, ReservationKey,
+    TransferError,
+};
 
 /// Largest `KvData` payload built (whole blocks; a single larger block is sent alone).
 pub const MAX_CHUNK_BYTES: usize = 1 << 20;
@@ -190,13 +193,13 @@ where
         }
     };
     wire.check(&header)?;
-    let id = header.reservation_id;
-    let Some(reserved) = sink.reservation_blocks(id).await? else {
-        return Ok(rejected(format!(
-            "reservation {id} is gone (cancelled or expired)"
-        )));
+    let key = ReservationKey::from_wire(&header.reservation_id)?;
+    let Some(writable) = sink.writable_blocks(key, &header.sender_worker_id).await? else {
+        return Ok(rejected(
+            "the reservation is gone (cancelled or expired)".into(),
+        ));
     };
-    let mut tracker = PushTracker::new(&header, wire.layout.num_layers, reserved)?;
+    let mut tracker = PushTracker::new(&header, wire.layout.num_layers, writable)?;
     let mut writes = Vec::new();
     while let Some(chunk) = chunks
         .next()
@@ -207,7 +210,7 @@ where
         match chunk.kind {
             Some(Kind::Data(d)) => {
                 let blocks = tracker.accept(&d)?;
-                writes.push(sink.write(id, d.layer as usize, blocks, d.payload)?);
+                writes.push(sink.write(key, d.layer as usize, blocks, d.payload)?);
             }
             Some(Kind::Done(done)) => {
                 for write in writes.drain(..) {
@@ -259,17 +262,23 @@ struct PushTracker {
 }
 
 impl PushTracker {
+    /// A push announced by `header` into a reservation whose blocks `writable` it may fill.
     fn new(
         header: &v1::KvHeader,
         num_layers: usize,
-        reserved: usize,
+        writable: Range<usize>,
     ) -> Result<Self, TransferError> {
         let first = header.first_block as usize;
         let blocks = first..first + header.total_blocks as usize;
-        if blocks.end != reserved {
+        if blocks.start < writable.start {
+            return Err(TransferError::Forbidden(format!(
+                "the push covers blocks {blocks:?}, but blocks before {} of the reservation hold cached KV",
+                writable.start
+            )));
+        }
+        if blocks != writable {
             return Err(TransferError::Malformed(format!(
-                "the push covers blocks {first}..{} but the reservation has {reserved}",
-                blocks.end
+                "the push covers blocks {blocks:?}; the reservation takes blocks {writable:?}"
             )));
         }
         Ok(Self {
@@ -354,21 +363,29 @@ mod tests {
         }
     }
 
-    /// A reservation of `blocks` blocks whose writes land in a map.
+    /// A reservation whose writable blocks are `blocks`, handed to prefill worker "p", whose
+    /// writes land in a map.
     struct MemorySink {
-        blocks: Option<usize>,
+        blocks: Option<Range<usize>>,
         written: Mutex<HashMap<(usize, usize), Vec<u8>>>,
         block_bytes: usize,
     }
 
     impl KvSink for MemorySink {
-        async fn reservation_blocks(&self, _: u64) -> Result<Option<usize>, TransferError> {
-            Ok(self.blocks)
+        async fn writable_blocks(
+            &self,
+            _: ReservationKey,
+            sender: &str,
+        ) -> Result<Option<Range<usize>>, TransferError> {
+            if sender != "p" {
+                return Err(TransferError::Forbidden(format!("not handed to {sender}")));
+            }
+            Ok(self.blocks.clone())
         }
 
         fn write(
             &self,
-            _: u64,
+            _: ReservationKey,
             layer: usize,
             blocks: Range<usize>,
             payload: Vec<u8>,
@@ -383,7 +400,7 @@ mod tests {
         }
     }
 
-    fn sink(blocks: Option<usize>) -> MemorySink {
+    fn sink(blocks: Option<Range<usize>>) -> MemorySink {
         MemorySink {
             blocks,
             written: Mutex::default(),
@@ -394,7 +411,7 @@ mod tests {
     fn spec(blocks: Range<usize>) -> PushSpec {
         PushSpec {
             address: "127.0.0.1:1".into(),
-            reservation_id: 7,
+            reservation_id: ReservationKey::random(),
             request_id: "r".into(),
             blocks,
             num_tokens: 10,
@@ -433,7 +450,7 @@ mod tests {
         let w = wire();
         let chunks = produce(1..5, w.block_bytes());
         assert!(matches!(chunks.last().unwrap().kind, Some(Kind::Done(_))));
-        let s = sink(Some(5));
+        let s = sink(Some(1..5));
         let ack = receive_all(chunks, &s).unwrap();
         assert!(ack.accepted, "{}", ack.message);
         assert_eq!(ack.bytes_received, (2 * 4 * w.block_bytes()) as u64);
@@ -474,23 +491,23 @@ mod tests {
         let mut d = data_at(&mut damaged, 1);
         d.payload[0] ^= 1;
         damaged[1].kind = Some(Kind::Data(d));
-        let e = receive_all(damaged, &sink(Some(3))).unwrap_err();
+        let e = receive_all(damaged, &sink(Some(0..3))).unwrap_err();
         assert!(matches!(e, TransferError::Corrupt(_)), "{e}");
 
         let mut twice = good.clone();
         let again = twice[1].clone();
         twice.insert(2, again);
-        let e = receive_all(twice, &sink(Some(3))).unwrap_err();
+        let e = receive_all(twice, &sink(Some(0..3))).unwrap_err();
         assert!(e.to_string().contains("sent twice"), "{e}");
 
         let mut missing = good.clone();
         missing.remove(1);
-        let e = receive_all(missing, &sink(Some(3))).unwrap_err();
+        let e = receive_all(missing, &sink(Some(0..3))).unwrap_err();
         assert!(e.to_string().contains("incomplete"), "{e}");
 
         let mut cut = good.clone();
         cut.pop();
-        let e = receive_all(cut, &sink(Some(3))).unwrap_err();
+        let e = receive_all(cut, &sink(Some(0..3))).unwrap_err();
         assert!(matches!(e, TransferError::Corrupt(_)), "{e}");
 
         let mut foreign = good.clone();
@@ -500,11 +517,27 @@ mod tests {
         };
         h.head_dim = 8;
         foreign[0].kind = Some(Kind::Header(h));
-        let e = receive_all(foreign, &sink(Some(3))).unwrap_err();
+        let e = receive_all(foreign, &sink(Some(0..3))).unwrap_err();
         assert!(matches!(e, TransferError::Mismatch(_)), "{e}");
 
-        let e = receive_all(good.clone(), &sink(Some(4))).unwrap_err();
+        let e = receive_all(good.clone(), &sink(Some(0..4))).unwrap_err();
         assert!(matches!(e, TransferError::Malformed(_)), "{e}");
+
+        let e = receive_all(good.clone(), &sink(Some(1..3))).unwrap_err();
+        assert!(
+            matches!(e, TransferError::Forbidden(_)),
+            "a push into cached blocks: {e}"
+        );
+
+        let mut other_sender = good.clone();
+        let mut h = match other_sender[0].kind.clone() {
+            Some(Kind::Header(h)) => h,
+            _ => panic!("the first chunk is the header"),
+        };
+        h.sender_worker_id = "q".into();
+        other_sender[0].kind = Some(Kind::Header(h));
+        let e = receive_all(other_sender, &sink(Some(0..3))).unwrap_err();
+        assert!(matches!(e, TransferError::Forbidden(_)), "{e}");
 
         let ack = receive_all(good, &sink(None)).unwrap();
         assert!(!ack.accepted && ack.message.contains("gone"), "{ack:?}");

@@ -18,4 +18,6 @@ pub mod nccl;
 pub mod transport;
 
 pub use error::TransferError;
-pub use transport::{KvSender, KvSink, KvTransport, KvWire, OpenPush, PushSpec, Pushed};
+pub use transport::{
+    KvSender, KvSink, KvTransport, KvWire, OpenPush, PushSpec, Pushed, ReservationKey,
+};

@@ -32,7 +32,7 @@ impl KvWire {
     pub fn header(&self, spec: &PushSpec) -> v1::KvHeader {
         let l = &self.layout;
         v1::KvHeader {
-            reservation_id: spec.reservation_id,
+            reservation_id: spec.reservation_id.to_wire(),
             request_id: spec.request_id.clone(),
             model_fingerprint: self.fingerprint.clone(),
             block_size: l.block_size as u32,
@@ -93,7 +93,7 @@ impl KvWire {
 pub struct PushSpec {
     /// The decode worker's KV address (`KvDestination.transfer_address`).
     pub address: String,
-    pub reservation_id: u64,
+    pub reservation_id: ReservationKey,
     pub request_id: String,
     /// Reservation block indices sent (from `KvDestination.cached_blocks` to the prompt's end).
     pub blocks: Range<usize>,
@@ -101,6 +101,40 @@ pub struct PushSpec {
     pub sender_worker_id: String,
     /// How long the whole push may take.
     pub timeout: Duration,
+}
+
+/// A reservation's name on the wire (`KvDestination.reservation_id`): 128 bits from the OS's
+/// random source, so only the prefill worker it was handed to can name it. Never logged.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ReservationKey([u8; 16]);
+
+impl ReservationKey {
+    pub fn random() -> Self {
+        let mut bytes = [0; 16];
+        // Linux's getrandom(2) fails only on a kernel without it (before 3.17) and no /dev/urandom.
+        getrandom::fill(&mut bytes).expect("the operating system's random source failed");
+        Self(bytes)
+    }
+
+    /// The key a peer sent, which must be 16 bytes.
+    pub fn from_wire(bytes: &[u8]) -> Result<Self, TransferError> {
+        <[u8; 16]>::try_from(bytes).map(Self).map_err(|_| {
+            TransferError::Malformed(format!(
+                "reservation_id has {} bytes; a reservation id has 16",
+                bytes.len()
+            ))
+        })
+    }
+
+    pub fn to_wire(self) -> Vec<u8> {
+        self.0.to_vec()
+    }
+}
+
+impl std::fmt::Debug for ReservationKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReservationKey(..)")
+    }
 }
 
 /// A finished push.
@@ -149,18 +183,22 @@ pub trait KvTransport: Send + Sync {
 
 /// The receiving side: a decode worker's reservations, as a transport fills them.
 pub trait KvSink: Sync {
-    /// Blocks of reservation `id`; `None` once it is gone (cancelled or expired).
-    fn reservation_blocks(
+    /// The reservation blocks a push from prefill worker `sender` may write into reservation
+    /// `key`: those after its cached blocks (shared prefix-cache KV that no push may
+    /// overwrite) to its end. `None` once it is gone (cancelled or expired);
+    /// [`TransferError::Forbidden`] when `sender` is not the prefill worker it was handed to.
+    fn writable_blocks(
         &self,
-        id: u64,
-    ) -> impl Future<Output = Result<Option<usize>, TransferError>> + Send;
+        key: ReservationKey,
+        sender: &str,
+    ) -> impl Future<Output = Result<Option<Range<usize>>, TransferError>> + Send;
 
     /// Starts writing `payload`, the KV of reservation blocks `blocks` of `layer`. The returned
     /// future resolves once it is in the cache; a transport starts every write of a push before
     /// awaiting any, so a running batch is not paused once per chunk.
     fn write(
         &self,
-        id: u64,
+        key: ReservationKey,
         layer: usize,
         blocks: Range<usize>,
         payload: Vec<u8>,

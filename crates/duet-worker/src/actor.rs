@@ -17,7 +17,7 @@ use duet_engine::EngineError;
 use duet_engine::backend::KvLayout;
 use duet_engine::engine::{KvReservation, PlannedSeq, SeqId};
 use duet_model::params::Sampled;
-use duet_transfer::{KvSender, TransferError};
+use duet_transfer::{KvSender, ReservationKey, TransferError};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
@@ -37,14 +37,23 @@ pub enum Command {
         cache_salt: String,
         reply: oneshot::Sender<Result<ReservationInfo, WorkerError>>,
     },
-    /// Number of blocks of a live reservation (`None` once it is gone).
-    ReservationBlocks {
+    /// Hands a reservation to the prefill worker about to be asked for it: a fresh key that only
+    /// a push naming that worker may use (an earlier attempt's key stops working). `None` once
+    /// the reservation is gone.
+    Bind {
         id: RequestId,
-        reply: oneshot::Sender<Option<usize>>,
+        prefill_worker: String,
+        reply: oneshot::Sender<Option<ReservationKey>>,
+    },
+    /// The blocks a push from `sender` may write (see [`duet_transfer::KvSink::writable_blocks`]).
+    WritableBlocks {
+        key: ReservationKey,
+        sender: String,
+        reply: oneshot::Sender<Result<Option<Range<usize>>, TransferError>>,
     },
     /// KV of reservation blocks `blocks` of one layer, from a transfer.
     WriteKv {
-        id: RequestId,
+        key: ReservationKey,
         layer: usize,
         blocks: Range<usize>,
         payload: Vec<u8>,
@@ -111,6 +120,14 @@ impl Shipping {
     }
 }
 
+/// KV blocks held for a transfer.
+struct Reserved {
+    kv: KvReservation,
+    expires: Instant,
+    /// The current prefill attempt's key and the prefill worker it was made for.
+    holder: Option<(ReservationKey, String)>,
+}
+
 pub struct Actor<E: ActorEngine> {
     engine: E,
     layout: KvLayout,
@@ -118,7 +135,9 @@ pub struct Actor<E: ActorEngine> {
     lease: Duration,
     counters: Arc<Counters>,
     published: Arc<Published>,
-    reservations: HashMap<RequestId, (KvReservation, Instant)>,
+    reservations: HashMap<RequestId, Reserved>,
+    /// The reservation each live key names.
+    keys: HashMap<ReservationKey, RequestId>,
     admitted: BTreeMap<SeqId, Admitted>,
     by_id: HashMap<RequestId, SeqId>,
 }
@@ -138,6 +157,7 @@ impl<E: ActorEngine> Actor<E> {
             counters: Arc::default(),
             published,
             reservations: HashMap::new(),
+            keys: HashMap::new(),
             admitted: BTreeMap::new(),
             by_id: HashMap::new(),
         }
@@ -181,7 +201,7 @@ impl<E: ActorEngine> Actor<E> {
     }
 
     fn next_expiry(&self) -> Option<Instant> {
-        self.reservations.values().map(|(_, at)| *at).min()
+        self.reservations.values().map(|r| r.expires).min()
     }
 
     pub fn handle(&mut self, cmd: Command) {
@@ -195,17 +215,24 @@ impl<E: ActorEngine> Actor<E> {
             } => {
                 let _ = reply.send(self.reserve(id, &tokens, &cache_salt));
             }
-            Command::ReservationBlocks { id, reply } => {
-                let _ = reply.send(self.reservations.get(&id).map(|(r, _)| r.blocks.len()));
+            Command::Bind {
+                id,
+                prefill_worker,
+                reply,
+            } => {
+                let _ = reply.send(self.bind(id, prefill_worker));
+            }
+            Command::WritableBlocks { key, sender, reply } => {
+                let _ = reply.send(self.writable_blocks(key, &sender));
             }
             Command::WriteKv {
-                id,
+                key,
                 layer,
                 blocks,
                 payload,
                 reply,
             } => {
-                let _ = reply.send(self.write_kv(id, layer, blocks, &payload));
+                let _ = reply.send(self.write_kv(key, layer, blocks, &payload));
             }
             Command::Activate { request, first } => self.activate(request, first),
             Command::Cancel(id) => {
@@ -286,29 +313,79 @@ impl<E: ActorEngine> Actor<E> {
             block_ids: r.blocks.clone(),
             cached_blocks: r.cached_blocks,
         };
-        self.reservations
-            .insert(id, (r, Instant::now() + self.lease));
+        self.reservations.insert(
+            id,
+            Reserved {
+                kv: r,
+                expires: Instant::now() + self.lease,
+                holder: None,
+            },
+        );
         Ok(info)
     }
 
+    fn bind(&mut self, id: RequestId, prefill_worker: String) -> Option<ReservationKey> {
+        let r = self.reservations.get_mut(&id)?;
+        let key = ReservationKey::random();
+        if let Some((old, _)) = r.holder.replace((key, prefill_worker)) {
+            self.keys.remove(&old);
+        }
+        self.keys.insert(key, id);
+        Some(key)
+    }
+
     fn release_reservation(&mut self, id: RequestId) {
-        if let Some((r, _)) = self.reservations.remove(&id)
-            && let Err(e) = self.engine.release(r)
-        {
+        let Some(r) = self.reservations.remove(&id) else {
+            return;
+        };
+        if let Some((key, _)) = r.holder {
+            self.keys.remove(&key);
+        }
+        if let Err(e) = self.engine.release(r.kv) {
             tracing::error!(request = id, "releasing a KV reservation: {e}");
+        }
+    }
+
+    fn writable_blocks(
+        &self,
+        key: ReservationKey,
+        sender: &str,
+    ) -> Result<Option<Range<usize>>, TransferError> {
+        let Some(r) = self.keys.get(&key).and_then(|id| self.reservations.get(id)) else {
+            return Ok(None);
+        };
+        match &r.holder {
+            Some((_, holder)) if holder == sender => {
+                Ok(Some(r.kv.cached_blocks..r.kv.blocks.len()))
+            }
+            _ => Err(TransferError::Forbidden(format!(
+                "the reservation was not made for prefill worker {sender:?}"
+            ))),
         }
     }
 
     fn write_kv(
         &mut self,
-        id: RequestId,
+        key: ReservationKey,
         layer: usize,
         blocks: Range<usize>,
         payload: &[u8],
     ) -> Result<(), TransferError> {
-        let (r, _) = self.reservations.get(&id).ok_or_else(|| {
-            TransferError::ReservationGone(format!("no reservation {id} (expired or cancelled)"))
-        })?;
+        let r = self
+            .keys
+            .get(&key)
+            .and_then(|id| self.reservations.get(id))
+            .map(|r| &r.kv)
+            .ok_or_else(|| {
+                TransferError::ReservationGone("the reservation expired or was cancelled".into())
+            })?;
+        // Cached blocks hold prefix KV other requests share: never written by a transfer.
+        if blocks.start < r.cached_blocks {
+            return Err(TransferError::Forbidden(format!(
+                "KV chunk for blocks {blocks:?}, but blocks before {} of the reservation hold cached KV",
+                r.cached_blocks
+            )));
+        }
         // The engine checks each block's size against its cache; here, the range and the split.
         if blocks.is_empty()
             || blocks.end > r.blocks.len()
@@ -332,7 +409,7 @@ impl<E: ActorEngine> Actor<E> {
 
     fn activate(&mut self, request: Request, first: Sampled) {
         let id = request.id;
-        let Some((reservation, _)) = self.reservations.remove(&id) else {
+        let Some(reserved) = self.reservations.remove(&id) else {
             let _ = request
                 .events
                 .send(Event::Failed(WorkerError::NotFound(format!(
@@ -340,9 +417,12 @@ impl<E: ActorEngine> Actor<E> {
                 ))));
             return;
         };
+        if let Some((key, _)) = reserved.holder {
+            self.keys.remove(&key);
+        }
         let added = self.engine.add_prefilled(
             request.prompt,
-            reservation,
+            reserved.kv,
             first,
             request.params,
             request.stop,
@@ -376,7 +456,7 @@ impl<E: ActorEngine> Actor<E> {
         let expired: Vec<RequestId> = self
             .reservations
             .iter()
-            .filter(|(_, (_, at))| *at <= now)
+            .filter(|(_, r)| r.expires <= now)
             .map(|(&id, _)| id)
             .collect();
         for id in expired {

@@ -11,7 +11,7 @@ use std::time::Duration;
 use duet_device::{LoadedEngine, WithEngine};
 use duet_engine::backend::Backend;
 use duet_engine::engine::{Engine, EngineOptions};
-use duet_transfer::{KvSink, KvWire, TransferError};
+use duet_transfer::{KvSink, KvWire, ReservationKey, TransferError};
 use tokio::sync::oneshot;
 
 use crate::actor::{Actor, Command};
@@ -211,15 +211,20 @@ fn stopped<T>(_: T) -> TransferError {
 
 /// A decode worker's reservations, as a transport fills them.
 impl KvSink for EngineHandle {
-    async fn reservation_blocks(&self, id: u64) -> Result<Option<usize>, TransferError> {
-        self.ask(|reply| Command::ReservationBlocks { id, reply })
+    async fn writable_blocks(
+        &self,
+        key: ReservationKey,
+        sender: &str,
+    ) -> Result<Option<Range<usize>>, TransferError> {
+        let sender = sender.to_string();
+        self.ask(|reply| Command::WritableBlocks { key, sender, reply })
             .await
-            .map_err(stopped)
+            .map_err(stopped)?
     }
 
     fn write(
         &self,
-        id: u64,
+        key: ReservationKey,
         layer: usize,
         blocks: Range<usize>,
         payload: Vec<u8>,
@@ -227,7 +232,7 @@ impl KvSink for EngineHandle {
     {
         let reply = self
             .request(|reply| Command::WriteKv {
-                id,
+                key,
                 layer,
                 blocks,
                 payload,

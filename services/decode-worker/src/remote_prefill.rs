@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use duet_proto::v1;
+use duet_transfer::ReservationKey;
 use duet_worker::stats::Counters;
 use duet_worker::{Command, Request, ReservationInfo, WorkerError};
 use tonic::Status;
@@ -79,7 +80,21 @@ pub async fn run(
         if timeout.is_zero() {
             break;
         }
-        let msg = prefill_request(state, req, id, &reservation);
+        // Each attempt gets its own key, made for this prefill worker alone: an earlier
+        // attempt that wakes up late can no longer write into the reservation.
+        let prefill_worker = target.worker_id.clone();
+        let key = state
+            .engine
+            .ask(|reply| Command::Bind {
+                id,
+                prefill_worker,
+                reply,
+            })
+            .await?
+            .ok_or_else(|| {
+                WorkerError::NotFound("the KV reservation expired before its prefill".into())
+            })?;
+        let msg = prefill_request(state, req, key, &reservation);
         match call(&state.channels, &target.address, msg, timeout).await {
             Ok(resp) => {
                 let first = resp.first_token.as_ref().ok_or_else(|| {
@@ -123,7 +138,7 @@ pub async fn run(
 fn prefill_request(
     state: &WorkerState,
     req: &v1::DecodeRequest,
-    id: u64,
+    key: ReservationKey,
     reservation: &ReservationInfo,
 ) -> v1::PrefillRequest {
     v1::PrefillRequest {
@@ -132,7 +147,7 @@ fn prefill_request(
         sampling: req.sampling.clone(),
         dest: Some(v1::KvDestination {
             transfer_address: state.advertise.clone(),
-            reservation_id: id,
+            reservation_id: key.to_wire(),
             block_ids: reservation.block_ids.clone(),
             cached_blocks: reservation.cached_blocks as u32,
             transport: v1::TransportKind::Grpc as i32,

@@ -5,12 +5,17 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use duet_decode_worker::{DecodeConfig, serve};
+use duet_engine::backend::{KvDtype, KvLayout};
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_model::params::SamplingParams;
 use duet_model::params::StopCriteria;
 use duet_proto::v1;
+use duet_transfer::grpc::GrpcTransport;
+use duet_transfer::{KvTransport, PushSpec, ReservationKey};
 use futures::StreamExt;
+use std::sync::{Arc, Mutex};
+use tonic::Status;
 
 fn tiny() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama")
@@ -56,6 +61,13 @@ async fn start() -> String {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     panic!("decode worker did not start");
+}
+
+async fn stats(url: &str) -> v1::StatsResponse {
+    let mut c = v1::worker_control_client::WorkerControlClient::connect(url.to_string())
+        .await
+        .unwrap();
+    c.stats(v1::StatsRequest {}).await.unwrap().into_inner()
 }
 
 fn prompt() -> Vec<u32> {
@@ -154,10 +166,7 @@ async fn dead_prefill_workers_fall_back_to_local_prefill() {
     assert!(t.prefill_local);
     assert_eq!(t.prefill_retries, 2);
     // Nothing is left reserved or running.
-    let mut c = v1::worker_control_client::WorkerControlClient::connect(url)
-        .await
-        .unwrap();
-    let s = c.stats(v1::StatsRequest {}).await.unwrap().into_inner();
+    let s = stats(&url).await;
     assert_eq!((s.reservations_outstanding, s.kv_blocks_used), (0, 0));
 }
 
@@ -169,7 +178,7 @@ async fn pushes_that_do_not_fit_are_refused() {
         .unwrap();
     let header = |fingerprint: &str| v1::KvChunk {
         kind: Some(v1::kv_chunk::Kind::Header(v1::KvHeader {
-            reservation_id: 999,
+            reservation_id: ReservationKey::random().to_wire(),
             model_fingerprint: fingerprint.into(),
             block_size: 4,
             num_layers: 2,
@@ -186,21 +195,149 @@ async fn pushes_that_do_not_fit_are_refused() {
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
     // The right fingerprint but no such reservation: not accepted.
-    let mut c = v1::worker_control_client::WorkerControlClient::connect(url)
-        .await
-        .unwrap();
-    let fp = c
-        .stats(v1::StatsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .model_fingerprint;
+    let fp = stats(&url).await.model_fingerprint;
     let ack = kv
         .push(futures::stream::iter(vec![header(&fp)]))
         .await
         .unwrap()
         .into_inner();
     assert!(!ack.accepted);
+}
+
+/// A prefill worker that, asked to prefill, forges pushes into the reservation it was given
+/// instead: as another worker, into the cached (shared prefix) blocks, and to a guessed
+/// reservation. It reports how each was answered and then fails, so the decode worker
+/// prefills locally.
+struct Forger {
+    wire: duet_transfer::KvWire,
+    answers: Arc<Mutex<Vec<Result<(), tonic::Code>>>>,
+}
+
+const FORGER: &str = "forger";
+
+impl Forger {
+    async fn push(
+        &self,
+        dest: &v1::KvDestination,
+        key: ReservationKey,
+        sender: &str,
+        blocks: std::ops::Range<usize>,
+        num_tokens: usize,
+    ) -> Result<(), tonic::Code> {
+        let open = GrpcTransport::default()
+            .open(
+                &self.wire,
+                PushSpec {
+                    address: dest.transfer_address.clone(),
+                    reservation_id: key,
+                    request_id: "forged".into(),
+                    blocks: blocks.clone(),
+                    num_tokens,
+                    sender_worker_id: sender.into(),
+                    timeout: Duration::from_secs(10),
+                },
+            )
+            .unwrap();
+        let mut sender = open.sender;
+        let block_bytes = self.wire.block_bytes();
+        for layer in 0..self.wire.layout.num_layers {
+            sender
+                .send_layer(layer, blocks.clone(), &mut |_, out| {
+                    out.extend(std::iter::repeat_n(0x7f, block_bytes));
+                    Ok(())
+                })
+                .unwrap();
+        }
+        sender.finish();
+        match open.acked.await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(Status::from(e).code()),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl v1::prefill_worker_server::PrefillWorker for Forger {
+    async fn prefill(
+        &self,
+        request: tonic::Request<v1::PrefillRequest>,
+    ) -> Result<tonic::Response<v1::PrefillResponse>, Status> {
+        let req = request.into_inner();
+        let dest = req.dest.unwrap();
+        let key = ReservationKey::from_wire(&dest.reservation_id).unwrap();
+        let (n, all) = (req.token_ids.len(), 0..dest.block_ids.len());
+        let uncached = dest.cached_blocks as usize..dest.block_ids.len();
+        let answers = vec![
+            self.push(&dest, key, FORGER, all, n).await,
+            self.push(&dest, key, "intruder", uncached.clone(), n).await,
+            self.push(&dest, ReservationKey::random(), FORGER, uncached, n)
+                .await,
+        ];
+        *self.answers.lock().unwrap() = answers;
+        Err(Status::unavailable("forged"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_pushes_are_refused_and_the_prefix_cache_stays_intact() {
+    let url = start().await;
+    let local = || v1::PrefillPlan {
+        local: true,
+        prefill_workers: vec![],
+    };
+    let (before, _) = collect(&url, request(local(), 8)).await;
+    assert_eq!(before, reference(&prompt(), 8));
+
+    let fingerprint = stats(&url).await.model_fingerprint;
+    let answers = Arc::new(Mutex::new(Vec::new()));
+    let forger = Forger {
+        wire: duet_transfer::KvWire {
+            fingerprint,
+            layout: KvLayout {
+                num_layers: 2,
+                num_kv_heads: 2,
+                head_dim: 16,
+                block_size: 4,
+                num_blocks: 256,
+                dtype: KvDtype::F32,
+            },
+        },
+        answers: answers.clone(),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let forger_addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(v1::prefill_worker_server::PrefillWorkerServer::new(forger))
+            .serve_with_incoming(duet_proto::incoming(listener)),
+    );
+    let plan = v1::PrefillPlan {
+        local: false,
+        prefill_workers: vec![v1::PrefillTarget {
+            worker_id: FORGER.into(),
+            address: forger_addr.to_string(),
+        }],
+    };
+    let (during, _) = collect(&url, request(plan, 8)).await;
+    let answers = answers.lock().unwrap().clone();
+    use tonic::Code::PermissionDenied;
+    assert_eq!(
+        answers,
+        [
+            Err(PermissionDenied),
+            Err(PermissionDenied),
+            Err(tonic::Code::Unavailable)
+        ],
+        "into cached blocks, by another worker, to a guessed reservation"
+    );
+    // The request sharing the prefix, and every later one, reads the cache as it was.
+    assert_eq!(during, before);
+    let (after, last) = collect(&url, request(local(), 8)).await;
+    assert_eq!(after, before);
+    assert!(
+        last.usage.unwrap().cached_prompt_tokens >= 20,
+        "the prefix was cached"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -222,11 +359,8 @@ async fn dropping_the_stream_frees_the_blocks() {
         .into_inner();
     stream.next().await.unwrap().unwrap();
     drop(stream);
-    let mut c = v1::worker_control_client::WorkerControlClient::connect(url)
-        .await
-        .unwrap();
     for _ in 0..100 {
-        let s = c.stats(v1::StatsRequest {}).await.unwrap().into_inner();
+        let s = stats(&url).await;
         if s.running_sequences == 0 && s.kv_blocks_used == 0 {
             return;
         }

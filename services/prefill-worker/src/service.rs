@@ -12,7 +12,7 @@ use duet_proto::v1::{
     KvDestination, PrefillRequest, PrefillResponse, StatsRequest, StatsResponse, TokenLogprobs,
     WorkerRole,
 };
-use duet_transfer::{KvTransport, PushSpec, Pushed};
+use duet_transfer::{KvTransport, PushSpec, Pushed, ReservationKey};
 use duet_worker::stats::Counters;
 use duet_worker::{EngineHandle, EngineInfo, Event, Identity, KvOut, Request, WorkerError};
 use tokio::sync::mpsc;
@@ -128,7 +128,7 @@ impl Inner {
             &info.wire,
             PushSpec {
                 address: dest.transfer_address.clone(),
-                reservation_id: dest.reservation_id,
+                reservation_id: ReservationKey::from_wire(&dest.reservation_id)?,
                 request_id: req.request_id.clone(),
                 blocks: first_block..n.div_ceil(info.wire.layout.block_size),
                 num_tokens: n,

@@ -27,6 +27,8 @@ use tonic::{Code, Request, Response, Status, Streaming};
 const BLOCK_SIZE: usize = 4;
 const PROMPT_LEN: usize = 37;
 const CACHED_BLOCKS: u32 = 3;
+/// The reservation the test's decode side hands out (any 16 bytes).
+const RESERVATION: [u8; 16] = *b"reservation-0042";
 
 fn fixture() -> PathBuf {
     PathBuf::from(concat!(
@@ -259,7 +261,7 @@ fn request(tokens: Vec<u32>, fingerprint: &str, transfer: SocketAddr) -> Prefill
         }),
         dest: Some(KvDestination {
             transfer_address: transfer.to_string(),
-            reservation_id: 42,
+            reservation_id: RESERVATION.to_vec(),
             // Deliberately not 0..n: indices in KvData are positions in this list.
             block_ids: (100..100 + n).collect(),
             cached_blocks: CACHED_BLOCKS,
@@ -293,7 +295,7 @@ fn same_valid_slots(a: &[u8], b: &[u8], valid: usize, kv_heads: usize, head_dim:
 fn check_push(p: &Pushed, r: &Reference, tokens: usize) {
     let h = p.header.as_ref().expect("a header");
     let blocks = tokens.div_ceil(BLOCK_SIZE) as u32;
-    assert_eq!(h.reservation_id, 42);
+    assert_eq!(h.reservation_id, RESERVATION);
     assert_eq!(h.request_id, "req-1");
     assert_eq!(h.model_fingerprint, r.fingerprint);
     assert_eq!(h.block_size as usize, BLOCK_SIZE);

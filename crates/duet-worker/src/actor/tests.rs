@@ -36,7 +36,7 @@ struct ScriptedEngine {
     next: SeqId,
     /// Prompt tokens computed per step and sequence.
     chunk: usize,
-    /// Prompt tokens every new sequence finds in the prefix cache.
+    /// Prompt tokens every new sequence or reservation finds in the prefix cache.
     cached: usize,
     fail_next_step: Option<EngineError>,
     written: Vec<(usize, u32, Vec<u8>)>,
@@ -184,7 +184,7 @@ impl ActorEngine for ScriptedEngine {
         let blocks = self.take_blocks(tokens.len())?;
         Ok(KvReservation {
             blocks: (0..blocks as u32).map(|b| 50 + b).collect(),
-            cached_blocks: 0,
+            cached_blocks: (self.cached / BLOCK_SIZE).min(blocks),
             num_tokens: tokens.len(),
             hash_seed: 0,
         })
@@ -476,13 +476,11 @@ fn a_reservation_takes_writes_then_activates_into_a_running_request() {
         })
     };
     reserve(&mut a, 7).unwrap();
-    assert_eq!(
-        ask(&mut a, |reply| Command::ReservationBlocks { id: 7, reply }),
-        Some(2)
-    );
+    let key = bind(&mut a, 7, "p").unwrap();
+    assert_eq!(writable(&mut a, key, "p").unwrap(), Some(0..2));
     let write = |a: &mut Actor<ScriptedEngine>, blocks: Range<usize>, payload: Vec<u8>| {
         ask(a, |reply| Command::WriteKv {
-            id: 7,
+            key,
             layer: 1,
             blocks,
             payload,
@@ -507,6 +505,68 @@ fn a_reservation_takes_writes_then_activates_into_a_running_request() {
     assert_eq!(a.published.get().reservations, 0);
 }
 
+fn bind(a: &mut Actor<ScriptedEngine>, id: RequestId, worker: &str) -> Option<ReservationKey> {
+    ask(a, |reply| Command::Bind {
+        id,
+        prefill_worker: worker.into(),
+        reply,
+    })
+}
+
+fn writable(
+    a: &mut Actor<ScriptedEngine>,
+    key: ReservationKey,
+    sender: &str,
+) -> Result<Option<Range<usize>>, TransferError> {
+    ask(a, |reply| Command::WritableBlocks {
+        key,
+        sender: sender.into(),
+        reply,
+    })
+}
+
+#[test]
+fn only_the_asked_prefill_worker_writes_and_only_past_the_cached_blocks() {
+    let mut a = actor(8);
+    a.engine.cached = 2 * BLOCK_SIZE;
+    let info = ask(&mut a, |reply| Command::Reserve {
+        id: 7,
+        tokens: vec![1; 4 * BLOCK_SIZE],
+        cache_salt: String::new(),
+        reply,
+    })
+    .unwrap();
+    assert_eq!((info.block_ids.len(), info.cached_blocks), (4, 2));
+    let first = bind(&mut a, 7, "p1").unwrap();
+    assert_eq!(writable(&mut a, first, "p1").unwrap(), Some(2..4));
+    let e = writable(&mut a, first, "intruder").unwrap_err();
+    assert!(matches!(e, TransferError::Forbidden(_)), "{e}");
+    let write = |a: &mut Actor<ScriptedEngine>, key, blocks: Range<usize>| {
+        ask(a, |reply| Command::WriteKv {
+            key,
+            layer: 0,
+            blocks,
+            payload: vec![9; 4],
+            reply,
+        })
+    };
+    let e = write(&mut a, first, 1..3).unwrap_err();
+    assert!(matches!(e, TransferError::Forbidden(_)), "{e}");
+    assert!(a.engine.written.is_empty(), "cached blocks untouched");
+    write(&mut a, first, 2..4).unwrap();
+
+    // A retry on another prefill worker: the first attempt's key no longer names anything.
+    let second = bind(&mut a, 7, "p2").unwrap();
+    assert_ne!(first, second);
+    assert_eq!(writable(&mut a, first, "p1").unwrap(), None);
+    let e = write(&mut a, first, 2..4).unwrap_err();
+    assert!(matches!(e, TransferError::ReservationGone(_)), "{e}");
+    assert_eq!(writable(&mut a, second, "p2").unwrap(), Some(2..4));
+    a.handle(Command::Cancel(7));
+    assert_eq!(writable(&mut a, second, "p2").unwrap(), None);
+    assert_eq!(bind(&mut a, 7, "p2"), None);
+}
+
 #[test]
 fn a_reservation_expires_after_its_lease() {
     let mut a = actor(8);
@@ -518,18 +578,16 @@ fn a_reservation_expires_after_its_lease() {
         reply: tx,
     });
     reply.try_recv().unwrap().unwrap();
+    let key = bind(&mut a, 7, "p").unwrap();
     assert!(
         a.next_expiry().is_some(),
         "an idle engine thread wakes for the lease"
     );
     a.turn(Instant::now() + LEASE + Duration::from_millis(1));
     assert_eq!(a.published.get().pool.free, NUM_BLOCKS, "blocks reclaimed");
-    assert_eq!(
-        ask(&mut a, |reply| Command::ReservationBlocks { id: 7, reply }),
-        None
-    );
+    assert_eq!(writable(&mut a, key, "p").unwrap(), None);
     let e = ask(&mut a, |reply| Command::WriteKv {
-        id: 7,
+        key,
         layer: 0,
         blocks: 0..1,
         payload: vec![0; 2],
