@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use duet_decode_worker::DecodeConfig;
 use duet_engine::engine::EngineOptions;
@@ -156,4 +157,33 @@ pub async fn generate(
         text,
         last.expect("a Generate stream ends with a final message"),
     ))
+}
+
+/// A worker's `WorkerControl/Stats`.
+pub async fn stats(addr: SocketAddr) -> v1::StatsResponse {
+    let mut c = v1::worker_control_client::WorkerControlClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    c.stats(v1::StatsRequest {}).await.unwrap().into_inner()
+}
+
+/// Waits until the decode worker runs nothing and neither worker holds a KV block or a
+/// reservation; panics with both workers' stats when that takes longer than `limit`.
+pub async fn wait_until_blocks_freed(decode: SocketAddr, prefill: SocketAddr, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let (d, p) = (stats(decode).await, stats(prefill).await);
+        if d.kv_blocks_used == 0
+            && d.running_sequences == 0
+            && d.reservations_outstanding == 0
+            && p.kv_blocks_used == 0
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "blocks still held after cancel: decode {d:?}, prefill {p:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -2,19 +2,11 @@
 //! killed mid-request (separate processes) is replaced by the next one or by local prefill
 //! without a hang; bad input through the whole cluster leaves it serving.
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use duet_proto::v1;
 use duet_tests::*;
 use futures::StreamExt;
-
-async fn stats(addr: SocketAddr) -> v1::StatsResponse {
-    let mut c = v1::worker_control_client::WorkerControlClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
-    c.stats(v1::StatsRequest {}).await.unwrap().into_inner()
-}
 
 /// On the default model: the tiny one generates its whole context in a few milliseconds, so the
 /// request could end before the test looks at it running.
@@ -36,22 +28,7 @@ fn cancelling_a_stream_frees_its_blocks_on_both_workers() {
             "the request holds decode blocks while it runs"
         );
         drop(stream);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let (d, p) = (stats(c.decode[0]).await, stats(c.prefill[0]).await);
-            if d.kv_blocks_used == 0
-                && d.running_sequences == 0
-                && d.reservations_outstanding == 0
-                && p.kv_blocks_used == 0
-            {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "blocks still held after cancel: decode {d:?}, prefill {p:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_until_blocks_freed(c.decode[0], c.prefill[0], Duration::from_secs(10)).await;
     });
 }
 

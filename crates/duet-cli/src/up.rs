@@ -20,6 +20,10 @@ pub struct UpArgs {
     /// Address the router listens on.
     #[arg(long, env = "DUET_ROUTER_LISTEN", default_value_t = RouterConfig::default().listen)]
     pub listen: SocketAddr,
+    /// Address of the router's OpenAI-compatible HTTP API (`/v1/chat/completions`, ...).
+    /// Unset: none.
+    #[arg(long, value_name = "ADDR", env = "DUET_HTTP_LISTEN")]
+    pub http_listen: Option<SocketAddr>,
     /// Number of prefill workers.
     #[arg(long, env = "DUET_PREFILL_WORKERS_COUNT", default_value_t = 1)]
     pub prefill_workers: usize,
@@ -51,6 +55,7 @@ pub fn run(args: UpArgs) -> Result<()> {
     let spec = ClusterSpec {
         router: RouterConfig {
             listen: args.listen,
+            http_listen: args.http_listen,
             routing: args.routing.clone(),
             ..RouterConfig::default()
         },
@@ -85,6 +90,9 @@ pub fn run(args: UpArgs) -> Result<()> {
         started.elapsed().as_secs_f64(),
         args.listen
     );
+    if let Some(http) = args.http_listen {
+        println!("OpenAI-compatible HTTP API on http://{http}/v1");
+    }
     if !args.exit_when_ready {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()

@@ -30,7 +30,7 @@ pub mod convert;
 pub mod serve;
 
 pub use channels::{Channels, channel};
-pub use serve::{Edge, EdgeOptions, MAX_MESSAGE_BYTES, deadline};
+pub use serve::{Edge, EdgeOptions, InFlightLimitLayer, MAX_MESSAGE_BYTES, Overloaded, deadline};
 
 /// `KvHeader.layout` of a KV push: per (layer, block), K then V, each
 /// `[kv_head][slot][head_dim]`, little-endian values of `KvHeader.dtype`.

@@ -120,7 +120,16 @@ where
     }
 }
 
+/// A call refused because the service already has its limit of calls in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("overloaded: {limit} calls are already in flight; retry later")]
+pub struct Overloaded {
+    pub limit: usize,
+}
+
 /// Limits the calls in flight; the excess is refused at once (load shedding), never queued.
+/// Clones share one limit, so another front of the same service (the router's HTTP API) can
+/// admit its calls against it with [`InFlightLimitLayer::try_admit`].
 #[derive(Clone, Debug)]
 pub struct InFlightLimitLayer {
     permits: Arc<Semaphore>,
@@ -134,6 +143,14 @@ impl InFlightLimitLayer {
             limit,
         }
     }
+
+    /// Admits one call, counted until the permit drops.
+    pub fn try_admit(&self) -> Result<OwnedSemaphorePermit, Overloaded> {
+        self.permits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Overloaded { limit: self.limit })
+    }
 }
 
 impl<S> Layer<S> for InFlightLimitLayer {
@@ -142,8 +159,7 @@ impl<S> Layer<S> for InFlightLimitLayer {
     fn layer(&self, inner: S) -> Self::Service {
         InFlightLimit {
             inner,
-            permits: self.permits.clone(),
-            limit: self.limit,
+            limit: self.clone(),
         }
     }
 }
@@ -151,8 +167,7 @@ impl<S> Layer<S> for InFlightLimitLayer {
 #[derive(Clone, Debug)]
 pub struct InFlightLimit<S> {
     inner: S,
-    permits: Arc<Semaphore>,
-    limit: usize,
+    limit: InFlightLimitLayer,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -174,12 +189,12 @@ where
         if is_infrastructure(request.uri().path()) {
             return Box::pin(self.inner.call(request));
         }
-        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
-            let status = tonic::Status::resource_exhausted(format!(
-                "overloaded: {} calls are already in flight; retry later",
-                self.limit
-            ));
-            return Box::pin(std::future::ready(Ok(status.into_http())));
+        let permit = match self.limit.try_admit() {
+            Ok(permit) => permit,
+            Err(overloaded) => {
+                let status = tonic::Status::resource_exhausted(overloaded.to_string());
+                return Box::pin(std::future::ready(Ok(status.into_http())));
+            }
         };
         let response = self.inner.call(request);
         Box::pin(async move {
@@ -224,6 +239,7 @@ impl http_body::Body for HoldPermit {
 /// A service's gRPC edge: the services it serves, with health and reflection added for them.
 pub struct Edge {
     options: EdgeOptions,
+    limit: InFlightLimitLayer,
     routes: RoutesBuilder,
     names: Vec<&'static str>,
 }
@@ -232,9 +248,15 @@ impl Edge {
     pub fn new(options: EdgeOptions) -> Self {
         Self {
             options,
+            limit: InFlightLimitLayer::new(options.max_in_flight),
             routes: RoutesBuilder::default(),
             names: Vec::new(),
         }
+    }
+
+    /// The edge's limit on calls in flight, for another front of the same service to share.
+    pub fn in_flight_limit(&self) -> InFlightLimitLayer {
+        self.limit.clone()
     }
 
     /// Adds a service (a generated `…Server`, already given its message-size limits).
@@ -275,7 +297,7 @@ impl Edge {
             .layer(DeadlineLayer {
                 default: self.options.default_deadline,
             })
-            .layer(InFlightLimitLayer::new(self.options.max_in_flight))
+            .layer(self.limit)
             .add_routes(self.routes.routes())
             .serve_with_incoming_shutdown(crate::incoming(listener), shutdown)
             .await

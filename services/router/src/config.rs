@@ -14,6 +14,11 @@ pub struct RouterConfig {
     #[arg(long, env = "DUET_ROUTER_LISTEN", default_value_t = RouterConfig::default().listen)]
     pub listen: SocketAddr,
 
+    /// Address to serve the OpenAI-compatible HTTP API on (`/v1/completions`,
+    /// `/v1/chat/completions`, `/v1/models`, `/health`, `/live`). Unset: no HTTP API.
+    #[arg(long, value_name = "ADDR", env = "DUET_HTTP_LISTEN")]
+    pub http_listen: Option<SocketAddr>,
+
     /// A prefill worker's gRPC address (host:port). Repeat the flag, or give a comma-separated
     /// list in the environment variable.
     #[arg(
@@ -47,6 +52,7 @@ impl Default for RouterConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            http_listen: None,
             prefill: Vec::new(),
             decode: Vec::new(),
             model: ModelArgs::default(),
@@ -61,12 +67,14 @@ impl RouterConfig {
     pub fn to_args(&self) -> Vec<OsString> {
         let Self {
             listen,
+            http_listen,
             prefill,
             decode,
             model,
             routing,
         } = self;
         let mut args = vec![OsString::from(format!("--listen={listen}"))];
+        args.extend(http_listen.map(|a| format!("--http-listen={a}").into()));
         args.extend(prefill.iter().map(|a| format!("--prefill={a}").into()));
         args.extend(decode.iter().map(|a| format!("--decode={a}").into()));
         args.extend(model.to_args());
@@ -175,6 +183,7 @@ mod tests {
         assert_eq!(c.decode, ["a:1", "b:2", "c:3"]);
         assert_eq!(c.prefill, ["p:1"]);
         assert_eq!(c.listen.to_string(), "127.0.0.1:50051");
+        assert_eq!(c.http_listen, None);
         assert_eq!(
             c.model.model.as_deref(),
             Some(std::path::Path::new("m.gguf"))
@@ -196,6 +205,7 @@ mod tests {
     fn to_args_parses_back_to_the_same_config() {
         let c = RouterConfig {
             listen: "0.0.0.0:7001".parse().unwrap(),
+            http_listen: Some("0.0.0.0:7002".parse().unwrap()),
             prefill: vec!["p:1".into(), "p:2".into()],
             decode: vec!["d:1".into()],
             model: ModelArgs {

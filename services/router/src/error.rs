@@ -1,4 +1,5 @@
-//! The router's errors and their gRPC status codes (the one place that maps them).
+//! The router's errors and their gRPC status codes (the one place that maps them; the HTTP
+//! front maps these codes once more, to HTTP statuses, in `http.rs`).
 
 use std::time::Duration;
 
@@ -22,6 +23,9 @@ pub enum RouterError {
         last: String,
         last_code: Code,
     },
+    /// The router already has its limit of requests in flight: RESOURCE_EXHAUSTED.
+    #[error(transparent)]
+    Overloaded(#[from] duet_proto::Overloaded),
     /// The request's deadline passed: DEADLINE_EXCEEDED.
     #[error("deadline exceeded after {0:?}")]
     DeadlineExceeded(Duration),
@@ -42,6 +46,7 @@ impl RouterError {
         match self {
             RouterError::Invalid(_) => Code::InvalidArgument,
             RouterError::NoDecodeWorker(_) => Code::Unavailable,
+            RouterError::Overloaded(_) => Code::ResourceExhausted,
             RouterError::AllDecodeWorkersFailed { last_code, .. } => match last_code {
                 Code::ResourceExhausted => Code::ResourceExhausted,
                 _ => Code::Unavailable,

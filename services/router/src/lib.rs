@@ -4,13 +4,16 @@
 //! template), picks a decode worker and a prefill plan from the workers' polled health and
 //! stats, relays the decode worker's token stream to the client, and fails over to another
 //! decode worker when one dies mid-stream. Health (`grpc.health.v1`) and server reflection
-//! (v1 and v1alpha) are served on the same port.
+//! (v1 and v1alpha) are served on the same port; the OpenAI-compatible HTTP API ([`http`]) on
+//! its own (`--http-listen`), over the same core.
 //!
 //! [`serve`] runs it on a listener until a shutdown future resolves, so `duet up` and tests can
 //! run it in-process; `main.rs` is a thin command around it.
 
 pub mod config;
 pub mod error;
+pub mod http;
+pub mod openai;
 mod relay;
 pub mod routing;
 pub mod service;
@@ -96,13 +99,36 @@ pub async fn serve(
         prefill_workers = state.pools.prefill.len(),
         "router serving"
     );
+    let request_timeout = Duration::from_millis(config.routing.request_timeout_ms.max(1));
     let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
-        default_deadline: Duration::from_millis(config.routing.request_timeout_ms.max(1)),
+        default_deadline: request_timeout,
         max_in_flight: config.routing.max_queued_requests,
     });
+    let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
+    let http = match config.http_listen {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for HTTP on {addr}"))?;
+            tracing::info!(addr = %addr, "OpenAI-compatible HTTP API serving");
+            let front = Arc::new(http::HttpFront {
+                state: state.clone(),
+                limit: edge.in_flight_limit(),
+                request_timeout,
+            });
+            let app = http::app(front, config.routing.max_request_bytes);
+            Some(tokio::spawn(http::serve(app, listener, shutdown.clone())))
+        }
+        None => None,
+    };
     let result = edge.service(generation).serve(listener, shutdown).await;
     for p in pollers {
         p.abort();
+    }
+    if let Some(http) = http {
+        http.await
+            .context("the HTTP front panicked")?
+            .context("HTTP server failed")?;
     }
     result.context("router server failed")
 }

@@ -27,7 +27,7 @@ pub(crate) struct Job {
 }
 
 /// A message for the client's stream (an error ends it).
-pub(crate) type Item = Result<v1::GenerateResponse, Status>;
+pub(crate) type Item = Result<v1::GenerateResponse, RouterError>;
 
 /// Drives one request until it finishes, fails, passes its deadline or the client leaves.
 pub(crate) async fn relay(state: Arc<RouterState>, job: Job, tx: mpsc::Sender<Item>) {
@@ -42,7 +42,7 @@ pub(crate) async fn relay(state: Arc<RouterState>, job: Job, tx: mpsc::Sender<It
     };
     if let Err(e) = result {
         tracing::info!(request_id = %job.request_id, error = %e, "request failed");
-        let _ = tx.send(Err(e.into())).await;
+        let _ = tx.send(Err(e)).await;
     }
 }
 
@@ -97,6 +97,11 @@ async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<
             Attempt::Done => return Ok(()),
             Attempt::Failed(status) => status,
         };
+        // A call cut short by the request's own deadline failed the request, not the worker
+        // (tonic reports its client-side timeout as CANCELLED).
+        if Instant::now() >= job.deadline {
+            return Err(RouterError::DeadlineExceeded(job.deadline - job.start));
+        }
         if !is_retryable(&failure) {
             return Err(RouterError::Worker {
                 worker: worker_id,

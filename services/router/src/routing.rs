@@ -401,6 +401,17 @@ impl Pools {
             .any(|w| Self::routable(w, &fingerprint).is_some())
     }
 
+    /// How many (prefill, decode) workers are routable now.
+    pub fn routable_counts(&self) -> (usize, usize) {
+        let fingerprint = self.fingerprint();
+        let count = |pool: &[Arc<Worker>]| {
+            pool.iter()
+                .filter(|w| Self::routable(w, &fingerprint).is_some())
+                .count()
+        };
+        (count(&self.prefill), count(&self.decode))
+    }
+
     /// The workers as `Info` describes them.
     pub fn infos(&self) -> (Vec<v1::WorkerInfo>, Vec<v1::WorkerInfo>) {
         let fingerprint = self.fingerprint();

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use duet_proto::v1;
 use duet_proto::v1::generation_server::Generation;
+use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -36,7 +37,45 @@ pub struct RouterState {
     pub local_prefill_threshold: u32,
 }
 
+/// One admitted request's messages, in order; an error ends them. Dropping it cancels the
+/// request on every worker.
+pub(crate) type Messages = mpsc::Receiver<Item>;
+
 impl RouterState {
+    /// Validates a request and starts relaying it (the core of `Generate`, `Complete` and the
+    /// HTTP API). The caller admitted it against the in-flight limit.
+    pub(crate) fn start(
+        self: &Arc<Self>,
+        req: v1::GenerateRequest,
+        deadline: Instant,
+    ) -> Result<Messages, RouterError> {
+        let start = Instant::now();
+        let valid = self.model.validate(&req, random_u64)?;
+        if !self.pools.any_decode_routable() {
+            return Err(RouterError::NoDecodeWorker(None));
+        }
+        let request_id = if req.request_id.is_empty() {
+            format!("req-{:016x}", random_u64())
+        } else {
+            req.request_id
+        };
+        let job = Job {
+            request_id,
+            valid,
+            start,
+            deadline,
+        };
+        tracing::debug!(
+            request_id = %job.request_id,
+            prompt_tokens = job.valid.prompt.len(),
+            max_tokens = job.valid.sampling.max_tokens,
+            "admitted"
+        );
+        let (tx, rx) = mpsc::channel(RELAY_BUFFER);
+        tokio::spawn(relay::relay(self.clone(), job, tx));
+        Ok(rx)
+    }
+
     pub fn new(
         model: PromptModel,
         model_name: String,
@@ -64,75 +103,52 @@ impl GenerationService {
     }
 }
 
-impl GenerationService {
-    /// Validates and admits a request and starts relaying it; the receiver yields the client's
-    /// messages (an error ends it).
-    fn start(
-        &self,
-        req: Request<v1::GenerateRequest>,
-    ) -> Result<mpsc::Receiver<Item>, RouterError> {
-        let start = Instant::now();
-        let deadline = duet_proto::deadline(&req);
-        let req = req.into_inner();
-        let valid = self.state.model.validate(&req, random_u64)?;
-        if !self.state.pools.any_decode_routable() {
-            return Err(RouterError::NoDecodeWorker(None));
+/// A whole generation in one message (`Complete`, and the HTTP API's non-streaming calls).
+pub(crate) async fn gather(mut rx: Messages) -> Result<v1::GenerateResponse, RouterError> {
+    let mut whole = v1::GenerateResponse::default();
+    while let Some(item) = rx.recv().await {
+        let m = item?;
+        whole.request_id = m.request_id;
+        whole.text.push_str(&m.text);
+        whole.token_ids.extend(m.token_ids);
+        whole.logprobs.extend(m.logprobs);
+        if m.finish_reason != v1::FinishReason::Unspecified as i32 {
+            whole.finish_reason = m.finish_reason;
+            whole.usage = m.usage;
+            whole.timings = m.timings;
+            return Ok(whole);
         }
-        let request_id = if req.request_id.is_empty() {
-            format!("req-{:016x}", random_u64())
-        } else {
-            req.request_id
-        };
-        let job = Job {
-            request_id,
-            valid,
-            start,
-            deadline,
-        };
-        tracing::debug!(
-            request_id = %job.request_id,
-            prompt_tokens = job.valid.prompt.len(),
-            max_tokens = job.valid.sampling.max_tokens,
-            "admitted"
-        );
-        let (tx, rx) = mpsc::channel(RELAY_BUFFER);
-        tokio::spawn(relay::relay(self.state.clone(), job, tx));
-        Ok(rx)
     }
+    Err(RouterError::Internal(
+        "the generation ended without a final message".into(),
+    ))
 }
 
 #[tonic::async_trait]
 impl Generation for GenerationService {
-    type GenerateStream = ReceiverStream<Item>;
+    type GenerateStream = futures::stream::Map<
+        ReceiverStream<Item>,
+        fn(Item) -> Result<v1::GenerateResponse, Status>,
+    >;
 
     async fn generate(
         &self,
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let rx = self.start(request)?;
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let deadline = duet_proto::deadline(&request);
+        let rx = self.state.start(request.into_inner(), deadline)?;
+        let stream: fn(Item) -> Result<v1::GenerateResponse, Status> =
+            |item| item.map_err(Status::from);
+        Ok(Response::new(ReceiverStream::new(rx).map(stream)))
     }
 
     async fn complete(
         &self,
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<v1::GenerateResponse>, Status> {
-        let mut rx = self.start(request)?;
-        let mut whole = v1::GenerateResponse::default();
-        while let Some(item) = rx.recv().await {
-            let m = item?;
-            whole.request_id = m.request_id;
-            whole.text.push_str(&m.text);
-            whole.token_ids.extend(m.token_ids);
-            whole.logprobs.extend(m.logprobs);
-            if m.finish_reason != v1::FinishReason::Unspecified as i32 {
-                whole.finish_reason = m.finish_reason;
-                whole.usage = m.usage;
-                whole.timings = m.timings;
-                return Ok(Response::new(whole));
-            }
-        }
-        Err(RouterError::Internal("the generation ended without a final message".into()).into())
+        let deadline = duet_proto::deadline(&request);
+        let rx = self.state.start(request.into_inner(), deadline)?;
+        Ok(Response::new(gather(rx).await?))
     }
 
     async fn tokenize(

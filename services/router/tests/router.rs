@@ -180,6 +180,7 @@ fn model_dir() -> PathBuf {
 fn config(decode: Vec<String>, max_queued: usize) -> RouterConfig {
     RouterConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
+        http_listen: None,
         prefill: vec![],
         decode,
         model: ModelArgs {

@@ -1,0 +1,564 @@
+//! OpenAI's wire format: the request and response bodies of `/v1/completions`,
+//! `/v1/chat/completions` and `/v1/models`, the error envelope, and the conversions between
+//! them and `duet.v1` messages. Nothing here serves or routes (that is `http.rs`); a request
+//! becomes a `GenerateRequest` and the router core validates it as it validates a gRPC call.
+
+use duet_model::tokenizer::Tokenizer;
+use duet_proto::v1;
+use serde::{Deserialize, Serialize};
+
+/// A request the OpenAI front refuses before it reaches the router core (the core's own checks
+/// cover the rest): answered 400, or 404 for a model this router does not serve.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenAiError {
+    #[error("{message}")]
+    Invalid {
+        param: &'static str,
+        message: String,
+    },
+    #[error("the model `{asked}` does not exist; this server serves `{served}`")]
+    UnknownModel { asked: String, served: String },
+}
+
+fn invalid(param: &'static str, message: impl Into<String>) -> OpenAiError {
+    OpenAiError::Invalid {
+        param,
+        message: message.into(),
+    }
+}
+
+/// `stream_options`.
+#[derive(Clone, Copy, Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send one more chunk before `[DONE]` with the request's `usage` (and no choices).
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// `prompt` of `/v1/completions`: text or token ids, alone or in a batch (a batch must hold
+/// exactly one prompt: `n` and batches are 1 here).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// What both endpoints share: sampling, limits, stop conditions, streaming. duet's own
+/// sampling fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`) are accepted as vLLM
+/// accepts them.
+#[derive(Debug, Default, Deserialize)]
+pub struct Common {
+    pub model: String,
+    pub max_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub n: Option<u32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub top_k: Option<i32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Tenant isolation of the prefix cache (duet's `cache_salt`).
+    #[serde(default)]
+    pub cache_salt: String,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    /// Alternatives per generated token (0..=20 here; OpenAI allows 5).
+    pub logprobs: Option<u32>,
+    #[serde(default)]
+    pub echo: bool,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// One part of a message's content; only text parts are served.
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    /// Newer name of `max_tokens`; wins when both are set.
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<u32>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// What the HTTP front needs to answer a request once the core accepted it.
+#[derive(Clone, Copy, Debug)]
+pub struct Answer {
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Alternatives to show per token (`None`: no logprobs).
+    pub top_logprobs: Option<u32>,
+}
+
+impl Common {
+    /// Checks what the core does not know about (model, `n`) and fills the shared fields of
+    /// `req`.
+    fn apply(&self, served: &str, req: &mut v1::GenerateRequest) -> Result<(), OpenAiError> {
+        if self.model != served {
+            return Err(OpenAiError::UnknownModel {
+                asked: self.model.clone(),
+                served: served.to_string(),
+            });
+        }
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return Err(invalid(
+                "n",
+                format!("n must be 1 (one choice per request), got {n}"),
+            ));
+        }
+        if self.stream_options.is_some() && !self.stream {
+            return Err(invalid(
+                "stream_options",
+                "stream_options is only allowed when stream is true",
+            ));
+        }
+        req.temperature = self.temperature;
+        req.top_p = self.top_p;
+        // OpenAI's seed is a signed integer; every value names one sampler stream.
+        req.seed = self.seed.map(|s| s as u64);
+        req.stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        req.presence_penalty = self.presence_penalty;
+        req.frequency_penalty = self.frequency_penalty;
+        req.top_k = self.top_k.unwrap_or(0);
+        req.min_p = self.min_p;
+        req.repetition_penalty = self.repetition_penalty;
+        req.ignore_eos = self.ignore_eos;
+        req.cache_salt = self.cache_salt.clone();
+        Ok(())
+    }
+
+    fn answer(&self, top_logprobs: Option<u32>) -> Answer {
+        Answer {
+            stream: self.stream,
+            include_usage: self.stream_options.is_some_and(|o| o.include_usage),
+            top_logprobs,
+        }
+    }
+}
+
+impl CompletionRequest {
+    /// The request as the router core takes it.
+    pub fn to_generate(&self, served: &str) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
+        let mut req = v1::GenerateRequest::default();
+        self.common.apply(served, &mut req)?;
+        if self.echo {
+            return Err(invalid("echo", "echo is not supported"));
+        }
+        let one = |n: usize| {
+            if n == 1 {
+                Ok(())
+            } else {
+                Err(invalid(
+                    "prompt",
+                    format!("exactly one prompt per request is supported, got {n}"),
+                ))
+            }
+        };
+        match &self.prompt {
+            Prompt::Text(t) => req.prompt = t.clone(),
+            Prompt::Texts(v) => {
+                one(v.len())?;
+                req.prompt = v[0].clone();
+            }
+            Prompt::Tokens(ids) => req.token_ids = ids.clone(),
+            Prompt::TokenLists(v) => {
+                one(v.len())?;
+                req.token_ids = v[0].clone();
+            }
+        }
+        req.max_tokens = self.common.max_tokens;
+        req.logprobs = self.logprobs.unwrap_or(0);
+        let top = self.logprobs.filter(|&n| n > 0);
+        Ok((req, self.common.answer(top)))
+    }
+}
+
+impl ChatRequest {
+    /// The request as the router core takes it.
+    pub fn to_generate(&self, served: &str) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
+        let mut req = v1::GenerateRequest::default();
+        self.common.apply(served, &mut req)?;
+        if self.messages.is_empty() {
+            return Err(invalid("messages", "messages must not be empty"));
+        }
+        req.messages = self
+            .messages
+            .iter()
+            .map(|m| {
+                Ok(v1::ChatMessage {
+                    role: m.role.clone(),
+                    content: text_of(m.content.as_ref())?,
+                })
+            })
+            .collect::<Result<_, OpenAiError>>()?;
+        req.max_tokens = self.max_completion_tokens.or(self.common.max_tokens);
+        let top = match (self.logprobs, self.top_logprobs) {
+            (false, Some(_)) => {
+                return Err(invalid(
+                    "top_logprobs",
+                    "top_logprobs requires logprobs to be true",
+                ));
+            }
+            (false, None) => None,
+            (true, n) => Some(n.unwrap_or(0)),
+        };
+        // The core reports a token's own logprob only with at least one alternative; extra
+        // alternatives are dropped when answering.
+        req.logprobs = top.map_or(0, |n| n.max(1));
+        Ok((req, self.common.answer(top)))
+    }
+}
+
+fn text_of(content: Option<&Content>) -> Result<String, OpenAiError> {
+    match content {
+        None => Ok(String::new()),
+        Some(Content::Text(t)) => Ok(t.clone()),
+        Some(Content::Parts(parts)) => parts
+            .iter()
+            .map(|p| match (p.kind.as_str(), &p.text) {
+                ("text", Some(t)) => Ok(t.as_str()),
+                (kind, _) => Err(invalid(
+                    "messages",
+                    format!("content parts of type `{kind}` are not supported (text only)"),
+                )),
+            })
+            .collect(),
+    }
+}
+
+/// `usage`, with the prompt tokens served from the prefix cache.
+#[derive(Clone, Debug, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
+}
+
+impl From<&v1::Usage> for Usage {
+    fn from(u: &v1::Usage) -> Self {
+        Usage {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            total_tokens: u.prompt_tokens + u.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: u.cached_prompt_tokens,
+            },
+        }
+    }
+}
+
+/// `finish_reason` of a message: `None` until the last one.
+pub fn finish_reason(m: &v1::GenerateResponse) -> Option<&'static str> {
+    match v1::FinishReason::try_from(m.finish_reason).unwrap_or_default() {
+        v1::FinishReason::Unspecified => None,
+        v1::FinishReason::Stop => Some("stop"),
+        v1::FinishReason::Length => Some("length"),
+        v1::FinishReason::Aborted => Some("abort"),
+    }
+}
+
+/// `logprobs` of a `/v1/completions` choice.
+#[derive(Debug, Default, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl CompletionLogprobs {
+    pub fn new(tokenizer: &Tokenizer, logprobs: &[v1::TokenLogprobs], top: u32) -> Self {
+        let mut out = Self::default();
+        for l in logprobs {
+            out.tokens.push(token_text(tokenizer, l.token_id));
+            out.token_logprobs.push(l.logprob);
+            out.top_logprobs.push(
+                l.top
+                    .iter()
+                    .take(top as usize)
+                    .map(|t| (token_text(tokenizer, t.token_id), t.logprob.into()))
+                    .collect(),
+            );
+        }
+        out
+    }
+}
+
+/// One token as `/v1/chat/completions` reports its logprob.
+#[derive(Debug, Serialize)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_logprobs: Option<Vec<TokenLogprob>>,
+}
+
+/// `logprobs` of a chat choice.
+#[derive(Debug, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<TokenLogprob>,
+}
+
+impl ChatLogprobs {
+    pub fn new(tokenizer: &Tokenizer, logprobs: &[v1::TokenLogprobs], top: u32) -> Self {
+        let entry = |id: u32, logprob: f32, top_logprobs| {
+            let token = token_text(tokenizer, id);
+            TokenLogprob {
+                bytes: token.as_bytes().to_vec(),
+                token,
+                logprob,
+                top_logprobs,
+            }
+        };
+        ChatLogprobs {
+            content: logprobs
+                .iter()
+                .map(|l| {
+                    let alternatives = l
+                        .top
+                        .iter()
+                        .take(top as usize)
+                        .map(|t| entry(t.token_id, t.logprob, None))
+                        .collect();
+                    entry(l.token_id, l.logprob, Some(alternatives))
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A token's text on its own (special tokens included, as OpenAI shows them).
+fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
+    tokenizer.decode(&[id], false).unwrap_or_default()
+}
+
+#[derive(Debug, Serialize)]
+pub struct CompletionChoice {
+    pub index: u32,
+    pub text: String,
+    pub finish_reason: Option<&'static str>,
+    pub logprobs: Option<CompletionLogprobs>,
+}
+
+/// A `/v1/completions` answer, or one chunk of its stream (`object` says which).
+#[derive(Debug, Serialize)]
+pub struct Completion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct ChatMessageOut {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatChoice {
+    pub index: u32,
+    /// The whole answer (`chat.completion`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<ChatMessageOut>,
+    /// What this chunk adds (`chat.completion.chunk`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta: Option<ChatMessageOut>,
+    pub finish_reason: Option<&'static str>,
+    pub logprobs: Option<ChatLogprobs>,
+}
+
+/// A `/v1/chat/completions` answer, or one chunk of its stream.
+#[derive(Debug, Serialize)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+}
+
+/// OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Serialize)]
+pub struct ErrorEnvelope {
+    pub error: ErrorBody,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ErrorBody {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(json: &str) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
+        serde_json::from_str::<ChatRequest>(json)
+            .unwrap()
+            .to_generate("m")
+    }
+
+    fn completion(json: &str) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
+        serde_json::from_str::<CompletionRequest>(json)
+            .unwrap()
+            .to_generate("m")
+    }
+
+    #[test]
+    fn chat_fields_become_the_generate_request() {
+        let (r, a) = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"be brief"},
+                {"role":"user","content":[{"type":"text","text":"Hi"},{"type":"text","text":"!"}]}],
+                "max_tokens":5,"max_completion_tokens":7,"temperature":0,"top_p":0.5,"seed":-1,
+                "stop":"x","n":1,"logprobs":true,"top_logprobs":0,"stream":true,
+                "stream_options":{"include_usage":true},"user":"ignored"}"#,
+        )
+        .unwrap();
+        assert_eq!(r.messages.len(), 2);
+        assert_eq!(r.messages[1].content, "Hi!");
+        assert_eq!(r.max_tokens, Some(7));
+        assert_eq!((r.temperature, r.top_p), (Some(0.0), Some(0.5)));
+        assert_eq!(r.seed, Some(u64::MAX));
+        assert_eq!(r.stop, ["x"]);
+        // The token's own logprob needs one alternative from the core; none is shown.
+        assert_eq!(r.logprobs, 1);
+        assert!(a.stream && a.include_usage);
+        assert_eq!(a.top_logprobs, Some(0));
+    }
+
+    #[test]
+    fn completion_prompts_in_every_form() {
+        let (r, a) = completion(r#"{"model":"m","prompt":"Hello","stop":["a","b"]}"#).unwrap();
+        assert_eq!((r.prompt.as_str(), r.stop.len()), ("Hello", 2));
+        assert!(!a.stream && a.top_logprobs.is_none());
+        let (r, _) = completion(r#"{"model":"m","prompt":["Hey"]}"#).unwrap();
+        assert_eq!(r.prompt, "Hey");
+        let (r, _) = completion(r#"{"model":"m","prompt":[1,2,3],"logprobs":2}"#).unwrap();
+        assert_eq!((r.token_ids, r.logprobs), (vec![1, 2, 3], 2));
+        let (r, _) = completion(r#"{"model":"m","prompt":[[4,5]]}"#).unwrap();
+        assert_eq!(r.token_ids, [4, 5]);
+    }
+
+    #[test]
+    fn what_the_front_refuses_names_the_field() {
+        let param = |r: Result<_, OpenAiError>| match r {
+            Err(OpenAiError::Invalid { param, .. }) => param,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(param(chat(r#"{"model":"m","messages":[],"n":2}"#)), "n");
+        assert_eq!(param(chat(r#"{"model":"m","messages":[]}"#)), "messages");
+        assert_eq!(
+            param(chat(
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_logprobs":2}"#
+            )),
+            "top_logprobs"
+        );
+        assert_eq!(
+            param(chat(
+                r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#
+            )),
+            "messages"
+        );
+        assert_eq!(
+            param(completion(r#"{"model":"m","prompt":["a","b"]}"#)),
+            "prompt"
+        );
+        assert_eq!(
+            param(completion(r#"{"model":"m","prompt":"a","echo":true}"#)),
+            "echo"
+        );
+        assert_eq!(
+            param(completion(
+                r#"{"model":"m","prompt":"a","stream_options":{"include_usage":true}}"#
+            )),
+            "stream_options"
+        );
+        assert!(matches!(
+            completion(r#"{"model":"other","prompt":"a"}"#),
+            Err(OpenAiError::UnknownModel { .. })
+        ));
+    }
+}

@@ -1,0 +1,185 @@
+"""The router's OpenAI-compatible HTTP API seen through the official `openai` Python client.
+
+Run by tests/tests/openai.rs against routers it starts on loopback; exits non-zero (an
+AssertionError or the client's own exception) on the first thing that is not as a user of the
+client expects. Arguments (JSON on stdin):
+  url, limited_url (no request admitted), deadline_url (1 ms deadline), down_url (no worker up),
+  model, completion_prompt, completion_text, chat_messages, chat_text, max_tokens,
+  max_request_bytes (the router's body limit)
+where completion_text / chat_text are the gRPC `Complete` answers for the same greedy requests.
+"""
+
+import json
+import sys
+import urllib.error
+import urllib.request
+
+import openai
+
+args = json.load(sys.stdin)
+model = args["model"]
+max_tokens = args["max_tokens"]
+
+
+def client(url):
+    # No retries: the error cases must be seen as they are answered.
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+main = client(args["url"])
+
+
+def check_usage(usage, completion_tokens):
+    assert usage.completion_tokens == completion_tokens, usage
+    assert usage.prompt_tokens > 0, usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens, usage
+    assert usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens, usage
+    return usage
+
+
+# Models.
+models = main.models.list()
+assert [m.id for m in models.data] == [model], models
+
+# Completions, whole: greedy text equals gRPC Complete.
+whole = main.completions.create(
+    model=model, prompt=args["completion_prompt"], max_tokens=max_tokens, temperature=0
+)
+assert whole.object == "text_completion", whole
+assert whole.choices[0].text == args["completion_text"], (whole.choices[0].text, args)
+assert whole.choices[0].finish_reason in ("stop", "length"), whole
+check_usage(whole.usage, whole.usage.completion_tokens)
+
+# Completions, streamed, with usage: the chunks add up to the same text.
+chunks = list(
+    main.completions.create(
+        model=model,
+        prompt=args["completion_prompt"],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+)
+text = "".join(c.choices[0].text for c in chunks if c.choices)
+assert text == args["completion_text"], (text, args)
+assert chunks[-1].choices == [] and chunks[-1].usage is not None, chunks[-1]
+assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == whole.choices[0].finish_reason
+check_usage(chunks[-1].usage, whole.usage.completion_tokens)
+
+# Completions with logprobs: one entry per token, the asked number of alternatives.
+lp = main.completions.create(
+    model=model, prompt=args["completion_prompt"], max_tokens=4, temperature=0, logprobs=3
+)
+logprobs = lp.choices[0].logprobs
+assert len(logprobs.tokens) == lp.usage.completion_tokens, logprobs
+assert all(len(t) == 3 for t in logprobs.top_logprobs), logprobs
+assert all(x <= 0 for x in logprobs.token_logprobs), logprobs
+
+# Chat, whole, twice: the second finds its prompt's prefix cached.
+chat_args = dict(model=model, messages=args["chat_messages"], max_tokens=max_tokens, temperature=0)
+first = main.chat.completions.create(**chat_args)
+assert first.object == "chat.completion", first
+assert first.choices[0].message.role == "assistant", first
+assert first.choices[0].message.content == args["chat_text"], (first, args)
+again = main.chat.completions.create(**chat_args)
+assert again.choices[0].message.content == args["chat_text"], again
+assert check_usage(again.usage, first.usage.completion_tokens).prompt_tokens_details.cached_tokens > 0, again.usage
+
+# Chat, streamed: role first, then the text; no usage chunk unless asked for.
+chunks = list(main.chat.completions.create(stream=True, **chat_args))
+assert chunks[0].choices[0].delta.role == "assistant", chunks[0]
+assert "".join(c.choices[0].delta.content or "" for c in chunks) == args["chat_text"], chunks
+assert chunks[-1].choices[0].finish_reason == first.choices[0].finish_reason, chunks[-1]
+assert all(c.usage is None for c in chunks), chunks
+chunks = list(
+    main.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat_args)
+)
+check_usage(chunks[-1].usage, first.usage.completion_tokens)
+
+# Chat with logprobs and the newer max_completion_tokens.
+lp = main.chat.completions.create(
+    model=model,
+    messages=args["chat_messages"],
+    max_completion_tokens=3,
+    temperature=0,
+    logprobs=True,
+    top_logprobs=2,
+    seed=7,
+)
+content = lp.choices[0].logprobs.content
+assert len(content) == lp.usage.completion_tokens <= 3, lp
+assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content), content
+
+
+def expect(exception, status, call, **kwargs):
+    try:
+        call(**kwargs)
+    except exception as e:
+        assert e.status_code == status, (e.status_code, status, e)
+        body = e.body
+        assert isinstance(body, dict) and body.get("message"), body
+        return e
+    raise AssertionError(f"{call} {kwargs}: no {exception.__name__}")
+
+
+create = main.chat.completions.create
+msgs = args["chat_messages"]
+# 400: what gRPC calls INVALID_ARGUMENT, and what only this front refuses.
+e = expect(openai.BadRequestError, 400, create, model=model, messages=msgs, n=2)
+assert e.body["param"] == "n", e.body
+expect(openai.BadRequestError, 400, create, model=model, messages=msgs, temperature=-1)
+expect(openai.BadRequestError, 400, create, model=model, messages=msgs, max_tokens=0)
+expect(openai.BadRequestError, 400, create, model=model, messages=msgs, top_p=0)
+expect(openai.BadRequestError, 400, main.completions.create, model=model, prompt="", max_tokens=1)
+expect(openai.BadRequestError, 400, create, model=model, messages=msgs, stream=True, max_tokens=0)
+# 404: an unknown model.
+e = expect(openai.NotFoundError, 404, create, model="no-such-model", messages=msgs)
+assert e.body["code"] == "model_not_found", e.body
+# 429 with Retry-After: RESOURCE_EXHAUSTED.
+limited = client(args["limited_url"])
+e = expect(openai.RateLimitError, 429, limited.chat.completions.create, model=model, messages=msgs)
+assert e.response.headers["retry-after"] == "1", e.response.headers
+# 503: UNAVAILABLE.
+down = client(args["down_url"])
+expect(openai.InternalServerError, 503, down.chat.completions.create, model=model, messages=msgs)
+expect(openai.InternalServerError, 503, down.completions.create, model=model, prompt="Hi", stream=True)
+# 504: DEADLINE_EXCEEDED, whole and streamed.
+late = client(args["deadline_url"])
+expect(openai.InternalServerError, 504, late.chat.completions.create, model=model, messages=msgs)
+expect(
+    openai.InternalServerError, 504, late.chat.completions.create, model=model, messages=msgs, stream=True
+)
+
+
+def raw(url, body, content_type="application/json", method="POST"):
+    req = urllib.request.Request(url, data=body, method=method)
+    if content_type:
+        req.add_header("Content-Type", content_type)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+chat_url = args["url"] + "/v1/chat/completions"
+# Malformed JSON, a wrong content type, a body of the wrong shape, an oversized body: 4xx in
+# the envelope, and the server keeps serving.
+for body, content_type, want in [
+    (b'{"model": ', "application/json", 400),
+    (json.dumps(chat_args).encode(), "text/plain", 415),
+    (b'{"model": "x"}', "application/json", 422),
+    (b'{"model": "' + b"x" * args["max_request_bytes"] + b'"}', "application/json", 413),
+]:
+    status, text = raw(chat_url, body, content_type)
+    assert status == want, (status, want, text[:200])
+    assert json.loads(text)["error"]["message"], text
+assert create(**chat_args).choices[0].message.content == args["chat_text"]
+
+# Health and liveness.
+assert raw(args["url"] + "/health", None, None, "GET")[0] == 200
+assert raw(args["down_url"] + "/health", None, None, "GET")[0] == 503
+assert raw(args["down_url"] + "/live", None, None, "GET")[0] == 200
+
+print("openai conformance: all checks passed")
