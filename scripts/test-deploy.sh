@@ -63,6 +63,15 @@ for values in default cpu gpu external-etcd; do
   fi
 done
 
+# NOTES.txt (rendered only by install): how to call the release, with grpcurl and ghz.
+notes=$(helm install duet "$chart" --namespace duet --dry-run=client 2>&1)
+if grep -q 'duet-router.duet.svc.cluster.local:50051 duet.v1.Generation/Generate' <<<"$notes" &&
+  grep -q -- '--call duet.v1.Generation.Generate' <<<"$notes"; then
+  pass "NOTES.txt renders the grpcurl and ghz lines for the release"
+else
+  fail "NOTES.txt renders the grpcurl and ghz lines for the release" "$notes"
+fi
+
 # rejected NAME EXPECTED-MESSAGE HELM-ARGS...: the schema refuses the values with that message.
 rejected() {
   local name=$1 message=$2 out
