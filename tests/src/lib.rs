@@ -1,6 +1,8 @@
 //! Shared helpers for the cross-service integration tests: fixture paths, reference generation
 //! with the engine in one process, and gRPC calls against a cluster's router.
 
+pub mod etcd;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -185,5 +187,77 @@ pub async fn wait_until_blocks_freed(decode: SocketAddr, prefill: SocketAddr, li
             "blocks still held after cancel: decode {d:?}, prefill {p:?}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
+/// The service binaries next to this test executable (built by `cargo test --workspace`).
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    for b in ["duet-router", "duet-prefill", "duet-decode"] {
+        assert!(
+            dir.join(b).exists(),
+            "{} is missing: build the workspace binaries first (cargo build --workspace)",
+            dir.join(b).display()
+        );
+    }
+    dir
+}
+
+/// One service binary running as its own process; killed when dropped.
+pub struct Process {
+    pub name: String,
+    child: std::process::Child,
+}
+
+impl Process {
+    /// Starts `binary` (from [`bin_dir`]) with `args` and no `DUET_*` variables of this process.
+    pub fn start(binary: &str, args: Vec<std::ffi::OsString>) -> Process {
+        let mut command = std::process::Command::new(bin_dir().join(binary));
+        command.args(args);
+        for (name, _) in std::env::vars_os() {
+            if name.as_encoded_bytes().starts_with(b"DUET_") {
+                command.env_remove(name);
+            }
+        }
+        Process {
+            name: binary.to_string(),
+            child: command.spawn().unwrap(),
+        }
+    }
+
+    /// Sends SIGTERM (what Kubernetes sends to a pod it replaces).
+    pub fn terminate(&self) {
+        let ok = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -TERM {}", self.name);
+    }
+
+    /// Kills it at once (SIGKILL).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Its exit status, once it exited within `limit`.
+    pub fn wait_exit(&mut self, limit: std::time::Duration) -> std::process::ExitStatus {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} did not exit within {limit:?}",
+                self.name
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
     }
 }

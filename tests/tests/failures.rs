@@ -123,20 +123,6 @@ fn bad_input_through_the_cluster_is_rejected_and_it_keeps_serving() {
     });
 }
 
-/// The service binaries next to this test executable (built by `cargo test --workspace`).
-fn bin_dir() -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-    for b in ["duet-router", "duet-prefill", "duet-decode"] {
-        assert!(
-            dir.join(b).exists(),
-            "{} is missing: build the workspace binaries first (cargo build --workspace)",
-            dir.join(b).display()
-        );
-    }
-    dir
-}
-
 #[test]
 fn a_prefill_worker_killed_mid_request_is_survived() {
     let Some(model) = default_model() else { return };

@@ -11,7 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use anyhow::{Context, Result, bail};
+use duet_cluster::ClusterArgs;
 use duet_decode_worker::DecodeConfig;
 use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
@@ -19,9 +22,14 @@ use duet_proto::v1;
 use duet_router::RouterConfig;
 
 /// What to start: a configuration for each kind of service. The launcher fills in what it owns:
-/// the workers' `listen` (free loopback ports), the router's worker lists, and every service's
+/// the workers' `listen` (free loopback ports), how they find each other, and every service's
 /// model; the rest is taken as it is (leave the workers' `worker_id` unset: each defaults to one
 /// from its port).
+///
+/// How they find each other: through etcd when `router.cluster` names it (every service joins
+/// that cluster); in this process, through the embedded registry under a cluster name of its
+/// own (several clusters may run in one process: the tests do); as separate processes without
+/// etcd, from the router's `--prefill`/`--decode` flags.
 #[derive(Clone, Debug)]
 pub struct ClusterSpec {
     /// The router; its `listen` is the cluster's address.
@@ -102,12 +110,26 @@ impl Cluster {
             model: Some(spec.model.clone()),
             ..template.clone()
         };
+        let by_flags = spec.processes && spec.router.cluster.etcd.is_empty();
+        let cluster = if spec.processes || !spec.router.cluster.etcd.is_empty() {
+            spec.router.cluster.clone()
+        } else {
+            in_process_cluster(&spec.router.cluster)
+        };
+        let listed = |addrs: &[SocketAddr]| -> Vec<String> {
+            if by_flags {
+                addrs.iter().map(SocketAddr::to_string).collect()
+            } else {
+                Vec::new()
+            }
+        };
         // Start order: prefill workers, then decode workers (the indices of `kill_process`).
         let mut services: Vec<Service> = Vec::new();
         services.extend(prefill.iter().map(|&listen| {
             Service::Prefill(PrefillConfig {
                 listen,
                 model: model(&spec.prefill.model),
+                cluster: cluster.clone(),
                 ..spec.prefill.clone()
             })
         }));
@@ -115,13 +137,15 @@ impl Cluster {
             Service::Decode(DecodeConfig {
                 listen,
                 model: model(&spec.decode.model),
+                cluster: cluster.clone(),
                 ..spec.decode.clone()
             })
         }));
         services.push(Service::Router(RouterConfig {
-            prefill: prefill.iter().map(SocketAddr::to_string).collect(),
-            decode: decode.iter().map(SocketAddr::to_string).collect(),
+            prefill: listed(&prefill),
+            decode: listed(&decode),
             model: model(&spec.router.model),
+            cluster: cluster.clone(),
             ..spec.router.clone()
         }));
 
@@ -177,6 +201,21 @@ impl Drop for Cluster {
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();
         }
+    }
+}
+
+/// `base` for the first cluster run in this process, `base-2`, `base-3`… after it, so that
+/// clusters sharing the embedded registry stay apart.
+fn in_process_cluster(base: &ClusterArgs) -> ClusterArgs {
+    static STARTED: AtomicUsize = AtomicUsize::new(0);
+    let n = STARTED.fetch_add(1, Ordering::Relaxed);
+    ClusterArgs {
+        etcd: Vec::new(),
+        cluster: if n == 0 {
+            base.cluster.clone()
+        } else {
+            format!("{}-{}", base.cluster, n + 1)
+        },
     }
 }
 

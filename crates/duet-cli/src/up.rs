@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
+use duet_cluster::ClusterArgs;
 use duet_decode_worker::DecodeConfig;
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
@@ -42,6 +43,10 @@ pub struct UpArgs {
     /// duet-prefill --help).
     #[arg(long, env = "DUET_KV_TRANSPORT", default_value_t = TransportChoice::Auto)]
     pub kv_transport: TransportChoice,
+    /// Membership: etcd (every service joins its cluster), else the embedded registry of this
+    /// process (with --processes and no etcd, the router is given the workers' addresses).
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
     /// Exit after the cluster is ready and one sample request succeeded (for scripts and tests).
     #[arg(long, hide = true)]
     pub exit_when_ready: bool,
@@ -56,6 +61,7 @@ pub fn run(args: UpArgs) -> Result<()> {
         router: RouterConfig {
             listen: args.listen,
             http_listen: args.http_listen,
+            cluster: args.cluster.clone(),
             routing: args.routing.clone(),
             ..RouterConfig::default()
         },

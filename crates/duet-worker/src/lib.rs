@@ -16,6 +16,7 @@ pub mod actor;
 pub mod actor_engine;
 mod error;
 pub mod handle;
+pub mod membership;
 pub mod request;
 pub mod stats;
 

@@ -3,6 +3,7 @@
 use std::ffi::OsString;
 use std::net::SocketAddr;
 
+use duet_cluster::{ClusterArgs, LeaseArgs};
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_transfer::choice::TransportChoice;
@@ -12,12 +13,17 @@ pub struct DecodeConfig {
     /// Address to serve DecodeWorker, KvTransfer and WorkerControl on.
     #[arg(long, env = "DUET_DECODE_LISTEN", default_value_t = DecodeConfig::default().listen)]
     pub listen: SocketAddr,
-    /// Address prefill workers push KV to (default: the listen address).
+    /// The address others dial to reach this worker, and prefill workers push KV to (default:
+    /// the listen address).
     #[arg(long, env = "DUET_DECODE_ADVERTISE")]
     pub advertise: Option<String>,
     /// This worker's id in the cluster (default: decode-<port>).
     #[arg(long, env = "DUET_WORKER_ID")]
     pub worker_id: Option<String>,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    #[command(flatten)]
+    pub lease: LeaseArgs,
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
@@ -48,6 +54,8 @@ impl Default for DecodeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 50071)),
             advertise: None,
             worker_id: None,
+            cluster: ClusterArgs::default(),
+            lease: LeaseArgs::default(),
             model: ModelArgs::default(),
             engine: EngineOptions::default(),
             kv_transport: TransportChoice::Auto,
@@ -67,6 +75,8 @@ impl DecodeConfig {
             listen,
             advertise,
             worker_id,
+            cluster,
+            lease,
             model,
             engine,
             kv_transport,
@@ -82,6 +92,8 @@ impl DecodeConfig {
                 .iter()
                 .map(|id| format!("--worker-id={id}").into()),
         );
+        args.extend(cluster.to_args());
+        args.extend(lease.to_args());
         args.extend(model.to_args());
         args.extend(engine.to_args());
         args.extend(
@@ -126,6 +138,14 @@ mod tests {
             listen: "0.0.0.0:7003".parse().unwrap(),
             advertise: Some("decode.example:7003".into()),
             worker_id: Some("d-7".into()),
+            cluster: ClusterArgs {
+                etcd: vec!["etcd-a:2379".into()],
+                cluster: "prod".into(),
+            },
+            lease: LeaseArgs {
+                lease_ttl_s: 5,
+                drain_timeout_s: 6,
+            },
             model: ModelArgs {
                 model: Some("some dir/m.gguf".into()),
                 models_dir: "elsewhere".into(),

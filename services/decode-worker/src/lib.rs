@@ -16,7 +16,8 @@ use tokio::net::TcpListener;
 
 pub use config::DecodeConfig;
 
-/// Loads the model and serves until `shutdown` completes.
+/// Loads the model and serves, registered in the cluster, until `shutdown` completes; then
+/// drains (see [`duet_worker::membership`]).
 pub async fn serve(
     config: DecodeConfig,
     listener: TcpListener,
@@ -44,28 +45,42 @@ pub async fn serve(
         channels: duet_proto::Channels::default(),
     });
 
+    let card = duet_worker::membership::card(
+        duet_cluster::Role::Decode,
+        &state.identity.worker_id,
+        &state.advertise,
+        &state.engine,
+        config.engine.device.to_string(),
+    );
     tracing::info!(%addr, worker = %state.identity.worker_id, "decode worker serving");
     let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
         default_deadline: Duration::from_millis(config.request_timeout_ms.max(1)),
         max_in_flight: config.max_in_flight,
     });
-    edge.service(
-        v1::decode_worker_server::DecodeWorkerServer::new(service::DecodeService {
-            state: state.clone(),
-        })
-        .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+    let edge = edge
+        .service(
+            v1::decode_worker_server::DecodeWorkerServer::new(service::DecodeService {
+                state: state.clone(),
+            })
+            .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+        )
+        .service(
+            v1::kv_transfer_server::KvTransferServer::new(service::TransferService {
+                state: state.clone(),
+            })
+            .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+        )
+        .service(v1::worker_control_server::WorkerControlServer::new(
+            service::ControlService { state },
+        ));
+    duet_worker::membership::serve_registered(
+        edge,
+        listener,
+        shutdown,
+        card,
+        &config.cluster,
+        &config.lease,
     )
-    .service(
-        v1::kv_transfer_server::KvTransferServer::new(service::TransferService {
-            state: state.clone(),
-        })
-        .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
-    )
-    .service(v1::worker_control_server::WorkerControlServer::new(
-        service::ControlService { state },
-    ))
-    .serve(listener, shutdown)
-    .await?;
-    Ok(())
+    .await
 }

@@ -1,4 +1,4 @@
-//! `duet-decode`: one decode worker.
+//! `duet-decode`: one decode worker, until SIGTERM or ctrl-c, then drains.
 
 use clap::Parser;
 
@@ -20,8 +20,5 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter(filter).init();
     let cli = Cli::parse();
     let listener = tokio::net::TcpListener::bind(cli.config.listen).await?;
-    duet_decode_worker::serve(cli.config, listener, async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
-    .await
+    duet_decode_worker::serve(cli.config, listener, duet_worker::membership::terminated()).await
 }

@@ -3,6 +3,7 @@
 use std::ffi::OsString;
 use std::net::SocketAddr;
 
+use duet_cluster::{ClusterArgs, LeaseArgs};
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_transfer::choice::TransportChoice;
@@ -13,9 +14,16 @@ pub struct PrefillConfig {
     /// Address to serve gRPC on (PrefillWorker, WorkerControl, health, reflection).
     #[arg(long, env = "DUET_PREFILL_LISTEN", default_value_t = PrefillConfig::default().listen)]
     pub listen: SocketAddr,
+    /// The address others dial to reach this worker (default: the listen address).
+    #[arg(long, env = "DUET_PREFILL_ADVERTISE")]
+    pub advertise: Option<String>,
     /// This worker's id in the cluster (default: "prefill-<port>", the port actually bound).
     #[arg(long, env = "DUET_WORKER_ID")]
     pub worker_id: Option<String>,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    #[command(flatten)]
+    pub lease: LeaseArgs,
     #[command(flatten)]
     pub model: ModelArgs,
     /// Engine sizes; `max_step_tokens` is the prefill token budget of one batch.
@@ -42,7 +50,10 @@ impl Default for PrefillConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 50061)),
+            advertise: None,
             worker_id: None,
+            cluster: ClusterArgs::default(),
+            lease: LeaseArgs::default(),
             model: ModelArgs::default(),
             engine: EngineOptions::default(),
             kv_transport: TransportChoice::Auto,
@@ -70,7 +81,10 @@ impl PrefillConfig {
     pub fn to_args(&self) -> Vec<OsString> {
         let Self {
             listen,
+            advertise,
             worker_id,
+            cluster,
+            lease,
             model,
             engine,
             kv_transport,
@@ -79,11 +93,14 @@ impl PrefillConfig {
             max_in_flight,
         } = self;
         let mut args: Vec<OsString> = vec![format!("--listen={listen}").into()];
+        args.extend(advertise.iter().map(|a| format!("--advertise={a}").into()));
         args.extend(
             worker_id
                 .iter()
                 .map(|id| format!("--worker-id={id}").into()),
         );
+        args.extend(cluster.to_args());
+        args.extend(lease.to_args());
         args.extend(model.to_args());
         args.extend(engine.to_args());
         args.extend(
@@ -158,7 +175,16 @@ mod tests {
     fn to_args_parses_back_to_the_same_config() {
         let c = PrefillConfig {
             listen: "0.0.0.0:7002".parse().unwrap(),
+            advertise: Some("prefill.example:7002".into()),
             worker_id: Some("p-7".into()),
+            cluster: ClusterArgs {
+                etcd: vec!["etcd-a:2379".into(), "http://etcd-b:2379".into()],
+                cluster: "prod".into(),
+            },
+            lease: LeaseArgs {
+                lease_ttl_s: 3,
+                drain_timeout_s: 4,
+            },
             model: ModelArgs {
                 model: Some("some dir/m.gguf".into()),
                 models_dir: "elsewhere".into(),

@@ -19,7 +19,8 @@ use duet_proto::v1::worker_control_server::WorkerControlServer;
 pub use config::PrefillConfig;
 pub use service::PrefillService;
 
-/// Loads the model and serves a prefill worker on `listener` until `shutdown` resolves.
+/// Loads the model and serves a prefill worker on `listener`, registered in the cluster, until
+/// `shutdown` resolves; then drains (see [`duet_worker::membership`]).
 pub async fn serve(
     config: PrefillConfig,
     listener: tokio::net::TcpListener,
@@ -42,6 +43,14 @@ pub async fn serve(
         std::time::Duration::ZERO,
     )
     .await?;
+    let advertise = config.advertise.clone().unwrap_or_else(|| addr.to_string());
+    let card = duet_worker::membership::card(
+        duet_cluster::Role::Prefill,
+        &worker_id,
+        &advertise,
+        &engine,
+        config.engine.device.to_string(),
+    );
     let service = PrefillService::new(
         engine,
         transport,
@@ -59,15 +68,22 @@ pub async fn serve(
         default_deadline: std::time::Duration::from_millis(config.request_timeout_ms.max(1)),
         max_in_flight: config.max_in_flight,
     });
-    edge.service(
-        PrefillWorkerServer::new(service.clone())
-            .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+    let edge = edge
+        .service(
+            PrefillWorkerServer::new(service.clone())
+                .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+        )
+        .service(WorkerControlServer::new(service));
+    duet_worker::membership::serve_registered(
+        edge,
+        listener,
+        shutdown,
+        card,
+        &config.cluster,
+        &config.lease,
     )
-    .service(WorkerControlServer::new(service))
-    .serve(listener, shutdown)
-    .await
-    .context("serving gRPC")?;
+    .await?;
     tracing::info!(worker_id, "prefill worker stopped");
     Ok(())
 }

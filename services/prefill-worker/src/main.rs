@@ -1,4 +1,4 @@
-//! `duet-prefill`: runs one prefill worker until ctrl-c (see the `duet_prefill_worker` library).
+//! `duet-prefill`: runs one prefill worker until SIGTERM or ctrl-c, then drains (see the `duet_prefill_worker` library).
 
 use anyhow::Context;
 use clap::Parser;
@@ -24,9 +24,5 @@ async fn main() -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
-    duet_prefill_worker::serve(config, listener, async {
-        let _ = tokio::signal::ctrl_c().await;
-        tracing::info!("ctrl-c: shutting down");
-    })
-    .await
+    duet_prefill_worker::serve(config, listener, duet_worker::membership::terminated()).await
 }

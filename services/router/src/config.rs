@@ -4,6 +4,7 @@ use std::ffi::OsString;
 use std::net::SocketAddr;
 
 use clap::Args;
+use duet_cluster::ClusterArgs;
 use duet_model::model_path::ModelArgs;
 
 /// How the router is run: where it listens, which workers it routes to, the model it serves
@@ -39,6 +40,15 @@ pub struct RouterConfig {
     )]
     pub decode: Vec<String>,
 
+    /// Where the workers' cards are (with `--prefill`/`--decode` workers routed to as well).
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+
+    /// Seconds between two full listings of the workers' cards (anti-entropy: the watch in
+    /// between delivers every change).
+    #[arg(long, env = "DUET_MEMBERSHIP_RESYNC_S", default_value_t = RouterConfig::default().membership_resync_s)]
+    pub membership_resync_s: u64,
+
     /// The served model (the router reads its config, tokenizer and chat template).
     #[command(flatten)]
     pub model: ModelArgs,
@@ -55,6 +65,8 @@ impl Default for RouterConfig {
             http_listen: None,
             prefill: Vec::new(),
             decode: Vec::new(),
+            cluster: ClusterArgs::default(),
+            membership_resync_s: 30,
             model: ModelArgs::default(),
             routing: RoutingOptions::default(),
         }
@@ -70,6 +82,8 @@ impl RouterConfig {
             http_listen,
             prefill,
             decode,
+            cluster,
+            membership_resync_s,
             model,
             routing,
         } = self;
@@ -77,6 +91,8 @@ impl RouterConfig {
         args.extend(http_listen.map(|a| format!("--http-listen={a}").into()));
         args.extend(prefill.iter().map(|a| format!("--prefill={a}").into()));
         args.extend(decode.iter().map(|a| format!("--decode={a}").into()));
+        args.extend(cluster.to_args());
+        args.push(format!("--membership-resync-s={membership_resync_s}").into());
         args.extend(model.to_args());
         args.extend(routing.to_args());
         args
@@ -208,6 +224,11 @@ mod tests {
             http_listen: Some("0.0.0.0:7002".parse().unwrap()),
             prefill: vec!["p:1".into(), "p:2".into()],
             decode: vec!["d:1".into()],
+            cluster: ClusterArgs {
+                etcd: vec!["etcd:2379".into()],
+                cluster: "prod".into(),
+            },
+            membership_resync_s: 5,
             model: ModelArgs {
                 model: Some("some dir/m.gguf".into()),
                 models_dir: "elsewhere".into(),

@@ -1,8 +1,9 @@
 //! duet's router: the public `duet.v1.Generation` API in front of the prefill and decode pools.
 //!
 //! It validates and tokenizes requests (loading only the model's config, tokenizer and chat
-//! template), picks a decode worker and a prefill plan from the workers' polled health and
-//! stats, relays the decode worker's token stream to the client, and fails over to another
+//! template), knows its workers from flags and from the cluster's worker cards (etcd, or the
+//! embedded registry of its process), picks a decode worker and a prefill plan from the
+//! workers' cards, polled health and stats, relays the decode worker's token stream to the client, and fails over to another
 //! decode worker when one dies mid-stream. Health (`grpc.health.v1`) and server reflection
 //! (v1 and v1alpha) are served on the same port; the OpenAI-compatible HTTP API ([`http`]) on
 //! its own (`--http-listen`), over the same core.
@@ -74,12 +75,7 @@ pub async fn serve(
             .await
             .context("model loading panicked")??;
     let pools = Pools::new(&config.decode, &config.prefill)?;
-    if pools.decode.is_empty() {
-        tracing::warn!(
-            "no decode workers configured (--decode); every Generate will be UNAVAILABLE"
-        );
-    }
-    let pollers = pools.spawn_pollers(Duration::from_millis(
+    pools.start_polling(Duration::from_millis(
         config.routing.stats_interval_ms.max(1),
     ));
     let state = Arc::new(RouterState::new(
@@ -91,12 +87,19 @@ pub async fn serve(
     let generation = GenerationServer::new(GenerationService::new(state.clone()))
         .max_decoding_message_size(config.routing.max_request_bytes)
         .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
+    let (membership, follower) = duet_cluster::membership::follow(
+        config.cluster.clone(),
+        Duration::from_secs(config.membership_resync_s.max(1)),
+    );
+    let syncer = tokio::spawn(sync_pools(state.clone(), membership));
     let local = listener.local_addr().ok();
     tracing::info!(
         addr = ?local,
         model = %state.model_name,
-        decode_workers = state.pools.decode.len(),
-        prefill_workers = state.pools.prefill.len(),
+        static_decode_workers = config.decode.len(),
+        static_prefill_workers = config.prefill.len(),
+        etcd = ?config.cluster.etcd,
+        cluster = config.cluster.cluster,
         "router serving"
     );
     let request_timeout = Duration::from_millis(config.routing.request_timeout_ms.max(1));
@@ -122,13 +125,26 @@ pub async fn serve(
         None => None,
     };
     let result = edge.service(generation).serve(listener, shutdown).await;
-    for p in pollers {
-        p.abort();
-    }
+    follower.abort();
+    syncer.abort();
     if let Some(http) = http {
         http.await
             .context("the HTTP front panicked")?
             .context("HTTP server failed")?;
     }
     result.context("router server failed")
+}
+
+/// Applies every new membership to the pools.
+async fn sync_pools(
+    state: Arc<RouterState>,
+    mut membership: tokio::sync::watch::Receiver<Arc<duet_cluster::Membership>>,
+) {
+    loop {
+        let current = membership.borrow_and_update().clone();
+        state.pools.sync(&current);
+        if membership.changed().await.is_err() {
+            return;
+        }
+    }
 }

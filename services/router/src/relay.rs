@@ -65,7 +65,7 @@ enum Attempt {
 /// Calls decode workers (failing over) and relays their messages to `tx`.
 async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<(), RouterError> {
     let mut progress = Progress::default();
-    let mut tried: Vec<usize> = Vec::new();
+    let mut tried: Vec<String> = Vec::new();
     let mut last: Option<(String, Status)> = None;
     loop {
         let Some(route) = state.pools.route(
@@ -82,7 +82,7 @@ async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<
                 None => RouterError::NoDecodeWorker(None),
             });
         };
-        tried.push(route.decode_index);
+        tried.push(route.decode.address.clone());
         let worker = route.decode.clone();
         let worker_id = worker.id();
         let _busy = worker.begin();

@@ -1,19 +1,22 @@
 //! Worker pools and routing decisions.
 //!
-//! The router knows its workers from flags. Each one is polled every stats interval
-//! (`grpc.health.v1` check of the service "" and `WorkerControl/Stats`); a worker is routable
-//! only when both answered, the health check said SERVING, and its model fingerprint equals the
-//! cluster's (the most common fingerprint among the answering workers). A decode worker whose
-//! call fails is taken out of rotation until its next good poll.
+//! The router knows its workers from flags (static) and from the cluster's worker cards
+//! ([`Pools::sync`] diffs each new membership against the pools). Each one is polled every
+//! stats interval (`grpc.health.v1` check of the service "" and `WorkerControl/Stats`); a worker
+//! is routable only when both answered, the health check said SERVING, its model fingerprint
+//! equals the cluster's (the most common fingerprint among the answering workers), and — for a
+//! worker known from a card — its card is present and `ready`. A decode worker whose call fails
+//! is taken out of rotation until its next good poll.
 //!
 //! Decisions are pure functions over snapshots ([`pick_decode`], [`rank_prefill`],
 //! [`consensus_fingerprint`]) so they are unit-tested without a network.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
+use duet_cluster::{CardState, Membership, Role, WorkerCard};
 use duet_proto::v1;
 use duet_proto::v1::worker_control_client::WorkerControlClient;
 use tonic::transport::Channel;
@@ -27,13 +30,6 @@ pub const RUNNING_PENALTY_BLOCKS: i64 = 4;
 
 /// Prefill rate (tokens per unit time) assumed for a worker until it is measured.
 pub const DEFAULT_PREFILL_RATE: f64 = 1.0;
-
-/// Which pool a worker is in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    Prefill,
-    Decode,
-}
 
 /// The last poll of a worker.
 #[derive(Clone, Debug, Default)]
@@ -57,6 +53,8 @@ pub struct Worker {
     in_flight: AtomicU32,
     /// Estimated prefill rate (prefill workers).
     pub prefill_rate: f64,
+    /// The card it is known from, and the card's key (`None`: named by a flag).
+    card: Mutex<Option<(String, WorkerCard)>>,
 }
 
 /// Counts a request on a worker while alive.
@@ -79,11 +77,27 @@ impl Worker {
             status: Mutex::new(WorkerStatus::default()),
             in_flight: AtomicU32::new(0),
             prefill_rate: DEFAULT_PREFILL_RATE,
+            card: Mutex::new(None),
         })
     }
 
-    /// The worker's id (from its stats; its address until it answered).
+    /// The worker a card describes.
+    pub fn from_card(key: &str, card: &WorkerCard) -> anyhow::Result<Self> {
+        let w = Self::new(&card.grpc_address, card.role)?;
+        *w.card.lock().unwrap_or_else(|e| e.into_inner()) = Some((key.to_string(), card.clone()));
+        Ok(w)
+    }
+
+    /// Its card and the card's key, when it is known from one.
+    pub fn card(&self) -> Option<(String, WorkerCard)> {
+        self.card.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The worker's id (from its card or stats; its address until it answered).
     pub fn id(&self) -> String {
+        if let Some((_, card)) = self.card() {
+            return card.worker_id;
+        }
         match &self.status().stats {
             Some(s) if !s.worker_id.is_empty() => s.worker_id.clone(),
             _ => self.address.clone(),
@@ -245,19 +259,19 @@ pub fn consensus_fingerprint<'a>(
 /// The decision for one attempt: where to decode, and the prefill plan to send with it.
 #[derive(Clone, Debug)]
 pub struct Route {
-    /// Index into [`Pools::decode`].
-    pub decode_index: usize,
     pub decode: Arc<Worker>,
     pub plan: v1::PrefillPlan,
     /// The cluster's model fingerprint (empty when unknown).
     pub fingerprint: String,
 }
 
-/// The prefill and decode pools.
+/// The prefill and decode pools: the workers named by flags, and those known from cards.
 #[derive(Debug, Default)]
 pub struct Pools {
-    pub decode: Vec<Arc<Worker>>,
-    pub prefill: Vec<Arc<Worker>>,
+    decode: RwLock<Vec<Arc<Worker>>>,
+    prefill: RwLock<Vec<Arc<Worker>>>,
+    /// Set once polling started: workers added later are polled from then on.
+    poll_interval: Mutex<Option<Duration>>,
 }
 
 impl Pools {
@@ -270,36 +284,125 @@ impl Pools {
                 .collect()
         };
         Ok(Self {
-            decode: make(decode, Role::Decode)?,
-            prefill: make(prefill, Role::Prefill)?,
+            decode: RwLock::new(make(decode, Role::Decode)?),
+            prefill: RwLock::new(make(prefill, Role::Prefill)?),
+            poll_interval: Mutex::new(None),
         })
     }
 
-    fn all(&self) -> impl Iterator<Item = &Arc<Worker>> {
-        self.decode.iter().chain(&self.prefill)
+    fn pool(&self, role: Role) -> &RwLock<Vec<Arc<Worker>>> {
+        match role {
+            Role::Decode => &self.decode,
+            Role::Prefill => &self.prefill,
+        }
     }
 
-    /// Polls every worker now, then every `interval`, until the tasks are aborted.
-    pub fn spawn_pollers(&self, interval: Duration) -> Vec<tokio::task::JoinHandle<()>> {
-        let timeout = interval.max(Duration::from_millis(200));
-        self.all()
-            .map(|w| {
-                let w = w.clone();
-                tokio::spawn(async move {
-                    let mut tick = tokio::time::interval(interval);
-                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                    loop {
-                        tick.tick().await;
-                        w.poll(timeout).await;
+    /// The decode workers now.
+    pub fn decode(&self) -> Vec<Arc<Worker>> {
+        self.decode
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The prefill workers now.
+    pub fn prefill(&self) -> Vec<Arc<Worker>> {
+        self.prefill
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn all(&self) -> Vec<Arc<Worker>> {
+        let mut all = self.decode();
+        all.extend(self.prefill());
+        all
+    }
+
+    /// Polls every worker now, then every `interval`; so are workers added later. A worker's
+    /// poller ends once the worker is gone from the pools and its last request ended.
+    pub fn start_polling(&self, interval: Duration) {
+        *self.poll_interval.lock().unwrap_or_else(|e| e.into_inner()) = Some(interval);
+        for w in self.all() {
+            spawn_poller(&w, interval);
+        }
+    }
+
+    /// Brings the pools in line with `membership`: workers of new cards (or of a new
+    /// incarnation) are added, those whose card is gone are dropped, and changed states are
+    /// taken. Workers named by flags are left as they are.
+    pub fn sync(&self, membership: &Membership) {
+        let interval = *self.poll_interval.lock().unwrap_or_else(|e| e.into_inner());
+        for role in [Role::Decode, Role::Prefill] {
+            let mut pool = self.pool(role).write().unwrap_or_else(|e| e.into_inner());
+            pool.retain(|w| match w.card() {
+                None => true,
+                Some((key, old)) => match membership.cards.get(&key) {
+                    Some(new)
+                        if new.incarnation == old.incarnation
+                            && new.grpc_address == old.grpc_address =>
+                    {
+                        if new.state != old.state {
+                            tracing::info!(key, state = ?new.state, "worker state changed");
+                        }
+                        *w.card.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some((key, new.clone()));
+                        true
                     }
-                })
-            })
-            .collect()
+                    Some(_) => {
+                        tracing::info!(key, "worker has a new incarnation; its old one is dropped");
+                        false
+                    }
+                    None => {
+                        tracing::info!(key, address = %w.address, "worker left");
+                        false
+                    }
+                },
+            });
+            let known: Vec<String> = pool
+                .iter()
+                .filter_map(|w| w.card())
+                .map(|(k, _)| k)
+                .collect();
+            for (key, card) in &membership.cards {
+                if card.role != role || known.contains(key) {
+                    continue;
+                }
+                match Worker::from_card(key, card) {
+                    Ok(w) => {
+                        let w = Arc::new(w);
+                        if let Some(interval) = interval {
+                            spawn_poller(&w, interval);
+                        }
+                        tracing::info!(key, address = %card.grpc_address, incarnation = card.incarnation, "worker joined");
+                        pool.push(w);
+                    }
+                    Err(e) => tracing::warn!(key, error = %e, "skipping a worker card"),
+                }
+            }
+        }
+        if let Some(fingerprint) = consensus_fingerprint(
+            membership
+                .cards
+                .values()
+                .map(|c| c.model_fingerprint.as_str()),
+        ) {
+            for (key, card) in &membership.cards {
+                if card.model_fingerprint != fingerprint {
+                    tracing::warn!(
+                        key,
+                        fingerprint = card.model_fingerprint,
+                        cluster = fingerprint,
+                        "a worker serves another model; it is never routed to"
+                    );
+                }
+            }
+        }
     }
 
     /// The fingerprint shared by most healthy workers.
     pub fn fingerprint(&self) -> Option<String> {
-        let statuses: Vec<WorkerStatus> = self.all().map(|w| w.status()).collect();
+        let statuses: Vec<WorkerStatus> = self.all().iter().map(|w| w.status()).collect();
         consensus_fingerprint(
             statuses
                 .iter()
@@ -312,12 +415,16 @@ impl Pools {
     /// Tokens per KV block as the workers report it.
     pub fn block_size(&self) -> Option<u32> {
         self.all()
+            .iter()
             .filter_map(|w| w.status().stats)
             .map(|s| s.block_size)
             .find(|&b| b > 0)
     }
 
     fn routable(w: &Worker, fingerprint: &Option<String>) -> Option<v1::StatsResponse> {
+        if w.card().is_some_and(|(_, c)| c.state != CardState::Ready) {
+            return None;
+        }
         let s = w.status();
         let stats = s.stats.filter(|_| s.healthy)?;
         match fingerprint {
@@ -326,20 +433,21 @@ impl Pools {
         }
     }
 
-    /// Chooses a decode worker (not among `exclude`) and builds the prefill plan for a prompt
-    /// of `prompt_tokens`. `None`: no routable decode worker is left.
+    /// Chooses a decode worker (whose address is not among `exclude`) and builds the prefill
+    /// plan for a prompt of `prompt_tokens`. `None`: no routable decode worker is left.
     pub fn route(
         &self,
         prompt_tokens: usize,
         local_threshold: u32,
-        exclude: &[usize],
+        exclude: &[String],
     ) -> Option<Route> {
         let fingerprint = self.fingerprint();
-        let candidates: Vec<(usize, DecodeLoad)> = self
-            .decode
+        let decode = self.decode();
+        let prefill_pool = self.prefill();
+        let candidates: Vec<(usize, DecodeLoad)> = decode
             .iter()
             .enumerate()
-            .filter(|(i, _)| !exclude.contains(i))
+            .filter(|(_, w)| !exclude.contains(&w.address))
             .filter_map(|(i, w)| {
                 let st = Self::routable(w, &fingerprint)?;
                 Some((
@@ -353,8 +461,7 @@ impl Pools {
             })
             .collect();
         let decode_index = pick_decode(&candidates)?;
-        let prefill: Vec<(usize, PrefillLoad)> = self
-            .prefill
+        let prefill: Vec<(usize, PrefillLoad)> = prefill_pool
             .iter()
             .enumerate()
             .filter_map(|(i, w)| {
@@ -379,15 +486,14 @@ impl Pools {
                 prefill_workers: rank_prefill(prompt_tokens, &prefill)
                     .into_iter()
                     .map(|i| v1::PrefillTarget {
-                        worker_id: self.prefill[i].id(),
-                        address: self.prefill[i].address.clone(),
+                        worker_id: prefill_pool[i].id(),
+                        address: prefill_pool[i].address.clone(),
                     })
                     .collect(),
             }
         };
         Some(Route {
-            decode_index,
-            decode: self.decode[decode_index].clone(),
+            decode: decode[decode_index].clone(),
             plan,
             fingerprint: fingerprint.unwrap_or_default(),
         })
@@ -396,7 +502,7 @@ impl Pools {
     /// Whether any decode worker is routable now.
     pub fn any_decode_routable(&self) -> bool {
         let fingerprint = self.fingerprint();
-        self.decode
+        self.decode()
             .iter()
             .any(|w| Self::routable(w, &fingerprint).is_some())
     }
@@ -428,8 +534,8 @@ impl Pools {
             }
         };
         (
-            self.prefill.iter().map(info).collect(),
-            self.decode.iter().map(info).collect(),
+            self.prefill().iter().map(info).collect(),
+            self.decode().iter().map(info).collect(),
         )
     }
 
@@ -437,6 +543,7 @@ impl Pools {
     pub fn mismatched(&self) -> HashMap<String, String> {
         let fingerprint = self.fingerprint();
         self.all()
+            .iter()
             .filter_map(|w| {
                 let st = w.status().stats?;
                 match &fingerprint {
@@ -448,6 +555,21 @@ impl Pools {
             })
             .collect()
     }
+}
+
+/// Polls `worker` every `interval` while it exists.
+fn spawn_poller(worker: &Arc<Worker>, interval: Duration) {
+    let timeout = interval.max(Duration::from_millis(200));
+    let weak: Weak<Worker> = Arc::downgrade(worker);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(w) = weak.upgrade() else { return };
+            w.poll(timeout).await;
+        }
+    });
 }
 
 #[cfg(test)]
@@ -537,18 +659,18 @@ mod tests {
         )
         .unwrap();
         assert!(pools.route(10, 32, &[]).is_none());
-        set(&pools.decode[0], true, stats("fp", 10, 0));
-        set(&pools.decode[1], true, stats("fp", 50, 0));
+        set(&pools.decode()[0], true, stats("fp", 10, 0));
+        set(&pools.decode()[1], true, stats("fp", 50, 0));
         // Most free blocks, but another model: not routable.
-        set(&pools.decode[2], true, stats("other", 90, 0));
+        set(&pools.decode()[2], true, stats("other", 90, 0));
         let r = pools.route(10, 32, &[]).unwrap();
-        assert_eq!(r.decode_index, 1);
+        assert_eq!(r.decode.address, "127.0.0.1:2");
         assert_eq!(r.fingerprint, "fp");
         assert!(r.plan.local, "short prompt: local");
         // Long prompt but no healthy prefill worker: local.
         assert!(pools.route(100, 32, &[]).unwrap().plan.local);
-        set(&pools.prefill[0], true, stats("fp", 1, 500));
-        set(&pools.prefill[1], true, stats("fp", 2, 10));
+        set(&pools.prefill()[0], true, stats("fp", 1, 500));
+        set(&pools.prefill()[1], true, stats("fp", 2, 10));
         let r = pools.route(100, 32, &[]).unwrap();
         assert!(!r.plan.local);
         let ids: Vec<&str> = r
@@ -560,17 +682,107 @@ mod tests {
         assert_eq!(ids, ["127.0.0.1:5", "127.0.0.1:4"]);
         assert_eq!(r.plan.prefill_workers[0].worker_id, "w-2");
         // Excluded and failed workers are skipped.
-        assert_eq!(pools.route(10, 32, &[1]).unwrap().decode_index, 0);
-        pools.decode[0].mark_failed("boom");
-        assert!(pools.route(10, 32, &[1]).is_none());
+        let tried = ["127.0.0.1:2".to_string()];
+        assert_eq!(
+            pools.route(10, 32, &tried).unwrap().decode.address,
+            "127.0.0.1:1"
+        );
+        pools.decode()[0].mark_failed("boom");
+        assert!(pools.route(10, 32, &tried).is_none());
         // In-flight requests count against a worker.
-        let _g: Vec<InFlight> = (0..11).map(|_| pools.decode[1].begin()).collect();
-        set(&pools.decode[0], true, stats("fp", 10, 0));
-        assert_eq!(pools.route(10, 32, &[]).unwrap().decode_index, 0);
+        let _g: Vec<InFlight> = (0..11).map(|_| pools.decode()[1].begin()).collect();
+        set(&pools.decode()[0], true, stats("fp", 10, 0));
+        assert_eq!(
+            pools.route(10, 32, &[]).unwrap().decode.address,
+            "127.0.0.1:1"
+        );
         let (prefill, decode) = pools.infos();
         assert_eq!((prefill.len(), decode.len()), (2, 3));
         assert!(!decode[2].healthy && decode[1].healthy);
         assert_eq!(pools.mismatched().len(), 1);
         assert_eq!(pools.block_size(), Some(16));
+    }
+
+    fn card(id: &str, port: u16, incarnation: u64, state: CardState, fp: &str) -> WorkerCard {
+        WorkerCard {
+            worker_id: id.into(),
+            role: Role::Decode,
+            grpc_address: format!("127.0.0.1:{port}"),
+            kv_address: format!("127.0.0.1:{port}"),
+            node: "host".into(),
+            device: "cpu".into(),
+            model_fingerprint: fp.into(),
+            block_size: 16,
+            kv_capacity_blocks: 100,
+            incarnation,
+            state,
+        }
+    }
+
+    fn membership(cards: &[WorkerCard]) -> Membership {
+        Membership {
+            cards: cards.iter().map(|c| (c.key("test"), c.clone())).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Marks every decode worker healthy with stats of its card's fingerprint.
+    fn answer(pools: &Pools) {
+        for w in pools.decode() {
+            let fp = w.card().map_or("fp".into(), |(_, c)| c.model_fingerprint);
+            set(&w, true, stats(&fp, 50, 0));
+        }
+    }
+
+    #[tokio::test]
+    async fn cards_join_leave_drain_and_reincarnate() {
+        let pools = Pools::new(&["127.0.0.1:9".into()], &[]).unwrap();
+        let a = card("a", 1, 1, CardState::Ready, "fp");
+        let b = card("b", 2, 1, CardState::Joining, "fp");
+        let other = card("c", 3, 1, CardState::Ready, "other-model");
+        pools.sync(&membership(&[a.clone(), b.clone(), other]));
+        answer(&pools);
+        let routable = |pools: &Pools| -> Vec<String> {
+            let mut tried = Vec::new();
+            while let Some(r) = pools.route(10, 32, &tried) {
+                tried.push(r.decode.address.clone());
+            }
+            tried.sort();
+            tried
+        };
+        // The static worker stays; b is not ready yet; c serves another model.
+        assert_eq!(routable(&pools), ["127.0.0.1:1", "127.0.0.1:9"]);
+        let b_ready = WorkerCard {
+            state: CardState::Ready,
+            ..b.clone()
+        };
+        let a_draining = WorkerCard {
+            state: CardState::Draining,
+            ..a.clone()
+        };
+        pools.sync(&membership(&[a_draining, b_ready.clone()]));
+        assert_eq!(routable(&pools), ["127.0.0.1:2", "127.0.0.1:9"]);
+        assert_eq!(pools.decode().len(), 3, "c left");
+        // b restarts (same address, new incarnation): its old worker and status are dropped.
+        let b_again = WorkerCard {
+            incarnation: 2,
+            ..b_ready
+        };
+        pools.sync(&membership(&[b_again]));
+        let b_worker = pools
+            .decode()
+            .into_iter()
+            .find(|w| w.address == "127.0.0.1:2")
+            .unwrap();
+        assert_eq!(b_worker.card().unwrap().1.incarnation, 2);
+        assert!(
+            b_worker.status().stats.is_none(),
+            "a new incarnation starts unpolled"
+        );
+        assert_eq!(routable(&pools), ["127.0.0.1:9"]);
+        answer(&pools);
+        assert_eq!(routable(&pools), ["127.0.0.1:2", "127.0.0.1:9"]);
+        pools.sync(&Membership::default());
+        assert_eq!(routable(&pools), ["127.0.0.1:9"]);
     }
 }

@@ -193,6 +193,7 @@ fn config(decode: Vec<String>, max_queued: usize) -> RouterConfig {
             request_timeout_ms: 30_000,
             ..Default::default()
         },
+        ..Default::default()
     }
 }
 
