@@ -80,6 +80,7 @@ pub fn spec(model: PathBuf, prefill: usize, decode: usize, routing: RoutingOptio
         model,
         processes: false,
         bin_dir: None,
+        log: Default::default(),
     }
 }
 

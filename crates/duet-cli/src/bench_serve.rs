@@ -331,6 +331,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 model: args.model.resolve()?,
                 processes: false,
                 bin_dir: None,
+                log: Default::default(),
             };
             eprintln!(
                 "launching a {design:?} cluster ({prefill} prefill + {} decode)",

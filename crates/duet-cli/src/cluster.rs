@@ -20,6 +20,7 @@ use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
 use duet_proto::v1;
 use duet_router::RouterConfig;
+use duet_telemetry::LogArgs;
 
 /// What to start: a configuration for each kind of service. The launcher fills in what it owns:
 /// the workers' `listen` (free loopback ports), how they find each other, and every service's
@@ -45,6 +46,9 @@ pub struct ClusterSpec {
     /// Separate processes (the service binaries next to the current executable, or in `bin_dir`).
     pub processes: bool,
     pub bin_dir: Option<PathBuf>,
+    /// The log format of separate processes (in this process, whoever installed the logger
+    /// chose it).
+    pub log: LogArgs,
 }
 
 /// A running cluster; dropping it stops it (child processes are killed; in-process services stop
@@ -170,7 +174,9 @@ impl Cluster {
                         .context("executable without a directory")?
                         .to_path_buf(),
                 };
-                let child = spawn_process(&dir, binary, &service.args())?;
+                let mut args = service.args();
+                args.push(spec.log.to_arg().into());
+                let child = spawn_process(&dir, binary, &args)?;
                 cluster.children.push((binary, child));
             } else {
                 runtime.spawn(async move { report(binary, service.serve().await) });

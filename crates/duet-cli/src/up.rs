@@ -12,6 +12,7 @@ use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
 use duet_router::{RouterConfig, RoutingOptions};
+use duet_telemetry::LogArgs;
 use duet_transfer::choice::TransportChoice;
 
 use crate::cluster::{Cluster, ClusterSpec};
@@ -47,6 +48,8 @@ pub struct UpArgs {
     /// process (with --processes and no etcd, the router is given the workers' addresses).
     #[command(flatten)]
     pub cluster: ClusterArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
     /// Exit after the cluster is ready and one sample request succeeded (for scripts and tests).
     #[arg(long, hide = true)]
     pub exit_when_ready: bool,
@@ -80,7 +83,10 @@ pub fn run(args: UpArgs) -> Result<()> {
         model: args.model.resolve()?,
         processes: args.processes,
         bin_dir: None,
+        log: args.log,
     };
+    // Logs go to stderr: stdout is the ready line's.
+    args.log.init(std::io::stderr);
     let started = Instant::now();
     let cluster = Cluster::start(&spec)?;
     println!(

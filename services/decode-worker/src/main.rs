@@ -11,14 +11,14 @@ use clap::Parser;
 struct Cli {
     #[command(flatten)]
     config: duet_decode_worker::DecodeConfig,
+    #[command(flatten)]
+    log: duet_telemetry::LogArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).init();
     let cli = Cli::parse();
+    cli.log.init(std::io::stdout);
     let listener = tokio::net::TcpListener::bind(cli.config.listen).await?;
     duet_decode_worker::serve(cli.config, listener, duet_worker::membership::terminated()).await
 }

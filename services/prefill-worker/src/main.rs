@@ -10,17 +10,14 @@ use duet_prefill_worker::PrefillConfig;
 struct Cli {
     #[command(flatten)]
     config: PrefillConfig,
+    #[command(flatten)]
+    log: duet_telemetry::LogArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
-    let config = Cli::parse().config;
+    let Cli { config, log } = Cli::parse();
+    log.init(std::io::stdout);
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;

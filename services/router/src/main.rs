@@ -12,17 +12,14 @@ use duet_router::RouterConfig;
 struct Cli {
     #[command(flatten)]
     config: RouterConfig,
+    #[command(flatten)]
+    log: duet_telemetry::LogArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
     let cli = Cli::parse();
+    cli.log.init(std::io::stdout);
     let listener = tokio::net::TcpListener::bind(cli.config.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cli.config.listen))?;

@@ -14,6 +14,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::error::RouterError;
 use crate::relay::{self, Item, Job};
@@ -72,7 +73,9 @@ impl RouterState {
             "admitted"
         );
         let (tx, rx) = mpsc::channel(RELAY_BUFFER);
-        tokio::spawn(relay::relay(self.clone(), job, tx));
+        // Every event of the request carries its id (a JSON log line's `span.request_id`).
+        let span = tracing::info_span!("request", request_id = %job.request_id);
+        tokio::spawn(relay::relay(self.clone(), job, tx).instrument(span));
         Ok(rx)
     }
 
