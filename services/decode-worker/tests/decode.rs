@@ -48,6 +48,7 @@ async fn start() -> String {
         prefill_timeout_ms: 2_000,
         request_timeout_ms: 600_000,
         max_in_flight: 4096,
+        ..Default::default()
     };
     tokio::spawn(serve(config, listener, std::future::pending()));
     let url = format!("http://{addr}");
