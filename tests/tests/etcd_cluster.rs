@@ -144,13 +144,15 @@ async fn stats(addr: SocketAddr) -> Option<v1::StatsResponse> {
         .map(|r| r.into_inner())
 }
 
-async fn info(router: SocketAddr) -> v1::InfoResponse {
-    client(router)
+/// The router's Info (`None` while it does not answer).
+async fn info(router: SocketAddr) -> Option<v1::InfoResponse> {
+    let mut c = v1::generation_client::GenerationClient::connect(format!("http://{router}"))
         .await
-        .info(v1::InfoRequest {})
+        .ok()?;
+    c.info(v1::InfoRequest {})
         .await
-        .unwrap()
-        .into_inner()
+        .ok()
+        .map(|r| r.into_inner())
 }
 
 /// Polls `f` every 100 ms for up to `secs`.
@@ -229,7 +231,7 @@ fn workers_join_under_load_and_a_sigterm_drains_one_without_a_failed_request() {
 
 /// The router routes to 2 decode workers and 1 prefill worker.
 async fn all_healthy(router: SocketAddr) -> Option<()> {
-    let i = info(router).await;
+    let i = info(router).await?;
     (i.decode_workers.iter().filter(|w| w.healthy).count() == 2
         && i.prefill_workers.iter().filter(|w| w.healthy).count() == 1)
         .then_some(())
@@ -272,7 +274,7 @@ fn etcd_stopped_for_15_s_under_load_fails_no_request_and_membership_converges() 
     let late = free_addr();
     let _late = decode(&etcd, "outage", late);
     until(&rt, 60, "the late worker routable", async || {
-        let i = info(router_addr).await;
+        let i = info(router_addr).await?;
         i.decode_workers
             .iter()
             .any(|w| w.address == late.to_string() && w.healthy)
@@ -315,7 +317,7 @@ fn a_worker_restarted_on_its_address_is_a_new_incarnation_and_replaces_the_old()
     until(&rt, 60, "serving through the new incarnation", async || {
         serves(router_addr).await
     });
-    let i = rt.block_on(info(router_addr));
+    let i = rt.block_on(info(router_addr)).unwrap();
     assert_eq!(
         i.decode_workers.len(),
         1,
