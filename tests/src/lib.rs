@@ -188,6 +188,9 @@ pub async fn wait_until_blocks_freed(decode: SocketAddr, prefill: SocketAddr, li
             "blocks still held after cancel: decode {d:?}, prefill {p:?}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// The service binaries next to this test executable (built by `cargo test --workspace`).
 pub fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().unwrap();

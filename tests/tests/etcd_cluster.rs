@@ -174,6 +174,8 @@ fn until<T>(
 
 /// Serves a request through the router.
 async fn serves(router: SocketAddr) -> Option<()> {
+    // Not listening yet while the router starts (`generate` expects a listening router).
+    tokio::net::TcpStream::connect(router).await.ok()?;
     generate(router, greedy_request(&[1, 17, 250, 3], 2))
         .await
         .ok()

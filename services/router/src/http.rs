@@ -473,7 +473,7 @@ async fn models(State(front): State<Arc<HttpFront>>) -> Json<ModelList> {
 async fn health(State(front): State<Arc<HttpFront>>) -> (StatusCode, Json<serde_json::Value>) {
     let pools = &front.state.pools;
     let (prefill_up, decode_up) = pools.routable_counts();
-    let ready = decode_up > 0 && (prefill_up > 0 || pools.prefill.is_empty());
+    let ready = decode_up > 0 && (prefill_up > 0 || pools.prefill().is_empty());
     let status = if ready {
         StatusCode::OK
     } else {

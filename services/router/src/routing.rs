@@ -515,7 +515,7 @@ impl Pools {
                 .filter(|w| Self::routable(w, &fingerprint).is_some())
                 .count()
         };
-        (count(&self.prefill), count(&self.decode))
+        (count(&self.prefill()), count(&self.decode()))
     }
 
     /// The workers as `Info` describes them.
