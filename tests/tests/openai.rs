@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use duet_cluster::ClusterArgs;
 use duet_model::model_path::ModelArgs;
 use duet_proto::v1;
 use duet_router::RouterConfig;
@@ -55,6 +56,13 @@ fn side_router(
             stats_interval_ms: 50,
             ..routing
         },
+        // A cluster of its own, so that it sees only the workers named above, not the cards of
+        // the test's `duet up` in this process's embedded registry.
+        cluster: ClusterArgs {
+            cluster: format!("openai-side-{}", http.port()),
+            ..Default::default()
+        },
+        ..RouterConfig::default()
     };
     rt.spawn(async move {
         let listener = tokio::net::TcpListener::bind(config.listen).await.unwrap();
