@@ -9,11 +9,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH="$(./scripts/fetch-nvrtc.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# The official OpenAI client, which the HTTP API's conformance test (tests/tests/openai.rs) drives.
-if ! python3 -c 'import openai' >/dev/null 2>&1; then
-  python3 -m pip install --quiet openai==3.54.0 ||
-    python3 -m pip install --quiet --break-system-packages openai==3.54.0
-fi
+# Python packages the tests drive, installed into whichever python3 is first on PATH (a pyenv
+# interpreter on the CI machines, which Debian's python3-numpy does not reach): numpy for the
+# kernel emulation's references, the official OpenAI client for the HTTP API's conformance test
+# (tests/tests/openai.rs).
+pip_need() { # MODULE REQUIREMENT
+  python3 -c "import $1" >/dev/null 2>&1 && return
+  python3 -m pip install --quiet "$2" || python3 -m pip install --quiet --break-system-packages "$2"
+}
+pip_need numpy numpy
+pip_need openai openai==3.54.0
 cargo build --release --locked --workspace --bins --features cuda
 ./target/release/duet model fetch
 cargo test --release --locked --workspace --features cuda
