@@ -51,6 +51,16 @@ pub fn engine_options() -> EngineOptions {
     }
 }
 
+/// A worker's `Stats`, asked with the cluster's token.
+pub async fn worker_stats(cluster: &Cluster, worker: SocketAddr) -> v1::StatsResponse {
+    let channel = duet_proto::channel(&worker.to_string(), Some(cluster.token.clone())).unwrap();
+    v1::worker_control_client::WorkerControlClient::new(channel)
+        .stats(v1::StatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 /// A free loopback address for a router.
 pub fn free_addr() -> SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -81,6 +91,7 @@ pub fn spec(model: PathBuf, prefill: usize, decode: usize, routing: RoutingOptio
         processes: false,
         bin_dir: None,
         log: Default::default(),
+        auth: Default::default(),
     }
 }
 

@@ -22,7 +22,7 @@ fn cancelling_a_stream_frees_its_blocks_on_both_workers() {
         req.ignore_eos = true;
         let mut stream = client.generate(req).await.unwrap().into_inner();
         stream.next().await.unwrap().unwrap();
-        let during = stats(c.decode[0]).await;
+        let during = worker_stats(&c, c.decode[0]).await;
         assert!(
             during.kv_blocks_used > 0,
             "the request holds decode blocks while it runs"

@@ -332,6 +332,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 processes: false,
                 bin_dir: None,
                 log: Default::default(),
+                auth: Default::default(),
             };
             eprintln!(
                 "launching a {design:?} cluster ({prefill} prefill + {} decode)",

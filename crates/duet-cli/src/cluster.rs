@@ -2,8 +2,8 @@
 //! separate processes. Every service gets a typed configuration: in this process it is handed to
 //! the service's `serve` as it is; a separate process gets it as its command line through the
 //! config's `to_args`, which parses back to an equal configuration (tested in each service), so
-//! both kinds of cluster run the same configuration. Used by `duet up`, `duet bench serve` and
-//! the integration tests.
+//! both kinds of cluster run the same configuration, and one cluster token (the given one, else a
+//! random one). Used by `duet up`, `duet bench serve` and the integration tests.
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
@@ -18,13 +18,13 @@ use duet_cluster::ClusterArgs;
 use duet_decode_worker::DecodeConfig;
 use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
-use duet_proto::v1;
+use duet_proto::{ClusterAuth, ClusterToken, v1};
 use duet_router::RouterConfig;
 use duet_telemetry::LogArgs;
 
 /// What to start: a configuration for each kind of service. The launcher fills in what it owns:
-/// the workers' `listen` (free loopback ports), how they find each other, and every service's
-/// model; the rest is taken as it is (leave the workers' `worker_id` unset: each defaults to one
+/// the workers' `listen` (free loopback ports), how they find each other, the cluster token and
+/// every service's model; the rest is taken as it is (leave the workers' `worker_id` unset: each defaults to one
 /// from its port).
 ///
 /// How they find each other: through etcd when `router.cluster` names it (every service joins
@@ -49,6 +49,9 @@ pub struct ClusterSpec {
     /// The log format of separate processes (in this process, whoever installed the logger
     /// chose it).
     pub log: LogArgs,
+    /// The cluster token every service gets (the services' own `auth` is replaced by it); unset:
+    /// a random one.
+    pub auth: ClusterAuth,
 }
 
 /// A running cluster; dropping it stops it (child processes are killed; in-process services stop
@@ -57,6 +60,8 @@ pub struct Cluster {
     pub router: SocketAddr,
     pub prefill: Vec<SocketAddr>,
     pub decode: Vec<SocketAddr>,
+    /// The token the workers' internal RPCs require.
+    pub token: ClusterToken,
     children: Vec<(&'static str, Child)>,
     runtime: Option<tokio::runtime::Runtime>,
 }
@@ -74,6 +79,16 @@ impl Service {
             Service::Router(_) => "duet-router",
             Service::Prefill(_) => "duet-prefill",
             Service::Decode(_) => "duet-decode",
+        }
+    }
+
+    /// The cluster token, which a child process gets in its environment, never on its
+    /// command line.
+    fn env(&self) -> Option<(&'static str, &str)> {
+        match self {
+            Service::Router(c) => c.auth.to_env(),
+            Service::Prefill(c) => c.auth.to_env(),
+            Service::Decode(c) => c.auth.to_env(),
         }
     }
 
@@ -110,6 +125,8 @@ impl Cluster {
     pub fn start(spec: &ClusterSpec) -> Result<Cluster> {
         let prefill = free_ports(spec.prefill_workers)?;
         let decode = free_ports(spec.decode_workers)?;
+        let token = spec.auth.token()?.unwrap_or_else(ClusterToken::random);
+        let auth = ClusterAuth::with_token(token.clone());
         let model = |template: &ModelArgs| ModelArgs {
             model: Some(spec.model.clone()),
             ..template.clone()
@@ -132,8 +149,10 @@ impl Cluster {
         services.extend(prefill.iter().map(|&listen| {
             Service::Prefill(PrefillConfig {
                 listen,
+                decode: listed(&decode),
                 model: model(&spec.prefill.model),
                 cluster: cluster.clone(),
+                auth: auth.clone(),
                 ..spec.prefill.clone()
             })
         }));
@@ -142,6 +161,7 @@ impl Cluster {
                 listen,
                 model: model(&spec.decode.model),
                 cluster: cluster.clone(),
+                auth: auth.clone(),
                 ..spec.decode.clone()
             })
         }));
@@ -150,6 +170,7 @@ impl Cluster {
             decode: listed(&decode),
             model: model(&spec.router.model),
             cluster: cluster.clone(),
+            auth,
             ..spec.router.clone()
         }));
 
@@ -161,6 +182,7 @@ impl Cluster {
             router: spec.router.listen,
             prefill,
             decode,
+            token,
             children: Vec::new(),
             runtime: None,
         };
@@ -176,7 +198,7 @@ impl Cluster {
                 };
                 let mut args = service.args();
                 args.push(spec.log.to_arg().into());
-                let child = spawn_process(&dir, binary, &args)?;
+                let child = spawn_process(&dir, binary, &args, service.env())?;
                 cluster.children.push((binary, child));
             } else {
                 runtime.spawn(async move { report(binary, service.serve().await) });
@@ -238,7 +260,12 @@ fn report(service: &str, r: Result<()>) {
     }
 }
 
-fn spawn_process(dir: &Path, binary: &str, args: &[OsString]) -> Result<Child> {
+fn spawn_process(
+    dir: &Path,
+    binary: &str,
+    args: &[OsString],
+    env: Option<(&str, &str)>,
+) -> Result<Child> {
     let path = dir.join(binary);
     if !path.exists() {
         bail!(
@@ -255,6 +282,7 @@ fn spawn_process(dir: &Path, binary: &str, args: &[OsString]) -> Result<Child> {
             command.env_remove(name);
         }
     }
+    command.envs(env);
     command
         .spawn()
         .with_context(|| format!("starting {}", path.display()))

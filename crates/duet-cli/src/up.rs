@@ -11,6 +11,7 @@ use duet_decode_worker::DecodeConfig;
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
+use duet_proto::ClusterAuth;
 use duet_router::{RouterConfig, RoutingOptions};
 use duet_telemetry::LogArgs;
 use duet_transfer::choice::TransportChoice;
@@ -53,6 +54,9 @@ pub struct UpArgs {
     /// Exit after the cluster is ready and one sample request succeeded (for scripts and tests).
     #[arg(long, hide = true)]
     pub exit_when_ready: bool,
+    /// The token of the cluster's internal calls (default: a random one for this run).
+    #[command(flatten)]
+    pub auth: ClusterAuth,
     /// The router's routing and limits (the `duet-router` flags of the same names).
     // Last: the heading applies to every flag after it.
     #[command(flatten, next_help_heading = "Router")]
@@ -84,6 +88,7 @@ pub fn run(args: UpArgs) -> Result<()> {
         processes: args.processes,
         bin_dir: None,
         log: args.log,
+        auth: args.auth.clone(),
     };
     // Logs go to stderr: stdout is the ready line's.
     args.log.init(std::io::stderr);

@@ -1,11 +1,18 @@
 //! Channels to peers: one lazily connected, reused channel per address (a channel multiplexes
-//! calls and reconnects by itself), with Nagle's algorithm off as on the serving side.
+//! calls and reconnects by itself), with Nagle's algorithm off as on the serving side, and the
+//! cluster token attached to every call.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
+
+use crate::auth::{AttachClusterToken, ClusterToken};
+
+/// A channel to a peer whose calls carry the cluster token.
+pub type PeerChannel = InterceptedService<Channel, AttachClusterToken>;
 
 /// How long connecting to a peer may take before a call fails with UNAVAILABLE.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -18,8 +25,8 @@ pub struct BadAddress {
     pub reason: String,
 }
 
-/// A lazily connected channel to `address` (`host:port`, or a URI).
-pub fn channel(address: &str) -> Result<Channel, BadAddress> {
+/// A lazily connected channel to `address` (`host:port`, or a URI) whose calls carry `token`.
+pub fn channel(address: &str, token: Option<ClusterToken>) -> Result<PeerChannel, BadAddress> {
     let uri = if address.contains("://") {
         address.to_string()
     } else {
@@ -29,27 +36,37 @@ pub fn channel(address: &str) -> Result<Channel, BadAddress> {
         address: address.to_string(),
         reason: e.to_string(),
     })?;
-    Ok(endpoint
+    let channel = endpoint
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
         .http2_adaptive_window(true)
-        .connect_lazy())
+        .connect_lazy();
+    Ok(InterceptedService::new(channel, AttachClusterToken(token)))
 }
 
-/// Channels to peers by address, made on first use and reused.
+/// Channels to peers by address, made on first use and reused, their calls carrying the
+/// cluster token.
 #[derive(Debug, Default)]
 pub struct Channels {
-    by_address: Mutex<HashMap<String, Channel>>,
+    token: Option<ClusterToken>,
+    by_address: Mutex<HashMap<String, PeerChannel>>,
 }
 
 impl Channels {
+    pub fn new(token: Option<ClusterToken>) -> Self {
+        Self {
+            token,
+            by_address: Mutex::default(),
+        }
+    }
+
     /// The channel to `address`, made now if this is the first call for it.
-    pub fn get(&self, address: &str) -> Result<Channel, BadAddress> {
+    pub fn get(&self, address: &str) -> Result<PeerChannel, BadAddress> {
         let mut map = self.by_address.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = map.get(address) {
             return Ok(c.clone());
         }
-        let c = channel(address)?;
+        let c = channel(address, self.token.clone())?;
         map.insert(address.to_string(), c.clone());
         Ok(c)
     }

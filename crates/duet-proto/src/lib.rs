@@ -25,11 +25,13 @@ pub mod v1 {
     tonic::include_proto!("duet.v1");
 }
 
+pub mod auth;
 pub mod channels;
 pub mod convert;
 pub mod serve;
 
-pub use channels::{Channels, channel};
+pub use auth::{AttachClusterToken, ClusterAuth, ClusterToken};
+pub use channels::{Channels, PeerChannel, channel};
 pub use serve::{Edge, EdgeOptions, InFlightLimitLayer, MAX_MESSAGE_BYTES, Overloaded, deadline};
 
 /// `KvHeader.layout` of a KV push: per (layer, block), K then V, each

@@ -1,7 +1,8 @@
 //! Every service's gRPC edge, built once from tower layers: the call's deadline from
 //! `grpc-timeout` (one policy, with a configurable default), a limit on calls in flight that sheds
-//! the excess at once with RESOURCE_EXHAUSTED (a stream counts until it ends), Nagle's algorithm
-//! off, `grpc.health.v1` and server reflection (v1 and v1alpha) for every service added.
+//! the excess at once with RESOURCE_EXHAUSTED (a stream counts until it ends), the cluster token
+//! on internal calls ([`crate::auth`]), Nagle's algorithm off, `grpc.health.v1` and server
+//! reflection (v1 and v1alpha) for every service added.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -17,18 +18,22 @@ use tonic::server::NamedService;
 use tonic::service::RoutesBuilder;
 use tower::{Layer, Service};
 
+use crate::auth::{ClusterAuthLayer, ClusterToken};
+
 /// Largest gRPC message any duet service or client sends or accepts (KV chunks are 1 MiB; a
 /// stream of logprobs can be large). The router's public limit is its own flag.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// How a service's edge treats calls.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EdgeOptions {
     /// Deadline of a call that carries no `grpc-timeout`.
     pub default_deadline: Duration,
     /// Calls served at once; past it a call is refused with RESOURCE_EXHAUSTED at once. Health
     /// checks and reflection are never counted or refused.
     pub max_in_flight: usize,
+    /// The token internal calls must carry; `None`: they are open.
+    pub cluster_token: Option<ClusterToken>,
 }
 
 /// The deadline of a call: its `grpc-timeout` from when it arrived, or the edge's default.
@@ -72,7 +77,7 @@ fn grpc_timeout(headers: &http::HeaderMap) -> Option<Duration> {
 }
 
 /// Whether a path belongs to a service the edge never limits (health, reflection).
-fn is_infrastructure(path: &str) -> bool {
+pub(crate) fn is_infrastructure(path: &str) -> bool {
     path.starts_with("/grpc.health.v1.") || path.starts_with("/grpc.reflection.")
 }
 
@@ -247,8 +252,8 @@ pub struct Edge {
 impl Edge {
     pub fn new(options: EdgeOptions) -> Self {
         Self {
-            options,
             limit: InFlightLimitLayer::new(options.max_in_flight),
+            options,
             routes: RoutesBuilder::default(),
             names: Vec::new(),
         }
@@ -294,6 +299,8 @@ impl Edge {
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha);
         tonic::transport::Server::builder()
+            // Outermost: a caller without the token costs nothing further.
+            .layer(ClusterAuthLayer::new(self.options.cluster_token))
             .layer(DeadlineLayer {
                 default: self.options.default_deadline,
             })

@@ -103,10 +103,13 @@ impl TransportChoice {
     }
 }
 
-/// The sending side of `kind`, as this build carries it.
-pub fn open_transport(kind: TransportKind) -> Result<Arc<dyn KvTransport>, TransportError> {
+/// The sending side of `kind`, as this build carries it; its calls carry the cluster token.
+pub fn open_transport(
+    kind: TransportKind,
+    token: Option<duet_proto::ClusterToken>,
+) -> Result<Arc<dyn KvTransport>, TransportError> {
     match kind {
-        TransportKind::Grpc | TransportKind::Unspecified => Ok(Arc::new(GrpcTransport::default())),
+        TransportKind::Grpc | TransportKind::Unspecified => Ok(Arc::new(GrpcTransport::new(token))),
         TransportKind::CudaIpc => Err(TransportError::NotConnected {
             choice: TransportChoice::CudaIpc,
         }),

@@ -29,6 +29,15 @@ pub struct GrpcTransport {
     channels: Arc<duet_proto::Channels>,
 }
 
+impl GrpcTransport {
+    /// Pushes carrying the cluster token `token`.
+    pub fn new(token: Option<duet_proto::ClusterToken>) -> Self {
+        Self {
+            channels: Arc::new(duet_proto::Channels::new(token)),
+        }
+    }
+}
+
 impl KvTransport for GrpcTransport {
     fn kind(&self) -> v1::TransportKind {
         v1::TransportKind::Grpc
@@ -138,7 +147,7 @@ fn chunk_stream(
 }
 
 async fn push(
-    mut client: KvTransferClient<tonic::transport::Channel>,
+    mut client: KvTransferClient<duet_proto::PeerChannel>,
     spec: PushSpec,
     header: v1::KvHeader,
     rx: UnboundedReceiver<KvChunk>,

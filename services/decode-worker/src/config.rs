@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use duet_cluster::{ClusterArgs, LeaseArgs};
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
+use duet_proto::ClusterAuth;
 use duet_transfer::choice::TransportChoice;
 
 #[derive(clap::Args, Clone, Debug, PartialEq)]
@@ -45,6 +46,9 @@ pub struct DecodeConfig {
     /// at once.
     #[arg(long, env = "DUET_MAX_IN_FLIGHT", default_value_t = DecodeConfig::default().max_in_flight)]
     pub max_in_flight: usize,
+    /// Cluster token of internal calls (see `duet_proto::auth`).
+    #[command(flatten)]
+    pub auth: ClusterAuth,
 }
 
 /// The flags' defaults (the flags take theirs from here).
@@ -63,6 +67,7 @@ impl Default for DecodeConfig {
             prefill_timeout_ms: 60_000,
             request_timeout_ms: 600_000,
             max_in_flight: 4096,
+            auth: ClusterAuth::default(),
         }
     }
 }
@@ -84,6 +89,7 @@ impl DecodeConfig {
             prefill_timeout_ms,
             request_timeout_ms,
             max_in_flight,
+            auth,
         } = self;
         let mut args: Vec<OsString> = vec![format!("--listen={listen}").into()];
         args.extend(advertise.iter().map(|a| format!("--advertise={a}").into()));
@@ -106,6 +112,7 @@ impl DecodeConfig {
             ]
             .map(Into::into),
         );
+        args.extend(auth.to_args());
         args
     }
 }
@@ -165,6 +172,10 @@ mod tests {
             prefill_timeout_ms: 2,
             request_timeout_ms: 3,
             max_in_flight: 4,
+            auth: ClusterAuth {
+                cluster_token: None,
+                cluster_token_file: Some("secret dir/token".into()),
+            },
         };
         let argv = std::iter::once("duet-decode".into()).chain(c.to_args());
         assert_eq!(Cli::try_parse_from(argv).unwrap().config, c);

@@ -24,6 +24,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     config.kv_transport.for_worker(config.engine.device)?;
+    let token = config.auth.token()?;
     let addr = listener.local_addr()?;
     let engine = EngineHandle::spawn(
         "decode-engine",
@@ -42,7 +43,7 @@ pub async fn serve(
         advertise: config.advertise.clone().unwrap_or_else(|| addr.to_string()),
         engine,
         prefill_timeout: Duration::from_millis(config.prefill_timeout_ms),
-        channels: duet_proto::Channels::default(),
+        channels: duet_proto::Channels::new(token.clone()),
     });
 
     let card = duet_worker::membership::card(
@@ -56,6 +57,7 @@ pub async fn serve(
     let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
         default_deadline: Duration::from_millis(config.request_timeout_ms.max(1)),
         max_in_flight: config.max_in_flight,
+        cluster_token: token,
     });
     let edge = edge
         .service(

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use duet_cluster::{ClusterArgs, LeaseArgs};
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
+use duet_proto::ClusterAuth;
 use duet_transfer::choice::TransportChoice;
 
 /// Everything a prefill worker needs to start.
@@ -20,6 +21,17 @@ pub struct PrefillConfig {
     /// This worker's id in the cluster (default: "prefill-<port>", the port actually bound).
     #[arg(long, env = "DUET_WORKER_ID")]
     pub worker_id: Option<String>,
+    /// A decode worker's KV transfer address (its --advertise, by default its gRPC address)
+    /// that this worker may push KV to; a Prefill naming any other is refused
+    /// (PERMISSION_DENIED). Repeat the flag, or give a comma-separated list in the environment
+    /// variable.
+    #[arg(
+        long = "decode",
+        value_name = "ADDR",
+        env = "DUET_DECODE_WORKERS",
+        value_delimiter = ','
+    )]
+    pub decode: Vec<String>,
     #[command(flatten)]
     pub cluster: ClusterArgs,
     #[command(flatten)]
@@ -43,6 +55,9 @@ pub struct PrefillConfig {
     /// Calls served at once; past it RESOURCE_EXHAUSTED at once.
     #[arg(long, env = "DUET_MAX_IN_FLIGHT", default_value_t = PrefillConfig::default().max_in_flight)]
     pub max_in_flight: usize,
+    /// Cluster token of internal calls (see `duet_proto::auth`).
+    #[command(flatten)]
+    pub auth: ClusterAuth,
 }
 
 /// The flags' defaults (the flags take theirs from here).
@@ -54,12 +69,14 @@ impl Default for PrefillConfig {
             worker_id: None,
             cluster: ClusterArgs::default(),
             lease: LeaseArgs::default(),
+            decode: Vec::new(),
             model: ModelArgs::default(),
             engine: EngineOptions::default(),
             kv_transport: TransportChoice::Auto,
             max_queued_tokens: 65536,
             request_timeout_ms: 600_000,
             max_in_flight: 4096,
+            auth: ClusterAuth::default(),
         }
     }
 }
@@ -85,12 +102,14 @@ impl PrefillConfig {
             worker_id,
             cluster,
             lease,
+            decode,
             model,
             engine,
             kv_transport,
             max_queued_tokens,
             request_timeout_ms,
             max_in_flight,
+            auth,
         } = self;
         let mut args: Vec<OsString> = vec![format!("--listen={listen}").into()];
         args.extend(advertise.iter().map(|a| format!("--advertise={a}").into()));
@@ -101,6 +120,7 @@ impl PrefillConfig {
         );
         args.extend(cluster.to_args());
         args.extend(lease.to_args());
+        args.extend(decode.iter().map(|a| format!("--decode={a}").into()));
         args.extend(model.to_args());
         args.extend(engine.to_args());
         args.extend(
@@ -112,6 +132,7 @@ impl PrefillConfig {
             ]
             .map(Into::into),
         );
+        args.extend(auth.to_args());
         args
     }
 
@@ -185,6 +206,7 @@ mod tests {
                 lease_ttl_s: 3,
                 drain_timeout_s: 4,
             },
+            decode: vec!["d:1".into(), "d:2".into()],
             model: ModelArgs {
                 model: Some("some dir/m.gguf".into()),
                 models_dir: "elsewhere".into(),
@@ -203,6 +225,10 @@ mod tests {
             max_queued_tokens: 5,
             request_timeout_ms: 6,
             max_in_flight: 7,
+            auth: ClusterAuth {
+                cluster_token: None,
+                cluster_token_file: Some("secret dir/token".into()),
+            },
         };
         let argv = std::iter::once("duet-prefill".into()).chain(c.to_args());
         assert_eq!(Cli::try_parse_from(argv).unwrap().config, c);

@@ -8,6 +8,7 @@
 //! it, and the KV goes out through the transport seam ([`duet_transfer`]).
 
 pub mod config;
+pub mod decode_workers;
 pub mod service;
 
 use std::future::Future;
@@ -17,6 +18,7 @@ use duet_proto::v1::prefill_worker_server::PrefillWorkerServer;
 use duet_proto::v1::worker_control_server::WorkerControlServer;
 
 pub use config::PrefillConfig;
+use decode_workers::KnownDecodeWorkers;
 pub use service::PrefillService;
 
 /// Loads the model and serves a prefill worker on `listener`, registered in the cluster, until
@@ -26,8 +28,10 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    let token = config.auth.token()?;
     let transport = duet_transfer::choice::open_transport(
         config.kv_transport.for_worker(config.engine.device)?,
+        token.clone(),
     )?;
     let addr = listener
         .local_addr()
@@ -51,9 +55,13 @@ pub async fn serve(
         &engine,
         config.engine.device.to_string(),
     );
+    let (membership, follower) =
+        duet_cluster::membership::follow(config.cluster.clone(), decode_workers::MEMBERSHIP_RESYNC);
+    let decode_workers = KnownDecodeWorkers::new(&config.decode, membership);
     let service = PrefillService::new(
         engine,
         transport,
+        decode_workers,
         worker_id.clone(),
         config.max_queued_tokens,
     );
@@ -67,6 +75,7 @@ pub async fn serve(
     let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
         default_deadline: std::time::Duration::from_millis(config.request_timeout_ms.max(1)),
         max_in_flight: config.max_in_flight,
+        cluster_token: token,
     });
     let edge = edge
         .service(
@@ -75,7 +84,7 @@ pub async fn serve(
                 .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
         )
         .service(WorkerControlServer::new(service));
-    duet_worker::membership::serve_registered(
+    let served = duet_worker::membership::serve_registered(
         edge,
         listener,
         shutdown,
@@ -83,7 +92,9 @@ pub async fn serve(
         &config.cluster,
         &config.lease,
     )
-    .await?;
+    .await;
+    follower.abort();
+    served?;
     tracing::info!(worker_id, "prefill worker stopped");
     Ok(())
 }

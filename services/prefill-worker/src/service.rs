@@ -12,11 +12,13 @@ use duet_proto::v1::{
     KvDestination, PrefillRequest, PrefillResponse, StatsRequest, StatsResponse, TokenLogprobs,
     WorkerRole,
 };
-use duet_transfer::{KvTransport, PushSpec, Pushed, ReservationKey};
+use duet_transfer::{KvTransport, PushSpec, Pushed, ReservationKey, TransferError};
 use duet_worker::stats::Counters;
 use duet_worker::{EngineHandle, EngineInfo, Event, Identity, KvOut, Request, WorkerError};
 use tokio::sync::mpsc;
 use tonic::{Response, Status};
+
+use crate::decode_workers::KnownDecodeWorkers;
 
 /// Serves `PrefillWorker` and `WorkerControl`; cheap to clone.
 #[derive(Clone)]
@@ -27,14 +29,17 @@ pub struct PrefillService {
 struct Inner {
     engine: EngineHandle,
     transport: Arc<dyn KvTransport>,
+    decode_workers: KnownDecodeWorkers,
     identity: Identity,
     max_queued_tokens: u64,
 }
 
 impl PrefillService {
+    /// A service pushing KV through `transport`, to `decode_workers` only.
     pub fn new(
         engine: EngineHandle,
         transport: Arc<dyn KvTransport>,
+        decode_workers: KnownDecodeWorkers,
         worker_id: String,
         max_queued_tokens: u64,
     ) -> Self {
@@ -42,6 +47,7 @@ impl PrefillService {
             inner: Arc::new(Inner {
                 engine,
                 transport,
+                decode_workers,
                 identity: Identity::new(worker_id),
                 max_queued_tokens,
             }),
@@ -114,6 +120,13 @@ impl Inner {
     ) -> Result<PrefillResponse, WorkerError> {
         let info = self.engine.info();
         let dest = validate(&req, info)?;
+        if !self.decode_workers.knows(&dest.transfer_address) {
+            return Err(TransferError::Forbidden(format!(
+                "dest.transfer_address {:?} is not a decode worker this prefill worker knows (--decode, or a decode card of its cluster)",
+                dest.transfer_address
+            ))
+            .into());
+        }
         let params = req
             .sampling
             .as_ref()

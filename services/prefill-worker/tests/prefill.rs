@@ -157,12 +157,14 @@ struct Worker {
     _stop: oneshot::Sender<()>,
 }
 
-async fn start_worker() -> Worker {
+/// The worker under test, knowing the decode workers at `decode` (their transfer addresses).
+async fn start_worker(decode: &[SocketAddr]) -> Worker {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let mut config = PrefillConfig::for_model(fixture());
     config.engine = engine_options();
     config.worker_id = Some("prefill-test".into());
+    config.decode = decode.iter().map(SocketAddr::to_string).collect();
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
         duet_prefill_worker::serve(config, listener, async {
@@ -348,7 +350,7 @@ const T: Duration = Duration::from_secs(60);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_pushes_kv_and_returns_the_first_token() {
     let (decode, pushes) = start_fake_decode(Mode::Accept).await;
-    let worker = start_worker().await;
+    let worker = start_worker(&[decode]).await;
     let tokens = prompt();
     let r = tokio::task::spawn_blocking({
         let t = tokens.clone();
@@ -399,7 +401,7 @@ async fn prefill_pushes_kv_and_returns_the_first_token() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_prompt_twice_hits_the_prefix_cache() {
     let (decode, pushes) = start_fake_decode(Mode::Accept).await;
-    let worker = start_worker().await;
+    let worker = start_worker(&[decode]).await;
     let tokens = prompt();
     let r = tokio::task::spawn_blocking({
         let t = tokens.clone();
@@ -436,7 +438,7 @@ async fn the_same_prompt_twice_hits_the_prefix_cache() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_are_refused_with_clear_statuses() {
     let (decode, pushes) = start_fake_decode(Mode::Accept).await;
-    let worker = start_worker().await;
+    let worker = start_worker(&[decode]).await;
     let fingerprint = worker.stats().await.model_fingerprint;
 
     let e = worker
@@ -477,7 +479,12 @@ async fn bad_requests_are_refused_with_clear_statuses() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_push_fails_the_prefill() {
     let (refusing, _) = start_fake_decode(Mode::Refuse).await;
-    let worker = start_worker().await;
+    let (decode, _) = start_fake_decode(Mode::Accept).await;
+    // An unreachable decode worker (bound but never served).
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_addr = dead.local_addr().unwrap();
+    drop(dead);
+    let worker = start_worker(&[refusing, decode, dead_addr]).await;
     let fingerprint = worker.stats().await.model_fingerprint;
     let e = worker
         .prefill(request(prompt(), &fingerprint, refusing), T)
@@ -490,10 +497,7 @@ async fn a_refused_push_fails_the_prefill() {
         e.message()
     );
 
-    // An unreachable decode worker is UNAVAILABLE too (bound but never served).
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead_addr = dead.local_addr().unwrap();
-    drop(dead);
+    // An unreachable decode worker is UNAVAILABLE too.
     let e = worker
         .prefill(request(prompt(), &fingerprint, dead_addr), T)
         .await
@@ -501,7 +505,6 @@ async fn a_refused_push_fails_the_prefill() {
     assert_eq!(e.code(), Code::Unavailable, "{e:?}");
 
     // The worker goes on serving, with nothing left held.
-    let (decode, _) = start_fake_decode(Mode::Accept).await;
     worker
         .prefill(request(prompt(), &fingerprint, decode), T)
         .await
@@ -515,7 +518,7 @@ async fn a_refused_push_fails_the_prefill() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missed_deadline_frees_everything() {
     let (hanging, pushes) = start_fake_decode(Mode::Hang).await;
-    let worker = start_worker().await;
+    let worker = start_worker(&[hanging]).await;
     let fingerprint = worker.stats().await.model_fingerprint;
     let e = worker
         .prefill(
@@ -540,7 +543,7 @@ async fn a_missed_deadline_frees_everything() {
 async fn health_is_served() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
-    let worker = start_worker().await;
+    let worker = start_worker(&[]).await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", worker.addr))
         .unwrap()
         .connect()
@@ -563,7 +566,7 @@ async fn health_is_served() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_prompts_are_batched_and_each_gets_its_own_kv() {
     let (decode, pushes) = start_fake_decode(Mode::Accept).await;
-    let worker = start_worker().await;
+    let worker = start_worker(&[decode]).await;
     // 37 tokens: chunked; 21: shares a step with it; 12: all 3 blocks already on the decode
     // side, so nothing but the header and `KvDone` is pushed.
     let prompts: Vec<Vec<u32>> = [37usize, 21, 12]
@@ -602,4 +605,26 @@ async fn concurrent_prompts_are_batched_and_each_gets_its_own_kv() {
     let s = worker.stats().await;
     assert_eq!(s.requests_served, 3);
     assert_eq!(s.prompt_tokens, 37 + 21 + 12);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_goes_only_to_decode_workers_the_worker_knows() {
+    let (known, _) = start_fake_decode(Mode::Accept).await;
+    let (stranger, pushes) = start_fake_decode(Mode::Accept).await;
+    let worker = start_worker(&[known]).await;
+    let fingerprint = worker.stats().await.model_fingerprint;
+    let e = worker
+        .prefill(request(prompt(), &fingerprint, stranger), T)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains(&stranger.to_string()), "{e:?}");
+    assert!(
+        pushes.lock().unwrap().is_empty(),
+        "nothing pushed to the stranger"
+    );
+    worker
+        .prefill(request(prompt(), &fingerprint, known), T)
+        .await
+        .unwrap();
 }

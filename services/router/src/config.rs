@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use clap::Args;
 use duet_cluster::ClusterArgs;
 use duet_model::model_path::ModelArgs;
+use duet_proto::ClusterAuth;
 
 /// How the router is run: where it listens, which workers it routes to, the model it serves
 /// (config, tokenizer and chat template only; never the weights) and its limits.
@@ -55,6 +56,10 @@ pub struct RouterConfig {
 
     #[command(flatten)]
     pub routing: RoutingOptions,
+
+    /// Cluster token the router's calls to the workers carry (see `duet_proto::auth`).
+    #[command(flatten)]
+    pub auth: ClusterAuth,
 }
 
 /// The flags' defaults (the flags take theirs from here).
@@ -69,6 +74,7 @@ impl Default for RouterConfig {
             membership_resync_s: 30,
             model: ModelArgs::default(),
             routing: RoutingOptions::default(),
+            auth: ClusterAuth::default(),
         }
     }
 }
@@ -86,6 +92,7 @@ impl RouterConfig {
             membership_resync_s,
             model,
             routing,
+            auth,
         } = self;
         let mut args = vec![OsString::from(format!("--listen={listen}"))];
         args.extend(http_listen.map(|a| format!("--http-listen={a}").into()));
@@ -95,6 +102,7 @@ impl RouterConfig {
         args.push(format!("--membership-resync-s={membership_resync_s}").into());
         args.extend(model.to_args());
         args.extend(routing.to_args());
+        args.extend(auth.to_args());
         args
     }
 }
@@ -240,6 +248,10 @@ mod tests {
                 max_request_bytes: 1234,
                 stats_interval_ms: 11,
                 request_timeout_ms: 13,
+            },
+            auth: ClusterAuth {
+                cluster_token: None,
+                cluster_token_file: Some("secret dir/token".into()),
             },
         };
         let argv = std::iter::once("duet-router".into()).chain(c.to_args());

@@ -74,7 +74,8 @@ pub async fn serve(
         tokio::task::spawn_blocking(move || load_prompt_model(&load_path, default_max_tokens))
             .await
             .context("model loading panicked")??;
-    let pools = Pools::new(&config.decode, &config.prefill)?;
+    let token = config.auth.token()?;
+    let pools = Pools::new(&config.decode, &config.prefill, token.clone())?;
     pools.start_polling(Duration::from_millis(
         config.routing.stats_interval_ms.max(1),
     ));
@@ -106,6 +107,7 @@ pub async fn serve(
     let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
         default_deadline: request_timeout,
         max_in_flight: config.routing.max_queued_requests,
+        cluster_token: token,
     });
     let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
     let http = match config.http_listen {

@@ -19,7 +19,7 @@ use std::time::Duration;
 use duet_cluster::{CardState, Membership, Role, WorkerCard};
 use duet_proto::v1;
 use duet_proto::v1::worker_control_client::WorkerControlClient;
-use tonic::transport::Channel;
+use duet_proto::{ClusterToken, PeerChannel};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -47,7 +47,7 @@ pub struct WorkerStatus {
 pub struct Worker {
     pub address: String,
     pub role: Role,
-    channel: Channel,
+    channel: PeerChannel,
     status: Mutex<WorkerStatus>,
     /// Requests the router has on this worker right now.
     in_flight: AtomicU32,
@@ -67,9 +67,9 @@ impl Drop for InFlight {
 }
 
 impl Worker {
-    /// A worker at `address` (host:port, or a URI); connects lazily.
-    pub fn new(address: &str, role: Role) -> anyhow::Result<Self> {
-        let channel = duet_proto::channel(address)?;
+    /// A worker at `address` (host:port, or a URI) whose calls carry `token`; connects lazily.
+    pub fn new(address: &str, role: Role, token: Option<ClusterToken>) -> anyhow::Result<Self> {
+        let channel = duet_proto::channel(address, token)?;
         Ok(Self {
             address: address.to_string(),
             role,
@@ -82,8 +82,12 @@ impl Worker {
     }
 
     /// The worker a card describes.
-    pub fn from_card(key: &str, card: &WorkerCard) -> anyhow::Result<Self> {
-        let w = Self::new(&card.grpc_address, card.role)?;
+    pub fn from_card(
+        key: &str,
+        card: &WorkerCard,
+        token: Option<ClusterToken>,
+    ) -> anyhow::Result<Self> {
+        let w = Self::new(&card.grpc_address, card.role, token)?;
         *w.card.lock().unwrap_or_else(|e| e.into_inner()) = Some((key.to_string(), card.clone()));
         Ok(w)
     }
@@ -104,7 +108,7 @@ impl Worker {
         }
     }
 
-    pub fn channel(&self) -> Channel {
+    pub fn channel(&self) -> PeerChannel {
         self.channel.clone()
     }
 
@@ -272,21 +276,29 @@ pub struct Pools {
     prefill: RwLock<Vec<Arc<Worker>>>,
     /// Set once polling started: workers added later are polled from then on.
     poll_interval: Mutex<Option<Duration>>,
+    /// What every call to a worker carries, those known from cards included.
+    token: Option<ClusterToken>,
 }
 
 impl Pools {
-    pub fn new(decode: &[String], prefill: &[String]) -> anyhow::Result<Self> {
+    /// The pools of workers at these addresses; every call to them carries `token`.
+    pub fn new(
+        decode: &[String],
+        prefill: &[String],
+        token: Option<ClusterToken>,
+    ) -> anyhow::Result<Self> {
         let make = |list: &[String], role| -> anyhow::Result<Vec<Arc<Worker>>> {
             list.iter()
                 .map(|a| a.trim())
                 .filter(|a| !a.is_empty())
-                .map(|a| Worker::new(a, role).map(Arc::new))
+                .map(|a| Worker::new(a, role, token.clone()).map(Arc::new))
                 .collect()
         };
         Ok(Self {
             decode: RwLock::new(make(decode, Role::Decode)?),
             prefill: RwLock::new(make(prefill, Role::Prefill)?),
             poll_interval: Mutex::new(None),
+            token,
         })
     }
 
@@ -368,7 +380,7 @@ impl Pools {
                 if card.role != role || known.contains(key) {
                     continue;
                 }
-                match Worker::from_card(key, card) {
+                match Worker::from_card(key, card, self.token.clone()) {
                     Ok(w) => {
                         let w = Arc::new(w);
                         if let Some(interval) = interval {
@@ -656,6 +668,7 @@ mod tests {
                 "127.0.0.1:3".into(),
             ],
             &["127.0.0.1:4".into(), "127.0.0.1:5".into()],
+            None,
         )
         .unwrap();
         assert!(pools.route(10, 32, &[]).is_none());
@@ -736,7 +749,7 @@ mod tests {
 
     #[tokio::test]
     async fn cards_join_leave_drain_and_reincarnate() {
-        let pools = Pools::new(&["127.0.0.1:9".into()], &[]).unwrap();
+        let pools = Pools::new(&["127.0.0.1:9".into()], &[], None).unwrap();
         let a = card("a", 1, 1, CardState::Ready, "fp");
         let b = card("b", 2, 1, CardState::Joining, "fp");
         let other = card("c", 3, 1, CardState::Ready, "other-model");
