@@ -28,6 +28,7 @@ pub mod v1 {
 pub mod auth;
 pub mod channels;
 pub mod convert;
+pub mod malformed;
 pub mod serve;
 
 pub use auth::{AttachClusterToken, ClusterAuth, ClusterToken};

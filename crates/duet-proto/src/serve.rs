@@ -1,7 +1,8 @@
 //! Every service's gRPC edge, built once from tower layers: the call's deadline from
 //! `grpc-timeout` (one policy, with a configurable default), a limit on calls in flight that sheds
 //! the excess at once with RESOURCE_EXHAUSTED (a stream counts until it ends), the cluster token
-//! on internal calls ([`crate::auth`]), Nagle's algorithm off, `grpc.health.v1` and server
+//! on internal calls ([`crate::auth`]), INVALID_ARGUMENT for a request that cannot be decoded
+//! ([`crate::malformed`]), Nagle's algorithm off, `grpc.health.v1` and server
 //! reflection (v1 and v1alpha) for every service added.
 
 use std::convert::Infallible;
@@ -19,6 +20,7 @@ use tonic::service::RoutesBuilder;
 use tower::{Layer, Service};
 
 use crate::auth::{ClusterAuthLayer, ClusterToken};
+use crate::malformed::MalformedRequestLayer;
 
 /// Largest gRPC message any duet service or client sends or accepts (KV chunks are 1 MiB; a
 /// stream of logprobs can be large). The router's public limit is its own flag.
@@ -305,6 +307,7 @@ impl Edge {
                 default: self.options.default_deadline,
             })
             .layer(self.limit)
+            .layer(MalformedRequestLayer)
             .add_routes(self.routes.routes())
             .serve_with_incoming_shutdown(crate::incoming(listener), shutdown)
             .await

@@ -671,3 +671,37 @@ async fn health_and_reflection_are_served() {
         "{names:?}"
     );
 }
+
+/// `GenerateRequest.prompt` (field 2) as bytes: what a client sending invalid UTF-8 encodes.
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawPrompt {
+    #[prost(bytes = "vec", tag = "2")]
+    prompt: Vec<u8>,
+}
+
+async fn complete_raw(router: &Router, prompt: Vec<u8>) -> Status {
+    let mut grpc = tonic::client::Grpc::new(router.channel().await);
+    grpc.ready().await.unwrap();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/duet.v1.Generation/Complete");
+    grpc.unary::<RawPrompt, v1::GenerateResponse, _>(
+        Request::new(RawPrompt { prompt }),
+        path,
+        tonic_prost::ProstCodec::default(),
+    )
+    .await
+    .unwrap_err()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undecodable_requests_are_invalid_argument_saying_what_was_wrong() {
+    let router = start_router_at(vec![], 8, false).await;
+    let s = complete_raw(&router, vec![b'h', 0xff, 0xfe]).await;
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    assert!(
+        s.message().contains("GenerateRequest.prompt") && s.message().contains("UTF-8"),
+        "{s:?}"
+    );
+    let s = complete_raw(&router, vec![b'a'; 5 << 20]).await;
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    assert!(s.message().contains("too large"), "{s:?}");
+}
