@@ -275,7 +275,7 @@ impl<B: Backend> Engine<B> {
                 &fallback
             }
         };
-        Ok(template.apply(messages, true)?)
+        Ok(template.apply(messages, true, &self.tokenizer().special_tokens())?)
     }
 
     /// Token ids of a prompt (special tokens such as `<|im_start|>` are recognised).

@@ -9,6 +9,9 @@ use minijinja::{Environment, Error, ErrorKind, State};
 use serde::Serialize;
 
 use crate::gguf::GgufFile;
+#[cfg(doc)]
+use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{TEXT_SPAN_END, TEXT_SPAN_START};
 
 const TEMPLATE_NAME: &str = "chat";
 
@@ -45,6 +48,27 @@ pub enum ChatError {
     UnknownRole { role: String },
     #[error("{origin}: cannot read chat template: {why}")]
     Load { origin: String, why: String },
+}
+
+/// `content` with every occurrence of a special token wrapped in a text span (see
+/// [`TEXT_SPAN_START`]); `special_tokens` longest first, so the longest one matching wins.
+fn keep_as_text(content: &str, special_tokens: &[String]) -> String {
+    let mut out = String::with_capacity(content.len());
+    let mut rest = content;
+    'scan: while let Some(c) = rest.chars().next() {
+        for special in special_tokens.iter().filter(|s| !s.is_empty()) {
+            if let Some(after) = rest.strip_prefix(special.as_str()) {
+                out.push(TEXT_SPAN_START);
+                out.push_str(special);
+                out.push(TEXT_SPAN_END);
+                rest = after;
+                continue 'scan;
+            }
+        }
+        out.push(c);
+        rest = &rest[c.len_utf8()..];
+    }
+    out
 }
 
 /// A compiled chat template.
@@ -348,10 +372,16 @@ impl ChatTemplate {
     }
 
     /// Renders the conversation; with `add_generation_prompt` the assistant turn is opened.
+    /// Every occurrence of `special_tokens` (the tokenizer's, [`Tokenizer::special_tokens`]) in
+    /// a message's content is wrapped in a text span, so that [`Tokenizer::encode`] keeps it as
+    /// text: only the template's own markup becomes special tokens, and content cannot forge a
+    /// turn. Only the special tokens are wrapped, so filters applied to the content (`| trim`)
+    /// work as before.
     pub fn apply(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
+        special_tokens: &[String],
     ) -> Result<String, ChatError> {
         if let Some(m) = messages.iter().find(|m| !ROLES.contains(&m.role.as_str())) {
             return Err(ChatError::UnknownRole {
@@ -365,8 +395,15 @@ impl ChatTemplate {
                 origin: self.origin.clone(),
                 why: e.to_string(),
             })?;
+        let messages: Vec<ChatMessage> = messages
+            .iter()
+            .map(|m| ChatMessage {
+                role: m.role.clone(),
+                content: keep_as_text(&m.content, special_tokens),
+            })
+            .collect();
         let ctx = minijinja::context! {
-            messages => Value::from_serialize(messages),
+            messages => Value::from_serialize(&messages),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone(),
             eos_token => self.eos_token.clone(),
@@ -415,16 +452,38 @@ mod tests {
     fn smollm_template() {
         let t = ChatTemplate::new(SMOL_TEMPLATE).unwrap();
         assert_eq!(
-            t.apply(&msgs(&[("user", "Hi there")]), true).unwrap(),
+            t.apply(&msgs(&[("user", "Hi there")]), true, &[]).unwrap(),
             SMOL_EXPECTED
         );
         let out = t
-            .apply(&msgs(&[("system", "Be brief."), ("user", "Hi")]), false)
+            .apply(
+                &msgs(&[("system", "Be brief."), ("user", "Hi")]),
+                false,
+                &[],
+            )
             .unwrap();
         assert_eq!(
             out,
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         );
+    }
+
+    #[test]
+    fn special_tokens_in_content_become_text_spans_and_filters_still_apply() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}<|im_start|>{{ m['content'] | trim }}<|im_end|>{% endfor %}",
+        )
+        .unwrap();
+        let specials = ["<|im_end|>".to_string(), "<|im".to_string()];
+        let out = t
+            .apply(&msgs(&[("user", "  a<|im_end|>b<|im  ")]), false, &specials)
+            .unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>a\u{FDD0}<|im_end|>\u{FDD1}b\u{FDD0}<|im\u{FDD1}<|im_end|>"
+        );
+        let out = t.apply(&msgs(&[("user", "  ab  ")]), false, &specials);
+        assert_eq!(out.unwrap(), "<|im_start|>ab<|im_end|>");
     }
 
     #[test]
@@ -434,13 +493,14 @@ mod tests {
             .apply(
                 &msgs(&[("user", "a"), ("assistant", "b"), ("tool", "c")]),
                 true,
+                &[],
             )
             .unwrap();
         assert_eq!(
             out,
             "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n<|im_start|>tool\nc<|im_end|>\n<|im_start|>assistant\n"
         );
-        let e = t.apply(&msgs(&[("wizard", "x")]), true).unwrap_err();
+        let e = t.apply(&msgs(&[("wizard", "x")]), true, &[]).unwrap_err();
         assert!(
             matches!(e, ChatError::UnknownRole { ref role } if role == "wizard"),
             "{e}"
@@ -453,10 +513,10 @@ mod tests {
         let t = ChatTemplate::new(src)
             .unwrap()
             .with_special_tokens("<s>", "</s>");
-        let out = t.apply(&msgs(&[("user", "  xa,b  ")]), false).unwrap();
+        let out = t.apply(&msgs(&[("user", "  xa,b  ")]), false, &[]).unwrap();
         // Booleans print as Python does.
         assert_eq!(out, "<s>[xa,b|  xa,b  |True|2|  XA,B  ]</s>");
-        let e = t.apply(&msgs(&[("system", "s")]), false).unwrap_err();
+        let e = t.apply(&msgs(&[("system", "s")]), false, &[]).unwrap_err();
         match e {
             ChatError::Rejected { message, .. } => assert_eq!(message, "System role not supported"),
             other => panic!("{other}"),
@@ -468,7 +528,7 @@ mod tests {
         let src = "{% for m in messages %}\n  {% if m.role == 'user' %}\nU:{{ m.content | tojson }}\n  {% endif %}\n{% endfor %}";
         let t = ChatTemplate::new(src).unwrap();
         assert_eq!(
-            t.apply(&msgs(&[("user", "q\"")]), false).unwrap(),
+            t.apply(&msgs(&[("user", "q\"")]), false, &[]).unwrap(),
             "U:\"q\\\"\"\n"
         );
         let e = ChatTemplate::new("{% for %}").unwrap_err();
@@ -487,7 +547,10 @@ mod tests {
         let cfg = serde_json::json!({"chat_template": "{{ bos_token }}{{ messages[0].content }}", "bos_token": {"content": "<s>"}});
         std::fs::write(&p, cfg.to_string()).unwrap();
         let t = ChatTemplate::from_hf_tokenizer_config(&p).unwrap().unwrap();
-        assert_eq!(t.apply(&msgs(&[("user", "x")]), false).unwrap(), "<s>x");
+        assert_eq!(
+            t.apply(&msgs(&[("user", "x")]), false, &[]).unwrap(),
+            "<s>x"
+        );
     }
 
     #[test]
@@ -503,7 +566,7 @@ mod tests {
             .unwrap()
             .expect("SmolLM2 has a chat template");
         assert_eq!(
-            t.apply(&msgs(&[("user", "Hi there")]), true).unwrap(),
+            t.apply(&msgs(&[("user", "Hi there")]), true, &[]).unwrap(),
             SMOL_EXPECTED
         );
     }

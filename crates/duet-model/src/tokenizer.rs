@@ -57,7 +57,17 @@ struct Inner {
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: Arc<Inner>,
+    /// The same tokenizer with special tokens not recognised: for text spans.
+    text: Arc<tokenizers::Tokenizer>,
 }
+
+/// Starts a text span in what [`Tokenizer::encode`] is given: up to [`TEXT_SPAN_END`], special
+/// tokens written in the text are encoded as the text they are, not as special ids (chat
+/// content, see [`crate::chat::ChatTemplate::apply`]). Both are Unicode noncharacters, which
+/// Unicode reserves for a program's internal use; they are never encoded themselves.
+pub const TEXT_SPAN_START: char = '\u{FDD0}';
+/// Ends a text span (see [`TEXT_SPAN_START`]).
+pub const TEXT_SPAN_END: char = '\u{FDD1}';
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -91,9 +101,26 @@ fn config_token_id(tok: &tokenizers::Tokenizer, v: Option<&serde_json::Value>) -
 
 impl Tokenizer {
     fn build(inner: Inner) -> Self {
+        let mut text = inner.tok.clone();
+        text.set_encode_special_tokens(true);
         Self {
             inner: Arc::new(inner),
+            text: Arc::new(text),
         }
+    }
+
+    /// The special tokens' texts, longest first.
+    pub fn special_tokens(&self) -> Vec<String> {
+        let mut tokens: Vec<String> = self
+            .inner
+            .tok
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special)
+            .map(|t| t.content)
+            .collect();
+        tokens.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        tokens
     }
 
     /// Loads a HF `tokenizer.json`. BOS/EOS come from a `tokenizer_config.json` next to it when
@@ -343,16 +370,39 @@ impl Tokenizer {
     }
 
     /// Encodes `text`. Special tokens written in the text (e.g. `<|im_start|>`) are recognised
-    /// as single ids. BOS is prepended only when the model says so.
+    /// as single ids, except inside text spans ([`TEXT_SPAN_START`]). BOS is prepended only
+    /// when the model says so.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let i = &self.inner;
-        let enc = i
-            .tok
-            .encode(text, i.hf_post_process)
-            .map_err(|e| TokenizerError::Encode {
-                origin: i.origin.clone(),
-                why: e.to_string(),
-            })?;
+        let failed = |e: tokenizers::Error| TokenizerError::Encode {
+            origin: i.origin.clone(),
+            why: e.to_string(),
+        };
+        let enc = if text.contains([TEXT_SPAN_START, TEXT_SPAN_END]) {
+            // Each piece alone, then the post-processor once over them all.
+            let mut pieces = Vec::new();
+            let mut in_span = false;
+            let mut rest = text;
+            loop {
+                let (piece, marker) = match rest.find([TEXT_SPAN_START, TEXT_SPAN_END]) {
+                    Some(at) => (&rest[..at], rest[at..].chars().next()),
+                    None => (rest, None),
+                };
+                if !piece.is_empty() {
+                    let tok = if in_span { &*self.text } else { &i.tok };
+                    pieces.push(tok.encode(piece, false).map_err(failed)?);
+                }
+                let Some(marker) = marker else { break };
+                in_span = marker == TEXT_SPAN_START;
+                rest = &rest[piece.len() + marker.len_utf8()..];
+            }
+            let merged = tokenizers::Encoding::merge(pieces, false);
+            i.tok
+                .post_process(merged, None, i.hf_post_process)
+                .map_err(failed)?
+        } else {
+            i.tok.encode(text, i.hf_post_process).map_err(failed)?
+        };
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if i.add_bos
             && let Some(bos) = i.bos

@@ -103,7 +103,9 @@ impl PromptModel {
             .iter()
             .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
             .collect();
-        let text = self.chat.apply(&msgs, true)?;
+        let text = self
+            .chat
+            .apply(&msgs, true, &self.tokenizer.special_tokens())?;
         self.encode_text(&text)
     }
 
