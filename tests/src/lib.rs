@@ -173,20 +173,20 @@ pub async fn generate(
     ))
 }
 
-/// A worker's `WorkerControl/Stats`.
-pub async fn stats(addr: SocketAddr) -> v1::StatsResponse {
-    let mut c = v1::worker_control_client::WorkerControlClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
-    c.stats(v1::StatsRequest {}).await.unwrap().into_inner()
-}
-
 /// Waits until the decode worker runs nothing and neither worker holds a KV block or a
 /// reservation; panics with both workers' stats when that takes longer than `limit`.
-pub async fn wait_until_blocks_freed(decode: SocketAddr, prefill: SocketAddr, limit: Duration) {
+pub async fn wait_until_blocks_freed(
+    cluster: &Cluster,
+    decode: SocketAddr,
+    prefill: SocketAddr,
+    limit: Duration,
+) {
     let deadline = Instant::now() + limit;
     loop {
-        let (d, p) = (stats(decode).await, stats(prefill).await);
+        let (d, p) = (
+            worker_stats(cluster, decode).await,
+            worker_stats(cluster, prefill).await,
+        );
         if d.kv_blocks_used == 0
             && d.running_sequences == 0
             && d.reservations_outstanding == 0

@@ -28,7 +28,7 @@ fn cancelling_a_stream_frees_its_blocks_on_both_workers() {
             "the request holds decode blocks while it runs"
         );
         drop(stream);
-        wait_until_blocks_freed(c.decode[0], c.prefill[0], Duration::from_secs(10)).await;
+        wait_until_blocks_freed(&c, c.decode[0], c.prefill[0], Duration::from_secs(10)).await;
     });
 }
 

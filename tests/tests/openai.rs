@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use duet_cluster::ClusterArgs;
 use duet_model::model_path::ModelArgs;
-use duet_proto::v1;
+use duet_proto::{ClusterAuth, v1};
 use duet_router::RouterConfig;
 use duet_tests::*;
 
@@ -33,10 +33,11 @@ fn http_cluster(model: std::path::PathBuf) -> (Cluster, SocketAddr) {
     (Cluster::start(&spec).expect("starting the cluster"), http)
 }
 
-/// Starts a router in `rt` with the cluster's model and workers, serving HTTP only to the test;
-/// returns its HTTP address.
+/// Starts a router in `rt` with the cluster's model, workers and token, serving HTTP only to
+/// the test; returns its HTTP address.
 fn side_router(
     rt: &tokio::runtime::Runtime,
+    c: &Cluster,
     model: &std::path::Path,
     decode: Vec<String>,
     prefill: Vec<String>,
@@ -56,6 +57,7 @@ fn side_router(
             stats_interval_ms: 50,
             ..routing
         },
+        auth: ClusterAuth::with_token(c.token.clone()),
         // A cluster of its own, so that it sees only the workers named above, not the cards of
         // the test's `duet up` in this process's embedded registry.
         cluster: ClusterArgs {
@@ -106,6 +108,7 @@ fn the_openai_python_client_gets_what_grpc_gives_and_every_error_as_its_exceptio
     // Admits nothing: RESOURCE_EXHAUSTED at once.
     let limited = side_router(
         &rt,
+        &c,
         &model,
         decode.clone(),
         prefill.clone(),
@@ -117,6 +120,7 @@ fn the_openai_python_client_gets_what_grpc_gives_and_every_error_as_its_exceptio
     // A 1 ms deadline: no token of the default model comes that soon.
     let deadline = side_router(
         &rt,
+        &c,
         &model,
         decode,
         prefill,
@@ -128,6 +132,7 @@ fn the_openai_python_client_gets_what_grpc_gives_and_every_error_as_its_exceptio
     // Its only decode worker does not exist: UNAVAILABLE.
     let down = side_router(
         &rt,
+        &c,
         &model,
         vec![free_addr().to_string()],
         vec![],
@@ -223,13 +228,14 @@ fn an_http_client_that_disconnects_frees_its_blocks_on_both_workers() {
         line.clear();
         reader.read_line(&mut line).unwrap();
     }
-    let during = rt.block_on(stats(c.decode[0]));
+    let during = rt.block_on(worker_stats(&c, c.decode[0]));
     assert!(during.kv_blocks_used > 0, "the request holds decode blocks");
     drop(reader);
     socket.shutdown(std::net::Shutdown::Both).unwrap();
     drop(socket);
     // Well before the 3000 tokens could have been generated.
     rt.block_on(wait_until_blocks_freed(
+        &c,
         c.decode[0],
         c.prefill[0],
         Duration::from_secs(3),
