@@ -24,8 +24,8 @@ use duet_telemetry::LogArgs;
 
 /// What to start: a configuration for each kind of service. The launcher fills in what it owns:
 /// the workers' `listen` (free loopback ports), how they find each other, the cluster token and
-/// every service's model; the rest is taken as it is (leave the workers' `worker_id` unset: each defaults to one
-/// from its port).
+/// every service's model; the rest is taken as it is (leave the workers' `worker_id` unset:
+/// each defaults to one from its port).
 ///
 /// How they find each other: through etcd when `router.cluster` names it (every service joins
 /// that cluster); in this process, through the embedded registry under a cluster name of its

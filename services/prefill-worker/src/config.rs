@@ -22,9 +22,9 @@ pub struct PrefillConfig {
     #[arg(long, env = "DUET_WORKER_ID")]
     pub worker_id: Option<String>,
     /// A decode worker's KV transfer address (its --advertise, by default its gRPC address)
-    /// that this worker may push KV to; a Prefill naming any other is refused
-    /// (PERMISSION_DENIED). Repeat the flag, or give a comma-separated list in the environment
-    /// variable.
+    /// that this worker may push KV to, besides the decode workers whose cards are in its
+    /// cluster; a Prefill naming any other is refused (PERMISSION_DENIED). Repeat the flag, or
+    /// give a comma-separated list in the environment variable.
     #[arg(
         long = "decode",
         value_name = "ADDR",
