@@ -120,8 +120,12 @@ impl KvLayout {
 
     /// Bytes of the whole store (saturating: an absurd size is reported, not wrapped).
     pub fn bytes(&self) -> usize {
-        self.num_blocks
-            .saturating_mul(self.block_size)
+        self.num_blocks.saturating_mul(self.block_bytes())
+    }
+
+    /// Bytes of one block, every layer, K and V (what moving it costs).
+    pub fn block_bytes(&self) -> usize {
+        self.block_size
             .saturating_mul(self.values_per_token())
             .saturating_mul(self.dtype.bytes())
     }

@@ -210,7 +210,7 @@ impl<B: Backend> Engine<B> {
             kv_dtype,
             options.block_size,
         );
-        let kv_cache = KvCacheManager::new(num_blocks, options.block_size, fingerprint.as_bytes());
+        let kv_cache = KvCacheManager::new(num_blocks, options.block_size, &fingerprint);
         let engine = Self {
             runner,
             scheduler: Scheduler::new(kv_cache, options.max_step_tokens),
@@ -260,9 +260,20 @@ impl<B: Backend> Engine<B> {
         self.runner.kv_layout()
     }
 
-    /// Forgets every cached prefix block (blocks held by sequences are untouched).
+    /// Forgets every cached prefix block (blocks held by sequences keep their KV but are no
+    /// longer shared).
     pub fn clear_prefix_cache(&mut self) {
         self.scheduler.kv_cache_mut().clear_prefix_cache();
+    }
+
+    /// Starts recording prefix-cache events (see [`take_kv_events`](Self::take_kv_events)).
+    pub fn record_kv_events(&mut self) {
+        self.scheduler.kv_cache_mut().record_events();
+    }
+
+    /// The prefix-cache events since the last call, and the digest of the cache after them.
+    pub fn take_kv_events(&mut self) -> (Vec<duet_kv::KvEvent>, duet_kv::KvDigest) {
+        self.scheduler.kv_cache_mut().take_events()
     }
 
     /// Formats a conversation with the model's chat template (ChatML when it has none).

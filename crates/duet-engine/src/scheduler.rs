@@ -246,7 +246,7 @@ mod tests {
 
     fn scheduler(num_blocks: usize, max_step_tokens: usize) -> Scheduler {
         Scheduler::new(
-            KvCacheManager::new(num_blocks, BLOCK_SIZE, b"model"),
+            KvCacheManager::new(num_blocks, BLOCK_SIZE, "model"),
             max_step_tokens,
         )
     }

@@ -7,6 +7,10 @@
 //! - **free**: `ref_count == 0` and no hash.
 //!
 //! Allocation takes free blocks first and then evicts the least recently used cached block.
+//!
+//! While [recording](BlockPool::record_events), every change to the set of findable hashes is
+//! appended to a list of [`KvEvent`]s (one per block, never per token) that the owner drains
+//! between steps, and the pool keeps a [`KvDigest`] of that set.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -27,6 +31,37 @@ pub enum KvError {
     UnknownSequence(SeqId),
     #[error("sequence {0} already holds KV blocks")]
     DuplicateSequence(SeqId),
+}
+
+/// A change to the set of block hashes a pool can find (what a router indexes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvEvent {
+    /// A full block became findable under this hash.
+    Stored(BlockHash),
+    /// The block under this hash was evicted.
+    Removed(BlockHash),
+    /// Every hash was forgotten.
+    Cleared,
+}
+
+/// The set of findable hashes in brief: how many, and their XOR. Two copies of a set that
+/// differ almost surely differ here.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvDigest {
+    pub block_count: u64,
+    pub hash_xor: u64,
+}
+
+impl KvDigest {
+    /// The digest with `hash` added to or removed from the set (XOR is its own inverse).
+    pub fn toggle(&mut self, hash: BlockHash, added: bool) {
+        self.hash_xor ^= hash;
+        if added {
+            self.block_count += 1;
+        } else {
+            self.block_count -= 1;
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -55,6 +90,9 @@ pub struct BlockPool {
     next_tick: u64,
     by_hash: HashMap<BlockHash, BlockId>,
     in_use: usize,
+    /// Events not drained yet; `None` while not recording.
+    events: Option<Vec<KvEvent>>,
+    digest: KvDigest,
 }
 
 impl BlockPool {
@@ -70,6 +108,34 @@ impl BlockPool {
             next_tick: 0,
             by_hash: HashMap::new(),
             in_use: 0,
+            events: None,
+            digest: KvDigest::default(),
+        }
+    }
+
+    /// Starts recording [`KvEvent`]s (for [`take_events`](Self::take_events)).
+    pub fn record_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// The events since the last call (none when not recording).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// The digest of the findable hashes now.
+    pub fn digest(&self) -> KvDigest {
+        self.digest
+    }
+
+    fn changed(&mut self, event: KvEvent) {
+        match event {
+            KvEvent::Stored(h) => self.digest.toggle(h, true),
+            KvEvent::Removed(h) => self.digest.toggle(h, false),
+            KvEvent::Cleared => self.digest = KvDigest::default(),
+        }
+        if let Some(events) = &mut self.events {
+            events.push(event);
         }
     }
 
@@ -127,6 +193,7 @@ impl BlockPool {
         meta.lru_tick = None;
         if let Some(h) = meta.hash.take() {
             self.by_hash.remove(&h);
+            self.changed(KvEvent::Removed(h));
         }
         id
     }
@@ -175,6 +242,7 @@ impl BlockPool {
         }
         self.by_hash.insert(hash, block);
         self.blocks[block as usize].hash = Some(hash);
+        self.changed(KvEvent::Stored(hash));
         Ok(true)
     }
 
@@ -216,12 +284,17 @@ impl BlockPool {
         self.blocks.get(block as usize).map_or(0, |m| m.ref_count)
     }
 
-    /// Forgets every cached block (their KV may be overwritten); in-use blocks keep their hashes.
+    /// Forgets every hash: cached blocks become free (their KV may be overwritten), in-use blocks
+    /// anonymous (freed normally later). One [`KvEvent::Cleared`] says so.
     pub fn clear_cache(&mut self) {
-        while !self.lru.is_empty() {
-            let id = self.evict_oldest();
+        for (_, id) in std::mem::take(&mut self.lru) {
+            self.blocks[id as usize].lru_tick = None;
             self.free.push(id);
         }
+        for (_, id) in self.by_hash.drain() {
+            self.blocks[id as usize].hash = None;
+        }
+        self.changed(KvEvent::Cleared);
     }
 
     fn check(&self, block: BlockId) -> Result<(), KvError> {
@@ -365,7 +438,40 @@ mod tests {
                 free: 2
             }
         );
-        assert_eq!(pool.cached_prefix_len(&[1]), 0);
-        assert_eq!(pool.hash_of(a[1]), Some(2));
+        assert_eq!(pool.cached_prefix_len(&[1, 2]), 0);
+        assert_eq!(pool.hash_of(a[1]), None, "in-use blocks become anonymous");
+        pool.release(&a[1..]).unwrap();
+        assert_eq!(
+            pool.stats().free,
+            3,
+            "an anonymous block is freed, not cached"
+        );
+    }
+
+    #[test]
+    fn events_follow_the_findable_hashes() {
+        let mut pool = BlockPool::new(2, 16);
+        let a = pool.allocate(2).unwrap();
+        pool.register_hash(a[0], 1).unwrap();
+        assert!(pool.take_events().is_empty(), "not recording yet");
+        pool.record_events();
+        pool.register_hash(a[1], 2).unwrap();
+        // Duplicate content is not findable: no event.
+        assert!(!pool.register_hash(a[1], 1).unwrap());
+        pool.release(&a).unwrap();
+        let digest = pool.digest();
+        assert_eq!((digest.block_count, digest.hash_xor), (2, 1 ^ 2));
+        // Eviction by allocation removes the least recently used.
+        let b = pool.allocate(1).unwrap();
+        assert_eq!(
+            pool.take_events(),
+            [KvEvent::Stored(2), KvEvent::Removed(1)]
+        );
+        assert_eq!(pool.digest().block_count, 1);
+        pool.release(&b).unwrap();
+        pool.clear_cache();
+        assert_eq!(pool.take_events(), [KvEvent::Cleared]);
+        assert_eq!(pool.digest(), KvDigest::default());
+        assert!(pool.take_events().is_empty(), "drained");
     }
 }

@@ -19,6 +19,16 @@ pub fn hash_seed(model_fingerprint: &[u8], cache_salt: Option<&str>) -> u64 {
     xxh3_64(&bytes)
 }
 
+/// The seed of a request's prefix hashes: its model's fingerprint string and its cache salt
+/// (empty: the shared namespace). The engine and the router both seed with this, so the
+/// router's index names the same blocks the engines cache.
+pub fn request_hash_seed(model_fingerprint: &str, cache_salt: &str) -> u64 {
+    hash_seed(
+        model_fingerprint.as_bytes(),
+        (!cache_salt.is_empty()).then_some(cache_salt),
+    )
+}
+
 /// Hashes of the full blocks of `tokens` (a trailing partial block gets none).
 pub fn block_hashes(seed: u64, tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
     assert!(block_size > 0, "block size must be positive");

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
 use crate::{
-    BlockHash, BlockId, BlockPool, BlockTable, KvError, block_hashes, hash_seed, next_block_hash,
+    BlockHash, BlockId, BlockPool, BlockTable, KvDigest, KvError, KvEvent, block_hashes,
+    next_block_hash, request_hash_seed,
 };
 
 /// Identifies a sequence (one request) among those whose blocks a manager tracks.
@@ -55,15 +56,15 @@ struct SeqKv {
 pub struct KvCacheManager {
     pool: BlockPool,
     /// Seeds every prefix hash, so that only KV of the same model and geometry is shared.
-    model_fingerprint: Vec<u8>,
+    model_fingerprint: String,
     seqs: HashMap<SeqId, SeqKv>,
 }
 
 impl KvCacheManager {
-    pub fn new(num_blocks: usize, block_size: usize, model_fingerprint: &[u8]) -> Self {
+    pub fn new(num_blocks: usize, block_size: usize, model_fingerprint: &str) -> Self {
         Self {
             pool: BlockPool::new(num_blocks, block_size),
-            model_fingerprint: model_fingerprint.to_vec(),
+            model_fingerprint: model_fingerprint.to_string(),
             seqs: HashMap::new(),
         }
     }
@@ -80,13 +81,21 @@ impl KvCacheManager {
     /// The seed of the prefix hashes of requests with this cache salt: requests share cached
     /// blocks only when their salts are equal (empty: the shared namespace).
     pub fn hash_seed(&self, cache_salt: &str) -> u64 {
-        hash_seed(
-            &self.model_fingerprint,
-            (!cache_salt.is_empty()).then_some(cache_salt),
-        )
+        request_hash_seed(&self.model_fingerprint, cache_salt)
     }
 
-    /// Forgets every cached prefix block (blocks held by sequences are untouched).
+    /// Starts recording prefix-cache events (see [`BlockPool::take_events`]).
+    pub fn record_events(&mut self) {
+        self.pool.record_events();
+    }
+
+    /// The prefix-cache events since the last call, and the digest after them.
+    pub fn take_events(&mut self) -> (Vec<KvEvent>, KvDigest) {
+        (self.pool.take_events(), self.pool.digest())
+    }
+
+    /// Forgets every cached prefix block (blocks held by sequences keep their KV but are no
+    /// longer shared).
     pub fn clear_prefix_cache(&mut self) {
         self.pool.clear_cache();
     }
@@ -250,7 +259,7 @@ mod tests {
     const BS: usize = 4;
 
     fn manager(num_blocks: usize) -> KvCacheManager {
-        KvCacheManager::new(num_blocks, BS, b"model")
+        KvCacheManager::new(num_blocks, BS, "model")
     }
 
     fn tokens(n: u32) -> Vec<u32> {

@@ -263,6 +263,7 @@ mod tests {
             "/duet.v1.PrefillWorker/Prefill",
             "/duet.v1.KvTransfer/Push",
             "/duet.v1.WorkerControl/Stats",
+            "/duet.v1.KvEvents/Subscribe",
             "/duet.v1.Unknown/Call",
         ] {
             assert!(!is_open(internal), "{internal}");

@@ -2,7 +2,7 @@
 //!
 //! [`v1`] holds the messages, clients and servers generated from `proto/duet/v1`:
 //! the public `Generation` service (`generate.proto`) and the internal worker services
-//! `DecodeWorker`, `PrefillWorker`, `KvTransfer` and `WorkerControl` (`worker.proto`).
+//! `DecodeWorker`, `PrefillWorker`, `KvTransfer`, `KvEvents` and `WorkerControl` (`worker.proto`).
 //! The `.proto` comments are the API documentation and appear on the generated items.
 //!
 //! [`FILE_DESCRIPTOR_SET`] is the encoded descriptor set of those files, and
@@ -151,6 +151,10 @@ mod tests {
         assert_eq!(
             methods(&service(&fds, "duet.v1.WorkerControl")),
             [m("Stats", false, false)]
+        );
+        assert_eq!(
+            methods(&service(&fds, "duet.v1.KvEvents")),
+            [m("Subscribe", false, true)]
         );
     }
 

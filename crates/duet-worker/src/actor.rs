@@ -5,7 +5,8 @@
 //! steps. With nothing to compute the thread sleeps on its channel (until the next reservation
 //! lease runs out); otherwise each turn takes every command that arrived, expires leases, runs
 //! one step over everything admitted (the engine batches decode tokens and prompt chunks up to
-//! its step budget), and publishes a [`Snapshot`] for `Stats`.
+//! its step budget), and publishes a [`Snapshot`] for `Stats` and the turn's prefix-cache events
+//! to the [`KvEventLog`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -22,7 +23,8 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
 use crate::actor_engine::{ActorEngine, LayerKv};
-use crate::stats::{Counters, Published, Snapshot};
+use crate::kv_events::{DEFAULT_RING_EVENTS, KvEventLog};
+use crate::stats::{Counters, PrefillRate, Published, Snapshot};
 use crate::{Event, Request, RequestId, WorkerError};
 
 /// What the services ask of the engine thread.
@@ -135,6 +137,8 @@ pub struct Actor<E: ActorEngine> {
     lease: Duration,
     counters: Arc<Counters>,
     published: Arc<Published>,
+    kv_events: Arc<KvEventLog>,
+    prefill_rate: PrefillRate,
     reservations: HashMap<RequestId, Reserved>,
     /// The reservation each live key names.
     keys: HashMap<ReservationKey, RequestId>,
@@ -143,19 +147,23 @@ pub struct Actor<E: ActorEngine> {
 }
 
 impl<E: ActorEngine> Actor<E> {
-    pub fn new(engine: E, lease: Duration) -> Self {
+    pub fn new(mut engine: E, lease: Duration) -> Self {
         let published = Arc::new(Published::new(Snapshot {
             pool: engine.pool_stats(),
             waiting: 0,
             running: 0,
             reservations: 0,
+            prefill_tokens_per_s: 0.0,
         }));
+        engine.record_kv_events();
         Self {
             layout: engine.kv_layout(),
             engine,
             lease,
             counters: Arc::default(),
             published,
+            kv_events: Arc::new(KvEventLog::new(DEFAULT_RING_EVENTS)),
+            prefill_rate: PrefillRate::default(),
             reservations: HashMap::new(),
             keys: HashMap::new(),
             admitted: BTreeMap::new(),
@@ -167,8 +175,12 @@ impl<E: ActorEngine> Actor<E> {
         &self.engine
     }
 
-    pub(crate) fn shared(&self) -> (Arc<Counters>, Arc<Published>) {
-        (self.counters.clone(), self.published.clone())
+    pub(crate) fn shared(&self) -> (Arc<Counters>, Arc<Published>, Arc<KvEventLog>) {
+        (
+            self.counters.clone(),
+            self.published.clone(),
+            self.kv_events.clone(),
+        )
     }
 
     /// Runs until every command sender is gone and nothing is left to compute.
@@ -495,6 +507,7 @@ impl<E: ActorEngine> Actor<E> {
         let shipping = self.admitted.values().any(|a| a.shipping.is_some());
         let admitted = &mut self.admitted;
         let counters = &self.counters;
+        let mut prompt_tokens = 0;
         let mut on_layer = |done: &dyn LayerKv| {
             let last_layer = done.layer() + 1 == num_layers;
             if !last_layer && !shipping {
@@ -514,14 +527,17 @@ impl<E: ActorEngine> Actor<E> {
                 if last_layer {
                     let computed = p.len.min(a.remaining);
                     a.remaining -= computed;
+                    prompt_tokens += computed;
                     counters.unqueue(computed);
                 }
             }
         };
+        let started = Instant::now();
         let outputs = match self.engine.step_with(&mut on_layer) {
             Ok(outputs) => outputs,
             Err(e) => return self.step_failed(e),
         };
+        self.prefill_rate.measured(prompt_tokens, started.elapsed());
         let mut deliveries = Vec::with_capacity(outputs.len());
         for out in outputs {
             let Some(a) = self.admitted.get(&out.seq) else {
@@ -574,13 +590,16 @@ impl<E: ActorEngine> Actor<E> {
         }
     }
 
-    fn publish(&self) {
+    fn publish(&mut self) {
+        let (events, digest) = self.engine.take_kv_events();
+        self.kv_events.append(events, digest);
         let scheduled = self.admitted.values().filter(|a| a.scheduled).count();
         self.published.set(Snapshot {
             pool: self.engine.pool_stats(),
             waiting: self.admitted.len() - scheduled,
             running: scheduled,
             reservations: self.reservations.len(),
+            prefill_tokens_per_s: self.prefill_rate.tokens_per_s(),
         });
     }
 }

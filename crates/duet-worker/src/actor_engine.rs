@@ -6,7 +6,7 @@ use duet_engine::backend::{Backend, KvLayout};
 use duet_engine::engine::{
     Engine, KvReservation, LayerDone, PlannedSeq, Resumed, SeqId, StepOutput,
 };
-use duet_kv::PoolStats;
+use duet_kv::{KvDigest, KvEvent, PoolStats};
 use duet_model::params::{Sampled, SamplingParams, StopCriteria};
 
 /// One layer's K/V, finished during a step.
@@ -36,6 +36,8 @@ impl<B: Backend> LayerKv for LayerDone<'_, B> {
 pub trait ActorEngine {
     fn kv_layout(&self) -> KvLayout;
     fn pool_stats(&self) -> PoolStats;
+    fn record_kv_events(&mut self);
+    fn take_kv_events(&mut self) -> (Vec<KvEvent>, KvDigest);
     fn has_work(&self) -> bool;
     fn resume_sequence(
         &mut self,
@@ -72,6 +74,14 @@ impl<B: Backend> ActorEngine for Engine<B> {
 
     fn pool_stats(&self) -> PoolStats {
         self.block_pool().stats()
+    }
+
+    fn record_kv_events(&mut self) {
+        Engine::record_kv_events(self)
+    }
+
+    fn take_kv_events(&mut self) -> (Vec<KvEvent>, KvDigest) {
+        Engine::take_kv_events(self)
     }
 
     fn has_work(&self) -> bool {

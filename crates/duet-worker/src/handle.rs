@@ -15,6 +15,7 @@ use duet_transfer::{KvSink, KvWire, ReservationKey, TransferError};
 use tokio::sync::oneshot;
 
 use crate::actor::{Actor, Command};
+use crate::kv_events::KvEventLog;
 use crate::stats::{Counters, Published, Snapshot};
 use crate::{Request, RequestId, WorkerError};
 
@@ -35,10 +36,11 @@ pub struct EngineHandle {
     info: Arc<EngineInfo>,
     counters: Arc<Counters>,
     published: Arc<Published>,
+    kv_events: Arc<KvEventLog>,
     next_id: Arc<AtomicU64>,
 }
 
-type Ready = anyhow::Result<(EngineInfo, Arc<Counters>, Arc<Published>)>;
+type Ready = anyhow::Result<(EngineInfo, Arc<Counters>, Arc<Published>, Arc<KvEventLog>)>;
 
 impl EngineHandle {
     /// Loads `model` on a new engine thread named `thread_name` and starts its actor; KV
@@ -66,7 +68,7 @@ impl EngineHandle {
                 }
             },
         )?;
-        let (info, counters, published) = ready_rx
+        let (info, counters, published, kv_events) = ready_rx
             .await
             .map_err(|_| anyhow::anyhow!("the engine thread died while loading the model"))??;
         Ok(Self {
@@ -74,6 +76,7 @@ impl EngineHandle {
             info: Arc::new(info),
             counters,
             published,
+            kv_events,
             next_id: Arc::new(AtomicU64::new(1)),
         })
     }
@@ -89,6 +92,11 @@ impl EngineHandle {
 
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// The engine's prefix-cache events (what `KvEvents/Subscribe` serves).
+    pub fn kv_events(&self) -> &Arc<KvEventLog> {
+        &self.kv_events
     }
 
     /// A fresh request id.
@@ -198,8 +206,12 @@ impl WithEngine for Start {
             context_length: engine.config().max_position_embeddings,
         };
         let actor = Actor::new(engine, self.lease);
-        let (counters, published) = actor.shared();
-        if self.ready.send(Ok((info, counters, published))).is_ok() {
+        let (counters, published, kv_events) = actor.shared();
+        if self
+            .ready
+            .send(Ok((info, counters, published, kv_events)))
+            .is_ok()
+        {
             actor.run(self.commands);
         }
     }

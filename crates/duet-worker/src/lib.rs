@@ -5,7 +5,8 @@
 //! on the network. The services talk to it through an [`EngineHandle`] (the one way in, cheap to
 //! clone) and hear back through each [`Request`]'s own [`Event`] channel. `Stats` is answered
 //! from a [`stats::Snapshot`] the actor publishes after every turn, never by waiting behind a
-//! forward step.
+//! forward step; `KvEvents/Subscribe` from the [`kv_events::KvEventLog`] it appends to once per
+//! turn.
 //!
 //! A prefill worker submits requests with a [`KvOut`]: their KV is shipped layer by layer while
 //! later layers compute, and they end with their first token. A decode worker reserves KV for
@@ -16,6 +17,7 @@ pub mod actor;
 pub mod actor_engine;
 mod error;
 pub mod handle;
+pub mod kv_events;
 pub mod membership;
 pub mod request;
 pub mod stats;

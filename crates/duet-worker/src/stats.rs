@@ -12,6 +12,8 @@ use crate::EngineHandle;
 /// The engine thread's state after its last turn.
 #[derive(Clone, Copy, Debug)]
 pub struct Snapshot {
+    /// Measured prefill speed (0 until a step computed prompt tokens).
+    pub prefill_tokens_per_s: f64,
     pub pool: PoolStats,
     /// Admitted requests not in any step yet.
     pub waiting: usize,
@@ -42,6 +44,37 @@ impl Counters {
     pub(crate) fn unqueue(&self, tokens: usize) {
         self.queued_tokens
             .fetch_sub(tokens as u64, Ordering::Relaxed);
+    }
+}
+
+/// Steps computing fewer prompt tokens than this are not measured: their time is mostly the
+/// decode tokens and the fixed cost of a step.
+const MIN_MEASURED_PROMPT_TOKENS: usize = 16;
+
+/// Weight of the newest step in the prefill rate's moving average.
+const PREFILL_RATE_WEIGHT: f64 = 0.3;
+
+/// The measured prefill speed: an exponential moving average of prompt tokens per second over
+/// the steps that computed prompt tokens.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PrefillRate(Option<f64>);
+
+impl PrefillRate {
+    /// Takes in one step that computed `prompt_tokens` in `took`.
+    pub fn measured(&mut self, prompt_tokens: usize, took: std::time::Duration) {
+        if prompt_tokens < MIN_MEASURED_PROMPT_TOKENS || took.is_zero() {
+            return;
+        }
+        let sample = prompt_tokens as f64 / took.as_secs_f64();
+        self.0 = Some(match self.0 {
+            Some(avg) => avg + PREFILL_RATE_WEIGHT * (sample - avg),
+            None => sample,
+        });
+    }
+
+    /// Tokens per second; 0 until measured.
+    pub fn tokens_per_s(&self) -> f64 {
+        self.0.unwrap_or(0.0)
     }
 }
 
@@ -106,6 +139,31 @@ impl Identity {
             prefix_hit_tokens: load(&c.prefix_hit_tokens),
             transfer_bytes_in: load(&c.transfer_bytes_in),
             transfer_bytes_out: load(&c.transfer_bytes_out),
+            prefill_tokens_per_s: snap.prefill_tokens_per_s,
+            kv_block_bytes: engine.info().wire.layout.block_bytes() as u64,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn prefill_rate_averages_prompt_heavy_steps() {
+        let mut r = PrefillRate::default();
+        assert_eq!(r.tokens_per_s(), 0.0, "unmeasured");
+        r.measured(4, Duration::from_millis(1));
+        assert_eq!(
+            r.tokens_per_s(),
+            0.0,
+            "a decode step is not a prefill measurement"
+        );
+        r.measured(1000, Duration::from_secs(1));
+        assert_eq!(r.tokens_per_s(), 1000.0);
+        r.measured(2000, Duration::from_secs(1));
+        assert!((r.tokens_per_s() - 1300.0).abs() < 1e-9);
     }
 }

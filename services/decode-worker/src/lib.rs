@@ -73,6 +73,13 @@ pub async fn serve(
             })
             .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
         )
+        .service(v1::kv_events_server::KvEventsServer::new(
+            duet_worker::kv_events::KvEventsService::new(
+                state.engine.kv_events().clone(),
+                state.identity.incarnation,
+                duet_worker::kv_events::DEFAULT_DIGEST_INTERVAL,
+            ),
+        ))
         .service(v1::worker_control_server::WorkerControlServer::new(
             service::ControlService { state },
         ));

@@ -3,7 +3,8 @@
 //! later layers compute, and returns the first sampled token.
 //!
 //! [`serve`] runs the whole worker on one port: `duet.v1.PrefillWorker`, `duet.v1.WorkerControl`,
-//! `grpc.health.v1.Health` and server reflection (v1 and v1alpha). The model runs on the
+//! `duet.v1.KvEvents`, `grpc.health.v1.Health` and server reflection (v1 and v1alpha). The model
+//! runs on the
 //! engine thread of the shared worker runtime ([`duet_worker`]); the gRPC side never blocks on
 //! it, and the KV goes out through the transport seam ([`duet_transfer`]).
 
@@ -14,6 +15,7 @@ pub mod service;
 use std::future::Future;
 
 use anyhow::Context;
+use duet_proto::v1::kv_events_server::KvEventsServer;
 use duet_proto::v1::prefill_worker_server::PrefillWorkerServer;
 use duet_proto::v1::worker_control_server::WorkerControlServer;
 
@@ -83,6 +85,7 @@ pub async fn serve(
                 .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
         )
+        .service(KvEventsServer::new(service.kv_events()))
         .service(WorkerControlServer::new(service));
     let served = duet_worker::membership::serve_registered(
         edge,

@@ -1,6 +1,6 @@
 //! The prefill worker's gRPC adapter: `PrefillWorker/Prefill` (validate, submit to the engine
 //! thread with a KV push opened to the decode worker, answer once the push is acknowledged) and
-//! `WorkerControl/Stats`.
+//! `WorkerControl/Stats`; `KvEvents` from the worker runtime.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,6 +13,7 @@ use duet_proto::v1::{
     WorkerRole,
 };
 use duet_transfer::{KvTransport, PushSpec, Pushed, ReservationKey, TransferError};
+use duet_worker::kv_events::{DEFAULT_DIGEST_INTERVAL, KvEventsService};
 use duet_worker::stats::Counters;
 use duet_worker::{EngineHandle, EngineInfo, Event, Identity, KvOut, Request, WorkerError};
 use tokio::sync::mpsc;
@@ -57,6 +58,15 @@ impl PrefillService {
     /// The model fingerprint this worker serves.
     pub fn fingerprint(&self) -> &str {
         &self.inner.engine.info().wire.fingerprint
+    }
+
+    /// `KvEvents` for this worker's prefix cache.
+    pub fn kv_events(&self) -> KvEventsService {
+        KvEventsService::new(
+            self.inner.engine.kv_events().clone(),
+            self.inner.identity.incarnation,
+            DEFAULT_DIGEST_INTERVAL,
+        )
     }
 }
 

@@ -433,6 +433,57 @@ async fn the_same_prompt_twice_hits_the_prefix_cache() {
     assert_eq!(s.requests_served, 2);
     assert_eq!(s.prompt_tokens, 2 * PROMPT_LEN as u64);
     assert_eq!(s.prefix_hit_tokens, second.cached_tokens as u64);
+    assert!(s.prefill_tokens_per_s > 0.0, "the prefill rate is measured");
+    assert!(s.kv_block_bytes > 0);
+}
+
+/// The worker's KV events name exactly the blocks the router computes for the same prompt with
+/// duet-kv's one hash function: what makes the router's index exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_name_the_prompts_blocks_as_the_router_hashes_them() {
+    use duet_proto::v1::kv_events_client::KvEventsClient;
+    use duet_proto::v1::{KvEventKind, KvSubscribeRequest};
+    let (decode, _pushes) = start_fake_decode(Mode::Accept).await;
+    let worker = start_worker().await;
+    let tokens = prompt();
+    let fingerprint = worker.stats().await.model_fingerprint;
+    let mut events = KvEventsClient::connect(format!("http://{}", worker.addr))
+        .await
+        .unwrap()
+        .subscribe(KvSubscribeRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    // A new subscriber starts from a snapshot: the cache is empty.
+    let first = events.message().await.unwrap().unwrap();
+    let incarnation = first.incarnation;
+    let snapshot = first.snapshot.expect("a snapshot first");
+    assert!(snapshot.block_hashes.is_empty() && snapshot.last);
+    worker
+        .prefill(request(tokens.clone(), &fingerprint, decode), T)
+        .await
+        .unwrap();
+    let seed = duet_kv::request_hash_seed(&fingerprint, "");
+    let expected = duet_kv::block_hashes(seed, &tokens, BLOCK_SIZE);
+    let mut stored = Vec::new();
+    while stored.len() < expected.len() {
+        let m = tokio::time::timeout(T, events.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(m.incarnation, incarnation);
+        for e in m.events {
+            assert_eq!(e.kind, KvEventKind::BlockStored as i32);
+            assert_eq!(
+                e.seq,
+                snapshot.seq + 1 + stored.len() as u64,
+                "numbered without gaps"
+            );
+            stored.push(e.block_hash);
+        }
+    }
+    assert_eq!(stored, expected);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

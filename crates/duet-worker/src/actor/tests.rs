@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use duet_engine::backend::KvDtype;
 use duet_engine::engine::{Resumed, StepOutput};
-use duet_kv::PoolStats;
+use duet_kv::{KvDigest, KvEvent, PoolStats};
 use duet_model::params::{FinishReason, SamplingParams, StopCriteria};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
@@ -40,6 +40,8 @@ struct ScriptedEngine {
     cached: usize,
     fail_next_step: Option<EngineError>,
     written: Vec<(usize, u32, Vec<u8>)>,
+    /// Prefix-cache events for the actor to drain.
+    kv_events: Vec<KvEvent>,
 }
 
 impl ScriptedEngine {
@@ -52,6 +54,7 @@ impl ScriptedEngine {
             cached: 0,
             fail_next_step: None,
             written: Vec::new(),
+            kv_events: Vec::new(),
         }
     }
 
@@ -140,6 +143,12 @@ impl ActorEngine for ScriptedEngine {
             num_blocks: NUM_BLOCKS,
             dtype: KvDtype::F32,
         }
+    }
+
+    fn record_kv_events(&mut self) {}
+
+    fn take_kv_events(&mut self) -> (Vec<KvEvent>, KvDigest) {
+        (std::mem::take(&mut self.kv_events), KvDigest::default())
     }
 
     fn pool_stats(&self) -> PoolStats {
@@ -639,4 +648,22 @@ fn a_full_cache_fails_the_newest_request_and_other_errors_fail_all() {
     ));
     assert!(a.engine.seqs.is_empty());
     assert_eq!(queued(&a), 0);
+}
+
+#[test]
+fn a_turn_publishes_the_engines_kv_events_and_its_prefill_rate() {
+    use crate::kv_events::Read;
+    let mut a = actor(32);
+    a.engine.kv_events = vec![KvEvent::Stored(3), KvEvent::Stored(4)];
+    let (r, _rx) = request(1, 20, 4);
+    submit(&mut a, r);
+    a.turn(Instant::now());
+    let Read::Events { events, .. } = a.kv_events.read(1) else {
+        panic!("events 1.. are in the ring");
+    };
+    let got: Vec<(u64, u64)> = events.iter().map(|e| (e.seq, e.block_hash)).collect();
+    assert_eq!(got, [(1, 3), (2, 4)]);
+    assert!(a.engine.kv_events.is_empty(), "drained once");
+    // The step computed the 20-token prompt: a measured rate.
+    assert!(a.published.get().prefill_tokens_per_s > 0.0);
 }
