@@ -444,7 +444,7 @@ async fn kv_events_name_the_prompts_blocks_as_the_router_hashes_them() {
     use duet_proto::v1::kv_events_client::KvEventsClient;
     use duet_proto::v1::{KvEventKind, KvSubscribeRequest};
     let (decode, _pushes) = start_fake_decode(Mode::Accept).await;
-    let worker = start_worker().await;
+    let worker = start_worker(&[decode]).await;
     let tokens = prompt();
     let fingerprint = worker.stats().await.model_fingerprint;
     let mut events = KvEventsClient::connect(format!("http://{}", worker.addr))

@@ -8,6 +8,8 @@ use duet_cluster::ClusterArgs;
 use duet_model::model_path::ModelArgs;
 use duet_proto::ClusterAuth;
 
+use crate::routing::{RoutingParams, RoutingPolicy};
+
 /// How the router is run: where it listens, which workers it routes to, the model it serves
 /// (config, tokenizer and chat template only; never the weights) and its limits.
 #[derive(Args, Clone, Debug, PartialEq)]
@@ -115,10 +117,27 @@ pub struct RoutingOptions {
     #[arg(long, env = "DUET_DEFAULT_MAX_TOKENS", default_value_t = RoutingOptions::default().default_max_tokens)]
     pub default_max_tokens: u32,
 
-    /// Prompts of at most this many tokens are prefilled on the decode worker itself (no KV
-    /// transfer).
+    /// How requests are spread: `cache-aware` (least estimated time to first token, counting
+    /// each worker's prefix cache from its KV events), `load` (least loaded, caches ignored) or
+    /// `random`.
+    #[arg(long, value_enum, env = "DUET_ROUTING", default_value_t = RoutingOptions::default().routing)]
+    pub routing: RoutingPolicy,
+
+    /// Prompts whose part not cached on the decode worker is at most this many tokens are
+    /// prefilled on the decode worker itself (no KV transfer).
     #[arg(long, env = "DUET_LOCAL_PREFILL_THRESHOLD", default_value_t = RoutingOptions::default().local_prefill_threshold)]
     pub local_prefill_threshold: u32,
+
+    /// The prefill pool counts as saturated, and prompts are prefilled on the decode worker,
+    /// when the best prefill worker's estimated time to first token is worse than this many
+    /// times the decode worker's own. 0: never.
+    #[arg(long, env = "DUET_PREFILL_SATURATION_FACTOR", default_value_t = RoutingOptions::default().prefill_saturation_factor)]
+    pub prefill_saturation_factor: f64,
+
+    /// Bandwidth of the KV transport between prefill and decode workers, in MiB/s: what
+    /// moving a prompt's KV to a decode worker is estimated to cost.
+    #[arg(long, env = "DUET_KV_LINK_MIB_PER_S", default_value_t = RoutingOptions::default().kv_link_mib_per_s)]
+    pub kv_link_mib_per_s: u64,
 
     /// Requests in flight past which `Generate` and `Complete` answer RESOURCE_EXHAUSTED at once.
     #[arg(long, env = "DUET_MAX_QUEUED_REQUESTS", default_value_t = RoutingOptions::default().max_queued_requests)]
@@ -142,7 +161,10 @@ impl Default for RoutingOptions {
     fn default() -> Self {
         Self {
             default_max_tokens: 256,
+            routing: RoutingPolicy::CacheAware,
             local_prefill_threshold: 32,
+            prefill_saturation_factor: 2.0,
+            kv_link_mib_per_s: 1024,
             max_queued_requests: 256,
             max_request_bytes: 4 * 1024 * 1024,
             stats_interval_ms: 500,
@@ -152,11 +174,24 @@ impl Default for RoutingOptions {
 }
 
 impl RoutingOptions {
+    /// What the pools route by.
+    pub fn params(&self) -> RoutingParams {
+        RoutingParams {
+            policy: self.routing,
+            local_prefill_threshold: self.local_prefill_threshold,
+            kv_link_bytes_per_s: self.kv_link_mib_per_s as f64 * 1024.0 * 1024.0,
+            prefill_saturation_factor: self.prefill_saturation_factor,
+        }
+    }
+
     /// These options as the flags above: parsed back, they give `self`.
     pub fn to_args(&self) -> Vec<OsString> {
         let Self {
             default_max_tokens,
+            routing,
             local_prefill_threshold,
+            prefill_saturation_factor,
+            kv_link_mib_per_s,
             max_queued_requests,
             max_request_bytes,
             stats_interval_ms,
@@ -164,7 +199,10 @@ impl RoutingOptions {
         } = self;
         [
             format!("--default-max-tokens={default_max_tokens}"),
+            format!("--routing={routing}"),
             format!("--local-prefill-threshold={local_prefill_threshold}"),
+            format!("--prefill-saturation-factor={prefill_saturation_factor}"),
+            format!("--kv-link-mib-per-s={kv_link_mib_per_s}"),
             format!("--max-queued-requests={max_queued_requests}"),
             format!("--max-request-bytes={max_request_bytes}"),
             format!("--stats-interval-ms={stats_interval_ms}"),
@@ -214,6 +252,11 @@ mod tests {
         );
         let r = &c.routing;
         assert_eq!((r.default_max_tokens, r.local_prefill_threshold), (256, 32));
+        assert_eq!(r.routing, RoutingPolicy::CacheAware);
+        assert_eq!(
+            (r.prefill_saturation_factor, r.kv_link_mib_per_s),
+            (2.0, 1024)
+        );
         assert_eq!((r.max_queued_requests, r.max_request_bytes), (256, 4 << 20));
         assert_eq!((r.stats_interval_ms, r.request_timeout_ms), (500, 600_000));
     }
@@ -243,7 +286,10 @@ mod tests {
             },
             routing: RoutingOptions {
                 default_max_tokens: 7,
+                routing: RoutingPolicy::Random,
                 local_prefill_threshold: 0,
+                prefill_saturation_factor: 0.5,
+                kv_link_mib_per_s: 3,
                 max_queued_requests: 9,
                 max_request_bytes: 1234,
                 stats_interval_ms: 11,

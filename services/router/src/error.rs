@@ -23,6 +23,14 @@ pub enum RouterError {
         last: String,
         last_code: Code,
     },
+    /// The estimated time to first token passes the request's deadline: RESOURCE_EXHAUSTED at
+    /// once, rather than queueing work that cannot finish in time.
+    #[error(
+        "the estimated time to first token ({:.1} s) exceeds what is left of the deadline ({:.1} s)",
+        estimated.as_secs_f64(),
+        left.as_secs_f64()
+    )]
+    TtftPastDeadline { estimated: Duration, left: Duration },
     /// The router already has its limit of requests in flight: RESOURCE_EXHAUSTED.
     #[error(transparent)]
     Overloaded(#[from] duet_proto::Overloaded),
@@ -46,7 +54,9 @@ impl RouterError {
         match self {
             RouterError::Invalid(_) => Code::InvalidArgument,
             RouterError::NoDecodeWorker(_) => Code::Unavailable,
-            RouterError::Overloaded(_) => Code::ResourceExhausted,
+            RouterError::Overloaded(_) | RouterError::TtftPastDeadline { .. } => {
+                Code::ResourceExhausted
+            }
             RouterError::AllDecodeWorkersFailed { last_code, .. } => match last_code {
                 Code::ResourceExhausted => Code::ResourceExhausted,
                 _ => Code::Unavailable,
@@ -112,6 +122,13 @@ mod tests {
         let s = Status::from(e);
         assert_eq!(s.code(), Code::FailedPrecondition);
         assert!(s.message().contains("d1") && s.message().contains("fingerprint"));
+        let e = RouterError::TtftPastDeadline {
+            estimated: Duration::from_secs(12),
+            left: Duration::from_secs(2),
+        };
+        let s = Status::from(e);
+        assert_eq!(s.code(), Code::ResourceExhausted);
+        assert!(s.message().contains("12.0 s"), "{}", s.message());
         assert!(is_retryable(&Status::unavailable("x")));
         assert!(!is_retryable(&Status::invalid_argument("x")));
         assert!(!is_retryable(&Status::deadline_exceeded("x")));

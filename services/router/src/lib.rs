@@ -14,6 +14,8 @@
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod kv_feed;
+pub mod kv_index;
 pub mod openai;
 mod relay;
 pub mod routing;
@@ -75,16 +77,16 @@ pub async fn serve(
             .await
             .context("model loading panicked")??;
     let token = config.auth.token()?;
-    let pools = Pools::new(&config.decode, &config.prefill, token.clone())?;
+    let pools = Pools::new(
+        &config.decode,
+        &config.prefill,
+        token.clone(),
+        config.routing.params(),
+    )?;
     pools.start_polling(Duration::from_millis(
         config.routing.stats_interval_ms.max(1),
     ));
-    let state = Arc::new(RouterState::new(
-        model,
-        model_name(&path),
-        pools,
-        config.routing.local_prefill_threshold,
-    ));
+    let state = Arc::new(RouterState::new(model, model_name(&path), pools));
     let generation = GenerationServer::new(GenerationService::new(state.clone()))
         .max_decoding_message_size(config.routing.max_request_bytes)
         .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
@@ -100,6 +102,7 @@ pub async fn serve(
         static_decode_workers = config.decode.len(),
         static_prefill_workers = config.prefill.len(),
         etcd = ?config.cluster.etcd,
+        routing = %config.routing.routing,
         cluster = config.cluster.cluster,
         "router serving"
     );

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tonic::{Code, Request, Status};
 
 use crate::error::{RouterError, is_retryable};
-use crate::routing::Worker;
+use crate::routing::{NoRoute, Planned, RouteRequest, Worker};
 use crate::service::RouterState;
 use crate::validate::ValidRequest;
 
@@ -53,6 +53,8 @@ struct Progress {
     sent_text_bytes: u64,
     first_token_at: Option<Instant>,
     failovers: u32,
+    /// Cached prompt tokens the final message reported.
+    cached_reported: Option<u32>,
 }
 
 /// How one decode attempt ended.
@@ -68,33 +70,65 @@ async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<
     let mut tried: Vec<String> = Vec::new();
     let mut last: Option<(String, Status)> = None;
     loop {
-        let Some(route) = state.pools.route(
-            job.valid.prompt.len() + progress.generated.len(),
-            state.local_prefill_threshold,
-            &tried,
-        ) else {
-            return Err(match last {
-                Some((worker, status)) => RouterError::AllDecodeWorkersFailed {
-                    attempts: tried.len(),
-                    last: format!("{worker}: {}", status.message()),
-                    last_code: status.code(),
-                },
-                None => RouterError::NoDecodeWorker(None),
-            });
+        let mut tokens = job.valid.prompt.clone();
+        tokens.extend_from_slice(&progress.generated);
+        let routed = state.pools.route(RouteRequest {
+            tokens: &tokens,
+            cache_salt: &job.valid.cache_salt,
+            exclude: &tried,
+            deadline_left: job.deadline.saturating_duration_since(Instant::now()),
+        });
+        let route = match routed {
+            Ok(route) => route,
+            Err(NoRoute::PastDeadline { estimated, left }) => {
+                return Err(RouterError::TtftPastDeadline { estimated, left });
+            }
+            Err(NoRoute::NoDecodeWorker) => {
+                return Err(match last {
+                    Some((worker, status)) => RouterError::AllDecodeWorkersFailed {
+                        attempts: tried.len(),
+                        last: format!("{worker}: {}", status.message()),
+                        last_code: status.code(),
+                    },
+                    None => RouterError::NoDecodeWorker(None),
+                });
+            }
         };
         tried.push(route.decode.address.clone());
         let worker = route.decode.clone();
         let worker_id = worker.id();
         let _busy = worker.begin();
-        let call = progress.decode_request(job, route.plan, route.fingerprint);
+        let prompt_tokens = tokens.len() as u32;
+        let call = progress.decode_request(job, tokens, route.plan, route.fingerprint);
         tracing::debug!(
             request_id = %job.request_id,
             worker = %worker_id,
             already_generated = progress.generated.len(),
+            decision = route.decision.name(),
+            predicted_cached_tokens = route.predicted_cached_tokens,
+            estimated_ttft_ms = route.estimated_ttft.as_millis() as u64,
             "decode attempt"
         );
-        let failure = match attempt(&worker, &worker_id, call, job, &mut progress, tx).await {
-            Attempt::Done => return Ok(()),
+        let attempted = attempt(
+            &worker,
+            &worker_id,
+            call,
+            route.planned,
+            job,
+            &mut progress,
+            tx,
+        );
+        let failure = match attempted.await {
+            Attempt::Done => {
+                if let Some(actual) = progress.cached_reported {
+                    state.pools.decisions.finished(
+                        prompt_tokens,
+                        route.predicted_cached_tokens,
+                        actual,
+                    );
+                }
+                return Ok(());
+            }
             Attempt::Failed(status) => status,
         };
         // A call cut short by the request's own deadline failed the request, not the worker
@@ -129,15 +163,18 @@ async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<
     }
 }
 
-/// One call to a decode worker, relayed until it ends.
+/// One call to a decode worker, relayed until it ends. The prefill the route planned stops
+/// counting at the first message (the prompt is computed) or when the attempt ends.
 async fn attempt(
     worker: &Worker,
     worker_id: &str,
     call: Request<v1::DecodeRequest>,
+    planned: Planned,
     job: &Job,
     progress: &mut Progress,
     tx: &mpsc::Sender<Item>,
 ) -> Attempt {
+    let mut planned = Some(planned);
     let mut client = DecodeWorkerClient::new(worker.channel())
         .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
     let mut stream = match client.decode(call).await {
@@ -154,6 +191,7 @@ async fn attempt(
             }
             Err(status) => return Attempt::Failed(status),
         };
+        planned.take();
         let (out, finished) = progress.relayed(job, msg, worker_id);
         // A closed channel: the client went away.
         if tx.send(Ok(out)).await.is_err() || finished {
@@ -163,15 +201,15 @@ async fn attempt(
 }
 
 impl Progress {
-    /// The call that resumes the request from here on the routed worker.
+    /// The call that resumes the request from here (`tokens`: the prompt and what was
+    /// generated) on the routed worker.
     fn decode_request(
         &self,
         job: &Job,
+        tokens: Vec<u32>,
         plan: v1::PrefillPlan,
         fingerprint: String,
     ) -> Request<v1::DecodeRequest> {
-        let mut tokens = job.valid.prompt.clone();
-        tokens.extend_from_slice(&self.generated);
         let mut call = Request::new(v1::DecodeRequest {
             request_id: job.request_id.clone(),
             prompt_token_ids: tokens,
@@ -211,6 +249,7 @@ impl Progress {
         };
         if finished {
             let cached = msg.usage.map(|u| u.cached_prompt_tokens).unwrap_or(0);
+            self.cached_reported = Some(cached);
             out.usage = Some(self.usage(job, cached));
             let mut t = msg.timings.unwrap_or_default();
             self.stamp(job, &mut t);

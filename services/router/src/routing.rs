@@ -8,13 +8,28 @@
 //! worker known from a card — its card is present and `ready`. A decode worker whose call fails
 //! is taken out of rotation until its next good poll.
 //!
+//! Each worker is also followed on `KvEvents` ([`crate::kv_feed`]) into the exact prefix index
+//! ([`KvIndex`]). A route ([`Pools::route`]) hashes the prompt with duet-kv's chained function
+//! (seed: the cluster's fingerprint and the request's cache salt) and, under the cache-aware
+//! policy:
+//! - picks the decode worker with the most KV headroom, less its running batch and the time to
+//!   move the prompt's KV it does not hold ([`decode_score`]);
+//! - ranks prefill workers by estimated time to first token: (queued prefill tokens + tokens
+//!   the router planned there since their last stats + this prompt's tokens not cached there) ÷
+//!   the worker's measured prefill rate ([`estimated_ttft_s`]);
+//! - prefills on the decode worker itself when the prompt's uncached part there is short, or
+//!   when the prefill pool is saturated (its best estimate is worse than
+//!   `--prefill-saturation-factor` times the decode worker's own);
+//! - refuses at once (RESOURCE_EXHAUSTED) when the best estimate passes the request's deadline.
+//!
+//! Every decision is counted by reason with the cached tokens it predicted ([`Decisions`]).
 //! Decisions are pure functions over snapshots ([`pick_decode`], [`rank_prefill`],
 //! [`consensus_fingerprint`]) so they are unit-tested without a network.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use duet_cluster::{CardState, Membership, Role, WorkerCard};
 use duet_proto::v1;
@@ -24,12 +39,58 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
+use crate::kv_index::{KvIndex, WorkerSlot};
+
 /// Blocks of KV headroom one running sequence (or one request the router sent since the last
 /// stats) is worth when comparing decode workers.
 pub const RUNNING_PENALTY_BLOCKS: i64 = 4;
 
-/// Prefill rate (tokens per unit time) assumed for a worker until it is measured.
-pub const DEFAULT_PREFILL_RATE: f64 = 1.0;
+/// Prefill rate (prompt tokens per second) assumed for a worker until it reports a measured
+/// one: the order of a small model on a few CPU cores.
+pub const DEFAULT_PREFILL_RATE: f64 = 1000.0;
+
+/// Tokens the router planned on a worker stay counted this long after a poll started: the
+/// time for the decode worker to ask the prefill worker, so that the stats then include them.
+pub const PLAN_REPORT_GRACE: Duration = Duration::from_millis(250);
+
+/// Blocks of headroom one millisecond of KV movement is worth when comparing decode workers.
+pub const MOVE_PENALTY_BLOCKS_PER_MS: f64 = 1.0;
+
+/// Where workers get their numbers ([`WorkerSlot`]) from.
+static NEXT_SLOT: AtomicU64 = AtomicU64::new(1);
+
+/// Where plans get their numbers from.
+static NEXT_PLAN: AtomicU64 = AtomicU64::new(1);
+
+/// How requests are spread over the workers (`--routing`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum RoutingPolicy {
+    /// Any routable worker, uniformly at random (a baseline).
+    Random,
+    /// Least loaded: KV headroom and running batch for decode, estimated prefill time of the
+    /// whole prompt for prefill; caches ignored.
+    Load,
+    /// Least estimated time to first token, counting the tokens each worker holds in its
+    /// prefix cache (the exact index), and the cost of moving KV.
+    #[default]
+    CacheAware,
+}
+
+impl RoutingPolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            RoutingPolicy::Random => "random",
+            RoutingPolicy::Load => "load",
+            RoutingPolicy::CacheAware => "cache-aware",
+        }
+    }
+}
+
+impl std::fmt::Display for RoutingPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// The last poll of a worker.
 #[derive(Clone, Debug, Default)]
@@ -51,14 +112,37 @@ pub struct Worker {
     status: Mutex<WorkerStatus>,
     /// Requests the router has on this worker right now.
     in_flight: AtomicU32,
-    /// Estimated prefill rate (prefill workers).
-    pub prefill_rate: f64,
+    /// Prompt tokens the router planned for prefill here (plan number, when, tokens); each is
+    /// dropped when its request's first token arrives, or once a poll that started after it
+    /// (plus [`PLAN_REPORT_GRACE`]) reported the worker's queue, whichever comes first.
+    planned: Mutex<VecDeque<(u64, Instant, u64)>>,
     /// The card it is known from, and the card's key (`None`: named by a flag).
     card: Mutex<Option<(String, WorkerCard)>>,
+    /// The router's number for this worker in the KV index.
+    slot: WorkerSlot,
 }
 
 /// Counts a request on a worker while alive.
 pub struct InFlight(Arc<Worker>);
+
+/// Counts prefill tokens the router planned on a worker while alive (until the request's first
+/// token, or the worker's stats reporting them).
+#[derive(Debug)]
+pub struct Planned {
+    worker: Arc<Worker>,
+    id: u64,
+}
+
+impl Drop for Planned {
+    fn drop(&mut self) {
+        let mut planned = self
+            .worker
+            .planned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        planned.retain(|&(id, _, _)| id != self.id);
+    }
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
@@ -76,9 +160,43 @@ impl Worker {
             channel,
             status: Mutex::new(WorkerStatus::default()),
             in_flight: AtomicU32::new(0),
-            prefill_rate: DEFAULT_PREFILL_RATE,
+            planned: Mutex::new(VecDeque::new()),
             card: Mutex::new(None),
+            slot: NEXT_SLOT.fetch_add(1, Ordering::Relaxed),
         })
+    }
+
+    /// The router's number for this worker in the KV index.
+    pub fn slot(&self) -> WorkerSlot {
+        self.slot
+    }
+
+    /// Counts `tokens` of prefill the router just planned here, until the guard drops.
+    pub fn plan(self: &Arc<Self>, tokens: u64) -> Planned {
+        let id = NEXT_PLAN.fetch_add(1, Ordering::Relaxed);
+        self.planned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back((id, Instant::now(), tokens));
+        Planned {
+            worker: self.clone(),
+            id,
+        }
+    }
+
+    /// Prefill tokens planned here that the worker's stats do not show yet.
+    pub fn planned_tokens(&self) -> u64 {
+        let planned = self.planned.lock().unwrap_or_else(|e| e.into_inner());
+        planned.iter().map(|&(_, _, t)| t).sum()
+    }
+
+    /// The measured prefill rate from the last stats, else [`DEFAULT_PREFILL_RATE`].
+    pub fn prefill_rate(&self) -> f64 {
+        self.status()
+            .stats
+            .map(|s| s.prefill_tokens_per_s)
+            .filter(|&r| r > 0.0)
+            .unwrap_or(DEFAULT_PREFILL_RATE)
     }
 
     /// The worker a card describes.
@@ -143,6 +261,7 @@ impl Worker {
 
     /// Polls health and stats once, each bounded by `timeout`.
     pub async fn poll(&self, timeout: Duration) {
+        let started = Instant::now();
         let health = async {
             let mut req = tonic::Request::new(HealthCheckRequest {
                 service: String::new(),
@@ -172,6 +291,11 @@ impl Worker {
                 s.healthy = true;
                 s.stats = Some(st);
                 s.last_error = None;
+                let reported = started.checked_sub(PLAN_REPORT_GRACE).unwrap_or(started);
+                let mut planned = self.planned.lock().unwrap_or_else(|e| e.into_inner());
+                while planned.front().is_some_and(|&(_, at, _)| at < reported) {
+                    planned.pop_front();
+                }
             }
             (h, st) => {
                 let mut why = h.err();
@@ -187,7 +311,7 @@ impl Worker {
 }
 
 /// A decode worker's load, as routing sees it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecodeLoad {
     /// Blocks available for new work (free plus evictable cached).
     pub free_blocks: u32,
@@ -195,16 +319,20 @@ pub struct DecodeLoad {
     pub running: u32,
     /// Requests the router has on it.
     pub in_flight: u32,
+    /// Milliseconds to move the prompt's KV it does not hold there (bytes ÷ link bandwidth).
+    pub move_ms: f64,
 }
 
 /// Score of a decode worker: more is better.
-pub fn decode_score(l: DecodeLoad) -> i64 {
-    l.free_blocks as i64 - RUNNING_PENALTY_BLOCKS * (l.running as i64 + l.in_flight as i64)
+pub fn decode_score(l: DecodeLoad) -> f64 {
+    l.free_blocks as f64
+        - (RUNNING_PENALTY_BLOCKS * (l.running as i64 + l.in_flight as i64)) as f64
+        - MOVE_PENALTY_BLOCKS_PER_MS * l.move_ms
 }
 
 /// The candidate (by its key) with the best score; ties go to the first.
 pub fn pick_decode<K: Copy>(candidates: &[(K, DecodeLoad)]) -> Option<K> {
-    let mut best: Option<(K, i64)> = None;
+    let mut best: Option<(K, f64)> = None;
     for &(k, load) in candidates {
         let s = decode_score(load);
         if best.is_none_or(|(_, b)| s > b) {
@@ -214,30 +342,106 @@ pub fn pick_decode<K: Copy>(candidates: &[(K, DecodeLoad)]) -> Option<K> {
     best.map(|(k, _)| k)
 }
 
-/// A prefill worker's load, as routing sees it.
+/// A worker's prefill load for one prompt, as routing sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PrefillLoad {
+    /// Prompt tokens queued there: reported, plus planned by the router since.
     pub queued_tokens: u64,
-    /// Tokens per unit time (> 0).
+    /// Tokens of this prompt it would compute (not in its prefix cache).
+    pub uncached_tokens: u64,
+    /// Measured prompt tokens per second (> 0; else [`DEFAULT_PREFILL_RATE`]).
     pub rate: f64,
 }
 
-/// Candidates (by key) ordered by estimated time to first token,
-/// `(queued + prompt_tokens) / rate`, best first; ties keep their order.
-pub fn rank_prefill<K: Copy>(prompt_tokens: usize, candidates: &[(K, PrefillLoad)]) -> Vec<K> {
+/// Estimated time to first token on a worker, in seconds:
+/// `(queued + uncached tokens of this prompt) / prefill rate`.
+pub fn estimated_ttft_s(l: PrefillLoad) -> f64 {
+    let rate = if l.rate > 0.0 {
+        l.rate
+    } else {
+        DEFAULT_PREFILL_RATE
+    };
+    (l.queued_tokens + l.uncached_tokens) as f64 / rate
+}
+
+/// Candidates (by key) with their estimated time to first token, best first; ties keep their
+/// order.
+pub fn rank_prefill<K: Copy>(candidates: &[(K, PrefillLoad)]) -> Vec<(K, f64)> {
     let mut scored: Vec<(K, f64)> = candidates
         .iter()
-        .map(|&(k, l)| {
-            let rate = if l.rate > 0.0 {
-                l.rate
-            } else {
-                DEFAULT_PREFILL_RATE
-            };
-            (k, (l.queued_tokens as f64 + prompt_tokens as f64) / rate)
-        })
+        .map(|&(k, l)| (k, estimated_ttft_s(l)))
         .collect();
     scored.sort_by(|a, b| a.1.total_cmp(&b.1));
-    scored.into_iter().map(|(k, _)| k).collect()
+    scored
+}
+
+/// Why a request was routed as it was (the label of its count).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Prefilled on a prefill worker, KV moved to the decode worker.
+    Remote,
+    /// Prefilled on the decode worker: the prompt's part not cached there is short.
+    LocalShortSuffix,
+    /// Prefilled on the decode worker: no prefill worker is routable.
+    LocalNoPrefillWorker,
+    /// Prefilled on the decode worker: the prefill pool is saturated.
+    LocalPrefillSaturated,
+    /// Refused: the estimated time to first token passes the deadline.
+    RejectedTtft,
+}
+
+impl Decision {
+    pub const ALL: [Decision; 5] = [
+        Decision::Remote,
+        Decision::LocalShortSuffix,
+        Decision::LocalNoPrefillWorker,
+        Decision::LocalPrefillSaturated,
+        Decision::RejectedTtft,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Decision::Remote => "remote",
+            Decision::LocalShortSuffix => "local_short_suffix",
+            Decision::LocalNoPrefillWorker => "local_no_prefill_worker",
+            Decision::LocalPrefillSaturated => "local_prefill_saturated",
+            Decision::RejectedTtft => "rejected_ttft",
+        }
+    }
+}
+
+/// The router's own routing counts since it started.
+#[derive(Debug, Default)]
+pub struct Decisions {
+    by_reason: [AtomicU64; 5],
+    /// Over finished requests: prompt tokens, cached tokens the route predicted, and cached
+    /// tokens the workers reported.
+    pub prompt_tokens: AtomicU64,
+    pub predicted_cached_tokens: AtomicU64,
+    pub actual_cached_tokens: AtomicU64,
+}
+
+impl Decisions {
+    pub fn count(&self, d: Decision) {
+        let i = Decision::ALL.iter().position(|&x| x == d).expect("listed");
+        self.by_reason[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many decisions had this reason.
+    pub fn of(&self, d: Decision) -> u64 {
+        let i = Decision::ALL.iter().position(|&x| x == d).expect("listed");
+        self.by_reason[i].load(Ordering::Relaxed)
+    }
+
+    /// A finished request: what its route predicted against what the worker found.
+    pub fn finished(&self, prompt_tokens: u32, predicted_cached: u32, actual_cached: u32) {
+        self.prompt_tokens
+            .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+        self.predicted_cached_tokens
+            .fetch_add(predicted_cached as u64, Ordering::Relaxed);
+        self.actual_cached_tokens
+            .fetch_add(actual_cached as u64, Ordering::Relaxed);
+    }
 }
 
 /// The most common fingerprint; ties go to the one seen first.
@@ -261,31 +465,79 @@ pub fn consensus_fingerprint<'a>(
 }
 
 /// The decision for one attempt: where to decode, and the prefill plan to send with it.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Route {
     pub decode: Arc<Worker>,
     pub plan: v1::PrefillPlan,
     /// The cluster's model fingerprint (empty when unknown).
     pub fingerprint: String,
+    pub decision: Decision,
+    /// Prompt tokens the index says the chosen prefilling worker holds.
+    pub predicted_cached_tokens: u32,
+    /// The estimated time to first token of the chosen plan.
+    pub estimated_ttft: Duration,
+    /// The prefill tokens planned on the prefilling worker; drop at the first token.
+    pub planned: Planned,
+}
+
+/// What one attempt asks of routing.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteRequest<'a> {
+    /// The tokens to prefill (the prompt, plus tokens streamed before a failover).
+    pub tokens: &'a [u32],
+    pub cache_salt: &'a str,
+    /// Decode workers (addresses) not to use: tried already.
+    pub exclude: &'a [String],
+    /// What is left of the request's deadline.
+    pub deadline_left: Duration,
+}
+
+/// Why no route was given.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NoRoute {
+    /// No routable decode worker is left.
+    NoDecodeWorker,
+    /// The best plan's estimated time to first token passes the deadline.
+    PastDeadline { estimated: Duration, left: Duration },
+}
+
+/// How routing is tuned (router flags).
+#[derive(Clone, Copy, Debug)]
+pub struct RoutingParams {
+    pub policy: RoutingPolicy,
+    /// Uncached prompt parts of at most this many tokens are prefilled on the decode worker.
+    pub local_prefill_threshold: u32,
+    /// Bytes per second the KV transport moves between a prefill and a decode worker.
+    pub kv_link_bytes_per_s: f64,
+    /// The prefill pool is saturated when its best estimated TTFT is worse than this many
+    /// times the decode worker's own; 0: never.
+    pub prefill_saturation_factor: f64,
 }
 
 /// The prefill and decode pools: the workers named by flags, and those known from cards.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Pools {
     decode: RwLock<Vec<Arc<Worker>>>,
     prefill: RwLock<Vec<Arc<Worker>>>,
-    /// Set once polling started: workers added later are polled from then on.
+    /// Set once polling started: workers added later are polled (and their KV events
+    /// followed) from then on.
     poll_interval: Mutex<Option<Duration>>,
     /// What every call to a worker carries, those known from cards included.
     token: Option<ClusterToken>,
+    /// Which worker holds which prefix block.
+    pub index: Arc<KvIndex>,
+    pub params: RoutingParams,
+    pub decisions: Decisions,
 }
 
 impl Pools {
-    /// The pools of workers at these addresses; every call to them carries `token`.
+    /// The pools of workers at these addresses, routed by `params`; every call to them
+    /// carries `token`.
     pub fn new(
         decode: &[String],
         prefill: &[String],
         token: Option<ClusterToken>,
+        params: RoutingParams,
     ) -> anyhow::Result<Self> {
         let make = |list: &[String], role| -> anyhow::Result<Vec<Arc<Worker>>> {
             list.iter()
@@ -299,6 +551,9 @@ impl Pools {
             prefill: RwLock::new(make(prefill, Role::Prefill)?),
             poll_interval: Mutex::new(None),
             token,
+            index: Arc::default(),
+            params,
+            decisions: Decisions::default(),
         })
     }
 
@@ -336,7 +591,7 @@ impl Pools {
     pub fn start_polling(&self, interval: Duration) {
         *self.poll_interval.lock().unwrap_or_else(|e| e.into_inner()) = Some(interval);
         for w in self.all() {
-            spawn_poller(&w, interval);
+            self.follow(&w, interval);
         }
     }
 
@@ -384,7 +639,7 @@ impl Pools {
                     Ok(w) => {
                         let w = Arc::new(w);
                         if let Some(interval) = interval {
-                            spawn_poller(&w, interval);
+                            self.follow(&w, interval);
                         }
                         tracing::info!(key, address = %card.grpc_address, incarnation = card.incarnation, "worker joined");
                         pool.push(w);
@@ -410,6 +665,12 @@ impl Pools {
                 }
             }
         }
+    }
+
+    /// Polls `w` and follows its KV events.
+    fn follow(&self, w: &Arc<Worker>, interval: Duration) {
+        spawn_poller(w, interval);
+        crate::kv_feed::spawn(w, self.index.clone());
     }
 
     /// The fingerprint shared by most healthy workers.
@@ -445,70 +706,162 @@ impl Pools {
         }
     }
 
-    /// Chooses a decode worker (whose address is not among `exclude`) and builds the prefill
-    /// plan for a prompt of `prompt_tokens`. `None`: no routable decode worker is left.
-    pub fn route(
-        &self,
-        prompt_tokens: usize,
-        local_threshold: u32,
-        exclude: &[String],
-    ) -> Option<Route> {
+    /// Chooses a decode worker and builds the prefill plan for one attempt (see the module).
+    pub fn route(&self, req: RouteRequest<'_>) -> Result<Route, NoRoute> {
         let fingerprint = self.fingerprint();
         let decode = self.decode();
         let prefill_pool = self.prefill();
-        let candidates: Vec<(usize, DecodeLoad)> = decode
-            .iter()
-            .enumerate()
-            .filter(|(_, w)| !exclude.contains(&w.address))
-            .filter_map(|(i, w)| {
-                let st = Self::routable(w, &fingerprint)?;
-                Some((
-                    i,
-                    DecodeLoad {
-                        free_blocks: st.kv_blocks_free.saturating_add(st.kv_blocks_cached),
-                        running: st.running_sequences,
-                        in_flight: w.in_flight(),
-                    },
-                ))
-            })
-            .collect();
-        let decode_index = pick_decode(&candidates)?;
+        let policy = self.params.policy;
+        let n = req.tokens.len();
+        let block_size = self.block_size().unwrap_or(0) as usize;
+        // Cached tokens per worker slot, as the engine would find them: whole blocks, leaving
+        // at least one token to compute.
+        let cached: HashMap<WorkerSlot, usize> = match (&fingerprint, policy) {
+            (Some(fp), RoutingPolicy::CacheAware) if block_size > 0 => {
+                let seed = duet_kv::request_hash_seed(fp, req.cache_salt);
+                let hashes = duet_kv::block_hashes(seed, req.tokens, block_size);
+                let usable = n.saturating_sub(1) / block_size;
+                self.index
+                    .prefix_matches(&hashes[..hashes.len().min(usable)])
+                    .into_iter()
+                    .map(|(slot, blocks)| (slot, blocks * block_size))
+                    .collect()
+            }
+            _ => HashMap::new(),
+        };
+        let cached_on = |w: &Worker| cached.get(&w.slot()).copied().unwrap_or(0);
+        let load_of = |w: &Worker, st: &v1::StatsResponse| PrefillLoad {
+            queued_tokens: st.queued_prefill_tokens + w.planned_tokens(),
+            uncached_tokens: (n - cached_on(w)) as u64,
+            rate: w.prefill_rate(),
+        };
+        let mut candidates: Vec<(usize, DecodeLoad)> = Vec::new();
+        for (i, w) in decode.iter().enumerate() {
+            if req.exclude.contains(&w.address) {
+                continue;
+            }
+            let Some(st) = Self::routable(w, &fingerprint) else {
+                continue;
+            };
+            let moved_blocks = n.div_ceil(block_size.max(1)) - cached_on(w) / block_size.max(1);
+            let move_ms = match policy {
+                RoutingPolicy::CacheAware => {
+                    (moved_blocks as f64 * st.kv_block_bytes as f64)
+                        / self.params.kv_link_bytes_per_s.max(1.0)
+                        * 1e3
+                }
+                _ => 0.0,
+            };
+            candidates.push((
+                i,
+                DecodeLoad {
+                    free_blocks: st.kv_blocks_free.saturating_add(st.kv_blocks_cached),
+                    running: st.running_sequences,
+                    in_flight: w.in_flight(),
+                    move_ms,
+                },
+            ));
+        }
+        let decode_index = match policy {
+            RoutingPolicy::Random => candidates
+                .get(random_index(candidates.len()))
+                .map(|&(i, _)| i),
+            _ => pick_decode(&candidates),
+        }
+        .ok_or(NoRoute::NoDecodeWorker)?;
+        let d = &decode[decode_index];
+        let d_stats = Self::routable(d, &fingerprint).unwrap_or_default();
+        let local_load = load_of(d, &d_stats);
+        let local_ttft = estimated_ttft_s(local_load);
         let prefill: Vec<(usize, PrefillLoad)> = prefill_pool
             .iter()
             .enumerate()
             .filter_map(|(i, w)| {
                 let st = Self::routable(w, &fingerprint)?;
-                Some((
-                    i,
-                    PrefillLoad {
-                        queued_tokens: st.queued_prefill_tokens,
-                        rate: w.prefill_rate,
-                    },
-                ))
+                Some((i, load_of(w, &st)))
             })
             .collect();
-        let plan = if prompt_tokens <= local_threshold as usize || prefill.is_empty() {
-            v1::PrefillPlan {
-                local: true,
-                prefill_workers: vec![],
+        let mut ranked = rank_prefill(&prefill);
+        if policy == RoutingPolicy::Random {
+            let k = random_index(ranked.len());
+            ranked.rotate_left(k);
+        }
+        let decision = match ranked.first() {
+            _ if local_load.uncached_tokens <= self.params.local_prefill_threshold as u64 => {
+                Decision::LocalShortSuffix
             }
-        } else {
-            v1::PrefillPlan {
+            None => Decision::LocalNoPrefillWorker,
+            Some(&(_, best))
+                if policy != RoutingPolicy::Random
+                    && self.params.prefill_saturation_factor > 0.0
+                    && best > self.params.prefill_saturation_factor * local_ttft =>
+            {
+                Decision::LocalPrefillSaturated
+            }
+            Some(_) => Decision::Remote,
+        };
+        let (plan, estimate, predicted, prefilling) = if decision == Decision::Remote {
+            let (first, estimate) = ranked[0];
+            let plan = v1::PrefillPlan {
                 local: false,
-                prefill_workers: rank_prefill(prompt_tokens, &prefill)
-                    .into_iter()
-                    .map(|i| v1::PrefillTarget {
+                prefill_workers: ranked
+                    .iter()
+                    .map(|&(i, _)| v1::PrefillTarget {
                         worker_id: prefill_pool[i].id(),
                         address: prefill_pool[i].address.clone(),
                     })
                     .collect(),
-            }
+            };
+            let w = &prefill_pool[first];
+            (plan, estimate, cached_on(w), w)
+        } else {
+            let plan = v1::PrefillPlan {
+                local: true,
+                prefill_workers: vec![],
+            };
+            (plan, local_ttft, cached_on(d), d)
         };
-        Some(Route {
-            decode: decode[decode_index].clone(),
+        let estimated_ttft = Duration::from_secs_f64(estimate.max(0.0));
+        if estimated_ttft > req.deadline_left {
+            self.decisions.count(Decision::RejectedTtft);
+            return Err(NoRoute::PastDeadline {
+                estimated: estimated_ttft,
+                left: req.deadline_left,
+            });
+        }
+        self.decisions.count(decision);
+        let planned = prefilling.plan((n - predicted) as u64);
+        Ok(Route {
+            decode: d.clone(),
             plan,
             fingerprint: fingerprint.unwrap_or_default(),
+            decision,
+            predicted_cached_tokens: predicted as u32,
+            estimated_ttft,
+            planned,
         })
+    }
+
+    /// The routing counts and the index's, as `Info` shows them.
+    pub fn routing_stats(&self) -> v1::RoutingStats {
+        let d = &self.decisions;
+        let c = &self.index.counters;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        v1::RoutingStats {
+            policy: self.params.policy.name().into(),
+            decisions: Decision::ALL
+                .iter()
+                .map(|&r| (r.name().to_string(), d.of(r)))
+                .collect(),
+            prompt_tokens: load(&d.prompt_tokens),
+            predicted_cached_tokens: load(&d.predicted_cached_tokens),
+            actual_cached_tokens: load(&d.actual_cached_tokens),
+            indexed_blocks: self.index.total_blocks() as u64,
+            kv_event_gaps: load(&c.gaps),
+            kv_snapshots: load(&c.snapshots),
+            kv_digest_mismatches: load(&c.digest_mismatches),
+            kv_new_incarnations: load(&c.new_incarnations),
+        }
     }
 
     /// Whether any decode worker is routable now.
@@ -569,6 +922,15 @@ impl Pools {
     }
 }
 
+/// A uniformly random index below `n` (0 when `n` is 0).
+fn random_index(n: usize) -> usize {
+    if n == 0 {
+        0
+    } else {
+        (crate::validate::random_u64() % n as u64) as usize
+    }
+}
+
 /// Polls `worker` every `interval` while it exists.
 fn spawn_poller(worker: &Arc<Worker>, interval: Duration) {
     let timeout = interval.max(Duration::from_millis(200));
@@ -593,6 +955,7 @@ mod tests {
             free_blocks,
             running,
             in_flight,
+            move_ms: 0.0,
         }
     }
 
@@ -613,24 +976,45 @@ mod tests {
             pick_decode(&[(3, load(10, 1, 0)), (5, load(14, 2, 0))]),
             Some(3)
         );
+        // Moving the KV costs: 20 - 15 ms of movement < 10.
+        let far = DecodeLoad {
+            move_ms: 15.0,
+            ..load(20, 0, 0)
+        };
+        assert_eq!(pick_decode(&[(0, load(10, 0, 0)), (1, far)]), Some(0));
     }
 
     #[test]
     fn prefill_ranked_by_estimated_ttft() {
-        let l = |q, rate| PrefillLoad {
+        let l = |q, uncached, rate| PrefillLoad {
             queued_tokens: q,
+            uncached_tokens: uncached,
             rate,
         };
+        let keys = |r: Vec<(usize, f64)>| r.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
         assert_eq!(
-            rank_prefill(100, &[(0, l(500, 1.0)), (1, l(0, 1.0)), (2, l(100, 1.0))]),
+            keys(rank_prefill(&[
+                (0, l(500, 100, 1.0)),
+                (1, l(0, 100, 1.0)),
+                (2, l(100, 100, 1.0))
+            ])),
             [1, 2, 0]
         );
         // A faster worker wins despite a longer queue; rate 0 is treated as the default.
         assert_eq!(
-            rank_prefill(100, &[(0, l(0, 1.0)), (1, l(300, 10.0))]),
+            keys(rank_prefill(&[(0, l(0, 100, 1.0)), (1, l(300, 100, 10.0))])),
             [1, 0]
         );
-        assert_eq!(rank_prefill(10, &[(0, l(5, 0.0)), (1, l(1, 1.0))]), [1, 0]);
+        assert_eq!(
+            keys(rank_prefill(&[(0, l(5, 10, 0.0)), (1, l(1, 10, 1.0))])),
+            [0, 1]
+        );
+        // The tokens a worker holds cached are not computed again.
+        assert_eq!(
+            keys(rank_prefill(&[(0, l(0, 100, 1.0)), (1, l(50, 10, 1.0))])),
+            [1, 0]
+        );
+        assert_eq!(estimated_ttft_s(l(100, 100, 100.0)), 2.0);
     }
 
     #[test]
@@ -652,6 +1036,28 @@ mod tests {
         }
     }
 
+    fn params(policy: RoutingPolicy) -> RoutingParams {
+        RoutingParams {
+            policy,
+            local_prefill_threshold: 32,
+            kv_link_bytes_per_s: 1e9,
+            prefill_saturation_factor: 2.0,
+        }
+    }
+
+    /// Routes a prompt of tokens 0..n with plenty of deadline left.
+    fn route(pools: &Pools, n: usize, exclude: &[String]) -> Option<Route> {
+        let tokens: Vec<u32> = (0..n as u32).collect();
+        pools
+            .route(RouteRequest {
+                tokens: &tokens,
+                cache_salt: "",
+                exclude,
+                deadline_left: Duration::from_secs(600),
+            })
+            .ok()
+    }
+
     fn set(w: &Worker, healthy: bool, st: v1::StatsResponse) {
         w.set_status(|s| {
             s.healthy = healthy;
@@ -669,22 +1075,23 @@ mod tests {
             ],
             &["127.0.0.1:4".into(), "127.0.0.1:5".into()],
             None,
+            params(RoutingPolicy::CacheAware),
         )
         .unwrap();
-        assert!(pools.route(10, 32, &[]).is_none());
+        assert!(route(&pools, 10, &[]).is_none());
         set(&pools.decode()[0], true, stats("fp", 10, 0));
         set(&pools.decode()[1], true, stats("fp", 50, 0));
         // Most free blocks, but another model: not routable.
         set(&pools.decode()[2], true, stats("other", 90, 0));
-        let r = pools.route(10, 32, &[]).unwrap();
+        let r = route(&pools, 10, &[]).unwrap();
         assert_eq!(r.decode.address, "127.0.0.1:2");
         assert_eq!(r.fingerprint, "fp");
         assert!(r.plan.local, "short prompt: local");
         // Long prompt but no healthy prefill worker: local.
-        assert!(pools.route(100, 32, &[]).unwrap().plan.local);
+        assert!(route(&pools, 100, &[]).unwrap().plan.local);
         set(&pools.prefill()[0], true, stats("fp", 1, 500));
         set(&pools.prefill()[1], true, stats("fp", 2, 10));
-        let r = pools.route(100, 32, &[]).unwrap();
+        let r = route(&pools, 100, &[]).unwrap();
         assert!(!r.plan.local);
         let ids: Vec<&str> = r
             .plan
@@ -697,16 +1104,16 @@ mod tests {
         // Excluded and failed workers are skipped.
         let tried = ["127.0.0.1:2".to_string()];
         assert_eq!(
-            pools.route(10, 32, &tried).unwrap().decode.address,
+            route(&pools, 10, &tried).unwrap().decode.address,
             "127.0.0.1:1"
         );
         pools.decode()[0].mark_failed("boom");
-        assert!(pools.route(10, 32, &tried).is_none());
+        assert!(route(&pools, 10, &tried).is_none());
         // In-flight requests count against a worker.
         let _g: Vec<InFlight> = (0..11).map(|_| pools.decode()[1].begin()).collect();
         set(&pools.decode()[0], true, stats("fp", 10, 0));
         assert_eq!(
-            pools.route(10, 32, &[]).unwrap().decode.address,
+            route(&pools, 10, &[]).unwrap().decode.address,
             "127.0.0.1:1"
         );
         let (prefill, decode) = pools.infos();
@@ -749,7 +1156,13 @@ mod tests {
 
     #[tokio::test]
     async fn cards_join_leave_drain_and_reincarnate() {
-        let pools = Pools::new(&["127.0.0.1:9".into()], &[], None).unwrap();
+        let pools = Pools::new(
+            &["127.0.0.1:9".into()],
+            &[],
+            None,
+            params(RoutingPolicy::CacheAware),
+        )
+        .unwrap();
         let a = card("a", 1, 1, CardState::Ready, "fp");
         let b = card("b", 2, 1, CardState::Joining, "fp");
         let other = card("c", 3, 1, CardState::Ready, "other-model");
@@ -757,7 +1170,7 @@ mod tests {
         answer(&pools);
         let routable = |pools: &Pools| -> Vec<String> {
             let mut tried = Vec::new();
-            while let Some(r) = pools.route(10, 32, &tried) {
+            while let Some(r) = route(pools, 10, &tried) {
                 tried.push(r.decode.address.clone());
             }
             tried.sort();
@@ -797,5 +1210,139 @@ mod tests {
         assert_eq!(routable(&pools), ["127.0.0.1:2", "127.0.0.1:9"]);
         pools.sync(&Membership::default());
         assert_eq!(routable(&pools), ["127.0.0.1:9"]);
+    }
+
+    /// Two idle prefill workers and one decode worker, all answering for model "fp".
+    fn cluster(policy: RoutingPolicy) -> Pools {
+        let pools = Pools::new(
+            &["127.0.0.1:1".into()],
+            &["127.0.0.1:4".into(), "127.0.0.1:5".into()],
+            None,
+            params(policy),
+        )
+        .unwrap();
+        set(&pools.decode()[0], true, stats("fp", 1000, 0));
+        for w in pools.prefill() {
+            set(&w, true, stats("fp", 1000, 0));
+        }
+        pools
+    }
+
+    fn first_prefill(r: &Route) -> &str {
+        &r.plan.prefill_workers[0].address
+    }
+
+    #[tokio::test]
+    async fn a_burst_spreads_over_idle_prefill_workers() {
+        let pools = cluster(RoutingPolicy::CacheAware);
+        // Routes held (their prefills not answered yet), as a burst's are.
+        let burst: Vec<Route> = (0..4).map(|_| route(&pools, 900, &[]).unwrap()).collect();
+        let firsts: Vec<&str> = burst.iter().map(first_prefill).collect();
+        assert_eq!(
+            firsts,
+            ["127.0.0.1:4", "127.0.0.1:5", "127.0.0.1:4", "127.0.0.1:5"]
+        );
+        assert_eq!(pools.prefill()[0].planned_tokens(), 1800);
+        assert_eq!(pools.decisions.of(Decision::Remote), 4);
+        // Once the first tokens arrive, nothing planned is left.
+        drop(burst);
+        assert_eq!(pools.prefill()[0].planned_tokens(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_prompt_goes_where_its_prefix_is_cached() {
+        let pools = cluster(RoutingPolicy::CacheAware);
+        let tokens: Vec<u32> = (0..200).collect();
+        let hashes = duet_kv::block_hashes(duet_kv::request_hash_seed("fp", ""), &tokens, 16);
+        // The second prefill worker holds the first 10 blocks.
+        let holder = &pools.prefill()[1];
+        let snapshot = v1::KvEventsMessage {
+            incarnation: 1,
+            snapshot: Some(v1::KvSnapshot {
+                seq: 0,
+                block_hashes: hashes[..10].to_vec(),
+                last: true,
+            }),
+            ..Default::default()
+        };
+        pools.index.apply(holder.slot(), &snapshot);
+        let r = route(&pools, 200, &[]).unwrap();
+        assert_eq!(first_prefill(&r), "127.0.0.1:5");
+        assert_eq!(r.predicted_cached_tokens, 160);
+        assert_eq!(
+            holder.planned_tokens(),
+            40,
+            "only the uncached part is planned"
+        );
+        // Another tenant's salt: nothing cached for it.
+        let other = pools
+            .route(RouteRequest {
+                tokens: &tokens,
+                cache_salt: "tenant-b",
+                exclude: &[],
+                deadline_left: Duration::from_secs(600),
+            })
+            .unwrap();
+        assert_eq!(other.predicted_cached_tokens, 0);
+        assert_eq!(first_prefill(&other), "127.0.0.1:4");
+        // The load policy ignores caches.
+        let load = cluster(RoutingPolicy::Load);
+        load.index.apply(load.prefill()[1].slot(), &snapshot);
+        let r = route(&load, 200, &[]).unwrap();
+        assert_eq!(
+            (first_prefill(&r), r.predicted_cached_tokens),
+            ("127.0.0.1:4", 0)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_saturated_prefill_pool_prefills_on_the_decode_worker() {
+        let pools = cluster(RoutingPolicy::CacheAware);
+        for w in pools.prefill() {
+            set(&w, true, stats("fp", 1000, 5000));
+        }
+        let r = route(&pools, 200, &[]).unwrap();
+        assert!(r.plan.local);
+        assert_eq!(r.decision, Decision::LocalPrefillSaturated);
+        assert_eq!(pools.decode()[0].planned_tokens(), 200);
+        // Short prompts stay local whatever the pools.
+        let r = route(&pools, 20, &[]).unwrap();
+        assert_eq!(r.decision, Decision::LocalShortSuffix);
+    }
+
+    #[tokio::test]
+    async fn a_request_whose_estimated_ttft_passes_its_deadline_is_refused() {
+        let pools = cluster(RoutingPolicy::CacheAware);
+        // 900 tokens at the prior of 1000 tokens/s: 0.9 s.
+        let tokens: Vec<u32> = (0..900).collect();
+        let ask = |left| {
+            pools.route(RouteRequest {
+                tokens: &tokens,
+                cache_salt: "",
+                exclude: &[],
+                deadline_left: left,
+            })
+        };
+        let refused = ask(Duration::from_millis(500)).unwrap_err();
+        assert!(
+            matches!(refused, NoRoute::PastDeadline { .. }),
+            "{refused:?}"
+        );
+        assert_eq!(pools.decisions.of(Decision::RejectedTtft), 1);
+        assert_eq!(
+            pools.prefill()[0].planned_tokens(),
+            0,
+            "a refusal plans nothing"
+        );
+        let ok = ask(Duration::from_secs(2)).unwrap();
+        assert!((ok.estimated_ttft.as_secs_f64() - 0.9).abs() < 1e-6);
+        // A measured rate replaces the prior.
+        let mut fast = stats("fp", 1000, 0);
+        fast.prefill_tokens_per_s = 9000.0;
+        for w in pools.prefill() {
+            set(&w, true, fast.clone());
+        }
+        drop(ok);
+        assert!(ask(Duration::from_millis(500)).is_ok());
     }
 }

@@ -34,8 +34,6 @@ pub struct RouterState {
     /// Shown by Info (the model path's file stem).
     pub model_name: String,
     pub pools: Pools,
-    /// Uncached prompts of at most this many tokens are prefilled on the decode worker.
-    pub local_prefill_threshold: u32,
 }
 
 /// One admitted request's messages, in order; an error ends them. Dropping it cancels the
@@ -79,17 +77,11 @@ impl RouterState {
         Ok(rx)
     }
 
-    pub fn new(
-        model: PromptModel,
-        model_name: String,
-        pools: Pools,
-        local_prefill_threshold: u32,
-    ) -> Self {
+    pub fn new(model: PromptModel, model_name: String, pools: Pools) -> Self {
         Self {
             model,
             model_name,
             pools,
-            local_prefill_threshold,
         }
     }
 }
@@ -192,6 +184,7 @@ impl Generation for GenerationService {
             decode_workers,
             block_size: s.pools.block_size().unwrap_or(DEFAULT_BLOCK_SIZE),
             version: env!("CARGO_PKG_VERSION").to_string(),
+            routing: Some(s.pools.routing_stats()),
         }))
     }
 }
