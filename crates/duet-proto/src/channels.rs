@@ -44,6 +44,21 @@ pub fn channel(address: &str, token: Option<ClusterToken>) -> Result<PeerChannel
     Ok(InterceptedService::new(channel, AttachClusterToken(token)))
 }
 
+/// Whether a call failed because the peer refused the connection (nothing listens there: the
+/// process is gone), as opposed to a slow or failing answer.
+pub fn is_connection_refused(status: &tonic::Status) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::ConnectionRefused
+        {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
 /// Channels to peers by address, made on first use and reused, their calls carrying the
 /// cluster token.
 #[derive(Debug, Default)]
@@ -85,5 +100,24 @@ mod tests {
         assert_eq!(channels.by_address.lock().unwrap().len(), 2);
         let err = channels.get("bad address with spaces").unwrap_err();
         assert!(err.to_string().contains("bad address with spaces"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_told_apart_from_a_failed_call() {
+        // A port that was just free: nothing listens there.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut client = tonic_health::pb::health_client::HealthClient::new(
+            channel(&format!("127.0.0.1:{port}"), None).unwrap(),
+        );
+        let status = client
+            .check(tonic_health::pb::HealthCheckRequest::default())
+            .await
+            .unwrap_err();
+        assert!(is_connection_refused(&status), "{status:?}");
+        assert!(!is_connection_refused(&tonic::Status::unavailable("slow")));
     }
 }

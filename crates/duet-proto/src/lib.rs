@@ -32,7 +32,7 @@ pub mod malformed;
 pub mod serve;
 
 pub use auth::{AttachClusterToken, ClusterAuth, ClusterToken};
-pub use channels::{Channels, PeerChannel, channel};
+pub use channels::{Channels, PeerChannel, channel, is_connection_refused};
 pub use serve::{Edge, EdgeOptions, InFlightLimitLayer, MAX_MESSAGE_BYTES, Overloaded, deadline};
 
 /// `KvHeader.layout` of a KV push: per (layer, block), K then V, each

@@ -8,7 +8,7 @@ use duet_cluster::ClusterArgs;
 use duet_model::model_path::ModelArgs;
 use duet_proto::ClusterAuth;
 
-use crate::routing::{RoutingParams, RoutingPolicy};
+use crate::routing::{HealthPolicy, RoutingParams, RoutingPolicy};
 
 /// How the router is run: where it listens, which workers it routes to, the model it serves
 /// (config, tokenizer and chat template only; never the weights) and its limits.
@@ -151,6 +151,17 @@ pub struct RoutingOptions {
     #[arg(long, env = "DUET_STATS_INTERVAL_MS", default_value_t = RoutingOptions::default().stats_interval_ms)]
     pub stats_interval_ms: u64,
 
+    /// Consecutive failed (timed-out or erroring) health checks that take a worker out of
+    /// rotation; a refused connection or a NOT_SERVING answer takes it out at once, and a slow
+    /// stats answer never does.
+    #[arg(long, env = "DUET_UNHEALTHY_AFTER_FAILURES", default_value_t = RoutingOptions::default().unhealthy_after_failures)]
+    pub unhealthy_after_failures: u32,
+
+    /// How long a request that finds no routable decode worker waits (within its deadline) for
+    /// one to come back before UNAVAILABLE, in milliseconds.
+    #[arg(long, env = "DUET_WAIT_FOR_WORKER_MS", default_value_t = RoutingOptions::default().wait_for_worker_ms)]
+    pub wait_for_worker_ms: u64,
+
     /// Deadline of requests whose client sets none (no `grpc-timeout`), in milliseconds.
     #[arg(long, env = "DUET_REQUEST_TIMEOUT_MS", default_value_t = RoutingOptions::default().request_timeout_ms)]
     pub request_timeout_ms: u64,
@@ -168,6 +179,8 @@ impl Default for RoutingOptions {
             max_queued_requests: 256,
             max_request_bytes: 4 * 1024 * 1024,
             stats_interval_ms: 500,
+            unhealthy_after_failures: 3,
+            wait_for_worker_ms: 5_000,
             request_timeout_ms: 600_000,
         }
     }
@@ -181,6 +194,9 @@ impl RoutingOptions {
             local_prefill_threshold: self.local_prefill_threshold,
             kv_link_bytes_per_s: self.kv_link_mib_per_s as f64 * 1024.0 * 1024.0,
             prefill_saturation_factor: self.prefill_saturation_factor,
+            health: HealthPolicy {
+                unhealthy_after: self.unhealthy_after_failures,
+            },
         }
     }
 
@@ -195,6 +211,8 @@ impl RoutingOptions {
             max_queued_requests,
             max_request_bytes,
             stats_interval_ms,
+            unhealthy_after_failures,
+            wait_for_worker_ms,
             request_timeout_ms,
         } = self;
         [
@@ -206,6 +224,8 @@ impl RoutingOptions {
             format!("--max-queued-requests={max_queued_requests}"),
             format!("--max-request-bytes={max_request_bytes}"),
             format!("--stats-interval-ms={stats_interval_ms}"),
+            format!("--unhealthy-after-failures={unhealthy_after_failures}"),
+            format!("--wait-for-worker-ms={wait_for_worker_ms}"),
             format!("--request-timeout-ms={request_timeout_ms}"),
         ]
         .into_iter()
@@ -259,6 +279,10 @@ mod tests {
         );
         assert_eq!((r.max_queued_requests, r.max_request_bytes), (256, 4 << 20));
         assert_eq!((r.stats_interval_ms, r.request_timeout_ms), (500, 600_000));
+        assert_eq!(
+            (r.unhealthy_after_failures, r.wait_for_worker_ms),
+            (3, 5_000)
+        );
     }
 
     #[test]
@@ -293,6 +317,8 @@ mod tests {
                 max_queued_requests: 9,
                 max_request_bytes: 1234,
                 stats_interval_ms: 11,
+                unhealthy_after_failures: 17,
+                wait_for_worker_ms: 19,
                 request_timeout_ms: 13,
             },
             auth: ClusterAuth {

@@ -185,7 +185,7 @@ async fn generate(
         req.request_id = id.to_string();
     }
     let deadline = Instant::now() + front.request_timeout;
-    let mut messages = front.state.start(req, deadline)?;
+    let mut messages = front.state.start(req, deadline).await?;
     if !reply.answer.stream {
         let whole = gather(messages).await?;
         reply.id = whole.request_id.clone();

@@ -86,7 +86,12 @@ pub async fn serve(
     pools.start_polling(Duration::from_millis(
         config.routing.stats_interval_ms.max(1),
     ));
-    let state = Arc::new(RouterState::new(model, model_name(&path), pools));
+    let state = Arc::new(RouterState::new(
+        model,
+        model_name(&path),
+        pools,
+        &config.routing,
+    ));
     let generation = GenerationServer::new(GenerationService::new(state.clone()))
         .max_decoding_message_size(config.routing.max_request_bytes)
         .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES);

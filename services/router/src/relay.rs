@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tonic::{Code, Request, Status};
 
 use crate::error::{RouterError, is_retryable};
-use crate::routing::{NoRoute, Planned, RouteRequest, Worker};
+use crate::routing::{NoRoute, Planned, Pools, RouteRequest, Worker};
 use crate::service::RouterState;
 use crate::validate::ValidRequest;
 
@@ -72,18 +72,32 @@ async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<
     loop {
         let mut tokens = job.valid.prompt.clone();
         tokens.extend_from_slice(&progress.generated);
-        let routed = state.pools.route(RouteRequest {
-            tokens: &tokens,
-            cache_salt: &job.valid.cache_salt,
-            exclude: &tried,
-            deadline_left: job.deadline.saturating_duration_since(Instant::now()),
-        });
+        // None while no decode worker is routable, so that it is waited for.
+        let pick = |pools: &Pools| {
+            let routed = pools.route(RouteRequest {
+                tokens: &tokens,
+                cache_salt: &job.valid.cache_salt,
+                exclude: &tried,
+                deadline_left: job.deadline.saturating_duration_since(Instant::now()),
+            });
+            (!matches!(routed, Err(NoRoute::NoDecodeWorker))).then_some(routed)
+        };
+        // No worker left to fail over to: wait a while for one to come back.
+        let routed = match pick(&state.pools) {
+            Some(routed) => Some(routed),
+            None => {
+                state
+                    .pools
+                    .wait_for(state.worker_wait_ends(job.deadline), pick)
+                    .await
+            }
+        };
         let route = match routed {
-            Ok(route) => route,
-            Err(NoRoute::PastDeadline { estimated, left }) => {
+            Some(Ok(route)) => route,
+            Some(Err(NoRoute::PastDeadline { estimated, left })) => {
                 return Err(RouterError::TtftPastDeadline { estimated, left });
             }
-            Err(NoRoute::NoDecodeWorker) => {
+            Some(Err(NoRoute::NoDecodeWorker)) | None => {
                 return Err(match last {
                     Some((worker, status)) => RouterError::AllDecodeWorkersFailed {
                         attempts: tried.len(),

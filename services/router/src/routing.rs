@@ -2,11 +2,15 @@
 //!
 //! The router knows its workers from flags (static) and from the cluster's worker cards
 //! ([`Pools::sync`] diffs each new membership against the pools). Each one is polled every
-//! stats interval (`grpc.health.v1` check of the service "" and `WorkerControl/Stats`); a worker
-//! is routable only when both answered, the health check said SERVING, its model fingerprint
-//! equals the cluster's (the most common fingerprint among the answering workers), and — for a
-//! worker known from a card — its card is present and `ready`. A decode worker whose call fails
-//! is taken out of rotation until its next good poll.
+//! stats interval (`grpc.health.v1` check of the service "" and `WorkerControl/Stats`), on a
+//! connection of its own so that polls never queue behind (or reset) request streams. A worker is
+//! routable once it answered stats, its health check says SERVING, its model fingerprint equals
+//! the cluster's (the most common fingerprint among the answering workers), and — for a worker
+//! known from a card — its card is present and `ready`. Health comes from the connection, not
+//! from a slow stats reply: a stats call that fails keeps the last stats, and a worker leaves
+//! rotation only after [`HealthPolicy::unhealthy_after`] consecutive failed health checks, a
+//! refused connection, or a NOT_SERVING answer. A decode worker whose call fails is taken out of
+//! rotation until its next good poll.
 //!
 //! Each worker is also followed on `KvEvents` ([`crate::kv_feed`]) into the exact prefix index
 //! ([`KvIndex`]). A route ([`Pools::route`]) hashes the prompt with duet-kv's chained function
@@ -35,6 +39,8 @@ use duet_cluster::{CardState, Membership, Role, WorkerCard};
 use duet_proto::v1;
 use duet_proto::v1::worker_control_client::WorkerControlClient;
 use duet_proto::{ClusterToken, PeerChannel};
+use tokio::sync::Notify;
+use tokio::time::Instant;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -92,15 +98,76 @@ impl std::fmt::Display for RoutingPolicy {
     }
 }
 
+/// When a worker's failed health checks take it out of rotation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HealthPolicy {
+    /// Consecutive failed (timed-out or erroring) health checks that take a worker out of
+    /// rotation; a refused connection or a NOT_SERVING answer takes it out at once.
+    pub unhealthy_after: u32,
+}
+
+/// How one health check ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HealthCheck {
+    /// SERVING.
+    Serving,
+    /// An answer other than SERVING (draining, unknown service), or a refused connection.
+    Refused(String),
+    /// No answer in time, or a failed call.
+    Failed(String),
+}
+
 /// The last poll of a worker.
 #[derive(Clone, Debug, Default)]
 pub struct WorkerStatus {
-    /// The health check said SERVING and the stats answered (cleared when a call fails).
+    /// In rotation as far as health goes (see [`HealthPolicy`]; cleared when a call fails).
     pub healthy: bool,
-    /// The last stats received.
+    /// The last stats received (kept when a later stats call fails).
     pub stats: Option<v1::StatsResponse>,
-    /// Why the worker is not healthy, when it is not.
+    /// Health checks failed in a row.
+    pub failed_checks: u32,
+    /// What went wrong last (a failed check, or stats that did not answer), when anything did.
     pub last_error: Option<String>,
+}
+
+impl WorkerStatus {
+    /// Takes in one poll: its health check, and its stats call's answer.
+    pub fn record(
+        &mut self,
+        policy: HealthPolicy,
+        check: HealthCheck,
+        stats: Result<v1::StatsResponse, String>,
+    ) {
+        let mut errors = Vec::new();
+        match check {
+            HealthCheck::Serving => {
+                self.failed_checks = 0;
+                self.healthy = true;
+            }
+            HealthCheck::Refused(why) => {
+                self.failed_checks = self.failed_checks.saturating_add(1);
+                self.healthy = false;
+                errors.push(why);
+            }
+            HealthCheck::Failed(why) => {
+                self.failed_checks = self.failed_checks.saturating_add(1);
+                if self.failed_checks >= policy.unhealthy_after.max(1) {
+                    self.healthy = false;
+                }
+                errors.push(why);
+            }
+        }
+        match stats {
+            Ok(st) => self.stats = Some(st),
+            Err(why) => errors.push(why),
+        }
+        self.last_error = (!errors.is_empty()).then(|| errors.join("; "));
+    }
+
+    /// Out of rotation because its health checks failed (not because one call did).
+    pub fn unresponsive(&self) -> bool {
+        !self.healthy && self.failed_checks > 0
+    }
 }
 
 /// One worker the router routes to.
@@ -108,7 +175,10 @@ pub struct WorkerStatus {
 pub struct Worker {
     pub address: String,
     pub role: Role,
+    /// Request streams.
     channel: PeerChannel,
+    /// Health checks and stats: a connection of their own.
+    poll_channel: PeerChannel,
     status: Mutex<WorkerStatus>,
     /// Requests the router has on this worker right now.
     in_flight: AtomicU32,
@@ -153,11 +223,14 @@ impl Drop for InFlight {
 impl Worker {
     /// A worker at `address` (host:port, or a URI) whose calls carry `token`; connects lazily.
     pub fn new(address: &str, role: Role, token: Option<ClusterToken>) -> anyhow::Result<Self> {
-        let channel = duet_proto::channel(address, token)?;
+        // Each call makes a channel (and so a connection) of its own.
+        let channel = duet_proto::channel(address, token.clone())?;
+        let poll_channel = duet_proto::channel(address, token)?;
         Ok(Self {
             address: address.to_string(),
             role,
             channel,
+            poll_channel,
             status: Mutex::new(WorkerStatus::default()),
             in_flight: AtomicU32::new(0),
             planned: Mutex::new(VecDeque::new()),
@@ -259,54 +332,56 @@ impl Worker {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Polls health and stats once, each bounded by `timeout`.
-    pub async fn poll(&self, timeout: Duration) {
+    /// Polls health and stats once on the poll connection, each bounded by `timeout`.
+    pub async fn poll(&self, timeout: Duration, policy: HealthPolicy) {
         let started = Instant::now();
         let health = async {
             let mut req = tonic::Request::new(HealthCheckRequest {
                 service: String::new(),
             });
             req.set_timeout(timeout);
-            let r = tokio::time::timeout(timeout, HealthClient::new(self.channel()).check(req))
-                .await
-                .map_err(|_| "health check timed out".to_string())?
-                .map_err(|s| format!("health check failed: {}", s.message()))?;
-            match r.into_inner().status() {
-                ServingStatus::Serving => Ok(()),
-                other => Err(format!("health check says {}", other.as_str_name())),
+            let answer = tokio::time::timeout(
+                timeout,
+                HealthClient::new(self.poll_channel.clone()).check(req),
+            )
+            .await;
+            match answer {
+                Err(_) => HealthCheck::Failed("health check timed out".into()),
+                Ok(Err(s)) if duet_proto::is_connection_refused(&s) => {
+                    HealthCheck::Refused(format!("connection refused: {}", s.message()))
+                }
+                Ok(Err(s)) => HealthCheck::Failed(format!("health check failed: {}", s.message())),
+                Ok(Ok(r)) => match r.into_inner().status() {
+                    ServingStatus::Serving => HealthCheck::Serving,
+                    other => {
+                        HealthCheck::Refused(format!("health check says {}", other.as_str_name()))
+                    }
+                },
             }
         };
         let stats = async {
             let mut req = tonic::Request::new(v1::StatsRequest {});
             req.set_timeout(timeout);
-            tokio::time::timeout(timeout, WorkerControlClient::new(self.channel()).stats(req))
-                .await
-                .map_err(|_| "stats timed out".to_string())?
-                .map(|r| r.into_inner())
-                .map_err(|s| format!("stats failed: {}", s.message()))
+            tokio::time::timeout(
+                timeout,
+                WorkerControlClient::new(self.poll_channel.clone()).stats(req),
+            )
+            .await
+            .map_err(|_| "stats timed out".to_string())?
+            .map(|r| r.into_inner())
+            .map_err(|s| format!("stats failed: {}", s.message()))
         };
         let (health, stats) = tokio::join!(health, stats);
-        self.set_status(|s| match (health, stats) {
-            (Ok(()), Ok(st)) => {
-                s.healthy = true;
-                s.stats = Some(st);
-                s.last_error = None;
-                let reported = started.checked_sub(PLAN_REPORT_GRACE).unwrap_or(started);
-                let mut planned = self.planned.lock().unwrap_or_else(|e| e.into_inner());
-                while planned.front().is_some_and(|&(_, at, _)| at < reported) {
-                    planned.pop_front();
-                }
+        let reported = stats.is_ok();
+        self.set_status(|s| s.record(policy, health, stats));
+        if reported {
+            // What was planned before this poll started is counted in the stats now.
+            let reported = started.checked_sub(PLAN_REPORT_GRACE).unwrap_or(started);
+            let mut planned = self.planned.lock().unwrap_or_else(|e| e.into_inner());
+            while planned.front().is_some_and(|&(_, at, _)| at < reported) {
+                planned.pop_front();
             }
-            (h, st) => {
-                let mut why = h.err();
-                match st {
-                    Ok(st) => s.stats = Some(st),
-                    Err(e) => why = Some(why.map_or(e.clone(), |w| format!("{w}; {e}"))),
-                }
-                s.healthy = false;
-                s.last_error = why;
-            }
-        });
+        }
     }
 }
 
@@ -512,6 +587,8 @@ pub struct RoutingParams {
     /// The prefill pool is saturated when its best estimated TTFT is worse than this many
     /// times the decode worker's own; 0: never.
     pub prefill_saturation_factor: f64,
+    /// When failed health checks take a worker out of rotation.
+    pub health: HealthPolicy,
 }
 
 /// The prefill and decode pools: the workers named by flags, and those known from cards.
@@ -522,6 +599,8 @@ pub struct Pools {
     /// Set once polling started: workers added later are polled (and their KV events
     /// followed) from then on.
     poll_interval: Mutex<Option<Duration>>,
+    /// Woken after every poll and membership change (what a waiting request waits on).
+    changed: Arc<Notify>,
     /// What every call to a worker carries, those known from cards included.
     token: Option<ClusterToken>,
     /// Which worker holds which prefix block.
@@ -550,6 +629,7 @@ impl Pools {
             decode: RwLock::new(make(decode, Role::Decode)?),
             prefill: RwLock::new(make(prefill, Role::Prefill)?),
             poll_interval: Mutex::new(None),
+            changed: Arc::default(),
             token,
             index: Arc::default(),
             params,
@@ -648,6 +728,7 @@ impl Pools {
                 }
             }
         }
+        self.changed.notify_waiters();
         if let Some(fingerprint) = consensus_fingerprint(
             membership
                 .cards
@@ -669,8 +750,25 @@ impl Pools {
 
     /// Polls `w` and follows its KV events.
     fn follow(&self, w: &Arc<Worker>, interval: Duration) {
-        spawn_poller(w, interval);
+        self.spawn_poller(w, interval);
         crate::kv_feed::spawn(w, self.index.clone());
+    }
+
+    /// Polls `worker` every `interval` while it exists.
+    fn spawn_poller(&self, worker: &Arc<Worker>, interval: Duration) {
+        let timeout = interval.max(Duration::from_millis(200));
+        let weak: Weak<Worker> = Arc::downgrade(worker);
+        let (policy, changed) = (self.params.health, self.changed.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(w) = weak.upgrade() else { return };
+                w.poll(timeout, policy).await;
+                changed.notify_waiters();
+            }
+        });
     }
 
     /// The fingerprint shared by most healthy workers.
@@ -864,6 +962,25 @@ impl Pools {
         }
     }
 
+    /// The first thing `pick` finds in the pools, trying again after every poll and membership
+    /// change until `until`; `None` when it found nothing by then.
+    pub async fn wait_for<T>(
+        &self,
+        until: Instant,
+        pick: impl Fn(&Self) -> Option<T>,
+    ) -> Option<T> {
+        loop {
+            // Registered before looking, so a change in between is not missed.
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if let Some(found) = pick(self) {
+                return Some(found);
+            }
+            tokio::time::timeout_at(until, changed).await.ok()?;
+        }
+    }
+
     /// Whether any decode worker is routable now.
     pub fn any_decode_routable(&self) -> bool {
         let fingerprint = self.fingerprint();
@@ -931,24 +1048,73 @@ fn random_index(n: usize) -> usize {
     }
 }
 
-/// Polls `worker` every `interval` while it exists.
-fn spawn_poller(worker: &Arc<Worker>, interval: Duration) {
-    let timeout = interval.max(Duration::from_millis(200));
-    let weak: Weak<Worker> = Arc::downgrade(worker);
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            let Some(w) = weak.upgrade() else { return };
-            w.poll(timeout).await;
-        }
-    });
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const POLICY: HealthPolicy = HealthPolicy { unhealthy_after: 3 };
+
+    #[test]
+    fn health_leaves_rotation_after_consecutive_failures_or_a_refusal() {
+        let mut s = WorkerStatus::default();
+        let stats = || Ok(v1::StatsResponse::default());
+        s.record(POLICY, HealthCheck::Serving, stats());
+        assert!(s.healthy && s.stats.is_some() && s.last_error.is_none());
+        // Slow stats are not ill health: the last stats stay.
+        s.record(POLICY, HealthCheck::Serving, Err("stats timed out".into()));
+        assert!(s.healthy && s.stats.is_some());
+        assert_eq!(s.last_error.as_deref(), Some("stats timed out"));
+        // Two failed checks in a row, then a good one: never out.
+        for _ in 0..2 {
+            s.record(POLICY, HealthCheck::Failed("timed out".into()), stats());
+            assert!(s.healthy && !s.unresponsive());
+        }
+        s.record(POLICY, HealthCheck::Serving, stats());
+        assert_eq!((s.healthy, s.failed_checks), (true, 0));
+        // Three in a row: out, until the next good check.
+        for _ in 0..3 {
+            s.record(POLICY, HealthCheck::Failed("timed out".into()), stats());
+        }
+        assert!(!s.healthy && s.unresponsive());
+        s.record(POLICY, HealthCheck::Serving, stats());
+        assert!(s.healthy);
+        // A refusal takes it out at once.
+        s.record(POLICY, HealthCheck::Refused("NOT_SERVING".into()), stats());
+        assert!(!s.healthy && s.unresponsive());
+    }
+
+    #[tokio::test]
+    async fn waiting_for_a_worker_ends_when_one_is_routable_or_at_the_bound() {
+        let pools = Arc::new(
+            Pools::new(
+                &["127.0.0.1:1".into()],
+                &[],
+                None,
+                params(RoutingPolicy::CacheAware),
+            )
+            .unwrap(),
+        );
+        let started = Instant::now();
+        let none = pools
+            .wait_for(started + Duration::from_millis(100), |p| route(p, 10, &[]))
+            .await;
+        assert!(none.is_none() && started.elapsed() >= Duration::from_millis(100));
+        let waiting = {
+            let pools = pools.clone();
+            tokio::spawn(async move {
+                pools
+                    .wait_for(Instant::now() + Duration::from_secs(10), |p| {
+                        route(p, 10, &[]).map(|r| r.decode.address.clone())
+                    })
+                    .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        set(&pools.decode()[0], true, stats("fp", 10, 0));
+        pools.changed.notify_waiters();
+        let found = tokio::time::timeout(Duration::from_secs(1), waiting).await;
+        assert_eq!(found.unwrap().unwrap().as_deref(), Some("127.0.0.1:1"));
+    }
 
     fn load(free_blocks: u32, running: u32, in_flight: u32) -> DecodeLoad {
         DecodeLoad {
@@ -1042,6 +1208,7 @@ mod tests {
             local_prefill_threshold: 32,
             kv_link_bytes_per_s: 1e9,
             prefill_saturation_factor: 2.0,
+            health: POLICY,
         }
     }
 

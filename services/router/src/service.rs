@@ -6,6 +6,7 @@
 //! channel read by the client's stream.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use duet_proto::v1;
 use duet_proto::v1::generation_server::Generation;
@@ -16,6 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+use crate::config::RoutingOptions;
 use crate::error::RouterError;
 use crate::relay::{self, Item, Job};
 use crate::routing::Pools;
@@ -41,18 +43,22 @@ pub struct RouterState {
 pub(crate) type Messages = mpsc::Receiver<Item>;
 
 impl RouterState {
-    /// Validates a request and starts relaying it (the core of `Generate`, `Complete` and the
-    /// HTTP API). The caller admitted it against the in-flight limit.
-    pub(crate) fn start(
+    /// Validates a request, waits (see [`Self::worker_wait_ends`]) until a decode worker is
+    /// routable, and starts relaying it (the core of `Generate`, `Complete` and the HTTP API).
+    /// The caller admitted it against the in-flight limit.
+    pub(crate) async fn start(
         self: &Arc<Self>,
         req: v1::GenerateRequest,
         deadline: Instant,
     ) -> Result<Messages, RouterError> {
         let start = Instant::now();
         let valid = self.model.validate(&req, random_u64)?;
-        if !self.pools.any_decode_routable() {
-            return Err(RouterError::NoDecodeWorker(None));
-        }
+        self.pools
+            .wait_for(self.worker_wait_ends(deadline), |p| {
+                p.any_decode_routable().then_some(())
+            })
+            .await
+            .ok_or(RouterError::NoDecodeWorker(None))?;
         let request_id = if req.request_id.is_empty() {
             format!("req-{:016x}", random_u64())
         } else {
@@ -77,12 +83,24 @@ impl RouterState {
         Ok(rx)
     }
 
-    pub fn new(model: PromptModel, model_name: String, pools: Pools) -> Self {
+    pub fn new(
+        model: PromptModel,
+        model_name: String,
+        pools: Pools,
+        routing: &RoutingOptions,
+    ) -> Self {
         Self {
             model,
             model_name,
             pools,
+            wait_for_worker: Duration::from_millis(routing.wait_for_worker_ms),
         }
+    }
+
+    /// Until when a request that finds no routable decode worker, starting to wait now, waits
+    /// for one: the bound, within the request's deadline.
+    pub(crate) fn worker_wait_ends(&self, deadline: Instant) -> Instant {
+        (Instant::now() + self.wait_for_worker).min(deadline)
     }
 }
 
@@ -131,7 +149,7 @@ impl Generation for GenerationService {
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let deadline = duet_proto::deadline(&request);
-        let rx = self.state.start(request.into_inner(), deadline)?;
+        let rx = self.state.start(request.into_inner(), deadline).await?;
         let stream: fn(Item) -> Result<v1::GenerateResponse, Status> =
             |item| item.map_err(Status::from);
         Ok(Response::new(ReceiverStream::new(rx).map(stream)))
@@ -142,7 +160,7 @@ impl Generation for GenerationService {
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<v1::GenerateResponse>, Status> {
         let deadline = duet_proto::deadline(&request);
-        let rx = self.state.start(request.into_inner(), deadline)?;
+        let rx = self.state.start(request.into_inner(), deadline).await?;
         Ok(Response::new(gather(rx).await?))
     }
 

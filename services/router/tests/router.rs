@@ -48,6 +48,9 @@ struct FakeDecode {
     seen: Arc<Mutex<Vec<v1::DecodeRequest>>>,
     /// Streams whose receiver (the router) went away.
     cancelled: Arc<AtomicUsize>,
+    /// How long every `Stats` call after the first takes (a busy worker).
+    stats_delay: Duration,
+    stats_calls: Arc<AtomicUsize>,
 }
 
 type DecodeStream = Pin<Box<dyn Stream<Item = Result<v1::DecodeResponse, Status>> + Send>>;
@@ -125,6 +128,9 @@ impl WorkerControl for FakeDecode {
         &self,
         _request: Request<v1::StatsRequest>,
     ) -> Result<Response<v1::StatsResponse>, Status> {
+        if self.stats_calls.fetch_add(1, Ordering::SeqCst) > 0 {
+            tokio::time::sleep(self.stats_delay).await;
+        }
         Ok(Response::new(v1::StatsResponse {
             role: v1::WorkerRole::Decode as i32,
             worker_id: self.name.clone(),
@@ -145,6 +151,8 @@ impl FakeDecode {
             free_blocks,
             seen: Arc::default(),
             cancelled: Arc::default(),
+            stats_delay: Duration::ZERO,
+            stats_calls: Arc::default(),
         }
     }
 
@@ -153,7 +161,11 @@ impl FakeDecode {
     }
 
     async fn spawn(&self) -> SocketAddr {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        self.spawn_on(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap())
+            .await
+    }
+
+    async fn spawn_on(&self, listener: tokio::net::TcpListener) -> SocketAddr {
         let addr = listener.local_addr().unwrap();
         let (reporter, health) = tonic_health::server::health_reporter();
         reporter
@@ -190,6 +202,7 @@ fn config(decode: Vec<String>, max_queued: usize) -> RouterConfig {
         routing: RoutingOptions {
             max_queued_requests: max_queued,
             stats_interval_ms: 50,
+            wait_for_worker_ms: 500,
             request_timeout_ms: 30_000,
             ..Default::default()
         },
@@ -581,7 +594,7 @@ async fn all_decode_workers_failing_is_unavailable() {
     // Two tokens from each, none repeated.
     assert_eq!(tokens(&msgs), TOKENS[..4]);
 
-    // Nothing listening: UNAVAILABLE at once.
+    // Nothing listening: UNAVAILABLE once the wait for a worker is over.
     let dead = start_router_at(vec!["127.0.0.1:9".into()], 4, false).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let s = dead
@@ -596,6 +609,53 @@ async fn all_decode_workers_failing_is_unavailable() {
         "{}",
         s.message()
     );
+}
+
+/// A decode worker whose stats answer slower than the poll timeout (its engine busy) stays in
+/// rotation: health comes from the health check on the poll connection, and no request fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_with_slow_stats_stays_in_rotation() {
+    let w = FakeDecode {
+        stats_delay: Duration::from_secs(2),
+        ..FakeDecode::new("busy", Behavior::Fixed, 100)
+    };
+    let router = start_router(&[&w], 16, true).await;
+    let mut c = router.client().await;
+    let started = tokio::time::Instant::now();
+    let mut served = 0;
+    // Many polls (50 ms apart, 200 ms timeout) time out on stats meanwhile.
+    while started.elapsed() < Duration::from_millis(1500) {
+        let (msgs, err) = generate_all(&mut c, req("hello", 3)).await;
+        assert!(err.is_none(), "request {served} failed: {err:?}");
+        assert_eq!(tokens(&msgs), TOKENS[..3]);
+        served += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        w.stats_calls.load(Ordering::SeqCst) > 1,
+        "stats were polled again"
+    );
+    let info = c.info(v1::InfoRequest {}).await.unwrap().into_inner();
+    assert!(info.decode_workers[0].healthy, "{info:?}");
+}
+
+/// A request that finds no routable decode worker waits (within its deadline, up to
+/// `--wait-for-worker-ms`) for one to come back instead of failing at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_a_decode_worker_to_come_back() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    let router = start_router_at(vec![addr.to_string()], 4, false).await;
+    let mut c = router.client().await;
+    let pending = tokio::spawn(async move { generate_all(&mut c, req("hello", 4)).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let w = FakeDecode::new("late", Behavior::Fixed, 100);
+    w.spawn_on(tokio::net::TcpListener::bind(addr).await.unwrap())
+        .await;
+    let (msgs, err) = pending.await.unwrap();
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(tokens(&msgs), TOKENS[..4]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
