@@ -218,6 +218,18 @@ impl Cluster {
         child.wait()?;
         Ok(())
     }
+
+    /// Sends `signal` (a name `kill` knows: `STOP`, `CONT`, `TERM`…) to one service process;
+    /// `index` as for [`Self::kill_process`].
+    pub fn signal_process(&self, index: usize, signal: &str) -> Result<()> {
+        let (name, child) = self.children.get(index).context("no such process")?;
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(child.id().to_string())
+            .status()?;
+        anyhow::ensure!(status.success(), "kill -{signal} {name} failed: {status}");
+        Ok(())
+    }
 }
 
 impl Drop for Cluster {

@@ -40,11 +40,13 @@ pub enum Command {
         reply: oneshot::Sender<Result<ReservationInfo, WorkerError>>,
     },
     /// Hands a reservation to the prefill worker about to be asked for it: a fresh key that only
-    /// a push naming that worker may use (an earlier attempt's key stops working). `None` once
-    /// the reservation is gone.
+    /// a push naming that worker may use (an earlier attempt's key stops working). The lease is
+    /// renewed to outlast the attempt (`attempt`, however long the prompt waits in that worker's
+    /// queue, plus a lease). `None` once the reservation is gone.
     Bind {
         id: RequestId,
         prefill_worker: String,
+        attempt: Duration,
         reply: oneshot::Sender<Option<ReservationKey>>,
     },
     /// The blocks a push from `sender` may write (see [`duet_transfer::KvSink::writable_blocks`]).
@@ -230,9 +232,10 @@ impl<E: ActorEngine> Actor<E> {
             Command::Bind {
                 id,
                 prefill_worker,
+                attempt,
                 reply,
             } => {
-                let _ = reply.send(self.bind(id, prefill_worker));
+                let _ = reply.send(self.bind(id, prefill_worker, attempt));
             }
             Command::WritableBlocks { key, sender, reply } => {
                 let _ = reply.send(self.writable_blocks(key, &sender));
@@ -336,8 +339,14 @@ impl<E: ActorEngine> Actor<E> {
         Ok(info)
     }
 
-    fn bind(&mut self, id: RequestId, prefill_worker: String) -> Option<ReservationKey> {
+    fn bind(
+        &mut self,
+        id: RequestId,
+        prefill_worker: String,
+        attempt: Duration,
+    ) -> Option<ReservationKey> {
         let r = self.reservations.get_mut(&id)?;
+        r.expires = r.expires.max(Instant::now() + attempt + self.lease);
         let key = ReservationKey::random();
         if let Some((old, _)) = r.holder.replace((key, prefill_worker)) {
             self.keys.remove(&old);

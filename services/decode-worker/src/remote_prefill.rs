@@ -1,6 +1,12 @@
 //! Prefill on another worker: reserve KV for the prompt here, ask the plan's prefill workers in
 //! order to compute it and push its KV into the reservation, then activate it with their first
 //! token; when none succeeds, prefill here.
+//!
+//! Each attempt gets at most `--prefill-timeout-ms` and an equal share of what is left of the
+//! deadline (shared with the attempts after it and the local prefill), so a hung prefill worker
+//! costs one attempt, never the whole deadline. Binding the reservation to an attempt renews its
+//! lease past the attempt's end, so a prompt queued behind others keeps its KV; a reservation
+//! gone anyway (reclaimed, or never made for lack of room) is made afresh for the next attempt.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,52 +54,49 @@ pub async fn run(
     deadline: Instant,
 ) -> Result<PrefillReport, WorkerError> {
     let started = Instant::now();
-    let (id, tokens, cache_salt) = (
-        request.id,
-        request.prompt.clone(),
-        request.cache_salt.clone(),
-    );
-    let reservation = state
-        .engine
-        .ask(|reply| Command::Reserve {
-            id,
-            tokens,
-            cache_salt,
-            reply,
-        })
-        .await?;
-    let reservation = match reservation {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::warn!(request = id, error = %e, "no KV room for a transfer; prefilling here");
-            return prefill_here(state, request, PrefillReport::default());
-        }
+    let Some(mut reservation) = reserve(state, &request).await? else {
+        return prefill_here(state, request, PrefillReport::default());
     };
+    let id = request.id;
     let queue_ms = started.elapsed().as_secs_f64() * 1e3;
     let block_size = state.engine.info().wire.layout.block_size;
-    let cached_here = (reservation.cached_blocks * block_size) as u32;
     let mut retries = 0;
-    for target in &plan.prefill_workers {
+    for (n, target) in plan.prefill_workers.iter().enumerate() {
+        // This attempt, the ones after it and the local prefill share what is left.
+        let shares = (plan.prefill_workers.len() - n + 1) as u32;
         let timeout = state
             .prefill_timeout
-            .min(deadline.saturating_duration_since(Instant::now()));
+            .min(deadline.saturating_duration_since(Instant::now()) / shares);
         if timeout.is_zero() {
             break;
         }
         // Each attempt gets its own key, made for this prefill worker alone: an earlier
         // attempt that wakes up late can no longer write into the reservation.
-        let prefill_worker = target.worker_id.clone();
-        let key = state
-            .engine
-            .ask(|reply| Command::Bind {
+        let bind = |prefill_worker: String| {
+            state.engine.ask(move |reply| Command::Bind {
                 id,
                 prefill_worker,
+                attempt: timeout,
                 reply,
             })
-            .await?
-            .ok_or_else(|| {
-                WorkerError::NotFound("the KV reservation expired before its prefill".into())
-            })?;
+        };
+        let key = match bind(target.worker_id.clone()).await? {
+            Some(key) => key,
+            None => {
+                tracing::warn!(
+                    request = id,
+                    "the KV reservation was reclaimed; reserving again"
+                );
+                let Some(fresh) = reserve(state, &request).await? else {
+                    break;
+                };
+                reservation = fresh;
+                bind(target.worker_id.clone()).await?.ok_or_else(|| {
+                    WorkerError::Internal("a fresh KV reservation vanished".into())
+                })?
+            }
+        };
+        let cached_here = (reservation.cached_blocks * block_size) as u32;
         let msg = prefill_request(state, req, key, &reservation);
         match call(&state.channels, &target.address, msg, timeout).await {
             Ok(resp) => {
@@ -133,6 +136,37 @@ pub async fn run(
             ..PrefillReport::default()
         },
     )
+}
+
+/// Reserves KV for `request`'s prompt; `None` when there is no room (the caller prefills here).
+/// (The future holds copies, not the request, which is not `Sync`.)
+fn reserve<'a>(
+    state: &'a WorkerState,
+    request: &Request,
+) -> impl Future<Output = Result<Option<ReservationInfo>, WorkerError>> + 'a {
+    let (id, tokens, cache_salt) = (
+        request.id,
+        request.prompt.clone(),
+        request.cache_salt.clone(),
+    );
+    async move {
+        let reservation = state
+            .engine
+            .ask(|reply| Command::Reserve {
+                id,
+                tokens,
+                cache_salt,
+                reply,
+            })
+            .await?;
+        match reservation {
+            Ok(r) => Ok(Some(r)),
+            Err(e) => {
+                tracing::warn!(request = id, error = %e, "no KV room for a transfer; prefilling here");
+                Ok(None)
+            }
+        }
+    }
 }
 
 fn prefill_request(

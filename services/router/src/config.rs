@@ -162,6 +162,11 @@ pub struct RoutingOptions {
     #[arg(long, env = "DUET_WAIT_FOR_WORKER_MS", default_value_t = RoutingOptions::default().wait_for_worker_ms)]
     pub wait_for_worker_ms: u64,
 
+    /// How long a running decode stream may go without a message (after its first) before the
+    /// router fails it over to another decode worker, in milliseconds.
+    #[arg(long, env = "DUET_DECODE_IDLE_TIMEOUT_MS", default_value_t = RoutingOptions::default().decode_idle_timeout_ms)]
+    pub decode_idle_timeout_ms: u64,
+
     /// Deadline of requests whose client sets none (no `grpc-timeout`), in milliseconds.
     #[arg(long, env = "DUET_REQUEST_TIMEOUT_MS", default_value_t = RoutingOptions::default().request_timeout_ms)]
     pub request_timeout_ms: u64,
@@ -181,6 +186,7 @@ impl Default for RoutingOptions {
             stats_interval_ms: 500,
             unhealthy_after_failures: 3,
             wait_for_worker_ms: 5_000,
+            decode_idle_timeout_ms: 30_000,
             request_timeout_ms: 600_000,
         }
     }
@@ -213,6 +219,7 @@ impl RoutingOptions {
             stats_interval_ms,
             unhealthy_after_failures,
             wait_for_worker_ms,
+            decode_idle_timeout_ms,
             request_timeout_ms,
         } = self;
         [
@@ -226,6 +233,7 @@ impl RoutingOptions {
             format!("--stats-interval-ms={stats_interval_ms}"),
             format!("--unhealthy-after-failures={unhealthy_after_failures}"),
             format!("--wait-for-worker-ms={wait_for_worker_ms}"),
+            format!("--decode-idle-timeout-ms={decode_idle_timeout_ms}"),
             format!("--request-timeout-ms={request_timeout_ms}"),
         ]
         .into_iter()
@@ -283,6 +291,7 @@ mod tests {
             (r.unhealthy_after_failures, r.wait_for_worker_ms),
             (3, 5_000)
         );
+        assert_eq!(r.decode_idle_timeout_ms, 30_000);
     }
 
     #[test]
@@ -319,6 +328,7 @@ mod tests {
                 stats_interval_ms: 11,
                 unhealthy_after_failures: 17,
                 wait_for_worker_ms: 19,
+                decode_idle_timeout_ms: 23,
                 request_timeout_ms: 13,
             },
             auth: ClusterAuth {

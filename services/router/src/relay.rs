@@ -3,6 +3,8 @@
 //! dropping the upstream call (tonic cancels it). When the decode stream fails before its final
 //! message the request is re-submitted to another decode worker with the tokens already
 //! streamed (`already_generated`, `already_sent_text_bytes`, same seed), and relaying goes on.
+//! A stream also fails over when its worker stops answering health checks (a hung process), and
+//! when, after its first message, none comes for the decode idle timeout.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -128,6 +130,7 @@ async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<
             &worker_id,
             call,
             route.planned,
+            state.decode_idle_timeout,
             job,
             &mut progress,
             tx,
@@ -177,13 +180,49 @@ async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<
     }
 }
 
-/// One call to a decode worker, relayed until it ends. The prefill the route planned stops
-/// counting at the first message (the prompt is computed) or when the attempt ends.
+/// How often a waiting attempt looks whether its worker stopped answering health checks.
+const ROTATION_CHECK: Duration = Duration::from_millis(50);
+
+/// `next`, while `worker` keeps answering health checks and, with `idle` set, for at most `idle`.
+async fn bounded<T>(
+    worker: &Worker,
+    idle: Option<Duration>,
+    next: impl Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    let give_up = idle.map(|d| (Instant::now() + d, d));
+    tokio::pin!(next);
+    loop {
+        let check = Instant::now() + ROTATION_CHECK;
+        let wake = give_up.map_or(check, |(at, _)| at.min(check));
+        if let Ok(out) = tokio::time::timeout_at(wake, &mut next).await {
+            return out;
+        }
+        if let Some((at, d)) = give_up
+            && Instant::now() >= at
+        {
+            return Err(Status::unavailable(format!(
+                "no message from the decode worker for {} ms",
+                d.as_millis()
+            )));
+        }
+        if worker.status().unresponsive() {
+            return Err(Status::unavailable(
+                "the decode worker stopped answering health checks",
+            ));
+        }
+    }
+}
+
+/// One call to a decode worker, relayed until it ends. Before the first message (which may wait
+/// for a prefill) the call lasts while the worker answers health checks; after it, each message
+/// must come within `idle_timeout`. The prefill the route planned stops counting at the first
+/// message (the prompt is computed) or when the attempt ends.
 async fn attempt(
     worker: &Worker,
     worker_id: &str,
     call: Request<v1::DecodeRequest>,
     planned: Planned,
+    idle_timeout: Duration,
     job: &Job,
     progress: &mut Progress,
     tx: &mpsc::Sender<Item>,
@@ -191,12 +230,15 @@ async fn attempt(
     let mut planned = Some(planned);
     let mut client = DecodeWorkerClient::new(worker.channel())
         .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
-    let mut stream = match client.decode(call).await {
+    let mut stream = match bounded(worker, None, client.decode(call)).await {
         Ok(response) => response.into_inner(),
         Err(status) => return Attempt::Failed(status),
     };
+    let mut idle = None;
     loop {
-        let msg = match stream.message().await {
+        let next = bounded(worker, idle, stream.message()).await;
+        idle = Some(idle_timeout);
+        let msg = match next {
             Ok(Some(msg)) => msg,
             Ok(None) => {
                 return Attempt::Failed(Status::unavailable(

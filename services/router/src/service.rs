@@ -36,6 +36,10 @@ pub struct RouterState {
     /// Shown by Info (the model path's file stem).
     pub model_name: String,
     pub pools: Pools,
+    /// How long a request waits for a routable decode worker (within its deadline).
+    pub wait_for_worker: Duration,
+    /// How long a running decode stream may go without a message before it fails over.
+    pub decode_idle_timeout: Duration,
 }
 
 /// One admitted request's messages, in order; an error ends them. Dropping it cancels the
@@ -94,6 +98,7 @@ impl RouterState {
             model_name,
             pools,
             wait_for_worker: Duration::from_millis(routing.wait_for_worker_ms),
+            decode_idle_timeout: Duration::from_millis(routing.decode_idle_timeout_ms.max(1)),
         }
     }
 

@@ -37,6 +37,8 @@ enum Behavior {
     DieAfter(usize),
     /// Never sends anything (until cancelled).
     Block,
+    /// Streams this many messages, then nothing more (a hung process), until cancelled.
+    StallAfter(usize),
 }
 
 #[derive(Clone)]
@@ -88,6 +90,13 @@ impl DecodeWorker for FakeDecode {
                     && sent == n
                 {
                     let _ = tx.send(Err(Status::unavailable("fake worker died"))).await;
+                    return;
+                }
+                if let Behavior::StallAfter(n) = behavior
+                    && sent == n
+                {
+                    tx.closed().await;
+                    cancelled.fetch_add(1, Ordering::SeqCst);
                     return;
                 }
                 let last = i + 1 == end;
@@ -203,6 +212,7 @@ fn config(decode: Vec<String>, max_queued: usize) -> RouterConfig {
             max_queued_requests: max_queued,
             stats_interval_ms: 50,
             wait_for_worker_ms: 500,
+            decode_idle_timeout_ms: 300,
             request_timeout_ms: 30_000,
             ..Default::default()
         },
@@ -579,6 +589,29 @@ async fn failover_continues_the_stream_without_repeats() {
         .into_inner();
     assert_eq!(whole.token_ids, TOKENS[..6]);
     assert_eq!(whole.text, expect);
+}
+
+/// A stream that stops mid-way (its worker hung) fails over after the idle timeout and goes on
+/// elsewhere without repeats; the hung stream is cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_stream_fails_over_after_the_idle_timeout() {
+    let stalling = FakeDecode::new("stalling", Behavior::StallAfter(3), 1000);
+    let good = FakeDecode::new("good", Behavior::Fixed, 10);
+    let router = start_router(&[&stalling, &good], 16, true).await;
+    let mut c = router.client().await;
+    let started = tokio::time::Instant::now();
+    let (msgs, err) = generate_all(&mut c, req("hello world", 6)).await;
+    assert!(err.is_none(), "{err:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(tokens(&msgs), TOKENS[..6]);
+    let t = msgs.last().unwrap().timings.clone().unwrap();
+    assert_eq!((t.decode_failovers, t.decode_worker.as_str()), (1, "good"));
+    assert_eq!(good.seen()[0].already_generated, 3);
+    assert_eq!(stalling.cancelled.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

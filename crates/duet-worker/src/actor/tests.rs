@@ -515,9 +515,19 @@ fn a_reservation_takes_writes_then_activates_into_a_running_request() {
 }
 
 fn bind(a: &mut Actor<ScriptedEngine>, id: RequestId, worker: &str) -> Option<ReservationKey> {
+    bind_for(a, id, worker, Duration::ZERO)
+}
+
+fn bind_for(
+    a: &mut Actor<ScriptedEngine>,
+    id: RequestId,
+    worker: &str,
+    attempt: Duration,
+) -> Option<ReservationKey> {
     ask(a, |reply| Command::Bind {
         id,
         prefill_worker: worker.into(),
+        attempt,
         reply,
     })
 }
@@ -616,6 +626,30 @@ fn a_reservation_expires_after_its_lease() {
         [Event::Failed(WorkerError::NotFound(m))] => assert!(m.contains("expired"), "{m}"),
         other => panic!("expected NOT_FOUND, got {other:?}"),
     }
+}
+
+/// A prompt that waits in a prefill worker's queue longer than a lease keeps its reservation:
+/// binding it to an attempt renews the lease past the attempt's end.
+#[test]
+fn a_bound_reservation_outlasts_its_attempt() {
+    let mut a = actor(8);
+    ask(&mut a, |reply| Command::Reserve {
+        id: 7,
+        tokens: vec![1; 4],
+        cache_salt: String::new(),
+        reply,
+    })
+    .unwrap();
+    let attempt = LEASE * 10;
+    let key = bind_for(&mut a, 7, "p", attempt).unwrap();
+    a.turn(Instant::now() + LEASE * 5);
+    assert_eq!(
+        writable(&mut a, key, "p").unwrap(),
+        Some(0..2),
+        "still held"
+    );
+    a.turn(Instant::now() + attempt + LEASE + Duration::from_millis(10));
+    assert_eq!(writable(&mut a, key, "p").unwrap(), None, "reclaimed after");
 }
 
 #[test]
