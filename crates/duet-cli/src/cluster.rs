@@ -20,7 +20,7 @@ use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
 use duet_proto::{ClusterAuth, ClusterToken, v1};
 use duet_router::RouterConfig;
-use duet_telemetry::LogArgs;
+use duet_telemetry::{LogArgs, MetricsArgs};
 
 /// What to start: a configuration for each kind of service. The launcher fills in what it owns:
 /// the workers' `listen` (free loopback ports), how they find each other, the cluster token and
@@ -62,6 +62,10 @@ pub struct Cluster {
     pub decode: Vec<SocketAddr>,
     /// The token the workers' internal RPCs require.
     pub token: ClusterToken,
+    /// The Prometheus endpoints, when `router.metrics` names one: that one alone in one process
+    /// (it serves every service's families), else the router's then each worker's (free
+    /// loopback ports, in start order).
+    pub metrics: Vec<SocketAddr>,
     children: Vec<(&'static str, Child)>,
     runtime: Option<tokio::runtime::Runtime>,
 }
@@ -137,6 +141,19 @@ impl Cluster {
         } else {
             in_process_cluster(&spec.router.cluster)
         };
+        // Separate processes each serve their own metrics; in one process the router's endpoint
+        // serves every service's.
+        let router_metrics = spec.router.metrics.metrics_listen;
+        let worker_metrics = match router_metrics {
+            Some(_) if spec.processes => free_ports(spec.prefill_workers + spec.decode_workers)?
+                .into_iter()
+                .map(Some)
+                .collect(),
+            _ => vec![None; spec.prefill_workers + spec.decode_workers],
+        };
+        let metrics = |i: usize| MetricsArgs {
+            metrics_listen: worker_metrics[i],
+        };
         let listed = |addrs: &[SocketAddr]| -> Vec<String> {
             if by_flags {
                 addrs.iter().map(SocketAddr::to_string).collect()
@@ -146,22 +163,24 @@ impl Cluster {
         };
         // Start order: prefill workers, then decode workers (the indices of `kill_process`).
         let mut services: Vec<Service> = Vec::new();
-        services.extend(prefill.iter().map(|&listen| {
+        services.extend(prefill.iter().enumerate().map(|(i, &listen)| {
             Service::Prefill(PrefillConfig {
                 listen,
                 decode: listed(&decode),
                 model: model(&spec.prefill.model),
                 cluster: cluster.clone(),
                 auth: auth.clone(),
+                metrics: metrics(i),
                 ..spec.prefill.clone()
             })
         }));
-        services.extend(decode.iter().map(|&listen| {
+        services.extend(decode.iter().enumerate().map(|(i, &listen)| {
             Service::Decode(DecodeConfig {
                 listen,
                 model: model(&spec.decode.model),
                 cluster: cluster.clone(),
                 auth: auth.clone(),
+                metrics: metrics(prefill.len() + i),
                 ..spec.decode.clone()
             })
         }));
@@ -180,6 +199,10 @@ impl Cluster {
             .build()?;
         let mut cluster = Cluster {
             router: spec.router.listen,
+            metrics: router_metrics
+                .into_iter()
+                .chain(worker_metrics.into_iter().flatten())
+                .collect(),
             prefill,
             decode,
             token,

@@ -13,7 +13,7 @@ use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
 use duet_proto::ClusterAuth;
 use duet_router::{RouterConfig, RoutingOptions};
-use duet_telemetry::LogArgs;
+use duet_telemetry::{LogArgs, MetricsArgs};
 use duet_transfer::choice::TransportChoice;
 
 use crate::cluster::{Cluster, ClusterSpec};
@@ -51,6 +51,11 @@ pub struct UpArgs {
     pub cluster: ClusterArgs,
     #[command(flatten)]
     pub log: LogArgs,
+    /// Prometheus metrics: in one process the router's endpoint serves every service's families
+    /// (told apart by `role`); with --processes each worker serves its own on a free loopback
+    /// port, printed at start.
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     /// Exit after the cluster is ready and one sample request succeeded (for scripts and tests).
     #[arg(long, hide = true)]
     pub exit_when_ready: bool,
@@ -69,6 +74,7 @@ pub fn run(args: UpArgs) -> Result<()> {
             listen: args.listen,
             http_listen: args.http_listen,
             cluster: args.cluster.clone(),
+            metrics: args.metrics,
             routing: args.routing.clone(),
             ..RouterConfig::default()
         },
@@ -109,6 +115,9 @@ pub fn run(args: UpArgs) -> Result<()> {
     );
     if let Some(http) = args.http_listen {
         println!("OpenAI-compatible HTTP API on http://{http}/v1");
+    }
+    for endpoint in &cluster.metrics {
+        println!("Prometheus metrics on http://{endpoint}/metrics");
     }
     if !args.exit_when_ready {
         let rt = tokio::runtime::Builder::new_current_thread()

@@ -80,3 +80,11 @@ pub fn default_model(models_dir: &Path) -> Result<PathBuf, ModelNotFound> {
         }
     )))
 }
+
+/// The model's name as Info and the metrics' `model` label show it: the file stem of its path.
+pub fn model_name(path: &Path) -> String {
+    path.file_stem()
+        .or_else(|| path.file_name())
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string())
+}

@@ -137,10 +137,21 @@ pub struct Overloaded {
 /// Limits the calls in flight; the excess is refused at once (load shedding), never queued.
 /// Clones share one limit, so another front of the same service (the router's HTTP API) can
 /// admit its calls against it with [`InFlightLimitLayer::try_admit`].
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct InFlightLimitLayer {
     permits: Arc<Semaphore>,
     limit: usize,
+    /// Told of every refusal (the service's request metrics: a refused call never reaches it).
+    on_refused: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+impl std::fmt::Debug for InFlightLimitLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InFlightLimitLayer")
+            .field("limit", &self.limit)
+            .field("available", &self.permits.available_permits())
+            .finish_non_exhaustive()
+    }
 }
 
 impl InFlightLimitLayer {
@@ -148,15 +159,18 @@ impl InFlightLimitLayer {
         Self {
             permits: Arc::new(Semaphore::new(limit)),
             limit,
+            on_refused: None,
         }
     }
 
     /// Admits one call, counted until the permit drops.
     pub fn try_admit(&self) -> Result<OwnedSemaphorePermit, Overloaded> {
-        self.permits
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| Overloaded { limit: self.limit })
+        self.permits.clone().try_acquire_owned().map_err(|_| {
+            if let Some(f) = &self.on_refused {
+                f();
+            }
+            Overloaded { limit: self.limit }
+        })
     }
 }
 
@@ -259,6 +273,12 @@ impl Edge {
             routes: RoutesBuilder::default(),
             names: Vec::new(),
         }
+    }
+
+    /// Calls `f` for every call the in-flight limit refuses (set it before sharing the limit).
+    pub fn on_refused(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
+        self.limit.on_refused = Some(Arc::new(f));
+        self
     }
 
     /// The edge's limit on calls in flight, for another front of the same service to share.

@@ -3,11 +3,17 @@
 //!
 //! A request's events happen inside its `request` span (the router's relay opens it), so JSON
 //! lines carry `request_id` in their `span` object.
+//!
+//! Prometheus metrics ([`metrics`]): the process's registry and its `/metrics` endpoint.
+
+pub mod metrics;
 
 use std::fmt;
 
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::fmt::MakeWriter;
+
+pub use metrics::MetricsArgs;
 
 /// How log lines are written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]

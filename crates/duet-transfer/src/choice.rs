@@ -70,14 +70,31 @@ impl FromStr for TransportChoice {
     }
 }
 
-impl fmt::Display for TransportChoice {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl TransportChoice {
+    /// The flag's value (and a transport's name in metrics and traces).
+    pub fn as_str(self) -> &'static str {
+        match self {
             Self::Auto => "auto",
             Self::Grpc => "grpc",
             Self::CudaIpc => "cuda-ipc",
             Self::Nccl => "nccl",
-        })
+        }
+    }
+}
+
+/// A transport's name, as its `--kv-transport` value spells it.
+pub fn transport_name(kind: TransportKind) -> &'static str {
+    match kind {
+        TransportKind::Grpc | TransportKind::Unspecified => TransportChoice::Grpc,
+        TransportKind::CudaIpc => TransportChoice::CudaIpc,
+        TransportKind::Nccl => TransportChoice::Nccl,
+    }
+    .as_str()
+}
+
+impl fmt::Display for TransportChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

@@ -38,6 +38,22 @@ pub enum TransferError {
 }
 
 impl TransferError {
+    /// What went wrong, in one word (the `reason` label of failed transfers).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            TransferError::Mismatch(_) => "mismatch",
+            TransferError::Malformed(_) => "malformed",
+            TransferError::Corrupt(_) => "corrupt",
+            TransferError::Forbidden(_) => "forbidden",
+            TransferError::ReservationGone(_) => "reservation_gone",
+            TransferError::Rejected { .. } => "rejected",
+            TransferError::Call { .. } => "call_failed",
+            TransferError::Stream(_) => "stream_failed",
+            TransferError::Cache(_) => "cache",
+            TransferError::Unavailable(_) => "unavailable",
+        }
+    }
+
     /// The gRPC status code this failure is reported with.
     pub fn code(&self) -> Code {
         match self {

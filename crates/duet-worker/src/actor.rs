@@ -156,6 +156,7 @@ impl<E: ActorEngine> Actor<E> {
             running: 0,
             reservations: 0,
             prefill_tokens_per_s: 0.0,
+            preemptions: 0,
         }));
         engine.record_kv_events();
         Self {
@@ -517,10 +518,14 @@ impl<E: ActorEngine> Actor<E> {
         let admitted = &mut self.admitted;
         let counters = &self.counters;
         let mut prompt_tokens = 0;
+        let mut step_tokens = 0;
         let mut on_layer = |done: &dyn LayerKv| {
             let last_layer = done.layer() + 1 == num_layers;
             if !last_layer && !shipping {
                 return;
+            }
+            if last_layer {
+                step_tokens = done.plan().iter().map(|p| p.len).sum();
             }
             for p in done.plan() {
                 let Some(a) = admitted.get_mut(&p.seq) else {
@@ -547,6 +552,10 @@ impl<E: ActorEngine> Actor<E> {
             Err(e) => return self.step_failed(e),
         };
         self.prefill_rate.measured(prompt_tokens, started.elapsed());
+        self.counters
+            .step_seconds
+            .observe(started.elapsed().as_secs_f64());
+        self.counters.step_tokens.observe(step_tokens as f64);
         let mut deliveries = Vec::with_capacity(outputs.len());
         for out in outputs {
             let Some(a) = self.admitted.get(&out.seq) else {
@@ -609,6 +618,7 @@ impl<E: ActorEngine> Actor<E> {
             running: scheduled,
             reservations: self.reservations.len(),
             prefill_tokens_per_s: self.prefill_rate.tokens_per_s(),
+            preemptions: self.engine.preemptions(),
         });
     }
 }

@@ -39,6 +39,7 @@ pub trait ActorEngine {
     fn record_kv_events(&mut self);
     fn take_kv_events(&mut self) -> (Vec<KvEvent>, KvDigest);
     fn has_work(&self) -> bool;
+    fn preemptions(&self) -> u64;
     fn resume_sequence(
         &mut self,
         tokens: Vec<u32>,
@@ -86,6 +87,10 @@ impl<B: Backend> ActorEngine for Engine<B> {
 
     fn has_work(&self) -> bool {
         Engine::has_work(self)
+    }
+
+    fn preemptions(&self) -> u64 {
+        Engine::preemptions(self)
     }
 
     fn resume_sequence(

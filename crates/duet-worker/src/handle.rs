@@ -99,6 +99,10 @@ impl EngineHandle {
         &self.kv_events
     }
 
+    pub(crate) fn shared(&self) -> (Arc<Counters>, Arc<Published>) {
+        (self.counters.clone(), self.published.clone())
+    }
+
     /// A fresh request id.
     pub fn next_id(&self) -> RequestId {
         self.next_id.fetch_add(1, Ordering::Relaxed)

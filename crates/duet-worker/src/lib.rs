@@ -19,6 +19,7 @@ mod error;
 pub mod handle;
 pub mod kv_events;
 pub mod membership;
+pub mod metrics;
 pub mod request;
 pub mod stats;
 

@@ -6,6 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use duet_kv::PoolStats;
 use duet_proto::v1;
+use duet_telemetry::metrics;
+use prometheus::core::Collector;
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts};
 
 use crate::EngineHandle;
 
@@ -21,10 +24,14 @@ pub struct Snapshot {
     pub running: usize,
     /// KV reservations waiting for their transfer.
     pub reservations: usize,
+    /// Sequences preempted (their KV given up, recomputed later) since the engine started.
+    pub preemptions: u64,
 }
 
-/// Counters and gauges shared by the services and the engine thread.
-#[derive(Debug, Default)]
+/// Counters and gauges shared by the services and the engine thread. The histograms and
+/// per-transport families carry no labels here: [`crate::metrics::WorkerMetrics`] adds the
+/// worker's when it exports them.
+#[derive(Debug)]
 pub struct Counters {
     /// Prompt tokens admitted but not computed yet (the handle adds, the engine thread
     /// subtracts).
@@ -32,13 +39,122 @@ pub struct Counters {
     pub requests_served: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub prefix_hit_tokens: AtomicU64,
-    pub transfer_bytes_in: AtomicU64,
-    pub transfer_bytes_out: AtomicU64,
+    /// Tokens computed by each engine step.
+    pub step_tokens: Histogram,
+    /// Wall time of each engine step.
+    pub step_seconds: Histogram,
+    /// KV bytes moved, by `transport` and `direction` (`in`: received, `out`: sent).
+    pub kv_transfer_bytes: IntCounterVec,
+    /// Each request's KV transfer time, by `transport` and `direction`.
+    pub kv_transfer_seconds: HistogramVec,
+    /// KV transfers that failed, by `transport`, `direction` and `reason` (the status code's
+    /// name).
+    pub kv_transfer_failures: IntCounterVec,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        let histogram = |name: &str, help: &str, buckets: &[f64]| {
+            Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
+                .expect("valid histogram")
+        };
+        let transfer = ["transport", "direction"];
+        Self {
+            queued_tokens: AtomicU64::default(),
+            requests_served: AtomicU64::default(),
+            prompt_tokens: AtomicU64::default(),
+            prefix_hit_tokens: AtomicU64::default(),
+            step_tokens: histogram(
+                "duet_iteration_tokens_total",
+                "Tokens computed by one engine step (prompt and decode tokens).",
+                metrics::STEP_TOKENS_BUCKETS,
+            ),
+            step_seconds: histogram(
+                "duet_step_duration_seconds",
+                "Wall time of one engine step (a batched forward pass), in seconds.",
+                metrics::TOKEN_LATENCY_BUCKETS,
+            ),
+            kv_transfer_bytes: IntCounterVec::new(
+                Opts::new(
+                    "duet_kv_transfer_bytes_total",
+                    "KV cache bytes transferred between workers, by transport and direction (in, out).",
+                ),
+                &transfer,
+            )
+            .expect("valid counter"),
+            kv_transfer_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "duet_kv_transfer_seconds",
+                    "Time of one request's KV transfer (first chunk to acknowledgement), by transport and direction.",
+                )
+                .buckets(metrics::KV_TRANSFER_BUCKETS.to_vec()),
+                &transfer,
+            )
+            .expect("valid histogram"),
+            kv_transfer_failures: IntCounterVec::new(
+                Opts::new(
+                    "duet_kv_transfer_failures_total",
+                    "KV transfers that failed, by transport, direction and reason.",
+                ),
+                &["transport", "direction", "reason"],
+            )
+            .expect("valid counter"),
+        }
+    }
+}
+
+/// Which way KV moved, as this worker sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    In,
+    Out,
+}
+
+impl Direction {
+    fn as_str(self) -> &'static str {
+        match self {
+            Direction::In => "in",
+            Direction::Out => "out",
+        }
+    }
 }
 
 impl Counters {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// One request's KV moved: `bytes` over `transport` in `seconds`.
+    pub fn transferred(&self, transport: &str, direction: Direction, bytes: u64, seconds: f64) {
+        let labels = [transport, direction.as_str()];
+        self.kv_transfer_bytes
+            .with_label_values(&labels)
+            .inc_by(bytes);
+        self.kv_transfer_seconds
+            .with_label_values(&labels)
+            .observe(seconds);
+    }
+
+    /// One request's KV transfer failed.
+    pub fn transfer_failed(&self, transport: &str, direction: Direction, reason: &str) {
+        self.kv_transfer_failures
+            .with_label_values(&[transport, direction.as_str(), reason])
+            .inc();
+    }
+
+    /// KV bytes moved in `direction` over every transport.
+    pub fn transfer_bytes(&self, direction: Direction) -> u64 {
+        let family = self.kv_transfer_bytes.collect();
+        family
+            .iter()
+            .flat_map(|f| f.get_metric())
+            .filter(|m| {
+                m.get_label()
+                    .iter()
+                    .any(|l| l.name() == "direction" && l.value() == direction.as_str())
+            })
+            .map(|m| m.get_counter().get_value() as u64)
+            .sum()
     }
 
     pub(crate) fn unqueue(&self, tokens: usize) {
@@ -137,8 +253,8 @@ impl Identity {
             requests_served: load(&c.requests_served),
             prompt_tokens: load(&c.prompt_tokens),
             prefix_hit_tokens: load(&c.prefix_hit_tokens),
-            transfer_bytes_in: load(&c.transfer_bytes_in),
-            transfer_bytes_out: load(&c.transfer_bytes_out),
+            transfer_bytes_in: c.transfer_bytes(Direction::In),
+            transfer_bytes_out: c.transfer_bytes(Direction::Out),
             prefill_tokens_per_s: snap.prefill_tokens_per_s,
             kv_block_bytes: engine.info().wire.layout.block_bytes() as u64,
         }

@@ -7,6 +7,7 @@ use duet_cluster::{ClusterArgs, LeaseArgs};
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_proto::ClusterAuth;
+use duet_telemetry::MetricsArgs;
 use duet_transfer::choice::TransportChoice;
 
 #[derive(clap::Args, Clone, Debug, PartialEq)]
@@ -27,6 +28,8 @@ pub struct DecodeConfig {
     pub lease: LeaseArgs,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     #[command(flatten)]
     pub engine: EngineOptions,
     /// KV transport between the pools: auto, grpc, cuda-ipc or nccl. The push path carries gRPC
@@ -61,6 +64,7 @@ impl Default for DecodeConfig {
             cluster: ClusterArgs::default(),
             lease: LeaseArgs::default(),
             model: ModelArgs::default(),
+            metrics: MetricsArgs::default(),
             engine: EngineOptions::default(),
             kv_transport: TransportChoice::Auto,
             reservation_timeout_ms: 30_000,
@@ -83,6 +87,7 @@ impl DecodeConfig {
             cluster,
             lease,
             model,
+            metrics,
             engine,
             kv_transport,
             reservation_timeout_ms,
@@ -101,6 +106,7 @@ impl DecodeConfig {
         args.extend(cluster.to_args());
         args.extend(lease.to_args());
         args.extend(model.to_args());
+        args.extend(metrics.to_args());
         args.extend(engine.to_args());
         args.extend(
             [
@@ -156,6 +162,9 @@ mod tests {
             model: ModelArgs {
                 model: Some("some dir/m.gguf".into()),
                 models_dir: "elsewhere".into(),
+            },
+            metrics: MetricsArgs {
+                metrics_listen: Some("0.0.0.0:9100".parse().unwrap()),
             },
             engine: EngineOptions {
                 threads: 3,

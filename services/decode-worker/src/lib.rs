@@ -10,6 +10,7 @@ mod service;
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use duet_proto::v1;
 use duet_worker::{EngineHandle, Identity};
 use tokio::net::TcpListener;
@@ -26,9 +27,10 @@ pub async fn serve(
     config.kv_transport.for_worker(config.engine.device)?;
     let token = config.auth.token()?;
     let addr = listener.local_addr()?;
+    let model = config.model.resolve()?;
     let engine = EngineHandle::spawn(
         "decode-engine",
-        config.model.resolve()?,
+        model.clone(),
         config.engine.clone(),
         Duration::from_millis(config.reservation_timeout_ms),
     )
@@ -53,6 +55,15 @@ pub async fn serve(
         &state.engine,
         config.engine.device.to_string(),
     );
+    let _metrics = duet_worker::metrics::export(
+        &state.engine,
+        "decode",
+        &model,
+        &state.identity.worker_id,
+        config.metrics,
+    )
+    .await
+    .context("cannot serve metrics")?;
     tracing::info!(%addr, worker = %state.identity.worker_id, "decode worker serving");
     let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
         default_deadline: Duration::from_millis(config.request_timeout_ms.max(1)),

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use duet_engine::engine::{Resumed, StepOutput};
 use duet_model::params::{SamplingParams, StopCriteria};
 use duet_proto::v1;
-use duet_worker::stats::Counters;
+use duet_transfer::choice::transport_name;
+use duet_worker::stats::{Counters, Direction};
 use duet_worker::{EngineHandle, Event, Identity, Request, WorkerError};
 use futures::Stream;
 use tokio::sync::mpsc;
@@ -214,9 +215,22 @@ impl v1::kv_transfer_server::KvTransfer for TransferService {
         request: tonic::Request<Streaming<v1::KvChunk>>,
     ) -> Result<Response<v1::PushAck>, Status> {
         let engine = &self.state.engine;
-        let ack =
-            duet_transfer::grpc::receive(request.into_inner(), &engine.info().wire, engine).await?;
-        Counters::add(&engine.counters().transfer_bytes_in, ack.bytes_received);
+        let transport = transport_name(v1::TransportKind::Grpc);
+        let started = Instant::now();
+        let ack = duet_transfer::grpc::receive(request.into_inner(), &engine.info().wire, engine)
+            .await
+            .inspect_err(|e| {
+                engine
+                    .counters()
+                    .transfer_failed(transport, Direction::In, e.reason())
+            })?;
+        // From the header's arrival to the last chunk written.
+        engine.counters().transferred(
+            transport,
+            Direction::In,
+            ack.bytes_received,
+            started.elapsed().as_secs_f64(),
+        );
         Ok(Response::new(ack))
     }
 }

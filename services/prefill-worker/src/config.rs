@@ -7,6 +7,7 @@ use duet_cluster::{ClusterArgs, LeaseArgs};
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_proto::ClusterAuth;
+use duet_telemetry::MetricsArgs;
 use duet_transfer::choice::TransportChoice;
 
 /// Everything a prefill worker needs to start.
@@ -38,6 +39,8 @@ pub struct PrefillConfig {
     pub lease: LeaseArgs,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     /// Engine sizes; `max_step_tokens` is the prefill token budget of one batch.
     #[command(flatten)]
     pub engine: EngineOptions,
@@ -71,6 +74,7 @@ impl Default for PrefillConfig {
             lease: LeaseArgs::default(),
             decode: Vec::new(),
             model: ModelArgs::default(),
+            metrics: MetricsArgs::default(),
             engine: EngineOptions::default(),
             kv_transport: TransportChoice::Auto,
             max_queued_tokens: 65536,
@@ -104,6 +108,7 @@ impl PrefillConfig {
             lease,
             decode,
             model,
+            metrics,
             engine,
             kv_transport,
             max_queued_tokens,
@@ -122,6 +127,7 @@ impl PrefillConfig {
         args.extend(lease.to_args());
         args.extend(decode.iter().map(|a| format!("--decode={a}").into()));
         args.extend(model.to_args());
+        args.extend(metrics.to_args());
         args.extend(engine.to_args());
         args.extend(
             [
@@ -210,6 +216,9 @@ mod tests {
             model: ModelArgs {
                 model: Some("some dir/m.gguf".into()),
                 models_dir: "elsewhere".into(),
+            },
+            metrics: MetricsArgs {
+                metrics_listen: Some("0.0.0.0:9100".parse().unwrap()),
             },
             engine: EngineOptions {
                 threads: 3,

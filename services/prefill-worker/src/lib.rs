@@ -44,11 +44,15 @@ pub async fn serve(
     // A prefill worker holds no KV reservations, so their lease does not matter here.
     let engine = duet_worker::EngineHandle::spawn(
         "prefill-engine",
-        model,
+        model.clone(),
         config.engine.clone(),
         std::time::Duration::ZERO,
     )
     .await?;
+    let _metrics =
+        duet_worker::metrics::export(&engine, "prefill", &model, &worker_id, config.metrics)
+            .await
+            .context("cannot serve metrics")?;
     let advertise = config.advertise.clone().unwrap_or_else(|| addr.to_string());
     let card = duet_worker::membership::card(
         duet_cluster::Role::Prefill,

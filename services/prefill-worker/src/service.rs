@@ -12,9 +12,10 @@ use duet_proto::v1::{
     KvDestination, PrefillRequest, PrefillResponse, StatsRequest, StatsResponse, TokenLogprobs,
     WorkerRole,
 };
+use duet_transfer::choice::transport_name;
 use duet_transfer::{KvTransport, PushSpec, Pushed, ReservationKey, TransferError};
 use duet_worker::kv_events::{DEFAULT_DIGEST_INTERVAL, KvEventsService};
-use duet_worker::stats::Counters;
+use duet_worker::stats::{Counters, Direction};
 use duet_worker::{EngineHandle, EngineInfo, Event, Identity, KvOut, Request, WorkerError};
 use tokio::sync::mpsc;
 use tonic::{Response, Status};
@@ -188,6 +189,7 @@ impl Inner {
         )?;
 
         let mut acked = push.acked;
+        let transport = transport_name(self.transport.kind());
         let (mut cached_tokens, mut scheduled) = (0, None);
         let mut prefilled: Option<Prefilled> = None;
         let mut pushed: Option<Pushed> = None;
@@ -214,7 +216,9 @@ impl Inner {
                     }
                     None => return Err(WorkerError::EngineStopped),
                 },
-                result = &mut acked, if pushed.is_none() => pushed = Some(result?),
+                result = &mut acked, if pushed.is_none() => pushed = Some(result.inspect_err(|e| {
+                    self.engine.counters().transfer_failed(transport, Direction::Out, e.reason());
+                })?),
             }
         }
         let (prefilled, pushed) = (prefilled.expect("loop ends"), pushed.expect("loop ends"));
@@ -222,16 +226,24 @@ impl Inner {
         Counters::add(&counters.requests_served, 1);
         Counters::add(&counters.prompt_tokens, n as u64);
         Counters::add(&counters.prefix_hit_tokens, prefilled.cached_tokens as u64);
-        Counters::add(&counters.transfer_bytes_out, pushed.bytes_sent);
+        // The transfer's time is what compute did not hide: from the last layer computed to the
+        // receiver's acknowledgement (the response's transfer_ms).
+        let transfer = pushed
+            .acked_at
+            .saturating_duration_since(prefilled.computed_at);
+        counters.transferred(
+            transport,
+            Direction::Out,
+            pushed.bytes_sent,
+            transfer.as_secs_f64(),
+        );
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         Ok(PrefillResponse {
             first_token: Some(prefilled.first),
             cached_tokens: prefilled.cached_tokens as u32,
             queue_ms: ms(prefilled.queue),
             prefill_ms: ms(prefilled.compute),
-            transfer_ms: ms(pushed
-                .acked_at
-                .saturating_duration_since(prefilled.computed_at)),
+            transfer_ms: ms(transfer),
             bytes_sent: pushed.bytes_sent,
             transport: self.transport.kind() as i32,
             worker_id: self.identity.worker_id.clone(),

@@ -7,6 +7,7 @@ use clap::Args;
 use duet_cluster::ClusterArgs;
 use duet_model::model_path::ModelArgs;
 use duet_proto::ClusterAuth;
+use duet_telemetry::MetricsArgs;
 
 use crate::routing::{HealthPolicy, RoutingParams, RoutingPolicy};
 
@@ -57,6 +58,9 @@ pub struct RouterConfig {
     pub model: ModelArgs,
 
     #[command(flatten)]
+    pub metrics: MetricsArgs,
+
+    #[command(flatten)]
     pub routing: RoutingOptions,
 
     /// Cluster token the router's calls to the workers carry (see `duet_proto::auth`).
@@ -75,6 +79,7 @@ impl Default for RouterConfig {
             cluster: ClusterArgs::default(),
             membership_resync_s: 30,
             model: ModelArgs::default(),
+            metrics: MetricsArgs::default(),
             routing: RoutingOptions::default(),
             auth: ClusterAuth::default(),
         }
@@ -93,6 +98,7 @@ impl RouterConfig {
             cluster,
             membership_resync_s,
             model,
+            metrics,
             routing,
             auth,
         } = self;
@@ -103,6 +109,7 @@ impl RouterConfig {
         args.extend(cluster.to_args());
         args.push(format!("--membership-resync-s={membership_resync_s}").into());
         args.extend(model.to_args());
+        args.extend(metrics.to_args());
         args.extend(routing.to_args());
         args.extend(auth.to_args());
         args
@@ -316,6 +323,9 @@ mod tests {
             model: ModelArgs {
                 model: Some("some dir/m.gguf".into()),
                 models_dir: "elsewhere".into(),
+            },
+            metrics: MetricsArgs {
+                metrics_listen: Some("0.0.0.0:7003".parse().unwrap()),
             },
             routing: RoutingOptions {
                 default_max_tokens: 7,

@@ -16,6 +16,7 @@ pub mod error;
 pub mod http;
 pub mod kv_feed;
 pub mod kv_index;
+pub mod metrics;
 pub mod openai;
 mod relay;
 pub mod routing;
@@ -55,13 +56,7 @@ pub fn load_prompt_model(path: &Path, default_max_tokens: u32) -> anyhow::Result
     })
 }
 
-/// The model's name as Info shows it: the file stem of its path.
-pub fn model_name(path: &Path) -> String {
-    path.file_stem()
-        .or_else(|| path.file_name())
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| path.display().to_string())
-}
+pub use duet_model::model_path::model_name;
 
 /// Serves the router on `listener` until `shutdown` resolves (then drains open calls).
 pub async fn serve(
@@ -100,6 +95,7 @@ pub async fn serve(
         Duration::from_secs(config.membership_resync_s.max(1)),
     );
     let syncer = tokio::spawn(sync_pools(state.clone(), membership));
+    let _metrics = duet_telemetry::metrics::Registration::new(&state.metrics);
     let local = listener.local_addr().ok();
     tracing::info!(
         addr = ?local,
@@ -112,12 +108,19 @@ pub async fn serve(
         "router serving"
     );
     let request_timeout = Duration::from_millis(config.routing.request_timeout_ms.max(1));
+    let refused = state.metrics.clone();
     let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
         default_deadline: request_timeout,
         max_in_flight: config.routing.max_queued_requests,
         cluster_token: token,
-    });
+    })
+    .on_refused(move || refused.finished(metrics::Outcome::Failed(tonic::Code::ResourceExhausted)));
     let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
+    let metrics_endpoint = config
+        .metrics
+        .serve(shutdown.clone())
+        .await
+        .context("cannot serve metrics")?;
     let http = match config.http_listen {
         Some(addr) => {
             let listener = tokio::net::TcpListener::bind(addr)
@@ -141,6 +144,12 @@ pub async fn serve(
         http.await
             .context("the HTTP front panicked")?
             .context("HTTP server failed")?;
+    }
+    if let Some(endpoint) = metrics_endpoint {
+        endpoint
+            .await
+            .context("the metrics endpoint panicked")?
+            .context("metrics endpoint failed")?;
     }
     result.context("router server failed")
 }

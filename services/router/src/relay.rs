@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use tonic::{Code, Request, Status};
 
 use crate::error::{RouterError, is_retryable};
+use crate::metrics::{Outcome, RouterMetrics};
 use crate::routing::{NoRoute, Planned, Pools, RouteRequest, Worker};
 use crate::service::RouterState;
 use crate::validate::ValidRequest;
@@ -33,18 +34,37 @@ pub(crate) type Item = Result<v1::GenerateResponse, RouterError>;
 
 /// Drives one request until it finishes, fails, passes its deadline or the client leaves.
 pub(crate) async fn relay(state: Arc<RouterState>, job: Job, tx: mpsc::Sender<Item>) {
+    let mut progress = Progress::default();
     let result = tokio::select! {
-        r = tokio::time::timeout_at(job.deadline, run(&state, &job, &tx)) => {
-            r.unwrap_or_else(|_| Err(RouterError::DeadlineExceeded(job.deadline - job.start)))
+        r = tokio::time::timeout_at(job.deadline, run(&state, &job, &tx, &mut progress)) => {
+            Some(r.unwrap_or_else(|_| Err(RouterError::DeadlineExceeded(job.deadline - job.start))))
         }
-        () = tx.closed() => {
-            tracing::debug!(request_id = %job.request_id, "client went away; request cancelled");
-            return;
-        }
+        () = tx.closed() => None,
     };
-    if let Err(e) = result {
-        tracing::info!(request_id = %job.request_id, error = %e, "request failed");
-        let _ = tx.send(Err(e)).await;
+    let metrics = &state.metrics;
+    match result {
+        Some(Ok(())) if !progress.finished => {
+            tracing::debug!(request_id = %job.request_id, "client went away; request cancelled");
+            metrics.finished(Outcome::Cancelled);
+        }
+        Some(Ok(())) => {
+            metrics.finished(Outcome::Success);
+            metrics.completed(
+                job.start,
+                progress.first_token_at,
+                job.valid.prompt.len(),
+                progress.generated.len(),
+            );
+        }
+        Some(Err(e)) => {
+            tracing::info!(request_id = %job.request_id, error = %e, "request failed");
+            metrics.finished(Outcome::Failed(e.code()));
+            let _ = tx.send(Err(e)).await;
+        }
+        None => {
+            tracing::debug!(request_id = %job.request_id, "client went away; request cancelled");
+            metrics.finished(Outcome::Cancelled);
+        }
     }
 }
 
@@ -54,9 +74,12 @@ struct Progress {
     generated: Vec<u32>,
     sent_text_bytes: u64,
     first_token_at: Option<Instant>,
+    last_token_at: Option<Instant>,
     failovers: u32,
     /// Cached prompt tokens the final message reported.
     cached_reported: Option<u32>,
+    /// The client was sent the final message.
+    finished: bool,
 }
 
 /// How one decode attempt ended.
@@ -67,8 +90,12 @@ enum Attempt {
 }
 
 /// Calls decode workers (failing over) and relays their messages to `tx`.
-async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<(), RouterError> {
-    let mut progress = Progress::default();
+async fn run(
+    state: &RouterState,
+    job: &Job,
+    tx: &mpsc::Sender<Item>,
+    progress: &mut Progress,
+) -> Result<(), RouterError> {
     let mut tried: Vec<String> = Vec::new();
     let mut last: Option<(String, Status)> = None;
     loop {
@@ -125,16 +152,12 @@ async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<
             estimated_ttft_ms = route.estimated_ttft.as_millis() as u64,
             "decode attempt"
         );
-        let attempted = attempt(
-            &worker,
-            &worker_id,
-            call,
-            route.planned,
-            state.decode_idle_timeout,
-            job,
-            &mut progress,
-            tx,
-        );
+        let to = Target {
+            worker: &worker,
+            worker_id: &worker_id,
+            planned: route.planned,
+        };
+        let attempted = attempt(state, to, call, job, progress, tx);
         let failure = match attempted.await {
             Attempt::Done => {
                 if let Some(actual) = progress.cached_reported {
@@ -171,13 +194,24 @@ async fn run(state: &RouterState, job: &Job, tx: &mpsc::Sender<Item>) -> Result<
             worker.mark_failed(failure.message());
         }
         progress.failovers += 1;
+        state.metrics.failed_over();
         if progress.generated.len() >= job.valid.sampling.max_tokens as usize {
             // Every token was streamed; only the final message was lost.
-            let _ = tx.send(Ok(progress.lost_final(job, worker_id))).await;
+            progress.finished = tx
+                .send(Ok(progress.lost_final(job, worker_id)))
+                .await
+                .is_ok();
             return Ok(());
         }
         last = Some((worker_id, failure));
     }
+}
+
+/// The decode worker an attempt calls, and the prefill it planned for it.
+struct Target<'a> {
+    worker: &'a Worker,
+    worker_id: &'a str,
+    planned: Planned,
 }
 
 /// How often a waiting attempt looks whether its worker stopped answering health checks.
@@ -218,15 +252,19 @@ async fn bounded<T>(
 /// must come within `idle_timeout`. The prefill the route planned stops counting at the first
 /// message (the prompt is computed) or when the attempt ends.
 async fn attempt(
-    worker: &Worker,
-    worker_id: &str,
+    state: &RouterState,
+    to: Target<'_>,
     call: Request<v1::DecodeRequest>,
-    planned: Planned,
-    idle_timeout: Duration,
     job: &Job,
     progress: &mut Progress,
     tx: &mpsc::Sender<Item>,
 ) -> Attempt {
+    let Target {
+        worker,
+        worker_id,
+        planned,
+    } = to;
+    let (idle_timeout, metrics) = (state.decode_idle_timeout, &state.metrics);
     let mut planned = Some(planned);
     let mut client = DecodeWorkerClient::new(worker.channel())
         .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
@@ -248,9 +286,13 @@ async fn attempt(
             Err(status) => return Attempt::Failed(status),
         };
         planned.take();
-        let (out, finished) = progress.relayed(job, msg, worker_id);
+        let (out, finished) = progress.relayed(job, msg, worker_id, metrics);
         // A closed channel: the client went away.
-        if tx.send(Ok(out)).await.is_err() || finished {
+        if tx.send(Ok(out)).await.is_err() {
+            return Attempt::Done;
+        }
+        if finished {
+            progress.finished = true;
             return Attempt::Done;
         }
     }
@@ -287,12 +329,19 @@ impl Progress {
         job: &Job,
         msg: v1::DecodeResponse,
         worker_id: &str,
+        metrics: &RouterMetrics,
     ) -> (v1::GenerateResponse, bool) {
         let finished = msg.finish_reason != v1::FinishReason::Unspecified as i32;
         self.generated.extend_from_slice(&msg.token_ids);
         self.sent_text_bytes += msg.text.len() as u64;
-        if self.first_token_at.is_none() && !msg.token_ids.is_empty() {
-            self.first_token_at = Some(Instant::now());
+        if !msg.token_ids.is_empty() {
+            let now = Instant::now();
+            match self.last_token_at {
+                Some(last) => metrics.next_token(now - last),
+                None => metrics.first_token(now - job.start),
+            }
+            self.first_token_at.get_or_insert(now);
+            self.last_token_at = Some(now);
         }
         let mut out = v1::GenerateResponse {
             request_id: job.request_id.clone(),

@@ -40,7 +40,6 @@ use duet_proto::v1;
 use duet_proto::v1::worker_control_client::WorkerControlClient;
 use duet_proto::{ClusterToken, PeerChannel};
 use tokio::sync::Notify;
-use tokio::time::Instant;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -606,7 +605,7 @@ pub struct Pools {
     /// Which worker holds which prefix block.
     pub index: Arc<KvIndex>,
     pub params: RoutingParams,
-    pub decisions: Decisions,
+    pub decisions: Arc<Decisions>,
 }
 
 impl Pools {
@@ -633,7 +632,7 @@ impl Pools {
             token,
             index: Arc::default(),
             params,
-            decisions: Decisions::default(),
+            decisions: Arc::default(),
         })
     }
 
@@ -966,7 +965,7 @@ impl Pools {
     /// change until `until`; `None` when it found nothing by then.
     pub async fn wait_for<T>(
         &self,
-        until: Instant,
+        until: tokio::time::Instant,
         pick: impl Fn(&Self) -> Option<T>,
     ) -> Option<T> {
         loop {
@@ -1094,7 +1093,7 @@ mod tests {
             )
             .unwrap(),
         );
-        let started = Instant::now();
+        let started = tokio::time::Instant::now();
         let none = pools
             .wait_for(started + Duration::from_millis(100), |p| route(p, 10, &[]))
             .await;
@@ -1103,7 +1102,7 @@ mod tests {
             let pools = pools.clone();
             tokio::spawn(async move {
                 pools
-                    .wait_for(Instant::now() + Duration::from_secs(10), |p| {
+                    .wait_for(tokio::time::Instant::now() + Duration::from_secs(10), |p| {
                         route(p, 10, &[]).map(|r| r.decode.address.clone())
                     })
                     .await

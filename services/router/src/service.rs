@@ -19,6 +19,7 @@ use tracing::Instrument;
 
 use crate::config::RoutingOptions;
 use crate::error::RouterError;
+use crate::metrics::{Outcome, RouterMetrics};
 use crate::relay::{self, Item, Job};
 use crate::routing::Pools;
 use crate::validate::{PromptModel, random_u64};
@@ -40,6 +41,7 @@ pub struct RouterState {
     pub wait_for_worker: Duration,
     /// How long a running decode stream may go without a message before it fails over.
     pub decode_idle_timeout: Duration,
+    pub metrics: RouterMetrics,
 }
 
 /// One admitted request's messages, in order; an error ends them. Dropping it cancels the
@@ -56,13 +58,18 @@ impl RouterState {
         deadline: Instant,
     ) -> Result<Messages, RouterError> {
         let start = Instant::now();
-        let valid = self.model.validate(&req, random_u64)?;
-        self.pools
-            .wait_for(self.worker_wait_ends(deadline), |p| {
-                p.any_decode_routable().then_some(())
-            })
-            .await
-            .ok_or(RouterError::NoDecodeWorker(None))?;
+        let valid = match self.model.validate(&req, random_u64) {
+            Ok(valid) => self
+                .pools
+                .wait_for(self.worker_wait_ends(deadline), |p| {
+                    p.any_decode_routable().then_some(())
+                })
+                .await
+                .map(|()| valid)
+                .ok_or(RouterError::NoDecodeWorker(None)),
+            Err(e) => Err(RouterError::from(e)),
+        };
+        let valid = valid.inspect_err(|e| self.metrics.finished(Outcome::Failed(e.code())))?;
         let request_id = if req.request_id.is_empty() {
             format!("req-{:016x}", random_u64())
         } else {
@@ -94,6 +101,7 @@ impl RouterState {
         routing: &RoutingOptions,
     ) -> Self {
         Self {
+            metrics: RouterMetrics::new(&model_name, pools.decisions.clone()),
             model,
             model_name,
             pools,

@@ -164,6 +164,10 @@ impl ActorEngine for ScriptedEngine {
         self.seqs.values().any(|s| !s.finished)
     }
 
+    fn preemptions(&self) -> u64 {
+        0
+    }
+
     fn resume_sequence(
         &mut self,
         tokens: Vec<u32>,
