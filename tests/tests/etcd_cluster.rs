@@ -209,8 +209,33 @@ fn workers_join_under_load_and_a_sigterm_drains_one_without_a_failed_request() {
         stats(second_addr).await.filter(|s| s.requests_served > 0)
     });
 
-    // A rolling update replaces the first worker.
+    // A rolling update replaces the first worker. As the drain begins its health turns
+    // NOT_SERVING (what takes it out of the router's rotation and Kubernetes' endpoints) on a
+    // connection opened before.
+    let health = rt.block_on(async {
+        tonic::transport::Endpoint::from_shared(format!("http://{first_addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    });
     first.terminate();
+    let drained_health = rt.block_on(async {
+        use tonic_health::pb::HealthCheckRequest;
+        use tonic_health::pb::health_check_response::ServingStatus;
+        let mut client = tonic_health::pb::health_client::HealthClient::new(health);
+        for _ in 0..200 {
+            let check = client.check(HealthCheckRequest {
+                service: String::new(),
+            });
+            match check.await.map(|r| r.into_inner().status()) {
+                Ok(ServingStatus::Serving) => tokio::time::sleep(Duration::from_millis(10)).await,
+                answered => return format!("{answered:?}"),
+            }
+        }
+        "still SERVING after 2 s".to_string()
+    });
+    assert_eq!(drained_health, "Ok(NotServing)");
     let status = first.wait_exit(Duration::from_secs(30));
     assert!(status.success(), "a drained worker exits 0: {status}");
     assert!(

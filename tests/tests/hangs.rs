@@ -129,7 +129,16 @@ fn a_queued_prompts_reservation_does_not_expire() {
             reservation_timeout_ms: 200,
             ..Default::default()
         },
-        ..spec(model.clone(), 1, 1, local_prefill_threshold(0))
+        // Every prompt joins the one prefill worker's queue, however long it grows.
+        ..spec(
+            model.clone(),
+            1,
+            1,
+            RoutingOptions {
+                prefill_saturation_factor: 0.0,
+                ..local_prefill_threshold(0)
+            },
+        )
     })
     .unwrap();
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(600, 10 + i)).collect();

@@ -13,11 +13,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
+use duet_cluster::ClusterArgs;
 use duet_decode_worker::DecodeConfig;
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
 use duet_proto::v1;
+use duet_router::routing::RoutingPolicy;
 use duet_router::{RouterConfig, RoutingOptions};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -25,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use crate::cluster::{Cluster, ClusterSpec};
 use crate::plot;
 use crate::progress::{Progress, Unit};
+use crate::shared_prefix::{self, Seen, SharedPrefixArgs};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -33,6 +36,17 @@ pub enum Design {
     Disaggregated,
     /// Router + one worker doing both phases (no prefill pool).
     Colocated,
+}
+
+/// What the prompts are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WorkloadShape {
+    /// Distinct random prompts of --prompt-tokens (no prefix cache can help), or --dataset.
+    Random,
+    /// Groups × users of multi-turn conversations sharing each group's long system prompt (the
+    /// "Shared-prefix workload" flags); --requests and --prompt-tokens do not apply.
+    SharedPrefix,
 }
 
 #[derive(Args, Debug)]
@@ -72,6 +86,9 @@ pub struct ServeBenchArgs {
     /// `{"prompt_tokens": N, "output_tokens": M}` per line.
     #[arg(long)]
     pub dataset: Option<PathBuf>,
+    /// What the prompts are.
+    #[arg(long, value_enum, default_value_t = WorkloadShape::Random)]
+    pub workload: WorkloadShape,
     /// Time-to-first-token SLO in milliseconds.
     #[arg(long, default_value_t = 1000.0)]
     pub ttft_slo_ms: f64,
@@ -93,6 +110,16 @@ pub struct ServeBenchArgs {
     /// Write an SVG chart of the latency percentiles here (FILE.svg).
     #[arg(long)]
     pub plot_out: Option<PathBuf>,
+    /// Launch one disaggregated cluster per routing policy listed (instead of the router's
+    /// --routing), to compare them on the same workload.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub compare_routing: Vec<RoutingPolicy>,
+    #[command(flatten, next_help_heading = "Shared-prefix workload")]
+    pub shared_prefix: SharedPrefixArgs,
+    /// Membership of the launched clusters: with --etcd, every service joins through etcd, each
+    /// cluster under its own name (--cluster, then the design and the routing policy).
+    #[command(flatten, next_help_heading = "Membership")]
+    pub membership: ClusterArgs,
     /// The launched routers' routing and limits (the `duet-router` flags of the same names; a
     /// colocated cluster prefills every prompt locally whatever --local-prefill-threshold says).
     // Last: the heading applies to every flag after it.
@@ -132,11 +159,14 @@ impl std::str::FromStr for Range {
     }
 }
 
-/// One request of the workload.
+/// One request of the workload, or the first of a conversation's.
 #[derive(Clone, Debug)]
 struct Job {
     prompt: Prompt,
     max_tokens: u32,
+    /// The conversation's later questions: each turn's prompt is the previous turn's prompt, its
+    /// answer and the next question.
+    follow_ups: Vec<Vec<u32>>,
 }
 
 #[derive(Clone, Debug)]
@@ -165,6 +195,15 @@ struct Sample {
     arrivals: Vec<(Instant, usize)>,
     /// The servers' own account of the request (`Timings` on its last message).
     server: Option<v1::Timings>,
+    /// When it was sent.
+    sent: Option<Instant>,
+    /// The prompt's tokens (empty for a text prompt) and the tokens generated.
+    prompt: Vec<u32>,
+    token_ids: Vec<u32>,
+    /// The final message's usage: prompt tokens, and those found in a prefix cache.
+    prompt_tokens: u32,
+    cached_tokens: u32,
+    code: Option<tonic::Code>,
     error: Option<String>,
 }
 
@@ -215,6 +254,13 @@ pub struct RunReport {
     pub server_ttft_ms: TtftBreakdown,
     pub slo_attainment: f64,
     pub goodput_rps: f64,
+    /// Refused at once (RESOURCE_EXHAUSTED: the in-flight limit, or a TTFT estimate past the
+    /// deadline).
+    pub shed: usize,
+    /// Prompt tokens found in a prefix cache ÷ prompt tokens, over successful requests.
+    pub prefix_hit_rate: f64,
+    /// The same, had one worker held every prefix computed before (token prompts only).
+    pub ideal_prefix_hit_rate: f64,
     pub first_error: Option<String>,
 }
 
@@ -258,6 +304,8 @@ struct Workload<'a> {
     requests: usize,
     concurrency: Option<usize>,
     rate: Option<f64>,
+    shape: WorkloadShape,
+    shared_prefix: Option<&'a SharedPrefixArgs>,
     prompt_tokens: &'a Range,
     output_tokens: &'a Range,
     dataset: Option<String>,
@@ -302,20 +350,30 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         runs.push(runtime.block_on(drive(&args, addr, &jobs, "server"))?);
     } else {
         measure_engine(&mut engine_alone)?;
-        for design in &args.launch {
+        for (design, policy) in arms(&args) {
             let (prefill, local_prefill_threshold) = match design {
                 Design::Disaggregated => {
                     (args.prefill_workers, args.routing.local_prefill_threshold)
                 }
                 Design::Colocated => (0, u32::MAX),
             };
+            let mut name = format!("{design:?}").to_lowercase();
+            if let Some(policy) = policy {
+                name = format!("{name}/{policy}");
+            }
+            let membership = ClusterArgs {
+                cluster: format!("{}-{}", args.membership.cluster, name.replace('/', "-")),
+                ..args.membership.clone()
+            };
             let spec = ClusterSpec {
                 router: RouterConfig {
                     listen: std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?,
                     routing: RoutingOptions {
                         local_prefill_threshold,
+                        routing: policy.unwrap_or(args.routing.routing),
                         ..args.routing.clone()
                     },
+                    cluster: membership,
                     ..RouterConfig::default()
                 },
                 prefill: PrefillConfig {
@@ -335,11 +393,10 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 auth: Default::default(),
             };
             eprintln!(
-                "launching a {design:?} cluster ({prefill} prefill + {} decode)",
+                "launching a {name} cluster ({prefill} prefill + {} decode)",
                 args.decode_workers
             );
             let cluster = Cluster::start(&spec)?;
-            let name = format!("{design:?}").to_lowercase();
             runs.push(runtime.block_on(drive(&args, cluster.router, &jobs, &name))?);
             drop(cluster);
             measure_engine(&mut engine_alone)?;
@@ -349,7 +406,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
     for r in &runs {
         let b = &r.server_ttft_ms;
         println!(
-            "{:<15} TTFT p50 as the servers saw it: queue {:.1} + prefill {:.1} + transfer {:.1} ms; router TTFT {:.1} ms",
+            "{:<27} TTFT p50 as the servers saw it: queue {:.1} + prefill {:.1} + transfer {:.1} ms; router TTFT {:.1} ms",
             r.design, b.queue_ms.p50, b.prefill_ms.p50, b.transfer_ms.p50, b.ttft_ms.p50
         );
     }
@@ -381,14 +438,14 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 )
             });
             println!(
-                "{:<15} output tok/s = {:.2}× the engine alone around it ({engine:.1} tok/s) over the run{full}",
+                "{:<27} output tok/s = {:.2}× the engine alone around it ({engine:.1} tok/s) over the run{full}",
                 r.design,
                 r.output_tokens_per_s / engine
             );
             // A sequence of the engine's batch gets one token per step.
             let step_ms = 1e3 * e.batch as f64 / engine;
             println!(
-                "{:<15} TPOT p50 = {:.2}× the engine's step ({step_ms:.2} ms); TTFT p50 = {:.2}× the engine's prefill ({prefill_ms:.1} ms)",
+                "{:<27} TPOT p50 = {:.2}× the engine's step ({step_ms:.2} ms); TTFT p50 = {:.2}× the engine's prefill ({prefill_ms:.1} ms)",
                 r.design,
                 r.tpot_ms.p50 / step_ms,
                 r.ttft_ms.p50 / prefill_ms
@@ -397,7 +454,10 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
     }
     let report = Report {
         workload: Workload {
-            requests: jobs.len(),
+            requests: runs.first().map_or(0, |r| r.requests),
+            shape: args.workload,
+            shared_prefix: (args.workload == WorkloadShape::SharedPrefix)
+                .then_some(&args.shared_prefix),
             concurrency: args.rate.is_none().then_some(args.concurrency),
             rate: args.rate,
             prompt_tokens: &args.prompt_tokens,
@@ -421,6 +481,22 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// The clusters to launch, in order: each design, and for a disaggregated one each policy of
+/// --compare-routing (or the router's own --routing).
+fn arms(args: &ServeBenchArgs) -> Vec<(Design, Option<RoutingPolicy>)> {
+    args.launch
+        .iter()
+        .flat_map(|&design| match design {
+            Design::Disaggregated if !args.compare_routing.is_empty() => args
+                .compare_routing
+                .iter()
+                .map(|&p| (design, Some(p)))
+                .collect(),
+            _ => vec![(design, None)],
+        })
+        .collect()
+}
+
 fn workload(args: &ServeBenchArgs) -> Result<Vec<Job>> {
     let mut rng = args.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = move || {
@@ -432,6 +508,20 @@ fn workload(args: &ServeBenchArgs) -> Result<Vec<Job>> {
     let pick = |r: &Range, next: &mut dyn FnMut() -> u64| {
         r.min + (next() % (r.max - r.min + 1) as u64) as usize
     };
+    if args.workload == WorkloadShape::SharedPrefix {
+        let max_tokens = args.output_tokens.max as u32;
+        let mut token = || synthetic(1, &mut next)[0];
+        return Ok(args
+            .shared_prefix
+            .conversations(&mut token)
+            .into_iter()
+            .map(|c| Job {
+                prompt: Prompt::Tokens(c.first),
+                max_tokens,
+                follow_ups: c.follow_ups,
+            })
+            .collect());
+    }
     if let Some(path) = &args.dataset {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -456,7 +546,11 @@ fn workload(args: &ServeBenchArgs) -> Result<Vec<Job>> {
                 .max_tokens
                 .or(l.output_tokens)
                 .unwrap_or(args.output_tokens.max as u32);
-            jobs.push(Job { prompt, max_tokens });
+            jobs.push(Job {
+                prompt,
+                max_tokens,
+                follow_ups: Vec::new(),
+            });
         }
         if jobs.is_empty() {
             bail!("{} holds no requests", path.display());
@@ -474,6 +568,7 @@ fn workload(args: &ServeBenchArgs) -> Result<Vec<Job>> {
             Job {
                 prompt: Prompt::Tokens(synthetic(n, &mut next)),
                 max_tokens: out,
+                follow_ups: Vec::new(),
             }
         })
         .collect())
@@ -493,29 +588,30 @@ async fn drive(
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{router}"))?
         .connect()
         .await?;
-    // Synthetic prompts are drawn for a large vocabulary; fold them into this model's.
-    let vocab = v1::generation_client::GenerationClient::new(channel.clone())
+    let info = v1::generation_client::GenerationClient::new(channel.clone())
         .info(v1::InfoRequest {})
         .await?
-        .into_inner()
-        .vocab_size
-        .max(4);
+        .into_inner();
+    // Synthetic prompts are drawn for a large vocabulary; fold them into this model's.
+    let vocab = info.vocab_size.max(4);
+    let fold = |t: &[u32]| -> Vec<u32> {
+        t.iter()
+            .map(|&x| if x < vocab { x } else { 3 + x % (vocab - 3) })
+            .collect()
+    };
     let jobs: Vec<Job> = jobs
         .iter()
-        .map(|j| match &j.prompt {
-            Prompt::Tokens(t) => Job {
-                prompt: Prompt::Tokens(
-                    t.iter()
-                        .map(|&x| if x < vocab { x } else { 3 + x % (vocab - 3) })
-                        .collect(),
-                ),
-                max_tokens: j.max_tokens,
+        .map(|j| Job {
+            prompt: match &j.prompt {
+                Prompt::Tokens(t) => Prompt::Tokens(fold(t)),
+                Prompt::Text(_) => j.prompt.clone(),
             },
-            Prompt::Text(_) => j.clone(),
+            max_tokens: j.max_tokens,
+            follow_ups: j.follow_ups.iter().map(|q| fold(q)).collect(),
         })
         .collect();
     let jobs = &jobs[..];
-    let total = jobs.len();
+    let total = jobs.iter().map(|j| 1 + j.follow_ups.len()).sum::<usize>();
     let done = Arc::new(Progress::new(
         format!("[{design}]"),
         total as u64,
@@ -538,19 +634,18 @@ async fn drive(
                             let _ = drain_start.set(Instant::now());
                             break;
                         };
-                        out.push((i, one_request(channel.clone(), job).await));
-                        done.inc(1);
+                        out.push((i, conversation(channel.clone(), job, &done).await));
                     }
                     out
                 }
             });
-            let mut all: Vec<(usize, Sample)> = futures::future::join_all(workers)
+            let mut all: Vec<(usize, Vec<Sample>)> = futures::future::join_all(workers)
                 .await
                 .into_iter()
                 .flatten()
                 .collect();
             all.sort_by_key(|(i, _)| *i);
-            all.into_iter().map(|(_, s)| s).collect()
+            all.into_iter().flat_map(|(_, s)| s).collect()
         }
         Some(rate) => {
             let mut rng = args.seed ^ 0xA5A5_A5A5;
@@ -565,14 +660,12 @@ async fn drive(
                 tokio::time::sleep_until((start + at).into()).await;
                 let (channel, done, job) = (channel.clone(), done.clone(), job.clone());
                 handles.push(tokio::spawn(async move {
-                    let s = one_request(channel, &job).await;
-                    done.inc(1);
-                    s
+                    conversation(channel, &job, &done).await
                 }));
             }
             let mut out = Vec::new();
             for h in handles {
-                out.push(h.await?);
+                out.extend(h.await?);
             }
             out
         }
@@ -598,24 +691,56 @@ async fn drive(
         &samples,
         duration,
         full_concurrency,
+        info.block_size as usize,
         args,
     ))
 }
 
-async fn one_request(channel: tonic::transport::Channel, job: &Job) -> Sample {
+/// A job's turns, one after another (each turn's prompt is the previous turn's prompt, its
+/// answer and the next question); a failed turn ends the conversation.
+async fn conversation(
+    channel: tonic::transport::Channel,
+    job: &Job,
+    done: &Progress,
+) -> Vec<Sample> {
+    let mut samples: Vec<Sample> = Vec::with_capacity(1 + job.follow_ups.len());
+    let mut prompt = job.prompt.clone();
+    for turn in 0..=job.follow_ups.len() {
+        if let (Some(last), Prompt::Tokens(t)) = (samples.last(), &mut prompt) {
+            if !last.ok {
+                break;
+            }
+            t.extend_from_slice(&last.token_ids);
+            t.extend_from_slice(&job.follow_ups[turn - 1]);
+        }
+        samples.push(one_request(channel.clone(), &prompt, job.max_tokens).await);
+        done.inc(1);
+    }
+    samples
+}
+
+async fn one_request(
+    channel: tonic::transport::Channel,
+    prompt: &Prompt,
+    max_tokens: u32,
+) -> Sample {
     let mut client = v1::generation_client::GenerationClient::new(channel);
     let mut req = v1::GenerateRequest {
-        max_tokens: Some(job.max_tokens),
+        max_tokens: Some(max_tokens),
         temperature: Some(0.0),
         ignore_eos: true,
         ..Default::default()
     };
-    match &job.prompt {
+    let mut s = Sample::default();
+    match prompt {
         Prompt::Text(t) => req.prompt = t.clone(),
-        Prompt::Tokens(t) => req.token_ids = t.clone(),
+        Prompt::Tokens(t) => {
+            req.token_ids = t.clone();
+            s.prompt = t.clone();
+        }
     }
     let start = Instant::now();
-    let mut s = Sample::default();
+    s.sent = Some(start);
     let result: Result<(), tonic::Status> = async {
         let mut stream = client.generate(req).await?.into_inner();
         while let Some(msg) = stream.next().await {
@@ -623,6 +748,10 @@ async fn one_request(channel: tonic::transport::Channel, job: &Job) -> Sample {
             if msg.timings.is_some() {
                 s.server = msg.timings.clone();
             }
+            if let Some(u) = msg.usage {
+                (s.prompt_tokens, s.cached_tokens) = (u.prompt_tokens, u.cached_prompt_tokens);
+            }
+            s.token_ids.extend_from_slice(&msg.token_ids);
             if msg.token_ids.is_empty() {
                 continue;
             }
@@ -646,7 +775,10 @@ async fn one_request(channel: tonic::transport::Channel, job: &Job) -> Sample {
                 0.0
             };
         }
-        Err(e) => s.error = Some(format!("{}: {}", e.code(), e.message())),
+        Err(e) => {
+            s.code = Some(e.code());
+            s.error = Some(format!("{}: {}", e.code(), e.message()));
+        }
     }
     s
 }
@@ -681,9 +813,30 @@ fn summarize(
     samples: &[Sample],
     duration: f64,
     full_concurrency: Option<FullConcurrency>,
+    block_size: usize,
     args: &ServeBenchArgs,
 ) -> RunReport {
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+    let prompt_tokens: u64 = ok.iter().map(|s| s.prompt_tokens as u64).sum();
+    let cached_tokens: u64 = ok.iter().map(|s| s.cached_tokens as u64).sum();
+    let mut in_order: Vec<&Sample> = ok
+        .iter()
+        .copied()
+        .filter(|s| !s.prompt.is_empty())
+        .collect();
+    in_order.sort_by_key(|s| s.sent);
+    let seen: Vec<Seen> = in_order
+        .iter()
+        .map(|s| Seen {
+            prompt: &s.prompt,
+            output: &s.token_ids,
+        })
+        .collect();
+    let ideal: usize = shared_prefix::ideal_cached_tokens(&seen, block_size)
+        .into_iter()
+        .sum();
+    let token_prompts: usize = in_order.iter().map(|s| s.prompt.len()).sum();
+    let rate = |part: f64, whole: f64| if whole > 0.0 { part / whole } else { 0.0 };
     let attained = ok
         .iter()
         .filter(|s| s.ttft_ms <= args.ttft_slo_ms && s.tpot_ms <= args.tpot_slo_ms)
@@ -713,29 +866,47 @@ fn summarize(
         },
         slo_attainment: attained as f64 / samples.len().max(1) as f64,
         goodput_rps: attained as f64 / duration,
+        shed: samples
+            .iter()
+            .filter(|s| s.code == Some(tonic::Code::ResourceExhausted))
+            .count(),
+        prefix_hit_rate: rate(cached_tokens as f64, prompt_tokens as f64),
+        ideal_prefix_hit_rate: rate(ideal as f64, token_prompts as f64),
         first_error: samples.iter().find_map(|s| s.error.clone()),
     }
 }
 
 fn print_table(runs: &[RunReport], args: &ServeBenchArgs) {
+    let prompts = match args.workload {
+        WorkloadShape::Random => format!(
+            "prompt {}..{} tokens",
+            args.prompt_tokens.min, args.prompt_tokens.max
+        ),
+        WorkloadShape::SharedPrefix => {
+            let p = &args.shared_prefix;
+            format!(
+                "shared prefix: {} groups × {} users × {} turns, {}-token system prompts, {}-token questions",
+                p.groups, p.users, p.turns, p.system_tokens, p.question_tokens
+            )
+        }
+    };
     println!(
-        "workload: {} requests, {}, prompt {}..{} tokens, output {}..{} tokens; SLO: TTFT ≤ {} ms, TPOT ≤ {} ms",
+        "workload: {} requests, {}, {prompts}, output {}..{} tokens; SLO: TTFT ≤ {} ms, TPOT ≤ {} ms",
         runs.first().map_or(0, |r| r.requests),
         match args.rate {
             Some(r) => format!("Poisson {r} req/s"),
             None => format!("concurrency {}", args.concurrency),
         },
-        args.prompt_tokens.min,
-        args.prompt_tokens.max,
         args.output_tokens.min,
         args.output_tokens.max,
         args.ttft_slo_ms,
         args.tpot_slo_ms
     );
     println!(
-        "{:<15} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>8} {:>9}",
+        "{:<27} {:>6} {:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>8} {:>9} {:>6} {:>6}",
         "design",
         "failed",
+        "shed",
         "TTFT p50",
         "TTFT p90",
         "TTFT p99",
@@ -745,13 +916,16 @@ fn print_table(runs: &[RunReport], args: &ServeBenchArgs) {
         "out tok/s",
         "full tok/s",
         "SLO att",
-        "goodput"
+        "goodput",
+        "hit",
+        "ideal"
     );
     for r in runs {
         println!(
-            "{:<15} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9.2} {:>9.2} {:>9.2} {:>10.1} {:>10} {:>7.0}% {:>9.2}",
+            "{:<27} {:>6} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>9.2} {:>9.2} {:>9.2} {:>10.1} {:>10} {:>7.0}% {:>9.2} {:>5.0}% {:>5.0}%",
             r.design,
             r.failed,
+            r.shed,
             r.ttft_ms.p50,
             r.ttft_ms.p90,
             r.ttft_ms.p99,
@@ -763,7 +937,9 @@ fn print_table(runs: &[RunReport], args: &ServeBenchArgs) {
                 .as_ref()
                 .map_or("-".into(), |f| format!("{:.1}", f.output_tokens_per_s)),
             r.slo_attainment * 100.0,
-            r.goodput_rps
+            r.goodput_rps,
+            r.prefix_hit_rate * 100.0,
+            r.ideal_prefix_hit_rate * 100.0
         );
         if let Some(e) = &r.first_error {
             println!("  first error: {e}");

@@ -9,6 +9,7 @@ mod fetch;
 mod generate;
 mod plot;
 mod progress;
+mod shared_prefix;
 mod up;
 
 use duet_cli::cluster;

@@ -33,7 +33,9 @@ pub mod serve;
 
 pub use auth::{AttachClusterToken, ClusterAuth, ClusterToken};
 pub use channels::{Channels, PeerChannel, channel, is_connection_refused};
-pub use serve::{Edge, EdgeOptions, InFlightLimitLayer, MAX_MESSAGE_BYTES, Overloaded, deadline};
+pub use serve::{
+    Draining, Edge, EdgeOptions, InFlightLimitLayer, MAX_MESSAGE_BYTES, Overloaded, deadline,
+};
 
 /// `KvHeader.layout` of a KV push: per (layer, block), K then V, each
 /// `[kv_head][slot][head_dim]`, little-endian values of `KvHeader.dtype`.

@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::service::RoutesBuilder;
+use tonic_health::server::{HealthReporter, HealthService};
 use tower::{Layer, Service};
 
 use crate::auth::{ClusterAuthLayer, ClusterToken};
@@ -263,6 +264,25 @@ pub struct Edge {
     limit: InFlightLimitLayer,
     routes: RoutesBuilder,
     names: Vec<&'static str>,
+    health: HealthReporter,
+}
+
+/// Turns an edge's health NOT_SERVING (every service, and ""), for a worker that drains: the
+/// router and Kubernetes' readiness probe stop sending it work while its calls finish.
+#[derive(Clone, Debug)]
+pub struct Draining {
+    health: HealthReporter,
+    names: Vec<&'static str>,
+}
+
+impl Draining {
+    pub async fn begin(&self) {
+        for name in std::iter::once("").chain(self.names.iter().copied()) {
+            self.health
+                .set_service_status(name, tonic_health::ServingStatus::NotServing)
+                .await;
+        }
+    }
 }
 
 impl Edge {
@@ -272,6 +292,16 @@ impl Edge {
             options,
             routes: RoutesBuilder::default(),
             names: Vec::new(),
+            health: HealthReporter::new(),
+        }
+    }
+
+    /// The handle that marks this edge's health NOT_SERVING (take it once every service is
+    /// added).
+    pub fn draining(&self) -> Draining {
+        Draining {
+            health: self.health.clone(),
+            names: self.names.clone(),
         }
     }
 
@@ -309,12 +339,14 @@ impl Edge {
         listener: tokio::net::TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), tonic::transport::Error> {
-        let (reporter, health) = tonic_health::server::health_reporter();
         for name in std::iter::once("").chain(self.names.iter().copied()) {
-            reporter
+            self.health
                 .set_service_status(name, tonic_health::ServingStatus::Serving)
                 .await;
         }
+        let health = tonic_health::pb::health_server::HealthServer::new(
+            HealthService::from_health_reporter(self.health.clone()),
+        );
         let (reflection_v1, reflection_v1alpha) = crate::reflection_services();
         self.routes
             .add_service(health)

@@ -1,6 +1,6 @@
 //! A worker in the cluster: its card (built from the loaded engine), registered while it serves,
-//! and the graceful drain on SIGTERM that rolling updates rely on: the card goes `draining` (the
-//! router sends nothing new), requests in flight finish within the drain timeout, the lease is
+//! and the graceful drain on SIGTERM that rolling updates rely on: health goes NOT_SERVING and
+//! the card `draining` (the router sends nothing new), requests in flight finish within the drain timeout, the lease is
 //! revoked, and the worker returns (exit 0).
 
 use std::time::Duration;
@@ -72,12 +72,14 @@ pub async fn serve_registered(
     let drain = {
         let registration = registration.clone();
         let draining = draining.clone();
+        let health = edge.draining();
         async move {
             shutdown.await;
             tracing::info!(
                 key = registration.key(),
                 "draining: no new work, finishing requests in flight"
             );
+            health.begin().await;
             registration.set_state(CardState::Draining);
             if !registration
                 .wait_for_state(CardState::Draining, DRAINING_WRITE_TIMEOUT)

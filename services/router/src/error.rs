@@ -31,6 +31,14 @@ pub enum RouterError {
         left.as_secs_f64()
     )]
     TtftPastDeadline { estimated: Duration, left: Duration },
+    /// What is left of the deadline is shorter than the prompt's own prefill on an idle worker:
+    /// DEADLINE_EXCEEDED at once (no cluster could answer in time).
+    #[error(
+        "what is left of the deadline ({:.3} s) is shorter than this prompt's prefill alone (an estimated {:.3} s)",
+        left.as_secs_f64(),
+        alone.as_secs_f64()
+    )]
+    DeadlineTooShort { alone: Duration, left: Duration },
     /// The router already has its limit of requests in flight: RESOURCE_EXHAUSTED.
     #[error(transparent)]
     Overloaded(#[from] duet_proto::Overloaded),
@@ -61,7 +69,9 @@ impl RouterError {
                 Code::ResourceExhausted => Code::ResourceExhausted,
                 _ => Code::Unavailable,
             },
-            RouterError::DeadlineExceeded(_) => Code::DeadlineExceeded,
+            RouterError::DeadlineExceeded(_) | RouterError::DeadlineTooShort { .. } => {
+                Code::DeadlineExceeded
+            }
             RouterError::Worker { status, .. } => status.code(),
             RouterError::Internal(_) => Code::Internal,
         }

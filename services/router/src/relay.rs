@@ -123,6 +123,9 @@ async fn run(
         };
         let route = match routed {
             Some(Ok(route)) => route,
+            Some(Err(NoRoute::DeadlineTooShort { alone, left })) => {
+                return Err(RouterError::DeadlineTooShort { alone, left });
+            }
             Some(Err(NoRoute::PastDeadline { estimated, left })) => {
                 return Err(RouterError::TtftPastDeadline { estimated, left });
             }

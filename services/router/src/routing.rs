@@ -571,8 +571,12 @@ pub struct RouteRequest<'a> {
 pub enum NoRoute {
     /// No routable decode worker is left.
     NoDecodeWorker,
-    /// The best plan's estimated time to first token passes the deadline.
+    /// The best plan's estimated time to first token passes the deadline because of the work
+    /// queued before it.
     PastDeadline { estimated: Duration, left: Duration },
+    /// The deadline left is shorter than the prompt's own prefill on an idle worker: the
+    /// request's deadline cannot be met, however idle the cluster.
+    DeadlineTooShort { alone: Duration, left: Duration },
 }
 
 /// How routing is tuned (router flags).
@@ -897,8 +901,13 @@ impl Pools {
             }
             Some(_) => Decision::Remote,
         };
-        let (plan, estimate, predicted, prefilling) = if decision == Decision::Remote {
+        let (plan, estimate, predicted, prefilling, load) = if decision == Decision::Remote {
             let (first, estimate) = ranked[0];
+            let load = prefill
+                .iter()
+                .find(|&&(i, _)| i == first)
+                .map(|&(_, l)| l)
+                .expect("ranked from these");
             let plan = v1::PrefillPlan {
                 local: false,
                 prefill_workers: ranked
@@ -910,20 +919,29 @@ impl Pools {
                     .collect(),
             };
             let w = &prefill_pool[first];
-            (plan, estimate, cached_on(w), w)
+            (plan, estimate, cached_on(w), w, load)
         } else {
             let plan = v1::PrefillPlan {
                 local: true,
                 prefill_workers: vec![],
             };
-            (plan, local_ttft, cached_on(d), d)
+            (plan, local_ttft, cached_on(d), d, local_load)
         };
         let estimated_ttft = Duration::from_secs_f64(estimate.max(0.0));
         if estimated_ttft > req.deadline_left {
             self.decisions.count(Decision::RejectedTtft);
-            return Err(NoRoute::PastDeadline {
-                estimated: estimated_ttft,
-                left: req.deadline_left,
+            let alone = estimated_ttft_s(PrefillLoad {
+                queued_tokens: 0,
+                ..load
+            });
+            let (alone, left) = (Duration::from_secs_f64(alone.max(0.0)), req.deadline_left);
+            return Err(if alone >= left {
+                NoRoute::DeadlineTooShort { alone, left }
+            } else {
+                NoRoute::PastDeadline {
+                    estimated: estimated_ttft,
+                    left,
+                }
             });
         }
         self.decisions.count(decision);
@@ -1491,10 +1509,23 @@ mod tests {
         };
         let refused = ask(Duration::from_millis(500)).unwrap_err();
         assert!(
+            matches!(refused, NoRoute::DeadlineTooShort { .. }),
+            "shorter than the prompt's own prefill: {refused:?}"
+        );
+        assert_eq!(pools.decisions.of(Decision::RejectedTtft), 1);
+        // Queued work (everywhere) makes a deadline the prompt alone would meet too short:
+        // overload.
+        for w in pools.all() {
+            set(&w, true, stats("fp", 1000, 2000));
+        }
+        let refused = ask(Duration::from_secs(2)).unwrap_err();
+        assert!(
             matches!(refused, NoRoute::PastDeadline { .. }),
             "{refused:?}"
         );
-        assert_eq!(pools.decisions.of(Decision::RejectedTtft), 1);
+        for w in pools.all() {
+            set(&w, true, stats("fp", 1000, 0));
+        }
         assert_eq!(
             pools.prefill()[0].planned_tokens(),
             0,
