@@ -430,6 +430,23 @@ impl Tokenizer {
             })
     }
 
+    /// The most bytes of text one token stands for, over the whole vocabulary (added tokens
+    /// included): a text of `n` bytes encodes to at least `n / longest_token_bytes()` tokens.
+    /// Measured as each token's spelling in UTF-8, which is never shorter than the text it
+    /// stands for (a byte-level BPE character, `▁` or a `<0xAB>` byte token each stand for
+    /// one byte), so the bound holds for every tokenizer whose normalizer does not shorten
+    /// text.
+    pub fn longest_token_bytes(&self) -> usize {
+        self.inner
+            .tok
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    }
+
     /// Number of ids (including added tokens).
     pub fn vocab_size(&self) -> usize {
         self.inner.vocab_size

@@ -150,6 +150,13 @@ pub struct RoutingOptions {
     #[arg(long, env = "DUET_MAX_QUEUED_REQUESTS", default_value_t = RoutingOptions::default().max_queued_requests)]
     pub max_queued_requests: usize,
 
+    /// Prompt text past this many bytes (a `prompt`, or the `messages`' contents together) is
+    /// refused with INVALID_ARGUMENT before it is tokenized. Unset: the context length times
+    /// the most bytes one token of the model stands for, which no prompt that fits the context
+    /// exceeds.
+    #[arg(long, value_name = "BYTES", env = "DUET_MAX_PROMPT_BYTES")]
+    pub max_prompt_bytes: Option<usize>,
+
     /// Largest request message accepted, in bytes.
     #[arg(long, env = "DUET_MAX_REQUEST_BYTES", default_value_t = RoutingOptions::default().max_request_bytes)]
     pub max_request_bytes: usize,
@@ -189,6 +196,7 @@ impl Default for RoutingOptions {
             prefill_saturation_factor: 2.0,
             kv_link_mib_per_s: 1024,
             max_queued_requests: 256,
+            max_prompt_bytes: None,
             max_request_bytes: 4 * 1024 * 1024,
             stats_interval_ms: 500,
             unhealthy_after_failures: 3,
@@ -222,6 +230,7 @@ impl RoutingOptions {
             prefill_saturation_factor,
             kv_link_mib_per_s,
             max_queued_requests,
+            max_prompt_bytes,
             max_request_bytes,
             stats_interval_ms,
             unhealthy_after_failures,
@@ -229,7 +238,7 @@ impl RoutingOptions {
             decode_idle_timeout_ms,
             request_timeout_ms,
         } = self;
-        [
+        let mut args: Vec<OsString> = [
             format!("--default-max-tokens={default_max_tokens}"),
             format!("--routing={routing}"),
             format!("--local-prefill-threshold={local_prefill_threshold}"),
@@ -245,7 +254,9 @@ impl RoutingOptions {
         ]
         .into_iter()
         .map(Into::into)
-        .collect()
+        .collect();
+        args.extend(max_prompt_bytes.map(|b| format!("--max-prompt-bytes={b}").into()));
+        args
     }
 }
 
@@ -299,6 +310,7 @@ mod tests {
             (3, 5_000)
         );
         assert_eq!(r.decode_idle_timeout_ms, 30_000);
+        assert_eq!(r.max_prompt_bytes, None);
     }
 
     #[test]
@@ -334,6 +346,7 @@ mod tests {
                 prefill_saturation_factor: 0.5,
                 kv_link_mib_per_s: 3,
                 max_queued_requests: 9,
+                max_prompt_bytes: Some(4321),
                 max_request_bytes: 1234,
                 stats_interval_ms: 11,
                 unhealthy_after_failures: 17,

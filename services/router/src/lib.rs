@@ -39,15 +39,22 @@ pub use service::{GenerationService, RouterState};
 pub use validate::{PromptModel, ValidationError};
 
 /// Loads what the router needs of a model: tokenizer, chat template (ChatML when the model
-/// has none), context length and vocabulary size. Weights are memory-mapped by the loader for
+/// has none), context length and vocabulary size; text to tokenize is limited to
+/// `max_prompt_bytes`, by default [`validate::max_prompt_bytes_for`] the context. Weights are memory-mapped by the loader for
 /// its fingerprint digest but never read whole; they are unmapped before this returns.
-pub fn load_prompt_model(path: &Path, default_max_tokens: u32) -> anyhow::Result<PromptModel> {
+pub fn load_prompt_model(
+    path: &Path,
+    default_max_tokens: u32,
+    max_prompt_bytes: Option<usize>,
+) -> anyhow::Result<PromptModel> {
     let files = open_model(path).with_context(|| format!("loading model {}", path.display()))?;
     let context_length = u32::try_from(files.config.max_position_embeddings)
         .context("the model's context length does not fit in 32 bits")?;
     let vocab_size = u32::try_from(files.config.vocab_size)
         .context("the model's vocabulary size does not fit in 32 bits")?;
     Ok(PromptModel {
+        max_prompt_bytes: max_prompt_bytes
+            .unwrap_or_else(|| validate::max_prompt_bytes_for(&files.tokenizer, context_length)),
         tokenizer: files.tokenizer,
         chat: Arc::new(files.chat_template.unwrap_or_else(ChatTemplate::chatml)),
         context_length,
@@ -65,12 +72,16 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let path = config.model.resolve()?;
-    let default_max_tokens = config.routing.default_max_tokens;
+    let (default_max_tokens, max_prompt_bytes) = (
+        config.routing.default_max_tokens,
+        config.routing.max_prompt_bytes,
+    );
     let load_path = path.clone();
-    let model =
-        tokio::task::spawn_blocking(move || load_prompt_model(&load_path, default_max_tokens))
-            .await
-            .context("model loading panicked")??;
+    let model = tokio::task::spawn_blocking(move || {
+        load_prompt_model(&load_path, default_max_tokens, max_prompt_bytes)
+    })
+    .await
+    .context("model loading panicked")??;
     let token = config.auth.token()?;
     let pools = Pools::new(
         &config.decode,

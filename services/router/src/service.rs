@@ -1,9 +1,11 @@
 //! The public `duet.v1.Generation` service: Generate (streamed relay of a decode worker's
 //! stream, with failover), Complete (the same, gathered into one message), Tokenize and Info.
 //!
-//! Each Generate/Complete call is validated, admitted against the in-flight limit, then driven
-//! by one task ([`crate::relay`]) that relays the decode worker's messages into a small bounded
-//! channel read by the client's stream.
+//! Each Generate/Complete call is admitted against the in-flight limit (by the edge, before
+//! the handler runs), its prompt text checked by length, then tokenized and validated on a
+//! blocking thread (at most one per core at once, so a long prompt holds no async thread and
+//! with it no other request's stream), then driven by one task ([`crate::relay`]) that relays
+//! the decode worker's messages into a small bounded channel read by the client's stream.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +13,7 @@ use std::time::Duration;
 use duet_proto::v1;
 use duet_proto::v1::generation_server::Generation;
 use futures::StreamExt;
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -22,7 +24,7 @@ use crate::error::RouterError;
 use crate::metrics::{Outcome, RouterMetrics};
 use crate::relay::{self, Item, Job};
 use crate::routing::Pools;
-use crate::validate::{PromptModel, random_u64};
+use crate::validate::{PromptModel, ValidationError, random_u64};
 
 /// Tokens per KV block reported by Info before any worker reported its own.
 const DEFAULT_BLOCK_SIZE: u32 = 16;
@@ -42,6 +44,9 @@ pub struct RouterState {
     /// How long a running decode stream may go without a message before it fails over.
     pub decode_idle_timeout: Duration,
     pub metrics: RouterMetrics,
+    /// Tokenizations running at once, at most one per core: more would only take the cores
+    /// from the streams of requests already running.
+    tokenizing: Semaphore,
 }
 
 /// One admitted request's messages, in order; an error ends them. Dropping it cancels the
@@ -54,11 +59,20 @@ impl RouterState {
     /// The caller admitted it against the in-flight limit.
     pub(crate) async fn start(
         self: &Arc<Self>,
-        req: v1::GenerateRequest,
+        mut req: v1::GenerateRequest,
         deadline: Instant,
     ) -> Result<Messages, RouterError> {
         let start = Instant::now();
-        let valid = match self.model.validate(&req, random_u64) {
+        let request_id = std::mem::take(&mut req.request_id);
+        // The cheap check by length first, before waiting for a tokenizing slot.
+        let validated = match self.model.check_prompt_bytes(&req.prompt, &req.messages) {
+            Ok(()) => {
+                self.tokenize(move |model| model.validate(&req, random_u64))
+                    .await
+            }
+            Err(e) => Err(e.into()),
+        };
+        let valid = match validated {
             Ok(valid) => self
                 .pools
                 .wait_for(self.worker_wait_ends(deadline), |p| {
@@ -67,13 +81,13 @@ impl RouterState {
                 .await
                 .map(|()| valid)
                 .ok_or(RouterError::NoDecodeWorker(None)),
-            Err(e) => Err(RouterError::from(e)),
+            Err(e) => Err(e),
         };
         let valid = valid.inspect_err(|e| self.metrics.finished(Outcome::Failed(e.code())))?;
-        let request_id = if req.request_id.is_empty() {
+        let request_id = if request_id.is_empty() {
             format!("req-{:016x}", random_u64())
         } else {
-            req.request_id
+            request_id
         };
         let job = Job {
             request_id,
@@ -107,7 +121,29 @@ impl RouterState {
             pools,
             wait_for_worker: Duration::from_millis(routing.wait_for_worker_ms),
             decode_idle_timeout: Duration::from_millis(routing.decode_idle_timeout_ms.max(1)),
+            tokenizing: Semaphore::new(
+                std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+            ),
         }
+    }
+
+    /// Runs `work`, which tokenizes, on a blocking thread once one of the tokenizing slots is
+    /// free. Callers check the text's length first ([`PromptModel::check_prompt_bytes`]), so
+    /// that text past the limit waits for no slot.
+    async fn tokenize<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&PromptModel) -> Result<T, ValidationError> + Send + 'static,
+    ) -> Result<T, RouterError> {
+        let _slot = self
+            .tokenizing
+            .acquire()
+            .await
+            .map_err(|_| RouterError::Internal("the tokenizing slots were closed".into()))?;
+        let model = self.model.clone();
+        tokio::task::spawn_blocking(move || work(&model))
+            .await
+            .map_err(|e| RouterError::Internal(format!("tokenizing failed: {e}")))?
+            .map_err(RouterError::from)
     }
 
     /// Until when a request that finds no routable decode worker, starting to wait now, waits
@@ -182,21 +218,26 @@ impl Generation for GenerationService {
         request: Request<v1::TokenizeRequest>,
     ) -> Result<Response<v1::TokenizeResponse>, Status> {
         let r = request.into_inner();
-        let model = &self.state.model;
-        let ids = if r.messages.is_empty() {
-            model.encode_text(&r.text)
-        } else {
-            model.encode_messages(&r.messages)
-        }
-        .map_err(RouterError::from)?;
-        let tokens = ids
-            .iter()
-            .map(|&id| model.tokenizer.id_to_token(id).unwrap_or_default())
-            .collect();
-        Ok(Response::new(v1::TokenizeResponse {
-            token_ids: ids,
-            tokens,
-        }))
+        let state = &self.state;
+        state
+            .model
+            .check_prompt_bytes(&r.text, &r.messages)
+            .map_err(RouterError::from)?;
+        let response = state
+            .tokenize(move |model| {
+                let token_ids = if r.messages.is_empty() {
+                    model.encode_text(&r.text)
+                } else {
+                    model.encode_messages(&r.messages)
+                }?;
+                let tokens = token_ids
+                    .iter()
+                    .map(|&id| model.tokenizer.id_to_token(id).unwrap_or_default())
+                    .collect();
+                Ok(v1::TokenizeResponse { token_ids, tokens })
+            })
+            .await?;
+        Ok(Response::new(response))
     }
 
     async fn info(

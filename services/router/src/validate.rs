@@ -16,6 +16,11 @@ pub enum ValidationError {
     #[error("empty prompt: the prompt tokenizes to no tokens")]
     EmptyAfterTokenization,
     #[error(
+        "prompt too long: {len} bytes of text, past the router's limit of {max} bytes \
+         (--max-prompt-bytes)"
+    )]
+    PromptTooManyBytes { len: usize, max: usize },
+    #[error(
         "prompt too long: {len} tokens, but the context holds {context} (the prompt plus at \
          least one generated token must fit)"
     )]
@@ -85,11 +90,48 @@ pub struct PromptModel {
     pub vocab_size: u32,
     /// `max_tokens` of requests that set none (lowered to fit the context).
     pub default_max_tokens: u32,
+    /// Text to tokenize past this many bytes is refused before tokenizing (see
+    /// [`max_prompt_bytes_for`]).
+    pub max_prompt_bytes: usize,
+}
+
+/// The default `--max-prompt-bytes`: the context's tokens times the most bytes one token
+/// stands for. A text longer than that encodes to more tokens than the context holds, so the
+/// bound refuses no prompt that would fit, and caps a tokenization's work at a context's worth.
+pub fn max_prompt_bytes_for(tokenizer: &Tokenizer, context_length: u32) -> usize {
+    (context_length as usize).saturating_mul(tokenizer.longest_token_bytes())
 }
 
 impl PromptModel {
+    /// Refuses `len` bytes of text to tokenize past the limit.
+    fn check_bytes(&self, len: usize) -> Result<(), ValidationError> {
+        if len > self.max_prompt_bytes {
+            return Err(ValidationError::PromptTooManyBytes {
+                len,
+                max: self.max_prompt_bytes,
+            });
+        }
+        Ok(())
+    }
+
+    /// The length check of what a request would tokenize (`messages`' contents, else
+    /// `prompt`; `token_ids` need none), by lengths alone: the router runs it before waiting
+    /// for a tokenizing thread. Tokenizing checks it again, so every caller is covered.
+    pub fn check_prompt_bytes(
+        &self,
+        text: &str,
+        messages: &[v1::ChatMessage],
+    ) -> Result<(), ValidationError> {
+        if messages.is_empty() {
+            self.check_bytes(text.len())
+        } else {
+            self.check_bytes(messages.iter().map(|m| m.content.len()).sum())
+        }
+    }
+
     /// Tokenizes plain text as `GenerateRequest.prompt` is.
     pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, ValidationError> {
+        self.check_bytes(text.len())?;
         Ok(self.tokenizer.encode(text)?)
     }
 
@@ -99,6 +141,9 @@ impl PromptModel {
         &self,
         messages: &[v1::ChatMessage],
     ) -> Result<Vec<u32>, ValidationError> {
+        // The contents bound the rendered text's tokens (the markup only adds some), so they
+        // are checked before rendering, which copies them.
+        self.check_prompt_bytes("", messages)?;
         let msgs: Vec<ChatMessage> = messages
             .iter()
             .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
@@ -106,7 +151,7 @@ impl PromptModel {
         let text = self
             .chat
             .apply(&msgs, true, &self.tokenizer.special_tokens())?;
-        self.encode_text(&text)
+        Ok(self.tokenizer.encode(&text)?)
     }
 
     /// The prompt of a request: `token_ids` if non-empty, else `messages`, else `prompt`.
@@ -262,10 +307,12 @@ mod tests {
     fn model() -> PromptModel {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
         let files = duet_model::model_files::open_model(&dir).expect("tiny-llama opens");
+        let context_length = files.config.max_position_embeddings as u32;
         PromptModel {
+            max_prompt_bytes: max_prompt_bytes_for(&files.tokenizer, context_length),
             tokenizer: files.tokenizer,
             chat: std::sync::Arc::new(files.chat_template.unwrap_or_else(ChatTemplate::chatml)),
-            context_length: files.config.max_position_embeddings as u32,
+            context_length,
             vocab_size: files.config.vocab_size as u32,
             default_max_tokens: 256,
         }
@@ -393,6 +440,58 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(m.validate(&r, || 0).unwrap().sampling.max_tokens, 1);
+    }
+
+    /// The derived limit is the context times the longest token; text at the limit is
+    /// tokenized (and judged by its tokens), one byte more is refused by its length alone,
+    /// with a message naming the limit.
+    #[test]
+    fn prompt_bytes_limit() {
+        let m = model();
+        let longest = m.tokenizer.longest_token_bytes();
+        assert_eq!(m.max_prompt_bytes, 256 * longest);
+        let at_limit = v1::GenerateRequest {
+            prompt: "a".repeat(m.max_prompt_bytes),
+            ..Default::default()
+        };
+        let e = m.validate(&at_limit, || 0).unwrap_err();
+        assert!(matches!(e, ValidationError::PromptTooLong { .. }), "{e}");
+        let over = "a".repeat(m.max_prompt_bytes + 1);
+        let words = [
+            &format!("{} bytes", m.max_prompt_bytes + 1),
+            &format!("limit of {} bytes", m.max_prompt_bytes),
+            "--max-prompt-bytes",
+        ];
+        assert_err(
+            &m,
+            v1::GenerateRequest {
+                prompt: over.clone(),
+                ..Default::default()
+            },
+            &words,
+        );
+        // Messages count their contents together.
+        let half = |n: usize| v1::ChatMessage {
+            role: "user".into(),
+            content: "b".repeat(n),
+        };
+        let n = m.max_prompt_bytes / 2 + 1;
+        let r = v1::GenerateRequest {
+            messages: vec![half(n), half(n)],
+            ..Default::default()
+        };
+        let e = m.validate(&r, || 0).unwrap_err();
+        assert!(
+            matches!(e, ValidationError::PromptTooManyBytes { .. }),
+            "{e}"
+        );
+        let e = m.check_prompt_bytes(&over, &[]).unwrap_err();
+        assert!(
+            matches!(e, ValidationError::PromptTooManyBytes { .. }),
+            "{e}"
+        );
+        // A short conversation passes.
+        assert!(m.check_prompt_bytes("", &[half(1)]).is_ok());
     }
 
     #[test]
