@@ -228,7 +228,20 @@ impl Cluster {
             }
         }
         let router = cluster.router;
-        runtime.block_on(wait_until_serving(router, Duration::from_secs(300)))?;
+        // The readiness probe is a public call: with API keys, it carries the first.
+        let key = match &spec.router.api_keys_file {
+            Some(path) => Some(
+                duet_router::api_keys::ApiKeys::load(path)?
+                    .first()
+                    .to_owned(),
+            ),
+            None => None,
+        };
+        runtime.block_on(wait_until_serving(
+            router,
+            key.as_deref(),
+            Duration::from_secs(300),
+        ))?;
         cluster.runtime = Some(runtime);
         Ok(cluster)
     }
@@ -335,11 +348,11 @@ fn free_ports(n: usize) -> Result<Vec<SocketAddr>> {
 }
 
 /// Polls with a one-token `Generate` until one succeeds: only then would a user's call succeed.
-async fn wait_until_serving(router: SocketAddr, limit: Duration) -> Result<()> {
+async fn wait_until_serving(router: SocketAddr, key: Option<&str>, limit: Duration) -> Result<()> {
     let deadline = Instant::now() + limit;
     let mut last_error = String::from("not started");
     while Instant::now() < deadline {
-        match probe(router).await {
+        match probe(router, key).await {
             Ok(()) => return Ok(()),
             Err(e) => last_error = format!("{e:#}"),
         }
@@ -348,7 +361,7 @@ async fn wait_until_serving(router: SocketAddr, limit: Duration) -> Result<()> {
     bail!("the cluster did not become ready within {limit:?}: {last_error}")
 }
 
-async fn probe(router: SocketAddr) -> Result<()> {
+async fn probe(router: SocketAddr, key: Option<&str>) -> Result<()> {
     let mut client =
         v1::generation_client::GenerationClient::connect(format!("http://{router}")).await?;
     let mut req = tonic::Request::new(v1::GenerateRequest {
@@ -358,6 +371,10 @@ async fn probe(router: SocketAddr) -> Result<()> {
         ..Default::default()
     });
     req.set_timeout(Duration::from_secs(30));
+    if let Some(key) = key {
+        req.metadata_mut()
+            .insert("authorization", format!("Bearer {key}").parse()?);
+    }
     client.complete(req).await?;
     Ok(())
 }

@@ -27,6 +27,10 @@ pub struct UpArgs {
     /// Unset: none.
     #[arg(long, value_name = "ADDR", env = "DUET_HTTP_LISTEN")]
     pub http_listen: Option<SocketAddr>,
+    /// File of the API keys the router's public APIs require (`duet-router --api-keys-file`).
+    /// Unset: no key needed.
+    #[arg(long, value_name = "PATH", env = "DUET_API_KEYS_FILE")]
+    pub api_keys_file: Option<std::path::PathBuf>,
     /// Number of prefill workers.
     #[arg(long, env = "DUET_PREFILL_WORKERS_COUNT", default_value_t = 1)]
     pub prefill_workers: usize,
@@ -73,6 +77,7 @@ pub fn run(args: UpArgs) -> Result<()> {
         router: RouterConfig {
             listen: args.listen,
             http_listen: args.http_listen,
+            api_keys_file: args.api_keys_file.clone(),
             cluster: args.cluster.clone(),
             metrics: args.metrics,
             routing: args.routing.clone(),

@@ -52,16 +52,20 @@ impl ClusterToken {
         &self.0
     }
 
-    /// Compares without an early exit, so the time taken says nothing about how much matched.
     fn matches(&self, presented: &[u8]) -> bool {
-        let expected = self.0.as_bytes();
-        expected.len() == presented.len()
-            && expected
-                .iter()
-                .zip(presented)
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
+        constant_time_eq(self.0.as_bytes(), presented)
     }
+}
+
+/// Whether a presented secret equals the expected one, compared without an early exit, so the
+/// time taken says nothing about how much matched (only whether the lengths differ).
+pub fn constant_time_eq(expected: &[u8], presented: &[u8]) -> bool {
+    expected.len() == presented.len()
+        && expected
+            .iter()
+            .zip(presented)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
 }
 
 impl FromStr for ClusterToken {

@@ -63,6 +63,14 @@ pub struct RouterConfig {
     #[command(flatten)]
     pub routing: RoutingOptions,
 
+    /// File of the API keys the public API requires (one key a line; empty lines and lines
+    /// starting with `#` skipped): gRPC `Generation` calls carry `authorization: Bearer KEY`
+    /// metadata, OpenAI HTTP calls under `/v1/` the same header, or are refused with
+    /// UNAUTHENTICATED / HTTP 401. Health, liveness and reflection stay open. Unset: no key
+    /// needed.
+    #[arg(long, value_name = "PATH", env = "DUET_API_KEYS_FILE")]
+    pub api_keys_file: Option<std::path::PathBuf>,
+
     /// Cluster token the router's calls to the workers carry (see `duet_proto::auth`).
     #[command(flatten)]
     pub auth: ClusterAuth,
@@ -81,6 +89,7 @@ impl Default for RouterConfig {
             model: ModelArgs::default(),
             metrics: MetricsArgs::default(),
             routing: RoutingOptions::default(),
+            api_keys_file: None,
             auth: ClusterAuth::default(),
         }
     }
@@ -100,6 +109,7 @@ impl RouterConfig {
             model,
             metrics,
             routing,
+            api_keys_file,
             auth,
         } = self;
         let mut args = vec![OsString::from(format!("--listen={listen}"))];
@@ -111,6 +121,11 @@ impl RouterConfig {
         args.extend(model.to_args());
         args.extend(metrics.to_args());
         args.extend(routing.to_args());
+        args.extend(api_keys_file.iter().map(|p| {
+            let mut arg = OsString::from("--api-keys-file=");
+            arg.push(p);
+            arg
+        }));
         args.extend(auth.to_args());
         args
     }
@@ -354,6 +369,7 @@ mod tests {
                 decode_idle_timeout_ms: 23,
                 request_timeout_ms: 13,
             },
+            api_keys_file: Some("key dir/keys".into()),
             auth: ClusterAuth {
                 cluster_token: None,
                 cluster_token_file: Some("secret dir/token".into()),

@@ -48,6 +48,9 @@ pub enum RouterError {
     /// A decode worker's error that is not retried (passed on as is).
     #[error("decode worker {worker}: {}", .status.message())]
     Worker { worker: String, status: Status },
+    /// A public call without a valid API key: UNAUTHENTICATED.
+    #[error(transparent)]
+    Unauthenticated(#[from] crate::api_keys::Unauthenticated),
     /// A bug or an impossible state: INTERNAL.
     #[error("internal error: {0}")]
     Internal(String),
@@ -73,6 +76,7 @@ impl RouterError {
                 Code::DeadlineExceeded
             }
             RouterError::Worker { status, .. } => status.code(),
+            RouterError::Unauthenticated(_) => Code::Unauthenticated,
             RouterError::Internal(_) => Code::Internal,
         }
     }

@@ -25,6 +25,7 @@ use duet_proto::v1;
 use tokio::time::Instant;
 use tonic::Code;
 
+use crate::api_keys::{ApiKeys, require_api_key};
 use crate::error::RouterError;
 use crate::openai::{
     Answer, ChatChoice, ChatCompletion, ChatLogprobs, ChatMessageOut, ChatRequest, Completion,
@@ -46,13 +47,22 @@ pub struct HttpFront {
     pub request_timeout: Duration,
 }
 
-/// The HTTP front's routes; bodies past `max_body_bytes` are refused with 413.
-pub fn app(front: Arc<HttpFront>, max_body_bytes: usize) -> axum::Router {
-    axum::Router::new()
+/// The HTTP front's routes; bodies past `max_body_bytes` are refused with 413. With `keys`,
+/// the `/v1/` routes answer 401 to calls without one of them (before the body is read).
+pub fn app(
+    front: Arc<HttpFront>,
+    max_body_bytes: usize,
+    keys: Option<Arc<ApiKeys>>,
+) -> axum::Router {
+    let api = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route("/health", get(health))
+        .route("/v1/models", get(models));
+    let api = match keys {
+        Some(keys) => api.route_layer(axum::middleware::from_fn_with_state(keys, require_api_key)),
+        None => api,
+    };
+    api.route("/health", get(health))
         .route("/live", get(live))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body_bytes))
@@ -99,6 +109,11 @@ impl HttpError {
                     (StatusCode::BAD_REQUEST, "invalid_request_error", None)
                 }
                 Code::NotFound => (StatusCode::NOT_FOUND, "invalid_request_error", None),
+                Code::Unauthenticated => (
+                    StatusCode::UNAUTHORIZED,
+                    "invalid_request_error",
+                    Some("invalid_api_key"),
+                ),
                 Code::ResourceExhausted => (
                     StatusCode::TOO_MANY_REQUESTS,
                     "rate_limit_error",

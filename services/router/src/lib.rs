@@ -11,6 +11,7 @@
 //! [`serve`] runs it on a listener until a shutdown future resolves, so `duet up` and tests can
 //! run it in-process; `main.rs` is a thin command around it.
 
+pub mod api_keys;
 pub mod config;
 pub mod error;
 pub mod http;
@@ -31,6 +32,8 @@ use anyhow::Context;
 use duet_model::chat::ChatTemplate;
 use duet_model::model_files::open_model;
 use duet_proto::v1::generation_server::GenerationServer;
+
+use crate::api_keys::{ApiKeys, RequireApiKey};
 
 pub use config::{RouterConfig, RoutingOptions};
 pub use error::RouterError;
@@ -98,9 +101,17 @@ pub async fn serve(
         pools,
         &config.routing,
     ));
+    let api_keys = match &config.api_keys_file {
+        Some(path) => Some(Arc::new(ApiKeys::load(path)?)),
+        None => None,
+    };
     let generation = GenerationServer::new(GenerationService::new(state.clone()))
         .max_decoding_message_size(config.routing.max_request_bytes)
         .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES);
+    let generation = RequireApiKey {
+        inner: generation,
+        keys: api_keys.clone(),
+    };
     let (membership, follower) = duet_cluster::membership::follow(
         config.cluster.clone(),
         Duration::from_secs(config.membership_resync_s.max(1)),
@@ -143,7 +154,7 @@ pub async fn serve(
                 limit: edge.in_flight_limit(),
                 request_timeout,
             });
-            let app = http::app(front, config.routing.max_request_bytes);
+            let app = http::app(front, config.routing.max_request_bytes, api_keys);
             Some(tokio::spawn(http::serve(app, listener, shutdown.clone())))
         }
         None => None,
