@@ -12,13 +12,16 @@ export LD_LIBRARY_PATH="$(./scripts/fetch-nvrtc.sh)${LD_LIBRARY_PATH:+:$LD_LIBRA
 # Python packages the tests drive, installed into whichever python3 is first on PATH (a pyenv
 # interpreter on the CI machines, which Debian's python3-numpy does not reach): numpy for the
 # kernel emulation's references, the official OpenAI client for the HTTP API's conformance test
-# (tests/tests/openai.rs).
+# (tests/tests/openai.rs), grpcio and opentelemetry-proto for the OTLP receiver of the trace test
+# (tests/otlp/receiver.py, tests/tests/otlp.rs).
 pip_need() { # MODULE REQUIREMENT
   python3 -c "import $1" >/dev/null 2>&1 && return
   python3 -m pip install --quiet "$2" || python3 -m pip install --quiet --break-system-packages "$2"
 }
 pip_need numpy numpy
 pip_need openai openai==3.54.0
+pip_need grpc grpcio==1.85.1
+pip_need opentelemetry.proto opentelemetry-proto==1.45.2
 cargo build --release --locked --workspace --bins --features cuda
 ./target/release/duet model fetch
 cargo test --release --locked --workspace --features cuda

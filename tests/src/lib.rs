@@ -90,7 +90,7 @@ pub fn spec(model: PathBuf, prefill: usize, decode: usize, routing: RoutingOptio
         model,
         processes: false,
         bin_dir: None,
-        log: Default::default(),
+        telemetry: Default::default(),
         auth: Default::default(),
     }
 }

@@ -389,7 +389,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 model: args.model.resolve()?,
                 processes: false,
                 bin_dir: None,
-                log: Default::default(),
+                telemetry: Default::default(),
                 auth: Default::default(),
             };
             eprintln!(

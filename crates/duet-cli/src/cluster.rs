@@ -20,7 +20,7 @@ use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
 use duet_proto::{ClusterAuth, ClusterToken, v1};
 use duet_router::RouterConfig;
-use duet_telemetry::{LogArgs, MetricsArgs};
+use duet_telemetry::{MetricsArgs, TelemetryArgs};
 
 /// What to start: a configuration for each kind of service. The launcher fills in what it owns:
 /// the workers' `listen` (free loopback ports), how they find each other, the cluster token and
@@ -46,9 +46,9 @@ pub struct ClusterSpec {
     /// Separate processes (the service binaries next to the current executable, or in `bin_dir`).
     pub processes: bool,
     pub bin_dir: Option<PathBuf>,
-    /// The log format of separate processes (in this process, whoever installed the logger
-    /// chose it).
-    pub log: LogArgs,
+    /// The log format and trace export of separate processes (in this process, whoever
+    /// installed the logger chose them).
+    pub telemetry: TelemetryArgs,
     /// The cluster token every service gets (the services' own `auth` is replaced by it); unset:
     /// a random one.
     pub auth: ClusterAuth,
@@ -220,7 +220,7 @@ impl Cluster {
                         .to_path_buf(),
                 };
                 let mut args = service.args();
-                args.push(spec.log.to_arg().into());
+                args.extend(spec.telemetry.to_args());
                 let child = spawn_process(&dir, binary, &args, service.env())?;
                 cluster.children.push((binary, child));
             } else {

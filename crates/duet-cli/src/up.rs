@@ -13,7 +13,7 @@ use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
 use duet_proto::ClusterAuth;
 use duet_router::{RouterConfig, RoutingOptions};
-use duet_telemetry::{LogArgs, MetricsArgs};
+use duet_telemetry::{MetricsArgs, TelemetryArgs};
 use duet_transfer::choice::TransportChoice;
 
 use crate::cluster::{Cluster, ClusterSpec};
@@ -54,7 +54,7 @@ pub struct UpArgs {
     #[command(flatten)]
     pub cluster: ClusterArgs,
     #[command(flatten)]
-    pub log: LogArgs,
+    pub telemetry: TelemetryArgs,
     /// Prometheus metrics: in one process the router's endpoint serves every service's families
     /// (told apart by `role`); with --processes each worker serves its own on a free loopback
     /// port, printed at start.
@@ -98,11 +98,12 @@ pub fn run(args: UpArgs) -> Result<()> {
         model: args.model.resolve()?,
         processes: args.processes,
         bin_dir: None,
-        log: args.log,
+        telemetry: args.telemetry.clone(),
         auth: args.auth.clone(),
     };
     // Logs go to stderr: stdout is the ready line's.
-    args.log.init(std::io::stderr);
+    // Kept to the end: dropping it sends the last spans.
+    let _exporter = args.telemetry.init("duet", std::io::stderr)?;
     let started = Instant::now();
     let cluster = Cluster::start(&spec)?;
     println!(

@@ -1,5 +1,5 @@
 //! The cluster token: a shared secret every internal call carries (metadata
-//! [`CLUSTER_TOKEN_HEADER`]), attached to outgoing calls by [`AttachClusterToken`] and checked on
+//! [`CLUSTER_TOKEN_HEADER`]), attached to outgoing calls by [`crate::channels::PeerMetadata`] and checked on
 //! arrival by [`ClusterAuthLayer`] in every service's edge. Internal RPCs (`Decode`, `Prefill`,
 //! `KvTransfer`, `WorkerControl`) without it are refused with UNAUTHENTICATED before any handler
 //! runs, so such a caller learns nothing about the model; the public `Generation` API, health
@@ -149,28 +149,8 @@ impl ClusterAuth {
     }
 }
 
-/// Adds the cluster token (when there is one) to every outgoing call of a channel.
-#[derive(Clone, Debug, Default)]
-pub struct AttachClusterToken(pub Option<ClusterToken>);
-
-impl tonic::service::Interceptor for AttachClusterToken {
-    fn call(
-        &mut self,
-        mut request: tonic::Request<()>,
-    ) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(token) = &self.0 {
-            let value = token
-                .as_str()
-                .parse()
-                .expect("a parsed token is visible ASCII");
-            request.metadata_mut().insert(CLUSTER_TOKEN_HEADER, value);
-        }
-        Ok(request)
-    }
-}
-
 /// Whether anyone may call a path: health, reflection and the public API.
-fn is_open(path: &str) -> bool {
+pub(crate) fn is_open(path: &str) -> bool {
     crate::serve::is_infrastructure(path) || path.starts_with("/duet.v1.Generation/")
 }
 

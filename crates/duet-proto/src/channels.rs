@@ -1,18 +1,56 @@
 //! Channels to peers: one lazily connected, reused channel per address (a channel multiplexes
 //! calls and reconnects by itself), with Nagle's algorithm off as on the serving side, and the
-//! cluster token attached to every call.
+//! cluster token and the caller's trace context attached to every call ([`PeerMetadata`]).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::auth::{AttachClusterToken, ClusterToken};
+use crate::auth::{CLUSTER_TOKEN_HEADER, ClusterToken};
 
-/// A channel to a peer whose calls carry the cluster token.
-pub type PeerChannel = InterceptedService<Channel, AttachClusterToken>;
+/// A channel to a peer whose calls carry [`PeerMetadata`].
+pub type PeerChannel = InterceptedService<Channel, PeerMetadata>;
+
+/// What every call to a peer carries: the cluster token (when there is one) and the W3C trace
+/// context of the span the call is made in (when traces are exported), so the peer's spans join
+/// the caller's trace.
+#[derive(Clone, Debug, Default)]
+pub struct PeerMetadata(pub Option<ClusterToken>);
+
+impl tonic::service::Interceptor for PeerMetadata {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(token) = &self.0 {
+            let value = token
+                .as_str()
+                .parse()
+                .expect("a parsed token is visible ASCII");
+            request.metadata_mut().insert(CLUSTER_TOKEN_HEADER, value);
+        }
+        duet_telemetry::traces::inject(&mut MetadataWriter(request.metadata_mut()));
+        Ok(request)
+    }
+}
+
+/// Writes a trace context into gRPC metadata.
+struct MetadataWriter<'m>(&'m mut MetadataMap);
+
+impl duet_telemetry::traces::Injector for MetadataWriter<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(key), Ok(value)) = (
+            MetadataKey::from_bytes(key.as_bytes()),
+            MetadataValue::try_from(value),
+        ) {
+            self.0.insert(key, value);
+        }
+    }
+}
 
 /// How long connecting to a peer may take before a call fails with UNAVAILABLE.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -41,7 +79,7 @@ pub fn channel(address: &str, token: Option<ClusterToken>) -> Result<PeerChannel
         .tcp_nodelay(true)
         .http2_adaptive_window(true)
         .connect_lazy();
-    Ok(InterceptedService::new(channel, AttachClusterToken(token)))
+    Ok(InterceptedService::new(channel, PeerMetadata(token)))
 }
 
 /// Whether a call failed because the peer refused the connection (nothing listens there: the

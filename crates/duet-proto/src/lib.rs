@@ -31,8 +31,8 @@ pub mod convert;
 pub mod malformed;
 pub mod serve;
 
-pub use auth::{AttachClusterToken, ClusterAuth, ClusterToken};
-pub use channels::{Channels, PeerChannel, channel, is_connection_refused};
+pub use auth::{ClusterAuth, ClusterToken};
+pub use channels::{Channels, PeerChannel, PeerMetadata, channel, is_connection_refused};
 pub use serve::{
     Draining, Edge, EdgeOptions, InFlightLimitLayer, MAX_MESSAGE_BYTES, Overloaded, deadline,
 };

@@ -2,8 +2,9 @@
 //! `grpc-timeout` (one policy, with a configurable default), a limit on calls in flight that sheds
 //! the excess at once with RESOURCE_EXHAUSTED (a stream counts until it ends), the cluster token
 //! on internal calls ([`crate::auth`]), INVALID_ARGUMENT for a request that cannot be decoded
-//! ([`crate::malformed`]), Nagle's algorithm off, `grpc.health.v1` and server
-//! reflection (v1 and v1alpha) for every service added.
+//! ([`crate::malformed`]), each call's server span joined to its caller's trace
+//! ([`TraceContextLayer`]), Nagle's algorithm off, `grpc.health.v1` and server reflection (v1
+//! and v1alpha) for every service added.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -19,6 +20,8 @@ use tonic::server::NamedService;
 use tonic::service::RoutesBuilder;
 use tonic_health::server::{HealthReporter, HealthService};
 use tower::{Layer, Service};
+use tracing::Instrument;
+use tracing::instrument::Instrumented;
 
 use crate::auth::{ClusterAuthLayer, ClusterToken};
 use crate::malformed::MalformedRequestLayer;
@@ -125,6 +128,87 @@ where
             .extensions_mut()
             .insert(Deadline(Instant::now() + timeout));
         self.inner.call(request)
+    }
+}
+
+/// Which protocol a [`TraceContextLayer`] names server spans for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// `package.Service/Method`, as OpenTelemetry's RPC conventions name a gRPC server span.
+    Grpc,
+    /// `METHOD /path` (the router's OpenAI-compatible HTTP API).
+    Http,
+}
+
+/// Runs each call in a server span that continues the caller's trace (W3C `traceparent` in its
+/// headers), so the spans its handler opens join that trace. A call to the public API without
+/// one starts a trace; an internal call without one (the router's stats polls, KV event feeds)
+/// gets no span, nor do health checks and reflection, nor anything while traces are not
+/// exported.
+#[derive(Clone, Copy, Debug)]
+pub struct TraceContextLayer(pub Protocol);
+
+impl<S> Layer<S> for TraceContextLayer {
+    type Service = TraceContext<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        TraceContext {
+            inner,
+            protocol: self.0,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct TraceContext<S> {
+    inner: S,
+    protocol: Protocol,
+}
+
+impl<S, B> Service<Request<B>> for TraceContext<S>
+where
+    S: Service<Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Instrumented<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        use duet_telemetry::traces::{HeaderReader, caller_context, exporting};
+        let path = request.uri().path();
+        let traced = exporting() && !is_infrastructure(path);
+        let caller = traced
+            .then(|| caller_context(&HeaderReader(request.headers())))
+            .flatten();
+        let public = self.protocol == Protocol::Http || crate::auth::is_open(path);
+        let span = if !traced || (caller.is_none() && !public) {
+            tracing::Span::none()
+        } else {
+            let span = match self.protocol {
+                Protocol::Grpc => tracing::info_span!(
+                    "rpc",
+                    otel.name = path.trim_start_matches('/'),
+                    otel.kind = "server",
+                    rpc.system = "grpc",
+                ),
+                Protocol::Http => tracing::info_span!(
+                    "http",
+                    otel.name = %format_args!("{} {path}", request.method()),
+                    otel.kind = "server",
+                    http.request.method = %request.method(),
+                    url.path = path,
+                ),
+            };
+            if let Some(caller) = caller {
+                caller.adopt(&span);
+            }
+            span
+        };
+        self.inner.call(request).instrument(span)
     }
 }
 
@@ -355,6 +439,7 @@ impl Edge {
         tonic::transport::Server::builder()
             // Outermost: a caller without the token costs nothing further.
             .layer(ClusterAuthLayer::new(self.options.cluster_token))
+            .layer(TraceContextLayer(Protocol::Grpc))
             .layer(DeadlineLayer {
                 default: self.options.default_deadline,
             })

@@ -174,6 +174,7 @@ async fn push(
     }
     Ok(Pushed {
         bytes_sent,
+        chunks: ack.chunks_received,
         acked_at: Instant::now(),
     })
 }

@@ -142,6 +142,8 @@ impl std::fmt::Debug for ReservationKey {
 pub struct Pushed {
     /// Payload bytes sent.
     pub bytes_sent: u64,
+    /// Messages the payload was cut into, as the receiver counted them.
+    pub chunks: u64,
     /// When the receiver acknowledged.
     pub acked_at: Instant,
 }

@@ -12,13 +12,14 @@ struct Cli {
     #[command(flatten)]
     config: duet_decode_worker::DecodeConfig,
     #[command(flatten)]
-    log: duet_telemetry::LogArgs,
+    telemetry: duet_telemetry::TelemetryArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    cli.log.init(std::io::stdout);
+    // Kept to the end: dropping it sends the last spans.
+    let _exporter = cli.telemetry.init("duet-decode", std::io::stdout)?;
     let listener = tokio::net::TcpListener::bind(cli.config.listen).await?;
     duet_decode_worker::serve(cli.config, listener, duet_worker::membership::terminated()).await
 }

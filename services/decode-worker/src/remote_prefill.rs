@@ -16,6 +16,7 @@ use duet_transfer::ReservationKey;
 use duet_worker::stats::Counters;
 use duet_worker::{Command, Request, ReservationInfo, WorkerError};
 use tonic::Status;
+use tracing::Instrument;
 
 use crate::service::WorkerState;
 
@@ -138,8 +139,9 @@ pub async fn run(
     )
 }
 
-/// Reserves KV for `request`'s prompt; `None` when there is no room (the caller prefills here).
-/// (The future holds copies, not the request, which is not `Sync`.)
+/// Reserves KV for `request`'s prompt, in a `decode_admission` span: KV arrives only where
+/// memory is already held. `None` when there is no room (the caller prefills here). (The future
+/// holds copies, not the request, which is not `Sync`.)
 fn reserve<'a>(
     state: &'a WorkerState,
     request: &Request,
@@ -149,6 +151,7 @@ fn reserve<'a>(
         request.prompt.clone(),
         request.cache_salt.clone(),
     );
+    let span = tracing::info_span!("decode_admission", prompt_tokens = tokens.len() as i64);
     async move {
         let reservation = state
             .engine
@@ -167,6 +170,7 @@ fn reserve<'a>(
             }
         }
     }
+    .instrument(span)
 }
 
 fn prefill_request(

@@ -14,6 +14,7 @@ use duet_worker::{EngineHandle, Event, Identity, Request, WorkerError};
 use futures::Stream;
 use tokio::sync::mpsc;
 use tonic::{Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::remote_prefill::{self, PrefillReport};
 
@@ -168,7 +169,7 @@ impl Responses {
 }
 
 /// The response stream, fed by a task until the last token, a failure, or the client leaving
-/// (then `guard` cancels the request).
+/// (then `guard` cancels the request); the task is the request's `decode` span.
 fn stream(
     mut responses: Responses,
     mut events: mpsc::UnboundedReceiver<Event>,
@@ -176,7 +177,12 @@ fn stream(
     state: Arc<WorkerState>,
 ) -> DecodeStream {
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(async move {
+    let span = tracing::info_span!(
+        "decode",
+        gen_ai.usage.output_tokens = tracing::field::Empty,
+        gen_ai.response.finish_reasons = tracing::field::Empty,
+    );
+    let task = async move {
         let _guard = guard;
         while let Some(event) = events.recv().await {
             match event {
@@ -189,17 +195,25 @@ fn stream(
                 Event::Scheduled(_) => {}
                 Event::Output(out) => {
                     let last = out.finish.is_some();
+                    if let Some(reason) = out.finish {
+                        let span = tracing::Span::current();
+                        let tokens = i64::from(responses.completion_tokens) + 1;
+                        span.record("gen_ai.usage.output_tokens", tokens);
+                        span.record("gen_ai.response.finish_reasons", reason.as_str());
+                    }
                     if tx.send(Ok(responses.token(out))).await.is_err() || last {
                         return;
                     }
                 }
                 Event::Failed(e) => {
+                    tracing::info!(error = %e, "decoding failed");
                     let _ = tx.send(Err(e.into())).await;
                     return;
                 }
             }
         }
-    });
+    };
+    tokio::spawn(task.instrument(span));
     Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 

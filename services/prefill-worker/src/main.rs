@@ -11,13 +11,14 @@ struct Cli {
     #[command(flatten)]
     config: PrefillConfig,
     #[command(flatten)]
-    log: duet_telemetry::LogArgs,
+    telemetry: duet_telemetry::TelemetryArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let Cli { config, log } = Cli::parse();
-    log.init(std::io::stdout);
+    let Cli { config, telemetry } = Cli::parse();
+    // Kept to the end: dropping it sends the last spans.
+    let _exporter = telemetry.init("duet-prefill", std::io::stdout)?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;

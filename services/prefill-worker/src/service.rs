@@ -19,6 +19,7 @@ use duet_worker::stats::{Counters, Direction};
 use duet_worker::{EngineHandle, EngineInfo, Event, Identity, KvOut, Request, WorkerError};
 use tokio::sync::mpsc;
 use tonic::{Response, Status};
+use tracing::Instrument;
 
 use crate::decode_workers::KnownDecodeWorkers;
 
@@ -82,7 +83,14 @@ impl PrefillWorker for PrefillService {
         let timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
         let req = request.into_inner();
         let request_id = req.request_id.clone();
-        let result = tokio::time::timeout(timeout, self.inner.prefill(req, received, timeout))
+        let span = tracing::info_span!(
+            "prefill",
+            request_id,
+            prompt_tokens = req.token_ids.len() as i64,
+            cached_tokens = tracing::field::Empty,
+        );
+        let prefill = self.inner.prefill(req, received, timeout).instrument(span);
+        let result = tokio::time::timeout(timeout, prefill)
             .await
             .unwrap_or_else(|_| {
                 Err(WorkerError::DeadlineExceeded(format!(
@@ -148,13 +156,23 @@ impl Inner {
             .map_err(|e| WorkerError::InvalidArgument(e.0))?;
         let n = req.token_ids.len();
         let first_block = dest.cached_blocks as usize;
+        let blocks = first_block..n.div_ceil(info.wire.layout.block_size);
+        let transport = transport_name(self.transport.kind());
+        // From opening the push to the receiver's acknowledgement (it overlaps the compute).
+        let transfer_span = tracing::info_span!(
+            "kv_transfer",
+            transport,
+            blocks = blocks.len() as i64,
+            bytes = tracing::field::Empty,
+            chunks = tracing::field::Empty,
+        );
         let push = self.transport.open(
             &info.wire,
             PushSpec {
                 address: dest.transfer_address.clone(),
                 reservation_id: ReservationKey::from_wire(&dest.reservation_id)?,
                 request_id: req.request_id.clone(),
-                blocks: first_block..n.div_ceil(info.wire.layout.block_size),
+                blocks,
                 num_tokens: n,
                 sender_worker_id: self.identity.worker_id.clone(),
                 timeout,
@@ -170,6 +188,8 @@ impl Inner {
         };
         let id = self.engine.next_id();
         let mut cancel = self.engine.cancel_on_drop(id);
+        // Until the engine's first step on the prompt.
+        let mut queue_span = Some(tracing::info_span!("queue"));
         self.engine.submit(
             Request {
                 id,
@@ -188,8 +208,7 @@ impl Inner {
             self.max_queued_tokens,
         )?;
 
-        let mut acked = push.acked;
-        let transport = transport_name(self.transport.kind());
+        let mut acked = push.acked.instrument(transfer_span.clone());
         let (mut cached_tokens, mut scheduled) = (0, None);
         let mut prefilled: Option<Prefilled> = None;
         let mut pushed: Option<Pushed> = None;
@@ -197,8 +216,12 @@ impl Inner {
             tokio::select! {
                 event = rx.recv(), if prefilled.is_none() => match event {
                     Some(Event::Admitted { cached_tokens: c }) => cached_tokens = c,
-                    Some(Event::Scheduled(at)) => scheduled = Some(at),
+                    Some(Event::Scheduled(at)) => {
+                        scheduled = Some(at);
+                        drop(queue_span.take());
+                    }
                     Some(Event::Output(out)) => {
+                        drop(queue_span.take());
                         cancel.disarm(); // answered: the engine has dropped the sequence
                         let now = Instant::now();
                         let started = scheduled.unwrap_or(now);
@@ -222,6 +245,10 @@ impl Inner {
             }
         }
         let (prefilled, pushed) = (prefilled.expect("loop ends"), pushed.expect("loop ends"));
+        transfer_span.record("bytes", pushed.bytes_sent as i64);
+        transfer_span.record("chunks", pushed.chunks as i64);
+        drop(transfer_span);
+        tracing::Span::current().record("cached_tokens", prefilled.cached_tokens as i64);
         let counters = self.engine.counters();
         Counters::add(&counters.requests_served, 1);
         Counters::add(&counters.prompt_tokens, n as u64);

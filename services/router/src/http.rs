@@ -21,6 +21,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use duet_proto::InFlightLimitLayer;
+use duet_proto::serve::{Protocol, TraceContextLayer};
 use duet_proto::v1;
 use tokio::time::Instant;
 use tonic::Code;
@@ -47,8 +48,9 @@ pub struct HttpFront {
     pub request_timeout: Duration,
 }
 
-/// The HTTP front's routes; bodies past `max_body_bytes` are refused with 413. With `keys`,
-/// the `/v1/` routes answer 401 to calls without one of them (before the body is read).
+/// The HTTP front's routes; bodies past `max_body_bytes` are refused with 413. Completions
+/// continue the caller's trace (its `traceparent` header). With `keys`, the `/v1/` routes
+/// answer 401 to calls without one of them (before the body is read).
 pub fn app(
     front: Arc<HttpFront>,
     max_body_bytes: usize,
@@ -57,6 +59,7 @@ pub fn app(
     let api = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route_layer(TraceContextLayer(Protocol::Http))
         .route("/v1/models", get(models));
     let api = match keys {
         Some(keys) => api.route_layer(axum::middleware::from_fn_with_state(keys, require_api_key)),

@@ -13,13 +13,14 @@ struct Cli {
     #[command(flatten)]
     config: RouterConfig,
     #[command(flatten)]
-    log: duet_telemetry::LogArgs,
+    telemetry: duet_telemetry::TelemetryArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    cli.log.init(std::io::stdout);
+    // Kept to the end: dropping it sends the last spans.
+    let _exporter = cli.telemetry.init("duet-router", std::io::stdout)?;
     let listener = tokio::net::TcpListener::bind(cli.config.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cli.config.listen))?;

@@ -5,6 +5,9 @@
 //! streamed (`already_generated`, `already_sent_text_bytes`, same seed), and relaying goes on.
 //! A stream also fails over when its worker stops answering health checks (a hung process), and
 //! when, after its first message, none comes for the decode idle timeout.
+//!
+//! It runs in the request's span (see `RouterState::start`): each routing decision in a `route`
+//! span, each failover an event; the outcome is recorded as GenAI attributes.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,9 +17,10 @@ use duet_proto::v1::decode_worker_client::DecodeWorkerClient;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::{Code, Request, Status};
+use tracing::Instrument;
 
 use crate::error::{RouterError, is_retryable};
-use crate::metrics::{Outcome, RouterMetrics};
+use crate::metrics::{Outcome, RouterMetrics, error_type};
 use crate::routing::{NoRoute, Planned, Pools, RouteRequest, Worker};
 use crate::service::RouterState;
 use crate::validate::ValidRequest;
@@ -42,9 +46,15 @@ pub(crate) async fn relay(state: Arc<RouterState>, job: Job, tx: mpsc::Sender<It
         () = tx.closed() => None,
     };
     let metrics = &state.metrics;
+    let span = tracing::Span::current();
+    span.record(
+        "gen_ai.usage.output_tokens",
+        progress.generated.len() as i64,
+    );
     match result {
         Some(Ok(())) if !progress.finished => {
             tracing::debug!(request_id = %job.request_id, "client went away; request cancelled");
+            span.record("error.type", error_type(Code::Cancelled));
             metrics.finished(Outcome::Cancelled);
         }
         Some(Ok(())) => {
@@ -58,11 +68,13 @@ pub(crate) async fn relay(state: Arc<RouterState>, job: Job, tx: mpsc::Sender<It
         }
         Some(Err(e)) => {
             tracing::info!(request_id = %job.request_id, error = %e, "request failed");
+            span.record("error.type", error_type(e.code()));
             metrics.finished(Outcome::Failed(e.code()));
             let _ = tx.send(Err(e)).await;
         }
         None => {
             tracing::debug!(request_id = %job.request_id, "client went away; request cancelled");
+            span.record("error.type", error_type(Code::Cancelled));
             metrics.finished(Outcome::Cancelled);
         }
     }
@@ -111,16 +123,32 @@ async fn run(
             });
             (!matches!(routed, Err(NoRoute::NoDecodeWorker))).then_some(routed)
         };
+        let span = tracing::info_span!(
+            "route",
+            decision = tracing::field::Empty,
+            decode_worker = tracing::field::Empty,
+            predicted_cached_tokens = tracing::field::Empty,
+        );
         // No worker left to fail over to: wait a while for one to come back.
-        let routed = match pick(&state.pools) {
+        let routed = match span.in_scope(|| pick(&state.pools)) {
             Some(routed) => Some(routed),
             None => {
                 state
                     .pools
                     .wait_for(state.worker_wait_ends(job.deadline), pick)
+                    .instrument(span.clone())
                     .await
             }
         };
+        if let Some(Ok(route)) = &routed {
+            span.record("decision", route.decision.name());
+            span.record("decode_worker", tracing::field::display(route.decode.id()));
+            span.record(
+                "predicted_cached_tokens",
+                i64::from(route.predicted_cached_tokens),
+            );
+        }
+        drop(span);
         let route = match routed {
             Some(Ok(route)) => route,
             Some(Err(NoRoute::DeadlineTooShort { alone, left })) => {
@@ -365,6 +393,10 @@ impl Progress {
                 t.decode_worker = worker_id.to_string();
             }
             out.timings = Some(t);
+            tracing::Span::current().record(
+                "gen_ai.response.finish_reasons",
+                crate::openai::finish_reason(&out),
+            );
         }
         (out, finished)
     }

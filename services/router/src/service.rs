@@ -21,7 +21,7 @@ use tracing::Instrument;
 
 use crate::config::RoutingOptions;
 use crate::error::RouterError;
-use crate::metrics::{Outcome, RouterMetrics};
+use crate::metrics::{Outcome, RouterMetrics, error_type};
 use crate::relay::{self, Item, Job};
 use crate::routing::Pools;
 use crate::validate::{PromptModel, ValidationError, random_u64};
@@ -57,13 +57,45 @@ impl RouterState {
     /// Validates a request, waits (see [`Self::worker_wait_ends`]) until a decode worker is
     /// routable, and starts relaying it (the core of `Generate`, `Complete` and the HTTP API).
     /// The caller admitted it against the in-flight limit.
+    ///
+    /// Everything the request does happens in its `request` span: its events carry its id (a
+    /// JSON log line's `span.request_id`), and its trace span has the OpenTelemetry GenAI
+    /// attributes.
     pub(crate) async fn start(
         self: &Arc<Self>,
-        mut req: v1::GenerateRequest,
+        req: v1::GenerateRequest,
+        deadline: Instant,
+    ) -> Result<Messages, RouterError> {
+        let request_id = if req.request_id.is_empty() {
+            format!("req-{:016x}", random_u64())
+        } else {
+            req.request_id.clone()
+        };
+        let span = tracing::info_span!(
+            "request",
+            request_id = %request_id,
+            gen_ai.operation.name = if req.messages.is_empty() { "text_completion" } else { "chat" },
+            gen_ai.request.model = %self.model_name,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            gen_ai.response.finish_reasons = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
+        self.admit(req, request_id, deadline)
+            .instrument(span.clone())
+            .await
+            .inspect_err(|e| {
+                span.record("error.type", error_type(e.code()));
+            })
+    }
+
+    async fn admit(
+        self: &Arc<Self>,
+        req: v1::GenerateRequest,
+        request_id: String,
         deadline: Instant,
     ) -> Result<Messages, RouterError> {
         let start = Instant::now();
-        let request_id = std::mem::take(&mut req.request_id);
         // The cheap check by length first, before waiting for a tokenizing slot.
         let validated = match self.model.check_prompt_bytes(&req.prompt, &req.messages) {
             Ok(()) => {
@@ -84,11 +116,7 @@ impl RouterState {
             Err(e) => Err(e),
         };
         let valid = valid.inspect_err(|e| self.metrics.finished(Outcome::Failed(e.code())))?;
-        let request_id = if request_id.is_empty() {
-            format!("req-{:016x}", random_u64())
-        } else {
-            request_id
-        };
+        tracing::Span::current().record("gen_ai.usage.input_tokens", valid.prompt.len() as i64);
         let job = Job {
             request_id,
             valid,
@@ -102,9 +130,7 @@ impl RouterState {
             "admitted"
         );
         let (tx, rx) = mpsc::channel(RELAY_BUFFER);
-        // Every event of the request carries its id (a JSON log line's `span.request_id`).
-        let span = tracing::info_span!("request", request_id = %job.request_id);
-        tokio::spawn(relay::relay(self.clone(), job, tx).instrument(span));
+        tokio::spawn(relay::relay(self.clone(), job, tx).in_current_span());
         Ok(rx)
     }
 
