@@ -55,7 +55,7 @@ enum BenchCommand {
     Engine(bench_engine::EngineBenchArgs),
     /// Load a cluster through its router: TTFT, TPOT, ITL, end-to-end latency, SLO attainment,
     /// goodput; disaggregated and colocated side by side.
-    Serve(bench_serve::ServeBenchArgs),
+    Serve(Box<bench_serve::ServeBenchArgs>),
     /// The gRPC KV transport alone: a prompt's KV pushed into a real decode worker.
     Transfer(bench_transfer::TransferBenchArgs),
     /// The GPU checks and timings: CUDA vs CPU, paged attention vs a reference, a
@@ -81,7 +81,7 @@ fn main() {
         }
         Command::Bench {
             command: BenchCommand::Serve(args),
-        } => bench_serve::run(args),
+        } => bench_serve::run(*args),
         Command::Bench {
             command: BenchCommand::Transfer(args),
         } => bench_transfer::run(args),
