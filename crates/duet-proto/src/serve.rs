@@ -361,10 +361,13 @@ pub struct Draining {
 
 impl Draining {
     pub async fn begin(&self) {
+        self.set(tonic_health::ServingStatus::NotServing).await;
+    }
+
+    /// Every service's status, and the server's ("").
+    async fn set(&self, status: tonic_health::ServingStatus) {
         for name in std::iter::once("").chain(self.names.iter().copied()) {
-            self.health
-                .set_service_status(name, tonic_health::ServingStatus::NotServing)
-                .await;
+            self.health.set_service_status(name, status).await;
         }
     }
 }
@@ -423,11 +426,9 @@ impl Edge {
         listener: tokio::net::TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), tonic::transport::Error> {
-        for name in std::iter::once("").chain(self.names.iter().copied()) {
-            self.health
-                .set_service_status(name, tonic_health::ServingStatus::Serving)
-                .await;
-        }
+        self.draining()
+            .set(tonic_health::ServingStatus::Serving)
+            .await;
         let health = tonic_health::pb::health_server::HealthServer::new(
             HealthService::from_health_reporter(self.health.clone()),
         );
