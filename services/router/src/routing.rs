@@ -50,8 +50,8 @@ use crate::kv_index::{KvIndex, WorkerSlot};
 /// stats) is worth when comparing decode workers.
 pub const RUNNING_PENALTY_BLOCKS: i64 = 4;
 
-/// Prefill rate (prompt tokens per second) assumed for a worker until it reports a measured
-/// one: the order of a small model on a few CPU cores.
+/// Prefill rate (prompt tokens per second) assumed while no worker has reported a measured one:
+/// the order of a small model on a few CPU cores.
 pub const DEFAULT_PREFILL_RATE: f64 = 1000.0;
 
 /// Tokens the router planned on a worker stay counted this long after a poll started: the
@@ -262,13 +262,13 @@ impl Worker {
         planned.iter().map(|&(_, _, t)| t).sum()
     }
 
-    /// The measured prefill rate from the last stats, else [`DEFAULT_PREFILL_RATE`].
-    pub fn prefill_rate(&self) -> f64 {
+    /// The prefill rate measured in the last stats; `None` until the worker has prefilled a
+    /// prompt long enough to measure.
+    pub fn prefill_rate(&self) -> Option<f64> {
         self.status()
             .stats
             .map(|s| s.prefill_tokens_per_s)
             .filter(|&r| r > 0.0)
-            .unwrap_or(DEFAULT_PREFILL_RATE)
     }
 
     /// The worker a card describes.
@@ -807,6 +807,20 @@ impl Pools {
         }
     }
 
+    /// The prefill rate assumed for a worker that has not measured its own: the mean of the
+    /// measured ones, else [`DEFAULT_PREFILL_RATE`]. A decode worker that has only prefilled
+    /// short suffixes has no measurement, and comparing it at a constant prior with the prefill
+    /// workers' measured rates would prefer it (or them) for no reason: the workers run the same
+    /// model.
+    pub fn unmeasured_prefill_rate(&self) -> f64 {
+        let measured: Vec<f64> = self.all().iter().filter_map(|w| w.prefill_rate()).collect();
+        if measured.is_empty() {
+            DEFAULT_PREFILL_RATE
+        } else {
+            measured.iter().sum::<f64>() / measured.len() as f64
+        }
+    }
+
     /// Chooses a decode worker and builds the prefill plan for one attempt (see the module).
     pub fn route(&self, req: RouteRequest<'_>) -> Result<Route, NoRoute> {
         let fingerprint = self.fingerprint();
@@ -831,10 +845,11 @@ impl Pools {
             _ => HashMap::new(),
         };
         let cached_on = |w: &Worker| cached.get(&w.slot()).copied().unwrap_or(0);
+        let unmeasured_rate = self.unmeasured_prefill_rate();
         let load_of = |w: &Worker, st: &v1::StatsResponse| PrefillLoad {
             queued_tokens: st.queued_prefill_tokens + w.planned_tokens(),
             uncached_tokens: (n - cached_on(w)) as u64,
-            rate: w.prefill_rate(),
+            rate: w.prefill_rate().unwrap_or(unmeasured_rate),
         };
         let mut candidates: Vec<(usize, DecodeLoad)> = Vec::new();
         for (i, w) in decode.iter().enumerate() {
@@ -1541,5 +1556,32 @@ mod tests {
         }
         drop(ok);
         assert!(ask(Duration::from_millis(500)).is_ok());
+    }
+
+    #[tokio::test]
+    async fn an_unmeasured_worker_prefills_at_the_pools_measured_rate() {
+        let pools = Pools::new(
+            &["127.0.0.1:1".into()],
+            &["127.0.0.1:2".into(), "127.0.0.1:3".into()],
+            None,
+            params(RoutingPolicy::CacheAware),
+        )
+        .unwrap();
+        assert_eq!(pools.unmeasured_prefill_rate(), DEFAULT_PREFILL_RATE);
+        set(&pools.decode()[0], true, stats("fp", 100, 0));
+        let mut slow = stats("fp", 100, 0);
+        slow.prefill_tokens_per_s = 100.0;
+        for w in pools.prefill() {
+            set(&w, true, slow.clone());
+        }
+        // A slow pool: the decode worker, never measured, is as slow, so a long prompt still
+        // goes to an idle prefill worker rather than to a decode worker thought 10x faster.
+        slow.prefill_tokens_per_s = 300.0;
+        set(&pools.prefill()[1], true, slow);
+        assert_eq!(pools.unmeasured_prefill_rate(), 200.0);
+        let r = route(&pools, 400, &[]).unwrap();
+        assert_eq!(r.decision, Decision::Remote);
+        assert_eq!(r.plan.prefill_workers[0].address, "127.0.0.1:3");
+        assert!((r.estimated_ttft.as_secs_f64() - 400.0 / 300.0).abs() < 1e-6);
     }
 }
