@@ -5,10 +5,11 @@
 //! and/or colocated (one worker doing both phases), so the two designs meet the same workload on
 //! the same machine in one run.
 
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -24,6 +25,7 @@ use duet_router::{RouterConfig, RoutingOptions};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
+use crate::chaos::{self, ChaosArgs, ChaosReport, ChaosSpec, DifferingStream, StreamCheck};
 use crate::cluster::{Cluster, ClusterSpec};
 use crate::plot;
 use crate::progress::{Progress, Unit};
@@ -63,6 +65,10 @@ pub struct ServeBenchArgs {
     /// Decode workers of a launched cluster.
     #[arg(long, default_value_t = 1)]
     pub decode_workers: usize,
+    /// Run each launched cluster's services as separate processes (the `duet-router`,
+    /// `duet-prefill` and `duet-decode` binaries next to this one) instead of in this process.
+    #[arg(long, env = "DUET_BENCH_PROCESSES")]
+    pub processes: bool,
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
@@ -116,6 +122,8 @@ pub struct ServeBenchArgs {
     pub compare_routing: Vec<RoutingPolicy>,
     #[command(flatten, next_help_heading = "Shared-prefix workload")]
     pub shared_prefix: SharedPrefixArgs,
+    #[command(flatten, next_help_heading = "Chaos")]
+    pub chaos: ChaosArgs,
     /// Membership of the launched clusters: with --etcd, every service joins through etcd, each
     /// cluster under its own name (--cluster, then the design and the routing policy).
     #[command(flatten, next_help_heading = "Membership")]
@@ -160,7 +168,7 @@ impl std::str::FromStr for Range {
 }
 
 /// One request of the workload, or the first of a conversation's.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Job {
     prompt: Prompt,
     max_tokens: u32,
@@ -169,7 +177,7 @@ struct Job {
     follow_ups: Vec<Vec<u32>>,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
@@ -262,6 +270,8 @@ pub struct RunReport {
     /// The same, had one worker held every prefix computed before (token prompts only).
     pub ideal_prefix_hit_rate: f64,
     pub first_error: Option<String>,
+    /// With --chaos: the faults, failures by status, differing streams and held blocks.
+    pub chaos: Option<ChaosReport>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -314,6 +324,13 @@ struct Workload<'a> {
 }
 
 pub fn run(args: ServeBenchArgs) -> Result<()> {
+    let restart_after = Duration::from_millis(args.chaos.chaos_restart_after_ms);
+    let chaos_spec = match &args.chaos.chaos {
+        Some(spec) => Some(
+            ChaosSpec::parse(spec, restart_after).map_err(|e| anyhow::anyhow!("--chaos {e}"))?,
+        ),
+        None => None,
+    };
     let jobs = workload(&args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -347,7 +364,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         let addr: SocketAddr = server
             .parse()
             .with_context(|| format!("--server {server}: not host:port"))?;
-        runs.push(runtime.block_on(drive(&args, addr, &jobs, "server"))?);
+        runs.push(runtime.block_on(drive(&args, addr, &jobs, "server"))?.0);
     } else {
         measure_engine(&mut engine_alone)?;
         for (design, policy) in arms(&args) {
@@ -387,7 +404,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 prefill_workers: prefill,
                 decode_workers: args.decode_workers,
                 model: args.model.resolve()?,
-                processes: false,
+                processes: args.processes,
                 bin_dir: None,
                 telemetry: Default::default(),
                 auth: Default::default(),
@@ -396,13 +413,25 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 "launching a {name} cluster ({prefill} prefill + {} decode)",
                 args.decode_workers
             );
-            let cluster = Cluster::start(&spec)?;
-            runs.push(runtime.block_on(drive(&args, cluster.router, &jobs, &name))?);
+            let mut cluster = Cluster::start(&spec)?;
+            runs.push(match &chaos_spec {
+                None => {
+                    runtime
+                        .block_on(drive(&args, cluster.router, &jobs, &name))?
+                        .0
+                }
+                Some(spec) => chaos_run(&args, &runtime, &mut cluster, spec, &jobs, &name)?,
+            });
             drop(cluster);
             measure_engine(&mut engine_alone)?;
         }
     }
     print_table(&runs, &args);
+    for r in &runs {
+        if let Some(c) = &r.chaos {
+            c.print(&r.design);
+        }
+    }
     for r in &runs {
         let b = &r.server_ttft_ms;
         println!(
@@ -478,7 +507,117 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         plot::latency_percentiles(&runs, p)?;
         eprintln!("plot written to {}", p.display());
     }
+    let problems: Vec<String> = runs
+        .iter()
+        .filter_map(|r| {
+            let p = r.chaos.as_ref()?.problems()?;
+            Some(format!("{}: {p}", r.design))
+        })
+        .collect();
+    if !problems.is_empty() {
+        bail!("chaos: {}", problems.join("; "));
+    }
     Ok(())
+}
+
+/// One launched cluster under --chaos: every distinct request once alone (the reference), then
+/// the load with the faults injected alongside, then the workers' blocks once it is over.
+fn chaos_run(
+    args: &ServeBenchArgs,
+    runtime: &tokio::runtime::Runtime,
+    cluster: &mut Cluster,
+    spec: &ChaosSpec,
+    jobs: &[Job],
+    design: &str,
+) -> Result<RunReport> {
+    eprintln!("[{design}] solo greedy runs of every distinct request (the reference)");
+    let solo = runtime.block_on(solo_runs(cluster.router, jobs, design))?;
+    // The load's expected length: the solo runs' time spread over the concurrency, or the
+    // arrivals' span.
+    let solo_s: f64 = solo.iter().flatten().map(|s| s.e2e_ms / 1e3).sum();
+    let window = match args.rate {
+        None => solo_s / args.concurrency.max(1) as f64,
+        Some(rate) => (jobs.len() as f64 / rate).max(solo_s / jobs.len().max(1) as f64),
+    };
+    let faults = chaos::plan(
+        spec,
+        &args.chaos,
+        Duration::from_secs_f64(window),
+        cluster.prefill.len(),
+        cluster.decode.len(),
+    )?;
+    let load_done = AtomicBool::new(false);
+    let router = cluster.router;
+    let start = Instant::now();
+    let (load, injected) = std::thread::scope(|scope| {
+        let injector = scope.spawn(|| chaos::inject(cluster, &faults, start, &load_done));
+        let load = runtime.block_on(drive(args, router, jobs, design));
+        load_done.store(true, Ordering::Relaxed);
+        (load, injector.join())
+    });
+    let injected = injected.map_err(|_| anyhow::anyhow!("the fault injector panicked"))?;
+    let (mut report, by_job) = load?;
+    let mut failed = BTreeMap::new();
+    let mut differing = Vec::new();
+    for (request, (turns, reference)) in by_job.iter().zip(&solo).enumerate() {
+        for (turn, s) in turns.iter().enumerate() {
+            if !s.ok {
+                let code = s.code.map_or("transport".into(), |c| format!("{c:?}"));
+                *failed.entry(code).or_insert(0) += 1;
+                continue;
+            }
+            let check = match reference.get(turn) {
+                Some(r) => chaos::check_stream(&r.token_ids, &s.token_ids),
+                // A turn past the reference's: an earlier answer already differed.
+                None => StreamCheck::Differs { at: 0 },
+            };
+            if check != StreamCheck::Same {
+                differing.push(DifferingStream {
+                    request,
+                    turn,
+                    check,
+                });
+            }
+        }
+    }
+    let workers = runtime.block_on(chaos::held_blocks(cluster));
+    report.chaos = Some(ChaosReport {
+        faults_planned: faults.iter().map(ToString::to_string).collect(),
+        faults: injected,
+        completed: by_job.iter().flatten().filter(|s| s.ok).count(),
+        failed,
+        differing,
+        workers,
+    });
+    Ok(report)
+}
+
+/// Every distinct request of `jobs` run alone, greedy, in order: each job's samples, turn by turn.
+async fn solo_runs(router: SocketAddr, jobs: &[Job], design: &str) -> Result<Vec<Vec<Sample>>> {
+    let (channel, _, folded) = connect(router, jobs).await?;
+    let done = Progress::new(
+        format!("[{design} solo]"),
+        jobs.len() as u64,
+        Unit::Requests,
+    );
+    let mut seen: HashMap<&Job, Vec<Sample>> = HashMap::new();
+    let mut out = Vec::with_capacity(jobs.len());
+    for (i, job) in folded.iter().enumerate() {
+        let samples = match seen.get(job) {
+            Some(s) => s.clone(),
+            None => {
+                let s = conversation(channel.clone(), job, &done).await;
+                if let Some(e) = s.iter().find_map(|s| s.error.as_ref()) {
+                    bail!("the solo run of request {i} failed before any fault: {e}");
+                }
+                seen.insert(job, s.clone());
+                s
+            }
+        };
+        out.push(samples);
+    }
+    done.finish();
+    Ok(out)
 }
 
 /// The clusters to launch, in order: each design, and for a disaggregated one each policy of
@@ -579,12 +718,12 @@ fn synthetic(n: usize, next: &mut dyn FnMut() -> u64) -> Vec<u32> {
     (0..n).map(|_| 300 + (next() % 40_000) as u32).collect()
 }
 
-async fn drive(
-    args: &ServeBenchArgs,
+/// A channel to the router, its `Info`, and `jobs` with their synthetic tokens folded into the
+/// model's vocabulary.
+async fn connect(
     router: SocketAddr,
     jobs: &[Job],
-    design: &str,
-) -> Result<RunReport> {
+) -> Result<(tonic::transport::Channel, v1::InfoResponse, Vec<Job>)> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{router}"))?
         .connect()
         .await?;
@@ -610,6 +749,17 @@ async fn drive(
             follow_ups: j.follow_ups.iter().map(|q| fold(q)).collect(),
         })
         .collect();
+    Ok((channel, info, jobs))
+}
+
+/// Runs the workload against `router`: the report, and each job's samples turn by turn.
+async fn drive(
+    args: &ServeBenchArgs,
+    router: SocketAddr,
+    jobs: &[Job],
+    design: &str,
+) -> Result<(RunReport, Vec<Vec<Sample>>)> {
+    let (channel, info, jobs) = connect(router, jobs).await?;
     let jobs = &jobs[..];
     let total = jobs.iter().map(|j| 1 + j.follow_ups.len()).sum::<usize>();
     let done = Arc::new(Progress::new(
@@ -620,7 +770,7 @@ async fn drive(
     let start = Instant::now();
     // Closed loop: when the first client found the queue empty (the drain begins).
     let drain_start = std::sync::OnceLock::new();
-    let samples: Vec<Sample> = match args.rate {
+    let by_job: Vec<Vec<Sample>> = match args.rate {
         None => {
             let next = Arc::new(AtomicUsize::new(0));
             let drain_start = &drain_start;
@@ -645,7 +795,7 @@ async fn drive(
                 .flatten()
                 .collect();
             all.sort_by_key(|(i, _)| *i);
-            all.into_iter().flat_map(|(_, s)| s).collect()
+            all.into_iter().map(|(_, s)| s).collect()
         }
         Some(rate) => {
             let mut rng = args.seed ^ 0xA5A5_A5A5;
@@ -665,13 +815,14 @@ async fn drive(
             }
             let mut out = Vec::new();
             for h in handles {
-                out.extend(h.await?);
+                out.push(h.await?);
             }
             out
         }
     };
     let duration = start.elapsed().as_secs_f64();
     done.finish();
+    let samples: Vec<Sample> = by_job.iter().flatten().cloned().collect();
     eprintln!("[{design}] {total} requests done in {duration:.1}s");
     let full_concurrency = drain_start.get().map(|&end| {
         let window_s = (end - start).as_secs_f64();
@@ -686,14 +837,15 @@ async fn drive(
             output_tokens_per_s: tokens as f64 / window_s,
         }
     });
-    Ok(summarize(
+    let report = summarize(
         design,
         &samples,
         duration,
         full_concurrency,
         info.block_size as usize,
         args,
-    ))
+    );
+    Ok((report, by_job))
 }
 
 /// A job's turns, one after another (each turn's prompt is the previous turn's prompt, its
@@ -873,6 +1025,7 @@ fn summarize(
         prefix_hit_rate: rate(cached_tokens as f64, prompt_tokens as f64),
         ideal_prefix_hit_rate: rate(ideal as f64, token_prompts as f64),
         first_error: samples.iter().find_map(|s| s.error.clone()),
+        chaos: None,
     }
 }
 

@@ -66,8 +66,40 @@ pub struct Cluster {
     /// (it serves every service's families), else the router's then each worker's (free
     /// loopback ports, in start order).
     pub metrics: Vec<SocketAddr>,
-    children: Vec<(&'static str, Child)>,
+    children: Vec<ChildProcess>,
     runtime: Option<tokio::runtime::Runtime>,
+}
+
+/// A service running as a child process, with what started it (to start it again).
+struct ChildProcess {
+    name: &'static str,
+    child: Child,
+    dir: PathBuf,
+    args: Vec<OsString>,
+    env: Option<(&'static str, String)>,
+}
+
+impl ChildProcess {
+    fn spawn(
+        dir: PathBuf,
+        name: &'static str,
+        args: Vec<OsString>,
+        env: Option<(&'static str, String)>,
+    ) -> Result<ChildProcess> {
+        let child = spawn_process(
+            &dir,
+            name,
+            &args,
+            env.as_ref().map(|(k, v)| (*k, v.as_str())),
+        )?;
+        Ok(ChildProcess {
+            name,
+            child,
+            dir,
+            args,
+            env,
+        })
+    }
 }
 
 /// One service's full configuration.
@@ -221,8 +253,10 @@ impl Cluster {
                 };
                 let mut args = service.args();
                 args.extend(spec.telemetry.to_args());
-                let child = spawn_process(&dir, binary, &args, service.env())?;
-                cluster.children.push((binary, child));
+                let env = service.env().map(|(k, v)| (k, v.to_string()));
+                cluster
+                    .children
+                    .push(ChildProcess::spawn(dir, binary, args, env)?);
             } else {
                 runtime.spawn(async move { report(binary, service.serve().await) });
             }
@@ -249,19 +283,49 @@ impl Cluster {
     /// Kills one service process (failure tests); `index` counts prefill workers then decode
     /// workers in start order.
     pub fn kill_process(&mut self, index: usize) -> Result<()> {
-        let (_, child) = self.children.get_mut(index).context("no such process")?;
-        child.kill()?;
-        child.wait()?;
+        let p = self.children.get_mut(index).context("no such process")?;
+        p.child.kill()?;
+        p.child.wait()?;
+        Ok(())
+    }
+
+    /// Every worker's address in process order: prefill workers, then decode workers.
+    pub fn workers(&self) -> Vec<SocketAddr> {
+        self.prefill.iter().chain(&self.decode).copied().collect()
+    }
+
+    /// Waits up to `limit` for one service process to exit; whether it did.
+    pub fn wait_process(&mut self, index: usize, limit: Duration) -> Result<bool> {
+        let p = self.children.get_mut(index).context("no such process")?;
+        let deadline = Instant::now() + limit;
+        while p.child.try_wait()?.is_none() {
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(true)
+    }
+
+    /// Starts an exited service process again with the same command line, so on the same port;
+    /// `index` as for [`Self::kill_process`].
+    pub fn respawn_process(&mut self, index: usize) -> Result<()> {
+        let p = self.children.get_mut(index).context("no such process")?;
+        if p.child.try_wait()?.is_none() {
+            bail!("{} (process {index}) is still running", p.name);
+        }
+        *p = ChildProcess::spawn(p.dir.clone(), p.name, p.args.clone(), p.env.clone())?;
         Ok(())
     }
 
     /// Sends `signal` (a name `kill` knows: `STOP`, `CONT`, `TERM`…) to one service process;
     /// `index` as for [`Self::kill_process`].
     pub fn signal_process(&self, index: usize, signal: &str) -> Result<()> {
-        let (name, child) = self.children.get(index).context("no such process")?;
+        let p = self.children.get(index).context("no such process")?;
+        let name = p.name;
         let status = std::process::Command::new("kill")
             .arg(format!("-{signal}"))
-            .arg(child.id().to_string())
+            .arg(p.child.id().to_string())
             .status()?;
         anyhow::ensure!(status.success(), "kill -{signal} {name} failed: {status}");
         Ok(())
@@ -270,9 +334,9 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for (_, c) in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
+        for p in &mut self.children {
+            let _ = p.child.kill();
+            let _ = p.child.wait();
         }
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();

@@ -5,6 +5,7 @@ mod bench_engine;
 mod bench_gpu;
 mod bench_serve;
 mod bench_transfer;
+mod chaos;
 mod fetch;
 mod generate;
 mod plot;
