@@ -135,6 +135,16 @@ pub struct ServeBenchArgs {
     pub routing: RoutingOptions,
 }
 
+impl ServeBenchArgs {
+    /// The prefill workers of a launched cluster of `design` (a colocated one has none).
+    fn prefill_workers_of(&self, design: Design) -> usize {
+        match design {
+            Design::Disaggregated => self.prefill_workers,
+            Design::Colocated => 0,
+        }
+    }
+}
+
 /// `N` or `A..B` (inclusive).
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Range {
@@ -359,6 +369,19 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         }
         Ok(())
     };
+    // Workers a fault names must exist in every cluster, before any is launched.
+    if let Some(spec) = &chaos_spec {
+        for (design, _) in arms(&args) {
+            let prefill = args.prefill_workers_of(design);
+            chaos::plan(
+                spec,
+                &args.chaos,
+                Duration::ZERO,
+                prefill,
+                args.decode_workers,
+            )?;
+        }
+    }
     let mut runs = Vec::new();
     if let Some(server) = &args.server {
         let addr: SocketAddr = server
@@ -368,11 +391,10 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
     } else {
         measure_engine(&mut engine_alone)?;
         for (design, policy) in arms(&args) {
-            let (prefill, local_prefill_threshold) = match design {
-                Design::Disaggregated => {
-                    (args.prefill_workers, args.routing.local_prefill_threshold)
-                }
-                Design::Colocated => (0, u32::MAX),
+            let prefill = args.prefill_workers_of(design);
+            let local_prefill_threshold = match design {
+                Design::Disaggregated => args.routing.local_prefill_threshold,
+                Design::Colocated => u32::MAX,
             };
             let mut name = format!("{design:?}").to_lowercase();
             if let Some(policy) = policy {
