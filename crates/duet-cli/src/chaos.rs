@@ -240,6 +240,8 @@ pub fn random_faults(
         rng
     };
     let mut unit = move || ((next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    // Whole milliseconds, so that the faults print as briefly as a user writes them.
+    let ms = |d: Duration| Duration::from_millis(d.as_millis() as u64);
     let workers = prefill + decode;
     let mut faults: Vec<Fault> = (0..n)
         .map(|_| {
@@ -255,13 +257,13 @@ pub fn random_faults(
                     index: i - prefill,
                 }
             };
-            let at = window.mul_f64(0.1 + 0.6 * unit());
+            let at = ms(window.mul_f64(0.1 + 0.6 * unit()));
             let action = match (unit() * 3.0) as usize {
                 0 => Action::Kill {
                     back_after: Some(restart_after),
                 },
                 1 => Action::Stop {
-                    resume_after: Duration::from_secs_f64(1.0 + 2.0 * unit()),
+                    resume_after: ms(Duration::from_secs_f64(1.0 + 2.0 * unit())),
                 },
                 _ => Action::Restart,
             };
@@ -739,6 +741,7 @@ mod tests {
         assert!(a.windows(2).all(|w| w[0].at <= w[1].at));
         for f in &a {
             assert!(f.at >= Duration::from_secs(10) && f.at <= Duration::from_secs(70));
+            assert_eq!(f.at.subsec_nanos() % 1_000_000, 0, "{f}");
             process_index(f.worker, 2, 2).unwrap();
         }
         // Only decode workers exist in a cluster with no prefill pool.
