@@ -86,8 +86,9 @@ pub struct Fault {
     pub action: Action,
 }
 
-/// How long a restarted worker may drain after SIGTERM before it is killed.
-const TERM_GRACE: Duration = Duration::from_secs(10);
+/// How long a restarted worker may drain after SIGTERM before it is killed (a worker listed by
+/// flags, not etcd, drains until its drain timeout: the router's KV event feed stays open).
+const TERM_GRACE: Duration = Duration::from_secs(5);
 /// How long a started-again worker may take to answer `Stats`.
 const START_LIMIT: Duration = Duration::from_secs(120);
 /// How long the workers may take to free the blocks of the last requests' cleanups.
