@@ -1,7 +1,8 @@
 //! `duet bench serve --chaos` as a CI script runs it: a disaggregated cluster of separate
 //! processes (1 prefill + 2 decode workers, the tiny fixture) under load while a decode worker is
-//! killed (and started again) and the prefill worker is stopped and resumed; the report must show
-//! both faults injected, no failed request, no stream differing from its solo greedy run and no
+//! killed (and started again), the prefill worker is stopped and resumed, and the other decode
+//! worker restarted (SIGTERM: it must finish draining by itself); the report must show all three
+//! faults injected, no failed request, no stream differing from its solo greedy run and no
 //! KV block held afterwards, and the command must exit 0.
 
 use std::process::{Command, Output};
@@ -41,7 +42,7 @@ fn faults_under_load_lose_no_request_repeat_no_token_and_leak_no_block() {
             "--output-tokens",
             "100",
             "--chaos",
-            "kill:decode0@500ms+500ms,stop:prefill0@1500ms+1s",
+            "kill:decode0@500ms+500ms,stop:prefill0@1500ms+1s,restart:decode1@3s",
             "--threads",
             "2",
         ])
@@ -66,7 +67,12 @@ fn faults_under_load_lose_no_request_repeat_no_token_and_leak_no_block() {
         .collect();
     assert_eq!(
         injected,
-        ["kill:decode0@0.5s+0.5s", "stop:prefill0@1.5s+1s"],
+        // The restart's drain ends by itself (no open KV event subscription holds it).
+        [
+            "kill:decode0@0.5s+0.5s",
+            "stop:prefill0@1.5s+1s",
+            "restart:decode1@3s"
+        ],
         "{chaos}"
     );
     assert_eq!(chaos["completed"], 40, "{chaos}");

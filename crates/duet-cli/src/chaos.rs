@@ -86,9 +86,10 @@ pub struct Fault {
     pub action: Action,
 }
 
-/// How long a restarted worker may drain after SIGTERM before it is killed (a worker listed by
-/// flags, not etcd, drains until its drain timeout: the router's KV event feed stays open).
-const TERM_GRACE: Duration = Duration::from_secs(5);
+/// How long a restarted worker may drain after SIGTERM: past it, it is killed, and the fault
+/// counts as broken (a rolling update relies on the drain ending once the requests in flight
+/// are done, which for the bench's requests is well within this).
+const TERM_GRACE: Duration = Duration::from_secs(10);
 /// How long a started-again worker may take to answer `Stats`.
 const START_LIMIT: Duration = Duration::from_secs(120);
 /// How long the workers may take to free the blocks of the last requests' cleanups.
@@ -370,10 +371,14 @@ fn apply(cluster: &mut Cluster, index: usize, action: Action) -> Result<()> {
         }
         Action::Restart => {
             cluster.signal_process(index, "TERM")?;
-            if !cluster.wait_process(index, TERM_GRACE)? {
+            let drained = cluster.wait_process(index, TERM_GRACE)?;
+            if !drained {
                 cluster.kill_process(index)?;
             }
             start_again(cluster, index)?;
+            if !drained {
+                anyhow::bail!("still draining {TERM_GRACE:?} after SIGTERM; killed");
+            }
         }
     }
     Ok(())

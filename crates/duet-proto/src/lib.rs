@@ -34,7 +34,8 @@ pub mod serve;
 pub use auth::{ClusterAuth, ClusterToken};
 pub use channels::{Channels, PeerChannel, PeerMetadata, channel, is_connection_refused};
 pub use serve::{
-    Draining, Edge, EdgeOptions, InFlightLimitLayer, MAX_MESSAGE_BYTES, Overloaded, deadline,
+    DrainBegun, Draining, Edge, EdgeOptions, InFlightLimitLayer, MAX_MESSAGE_BYTES, Overloaded,
+    deadline,
 };
 
 /// `KvHeader.layout` of a KV push: per (layer, block), K then V, each

@@ -349,6 +349,22 @@ pub struct Edge {
     routes: RoutesBuilder,
     names: Vec<&'static str>,
     health: HealthReporter,
+    drain: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+/// Resolves when the edge's drain begins, for the calls that would otherwise never end (KV event
+/// subscriptions): a graceful shutdown waits for every open call, so such a call would hold the
+/// drain until its timeout.
+#[derive(Clone, Debug)]
+pub struct DrainBegun(tokio::sync::watch::Receiver<bool>);
+
+impl DrainBegun {
+    pub async fn wait(&mut self) {
+        if self.0.wait_for(|&begun| begun).await.is_err() {
+            // The edge is gone without draining: nothing will begin one.
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 /// Turns an edge's health NOT_SERVING (every service, and ""), for a worker that drains: the
@@ -357,11 +373,14 @@ pub struct Edge {
 pub struct Draining {
     health: HealthReporter,
     names: Vec<&'static str>,
+    drain: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Draining {
+    /// Health NOT_SERVING, and the calls waiting on [`DrainBegun`] end.
     pub async fn begin(&self) {
         self.set(tonic_health::ServingStatus::NotServing).await;
+        self.drain.send_replace(true);
     }
 
     /// Every service's status, and the server's ("").
@@ -380,7 +399,13 @@ impl Edge {
             routes: RoutesBuilder::default(),
             names: Vec::new(),
             health: HealthReporter::new(),
+            drain: Arc::new(tokio::sync::watch::Sender::new(false)),
         }
+    }
+
+    /// The signal a never-ending call stops on (see [`DrainBegun`]).
+    pub fn drain_begun(&self) -> DrainBegun {
+        DrainBegun(self.drain.subscribe())
     }
 
     /// The handle that marks this edge's health NOT_SERVING (take it once every service is
@@ -389,6 +414,7 @@ impl Edge {
         Draining {
             health: self.health.clone(),
             names: self.names.clone(),
+            drain: self.drain.clone(),
         }
     }
 

@@ -168,14 +168,23 @@ pub struct KvEventsService {
     log: Arc<KvEventLog>,
     incarnation: u64,
     digest_interval: Duration,
+    /// Subscriptions end when the worker drains, so its graceful shutdown need not wait for
+    /// the router to hang up.
+    drain: duet_proto::DrainBegun,
 }
 
 impl KvEventsService {
-    pub fn new(log: Arc<KvEventLog>, incarnation: u64, digest_interval: Duration) -> Self {
+    pub fn new(
+        log: Arc<KvEventLog>,
+        incarnation: u64,
+        digest_interval: Duration,
+        drain: duet_proto::DrainBegun,
+    ) -> Self {
         Self {
             log,
             incarnation,
             digest_interval,
+            drain,
         }
     }
 
@@ -215,7 +224,7 @@ impl KvEventsService {
 
     /// Feeds one subscriber until it goes away.
     async fn feed(
-        self,
+        mut self,
         request: v1::KvSubscribeRequest,
         tx: mpsc::Sender<Result<v1::KvEventsMessage, Status>>,
     ) {
@@ -263,6 +272,7 @@ impl KvEventsService {
                 r = changed.changed() => if r.is_err() { return },
                 _ = digest_tick.tick() => digest_due = true,
                 () = tx.closed() => return,
+                () = self.drain.wait() => return,
             }
         }
     }
@@ -341,6 +351,42 @@ mod tests {
         assert_eq!(log.snapshot().hashes, Vec::<u64>::new());
     }
 
+    fn edge() -> duet_proto::Edge {
+        duet_proto::Edge::new(duet_proto::EdgeOptions {
+            default_deadline: Duration::from_secs(5),
+            max_in_flight: 4,
+            cluster_token: None,
+        })
+    }
+
+    #[tokio::test]
+    async fn subscriptions_end_when_the_worker_drains() {
+        use futures::StreamExt;
+        use v1::kv_events_server::KvEvents;
+        let edge = edge();
+        let log = Arc::new(KvEventLog::new(2));
+        let service = KvEventsService::new(log, 7, Duration::from_secs(60), edge.drain_begun());
+        let subscribe = || {
+            service.subscribe(tonic::Request::new(v1::KvSubscribeRequest {
+                incarnation: 7,
+                from_seq: 1,
+            }))
+        };
+        let mut open = subscribe().await.unwrap().into_inner();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), open.next())
+                .await
+                .is_err(),
+            "nothing to send yet: the subscription stays open"
+        );
+        edge.draining().begin().await;
+        let ended = tokio::time::timeout(Duration::from_secs(5), open.next()).await;
+        assert!(matches!(ended, Ok(None)), "{ended:?}");
+        let mut late = subscribe().await.unwrap().into_inner();
+        let ended = tokio::time::timeout(Duration::from_secs(5), late.next()).await;
+        assert!(matches!(ended, Ok(None)), "subscribed after: {ended:?}");
+    }
+
     async fn next(s: &mut EventStream) -> v1::KvEventsMessage {
         use futures::StreamExt;
         tokio::time::timeout(Duration::from_secs(5), s.next())
@@ -355,7 +401,12 @@ mod tests {
         use v1::kv_events_server::KvEvents;
         let log = Arc::new(KvEventLog::new(2));
         log.append(vec![KvEvent::Stored(5)], digest(1, 5));
-        let service = KvEventsService::new(log.clone(), 42, Duration::from_millis(50));
+        let service = KvEventsService::new(
+            log.clone(),
+            42,
+            Duration::from_millis(50),
+            edge().drain_begun(),
+        );
         let subscribe = |incarnation, from_seq| {
             service.subscribe(tonic::Request::new(v1::KvSubscribeRequest {
                 incarnation,

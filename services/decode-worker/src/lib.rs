@@ -70,6 +70,7 @@ pub async fn serve(
         max_in_flight: config.max_in_flight,
         cluster_token: token,
     });
+    let drain = edge.drain_begun();
     let edge = edge
         .service(
             v1::decode_worker_server::DecodeWorkerServer::new(service::DecodeService {
@@ -89,6 +90,7 @@ pub async fn serve(
                 state.engine.kv_events().clone(),
                 state.identity.incarnation,
                 duet_worker::kv_events::DEFAULT_DIGEST_INTERVAL,
+                drain,
             ),
         ))
         .service(v1::worker_control_server::WorkerControlServer::new(

@@ -83,13 +83,14 @@ pub async fn serve(
         max_in_flight: config.max_in_flight,
         cluster_token: token,
     });
+    let drain = edge.drain_begun();
     let edge = edge
         .service(
             PrefillWorkerServer::new(service.clone())
                 .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
         )
-        .service(KvEventsServer::new(service.kv_events()))
+        .service(KvEventsServer::new(service.kv_events(drain)))
         .service(WorkerControlServer::new(service));
     let served = duet_worker::membership::serve_registered(
         edge,

@@ -62,12 +62,13 @@ impl PrefillService {
         &self.inner.engine.info().wire.fingerprint
     }
 
-    /// `KvEvents` for this worker's prefix cache.
-    pub fn kv_events(&self) -> KvEventsService {
+    /// `KvEvents` for this worker's prefix cache; subscriptions end at `drain`.
+    pub fn kv_events(&self, drain: duet_proto::DrainBegun) -> KvEventsService {
         KvEventsService::new(
             self.inner.engine.kv_events().clone(),
             self.inner.identity.incarnation,
             DEFAULT_DIGEST_INTERVAL,
+            drain,
         )
     }
 }
