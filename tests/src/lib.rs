@@ -53,7 +53,14 @@ pub fn engine_options() -> EngineOptions {
 
 /// A worker's `Stats`, asked with the cluster's token.
 pub async fn worker_stats(cluster: &Cluster, worker: SocketAddr) -> v1::StatsResponse {
-    let channel = duet_proto::channel(&worker.to_string(), Some(cluster.token.clone())).unwrap();
+    let channel = duet_proto::channel(
+        &worker.to_string(),
+        &duet_proto::PeerAuth {
+            token: Some(cluster.token.clone()),
+            tls: None,
+        },
+    )
+    .unwrap();
     v1::worker_control_client::WorkerControlClient::new(channel)
         .stats(v1::StatsRequest {})
         .await

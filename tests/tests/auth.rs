@@ -14,7 +14,8 @@ async fn internal_calls(
     c: &Cluster,
     token: Option<ClusterToken>,
 ) -> Vec<(&'static str, Result<(), Status>)> {
-    let ch = |addr: SocketAddr| duet_proto::channel(&addr.to_string(), token.clone()).unwrap();
+    let auth = duet_proto::PeerAuth { token, tls: None };
+    let ch = |addr: SocketAddr| duet_proto::channel(&addr.to_string(), &auth).unwrap();
     let (decode, prefill) = (ch(c.decode[0]), ch(c.prefill[0]));
     let decode_call = v1::decode_worker_client::DecodeWorkerClient::new(decode.clone())
         .decode(v1::DecodeRequest {
@@ -94,7 +95,7 @@ fn internal_calls_without_the_cluster_token_are_refused_and_learn_nothing() {
         }
         // Health stays open to anyone, and the public API serves through the workers.
         for worker in [c.decode[0], c.prefill[0]] {
-            let channel = duet_proto::channel(&worker.to_string(), None).unwrap();
+            let channel = duet_proto::channel(&worker.to_string(), &Default::default()).unwrap();
             let health = tonic_health::pb::health_client::HealthClient::new(channel)
                 .check(tonic_health::pb::HealthCheckRequest::default())
                 .await;

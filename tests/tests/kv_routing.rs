@@ -128,7 +128,10 @@ fn lost_events_are_replayed_and_a_new_router_rebuilds_from_snapshots() {
         let pools = Pools::new(
             &c.decode.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
             &c.prefill.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
-            Some(c.token.clone()),
+            duet_proto::PeerAuth {
+                token: Some(c.token.clone()),
+                tls: None,
+            },
             routing().params(),
         )
         .unwrap();

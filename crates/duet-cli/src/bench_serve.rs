@@ -56,6 +56,9 @@ pub struct ServeBenchArgs {
     /// Router to load (a running cluster). Without it, clusters are launched (see --launch).
     #[arg(long)]
     pub server: Option<String>,
+    /// PEM certificate of the CA that signed the --server router's certificate: called over TLS.
+    #[arg(long, env = "DUET_TLS_CA", requires = "server")]
+    pub tls_ca: Option<PathBuf>,
     /// Designs to launch and compare when no --server is given.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Design::Disaggregated, Design::Colocated])]
     pub launch: Vec<Design>,
@@ -616,7 +619,8 @@ fn chaos_run(
 
 /// Every distinct request of `jobs` run alone, greedy, in order: each job's samples, turn by turn.
 async fn solo_runs(router: SocketAddr, jobs: &[Job], design: &str) -> Result<Vec<Vec<Sample>>> {
-    let (channel, _, folded) = connect(router, jobs).await?;
+    // Only launched clusters run chaos, and they serve plaintext.
+    let (channel, _, folded) = connect(router, jobs, None).await?;
     let done = Progress::new(
         format!("[{design} solo]"),
         jobs.len() as u64,
@@ -740,13 +744,15 @@ fn synthetic(n: usize, next: &mut dyn FnMut() -> u64) -> Vec<u32> {
     (0..n).map(|_| 300 + (next() % 40_000) as u32).collect()
 }
 
-/// A channel to the router, its `Info`, and `jobs` with their synthetic tokens folded into the
-/// model's vocabulary.
+/// A channel to the router (TLS when `tls_ca` is given), its `Info`, and `jobs` with their
+/// synthetic tokens folded into the model's vocabulary.
 async fn connect(
     router: SocketAddr,
     jobs: &[Job],
+    tls_ca: Option<&std::path::Path>,
 ) -> Result<(tonic::transport::Channel, v1::InfoResponse, Vec<Job>)> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{router}"))?
+    let tls = tls_ca.map(duet_proto::tls::client_trusting).transpose()?;
+    let channel = duet_proto::channels::endpoint(&router.to_string(), tls.as_ref())?
         .connect()
         .await?;
     let info = v1::generation_client::GenerationClient::new(channel.clone())
@@ -781,7 +787,7 @@ async fn drive(
     jobs: &[Job],
     design: &str,
 ) -> Result<(RunReport, Vec<Vec<Sample>>)> {
-    let (channel, info, jobs) = connect(router, jobs).await?;
+    let (channel, info, jobs) = connect(router, jobs, args.tls_ca.as_deref()).await?;
     let jobs = &jobs[..];
     let total = jobs.iter().map(|j| 1 + j.follow_ups.len()).sum::<usize>();
     let done = Arc::new(Progress::new(

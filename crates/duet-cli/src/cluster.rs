@@ -21,6 +21,7 @@ use duet_prefill_worker::PrefillConfig;
 use duet_proto::{ClusterAuth, ClusterToken, v1};
 use duet_router::RouterConfig;
 use duet_telemetry::{MetricsArgs, TelemetryArgs};
+use tonic::transport::ClientTlsConfig;
 
 /// What to start: a configuration for each kind of service. The launcher fills in what it owns:
 /// the workers' `listen` (free loopback ports), how they find each other, the cluster token and
@@ -271,9 +272,11 @@ impl Cluster {
             ),
             None => None,
         };
+        let tls = spec.router.tls.load()?.map(|t| t.client());
         runtime.block_on(wait_until_serving(
             router,
             key.as_deref(),
+            tls.as_ref(),
             Duration::from_secs(300),
         ))?;
         cluster.runtime = Some(runtime);
@@ -412,11 +415,16 @@ fn free_ports(n: usize) -> Result<Vec<SocketAddr>> {
 }
 
 /// Polls with a one-token `Generate` until one succeeds: only then would a user's call succeed.
-async fn wait_until_serving(router: SocketAddr, key: Option<&str>, limit: Duration) -> Result<()> {
+async fn wait_until_serving(
+    router: SocketAddr,
+    key: Option<&str>,
+    tls: Option<&ClientTlsConfig>,
+    limit: Duration,
+) -> Result<()> {
     let deadline = Instant::now() + limit;
     let mut last_error = String::from("not started");
     while Instant::now() < deadline {
-        match probe(router, key).await {
+        match probe(router, key, tls).await {
             Ok(()) => return Ok(()),
             Err(e) => last_error = format!("{e:#}"),
         }
@@ -425,9 +433,11 @@ async fn wait_until_serving(router: SocketAddr, key: Option<&str>, limit: Durati
     bail!("the cluster did not become ready within {limit:?}: {last_error}")
 }
 
-async fn probe(router: SocketAddr, key: Option<&str>) -> Result<()> {
-    let mut client =
-        v1::generation_client::GenerationClient::connect(format!("http://{router}")).await?;
+async fn probe(router: SocketAddr, key: Option<&str>, tls: Option<&ClientTlsConfig>) -> Result<()> {
+    let channel = duet_proto::channels::endpoint(&router.to_string(), tls)?
+        .connect()
+        .await?;
+    let mut client = v1::generation_client::GenerationClient::new(channel);
     let mut req = tonic::Request::new(v1::GenerateRequest {
         prompt: "ready?".into(),
         max_tokens: Some(1),

@@ -67,6 +67,10 @@ pub struct GenerateArgs {
     /// loading the model in this process.
     #[arg(long, env = "DUET_SERVER")]
     pub server: Option<String>,
+    /// PEM certificate of the CA that signed the router's certificate: --server is called over
+    /// TLS (the router runs with --tls-cert).
+    #[arg(long, env = "DUET_TLS_CA", requires = "server")]
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -231,14 +235,16 @@ fn finish_output(
 async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
     use duet_proto::v1;
     use futures::StreamExt;
-    let url = if server.contains("://") {
-        server.clone()
-    } else {
-        format!("http://{server}")
-    };
-    let mut client = v1::generation_client::GenerationClient::connect(url)
+    let tls = args
+        .tls_ca
+        .as_deref()
+        .map(duet_proto::tls::client_trusting)
+        .transpose()?;
+    let channel = duet_proto::channels::endpoint(&server, tls.as_ref())?
+        .connect()
         .await
         .with_context(|| format!("connecting to {server} (is `duet up` running?)"))?;
+    let mut client = v1::generation_client::GenerationClient::new(channel);
     let mut request = v1::GenerateRequest {
         max_tokens: Some(args.max_tokens as u32),
         temperature: Some(args.temperature),

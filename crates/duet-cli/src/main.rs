@@ -36,7 +36,7 @@ enum Command {
     /// running cluster with --server).
     Generate(generate::GenerateArgs),
     /// Run a whole cluster on loopback: router + prefill + decode workers.
-    Up(up::UpArgs),
+    Up(Box<up::UpArgs>),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -73,7 +73,7 @@ fn main() {
             command: ModelCommand::Fetch(args),
         } => fetch::run(args),
         Command::Generate(args) => generate::run(args),
-        Command::Up(args) => up::run(args),
+        Command::Up(args) => up::run(*args),
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => {

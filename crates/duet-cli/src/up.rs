@@ -11,7 +11,7 @@ use duet_decode_worker::DecodeConfig;
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
-use duet_proto::ClusterAuth;
+use duet_proto::{ClusterAuth, TlsArgs};
 use duet_router::{RouterConfig, RoutingOptions};
 use duet_telemetry::{MetricsArgs, TelemetryArgs};
 use duet_transfer::choice::TransportChoice;
@@ -66,6 +66,10 @@ pub struct UpArgs {
     /// The token of the cluster's internal calls (default: a random one for this run).
     #[command(flatten)]
     pub auth: ClusterAuth,
+    /// TLS of every service (the `duet-router`/worker flags of the same names): mutual TLS
+    /// between them, TLS on the router's gRPC port.
+    #[command(flatten)]
+    pub tls: TlsArgs,
     /// The router's routing and limits (the `duet-router` flags of the same names).
     // Last: the heading applies to every flag after it.
     #[command(flatten, next_help_heading = "Router")]
@@ -81,16 +85,19 @@ pub fn run(args: UpArgs) -> Result<()> {
             cluster: args.cluster.clone(),
             metrics: args.metrics,
             routing: args.routing.clone(),
+            tls: args.tls.clone(),
             ..RouterConfig::default()
         },
         prefill: PrefillConfig {
             engine: args.engine.clone(),
             kv_transport: args.kv_transport,
+            tls: args.tls.clone(),
             ..PrefillConfig::default()
         },
         decode: DecodeConfig {
             engine: args.engine.clone(),
             kv_transport: args.kv_transport,
+            tls: args.tls.clone(),
             ..DecodeConfig::default()
         },
         prefill_workers: args.prefill_workers,

@@ -1,6 +1,7 @@
 //! Channels to peers: one lazily connected, reused channel per address (a channel multiplexes
-//! calls and reconnects by itself), with Nagle's algorithm off as on the serving side, and the
-//! cluster token and the caller's trace context attached to every call ([`PeerMetadata`]).
+//! calls and reconnects by itself), with Nagle's algorithm off as on the serving side, over TLS
+//! with the service's own certificate when it has one ([`PeerAuth`]), and the cluster token and
+//! the caller's trace context attached to every call ([`PeerMetadata`]).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -8,7 +9,7 @@ use std::time::Duration;
 
 use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 use crate::auth::{CLUSTER_TOKEN_HEADER, ClusterToken};
 
@@ -63,23 +64,41 @@ pub struct BadAddress {
     pub reason: String,
 }
 
-/// A lazily connected channel to `address` (`host:port`, or a URI) whose calls carry `token`.
-pub fn channel(address: &str, token: Option<ClusterToken>) -> Result<PeerChannel, BadAddress> {
-    let uri = if address.contains("://") {
-        address.to_string()
-    } else {
-        format!("http://{address}")
-    };
-    let endpoint = Endpoint::from_shared(uri).map_err(|e| BadAddress {
+/// How a service's calls to its peers authenticate: the cluster token, and TLS (the CA that
+/// signs peers' certificates and this service's own certificate, [`crate::Tls::client`]).
+#[derive(Clone, Debug, Default)]
+pub struct PeerAuth {
+    pub token: Option<ClusterToken>,
+    pub tls: Option<ClientTlsConfig>,
+}
+
+/// The endpoint at `address` (`host:port`, or a URI whose scheme is replaced): `https` with
+/// `tls`, else `http`. Every channel to a peer or a router is dialled through here.
+pub fn endpoint(address: &str, tls: Option<&ClientTlsConfig>) -> Result<Endpoint, BadAddress> {
+    let authority = address.split_once("://").map_or(address, |(_, rest)| rest);
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let bad = |e: tonic::transport::Error| BadAddress {
         address: address.to_string(),
         reason: e.to_string(),
-    })?;
-    let channel = endpoint
+    };
+    let endpoint = Endpoint::from_shared(format!("{scheme}://{authority}")).map_err(bad)?;
+    match tls {
+        Some(tls) => endpoint.tls_config(tls.clone()).map_err(bad),
+        None => Ok(endpoint),
+    }
+}
+
+/// A lazily connected channel to `address` (`host:port`, or a URI) authenticated by `auth`.
+pub fn channel(address: &str, auth: &PeerAuth) -> Result<PeerChannel, BadAddress> {
+    let channel = endpoint(address, auth.tls.as_ref())?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
         .http2_adaptive_window(true)
         .connect_lazy();
-    Ok(InterceptedService::new(channel, PeerMetadata(token)))
+    Ok(InterceptedService::new(
+        channel,
+        PeerMetadata(auth.token.clone()),
+    ))
 }
 
 /// Whether a call failed because the peer refused the connection (nothing listens there: the
@@ -97,18 +116,18 @@ pub fn is_connection_refused(status: &tonic::Status) -> bool {
     false
 }
 
-/// Channels to peers by address, made on first use and reused, their calls carrying the
-/// cluster token.
+/// Channels to peers by address, made on first use and reused, authenticated by one
+/// [`PeerAuth`].
 #[derive(Debug, Default)]
 pub struct Channels {
-    token: Option<ClusterToken>,
+    auth: PeerAuth,
     by_address: Mutex<HashMap<String, PeerChannel>>,
 }
 
 impl Channels {
-    pub fn new(token: Option<ClusterToken>) -> Self {
+    pub fn new(auth: PeerAuth) -> Self {
         Self {
-            token,
+            auth,
             by_address: Mutex::default(),
         }
     }
@@ -119,7 +138,7 @@ impl Channels {
         if let Some(c) = map.get(address) {
             return Ok(c.clone());
         }
-        let c = channel(address, self.token.clone())?;
+        let c = channel(address, &self.auth)?;
         map.insert(address.to_string(), c.clone());
         Ok(c)
     }
@@ -149,7 +168,7 @@ mod tests {
             .unwrap()
             .port();
         let mut client = tonic_health::pb::health_client::HealthClient::new(
-            channel(&format!("127.0.0.1:{port}"), None).unwrap(),
+            channel(&format!("127.0.0.1:{port}"), &PeerAuth::default()).unwrap(),
         );
         let status = client
             .check(tonic_health::pb::HealthCheckRequest::default())

@@ -30,13 +30,15 @@ pub mod channels;
 pub mod convert;
 pub mod malformed;
 pub mod serve;
+pub mod tls;
 
 pub use auth::{ClusterAuth, ClusterToken};
-pub use channels::{Channels, PeerChannel, PeerMetadata, channel, is_connection_refused};
+pub use channels::{Channels, PeerAuth, PeerChannel, PeerMetadata, channel, is_connection_refused};
 pub use serve::{
     DrainBegun, Draining, Edge, EdgeOptions, InFlightLimitLayer, MAX_MESSAGE_BYTES, Overloaded,
     deadline,
 };
+pub use tls::{Tls, TlsArgs};
 
 /// `KvHeader.layout` of a KV push: per (layer, block), K then V, each
 /// `[kv_head][slot][head_dim]`, little-endian values of `KvHeader.dtype`.

@@ -31,7 +31,7 @@ use crate::malformed::MalformedRequestLayer;
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// How a service's edge treats calls.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct EdgeOptions {
     /// Deadline of a call that carries no `grpc-timeout`.
     pub default_deadline: Duration,
@@ -40,6 +40,9 @@ pub struct EdgeOptions {
     pub max_in_flight: usize,
     /// The token internal calls must carry; `None`: they are open.
     pub cluster_token: Option<ClusterToken>,
+    /// TLS on the port ([`crate::Tls::server_requiring_client_certs`] on internal ports,
+    /// [`crate::Tls::server`] on public ones); `None`: plaintext.
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
 }
 
 /// The deadline of a call: its `grpc-timeout` from when it arrived, or the edge's default.
@@ -446,7 +449,7 @@ impl Edge {
     }
 
     /// Serves every added service, health (SERVING for each, and for "") and reflection on
-    /// `listener` until `shutdown` resolves (then drains open calls).
+    /// `listener` (over TLS when the options have it) until `shutdown` resolves (then drains open calls).
     pub async fn serve(
         mut self,
         listener: tokio::net::TcpListener,
@@ -463,7 +466,11 @@ impl Edge {
             .add_service(health)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha);
-        tonic::transport::Server::builder()
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = self.options.tls {
+            server = server.tls_config(tls)?;
+        }
+        server
             // Outermost: a caller without the token costs nothing further.
             .layer(ClusterAuthLayer::new(self.options.cluster_token))
             .layer(TraceContextLayer(Protocol::Grpc))

@@ -120,13 +120,13 @@ impl TransportChoice {
     }
 }
 
-/// The sending side of `kind`, as this build carries it; its calls carry the cluster token.
+/// The sending side of `kind`, as this build carries it; its calls authenticated by `auth`.
 pub fn open_transport(
     kind: TransportKind,
-    token: Option<duet_proto::ClusterToken>,
+    auth: duet_proto::PeerAuth,
 ) -> Result<Arc<dyn KvTransport>, TransportError> {
     match kind {
-        TransportKind::Grpc | TransportKind::Unspecified => Ok(Arc::new(GrpcTransport::new(token))),
+        TransportKind::Grpc | TransportKind::Unspecified => Ok(Arc::new(GrpcTransport::new(auth))),
         TransportKind::CudaIpc => Err(TransportError::NotConnected {
             choice: TransportChoice::CudaIpc,
         }),

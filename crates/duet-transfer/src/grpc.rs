@@ -30,10 +30,10 @@ pub struct GrpcTransport {
 }
 
 impl GrpcTransport {
-    /// Pushes carrying the cluster token `token`.
-    pub fn new(token: Option<duet_proto::ClusterToken>) -> Self {
+    /// Pushes authenticated by `auth` (cluster token, TLS).
+    pub fn new(auth: duet_proto::PeerAuth) -> Self {
         Self {
-            channels: Arc::new(duet_proto::Channels::new(token)),
+            channels: Arc::new(duet_proto::Channels::new(auth)),
         }
     }
 }

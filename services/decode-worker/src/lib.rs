@@ -26,6 +26,7 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     config.kv_transport.for_worker(config.engine.device)?;
     let token = config.auth.token()?;
+    let tls = config.tls.load()?;
     let addr = listener.local_addr()?;
     let model = config.model.resolve()?;
     let engine = EngineHandle::spawn(
@@ -45,7 +46,10 @@ pub async fn serve(
         advertise: config.advertise.clone().unwrap_or_else(|| addr.to_string()),
         engine,
         prefill_timeout: Duration::from_millis(config.prefill_timeout_ms),
-        channels: duet_proto::Channels::new(token.clone()),
+        channels: duet_proto::Channels::new(duet_proto::PeerAuth {
+            token: token.clone(),
+            tls: tls.as_ref().map(duet_proto::Tls::client),
+        }),
     });
 
     let card = duet_worker::membership::card(
@@ -69,6 +73,9 @@ pub async fn serve(
         default_deadline: Duration::from_millis(config.request_timeout_ms.max(1)),
         max_in_flight: config.max_in_flight,
         cluster_token: token,
+        tls: tls
+            .as_ref()
+            .map(duet_proto::Tls::server_requiring_client_certs),
     });
     let drain = edge.drain_begun();
     let edge = edge

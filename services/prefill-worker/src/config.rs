@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use duet_cluster::{ClusterArgs, LeaseArgs};
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
-use duet_proto::ClusterAuth;
+use duet_proto::{ClusterAuth, TlsArgs};
 use duet_telemetry::MetricsArgs;
 use duet_transfer::choice::TransportChoice;
 
@@ -61,6 +61,9 @@ pub struct PrefillConfig {
     /// Cluster token of internal calls (see `duet_proto::auth`).
     #[command(flatten)]
     pub auth: ClusterAuth,
+    /// TLS on its ports and its calls to peers (see `duet_proto::tls`).
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 /// The flags' defaults (the flags take theirs from here).
@@ -81,6 +84,7 @@ impl Default for PrefillConfig {
             request_timeout_ms: 600_000,
             max_in_flight: 4096,
             auth: ClusterAuth::default(),
+            tls: TlsArgs::default(),
         }
     }
 }
@@ -115,6 +119,7 @@ impl PrefillConfig {
             request_timeout_ms,
             max_in_flight,
             auth,
+            tls,
         } = self;
         let mut args: Vec<OsString> = vec![format!("--listen={listen}").into()];
         args.extend(advertise.iter().map(|a| format!("--advertise={a}").into()));
@@ -139,6 +144,7 @@ impl PrefillConfig {
             .map(Into::into),
         );
         args.extend(auth.to_args());
+        args.extend(tls.to_args());
         args
     }
 
@@ -238,6 +244,11 @@ mod tests {
                 cluster_token: None,
                 cluster_token_file: Some("secret dir/token".into()),
             },
+            tls: TlsArgs::new(
+                "certs dir/cert.pem".into(),
+                "key.pem".into(),
+                "ca.pem".into(),
+            ),
         };
         let argv = std::iter::once("duet-prefill".into()).chain(c.to_args());
         assert_eq!(Cli::try_parse_from(argv).unwrap().config, c);

@@ -31,9 +31,13 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let token = config.auth.token()?;
+    let tls = config.tls.load()?;
     let transport = duet_transfer::choice::open_transport(
         config.kv_transport.for_worker(config.engine.device)?,
-        token.clone(),
+        duet_proto::PeerAuth {
+            token: token.clone(),
+            tls: tls.as_ref().map(duet_proto::Tls::client),
+        },
     )?;
     let addr = listener
         .local_addr()
@@ -82,6 +86,9 @@ pub async fn serve(
         default_deadline: std::time::Duration::from_millis(config.request_timeout_ms.max(1)),
         max_in_flight: config.max_in_flight,
         cluster_token: token,
+        tls: tls
+            .as_ref()
+            .map(duet_proto::Tls::server_requiring_client_certs),
     });
     let drain = edge.drain_begun();
     let edge = edge

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use clap::Args;
 use duet_cluster::ClusterArgs;
 use duet_model::model_path::ModelArgs;
-use duet_proto::ClusterAuth;
+use duet_proto::{ClusterAuth, TlsArgs};
 use duet_telemetry::MetricsArgs;
 
 use crate::routing::{HealthPolicy, RoutingParams, RoutingPolicy};
@@ -74,6 +74,9 @@ pub struct RouterConfig {
     /// Cluster token the router's calls to the workers carry (see `duet_proto::auth`).
     #[command(flatten)]
     pub auth: ClusterAuth,
+    /// TLS on its ports and its calls to peers (see `duet_proto::tls`).
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 /// The flags' defaults (the flags take theirs from here).
@@ -91,6 +94,7 @@ impl Default for RouterConfig {
             routing: RoutingOptions::default(),
             api_keys_file: None,
             auth: ClusterAuth::default(),
+            tls: TlsArgs::default(),
         }
     }
 }
@@ -111,6 +115,7 @@ impl RouterConfig {
             routing,
             api_keys_file,
             auth,
+            tls,
         } = self;
         let mut args = vec![OsString::from(format!("--listen={listen}"))];
         args.extend(http_listen.map(|a| format!("--http-listen={a}").into()));
@@ -127,6 +132,7 @@ impl RouterConfig {
             arg
         }));
         args.extend(auth.to_args());
+        args.extend(tls.to_args());
         args
     }
 }
@@ -374,6 +380,11 @@ mod tests {
                 cluster_token: None,
                 cluster_token_file: Some("secret dir/token".into()),
             },
+            tls: TlsArgs::new(
+                "certs dir/cert.pem".into(),
+                "key.pem".into(),
+                "ca.pem".into(),
+            ),
         };
         let argv = std::iter::once("duet-router".into()).chain(c.to_args());
         assert_eq!(Cli::try_parse_from(argv).unwrap().config, c);

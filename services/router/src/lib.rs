@@ -86,10 +86,14 @@ pub async fn serve(
     .await
     .context("model loading panicked")??;
     let token = config.auth.token()?;
+    let tls = config.tls.load()?;
     let pools = Pools::new(
         &config.decode,
         &config.prefill,
-        token.clone(),
+        duet_proto::PeerAuth {
+            token: token.clone(),
+            tls: tls.as_ref().map(duet_proto::Tls::client),
+        },
         config.routing.params(),
     )?;
     pools.start_polling(Duration::from_millis(
@@ -135,6 +139,8 @@ pub async fn serve(
         default_deadline: request_timeout,
         max_in_flight: config.routing.max_queued_requests,
         cluster_token: token,
+        // The public port: TLS without client certificates (clients present API keys).
+        tls: tls.as_ref().map(duet_proto::Tls::server),
     })
     .on_refused(move || refused.finished(metrics::Outcome::Failed(tonic::Code::ResourceExhausted)));
     let shutdown = futures::FutureExt::shared(Box::pin(shutdown));

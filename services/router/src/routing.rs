@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use duet_cluster::{CardState, Membership, Role, WorkerCard};
 use duet_proto::v1;
 use duet_proto::v1::worker_control_client::WorkerControlClient;
-use duet_proto::{ClusterToken, PeerChannel};
+use duet_proto::{PeerAuth, PeerChannel};
 use tokio::sync::Notify;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -220,11 +220,12 @@ impl Drop for InFlight {
 }
 
 impl Worker {
-    /// A worker at `address` (host:port, or a URI) whose calls carry `token`; connects lazily.
-    pub fn new(address: &str, role: Role, token: Option<ClusterToken>) -> anyhow::Result<Self> {
+    /// A worker at `address` (host:port, or a URI) whose calls are authenticated by `auth`;
+    /// connects lazily.
+    pub fn new(address: &str, role: Role, auth: &PeerAuth) -> anyhow::Result<Self> {
         // Each call makes a channel (and so a connection) of its own.
-        let channel = duet_proto::channel(address, token.clone())?;
-        let poll_channel = duet_proto::channel(address, token)?;
+        let channel = duet_proto::channel(address, auth)?;
+        let poll_channel = duet_proto::channel(address, auth)?;
         Ok(Self {
             address: address.to_string(),
             role,
@@ -272,12 +273,8 @@ impl Worker {
     }
 
     /// The worker a card describes.
-    pub fn from_card(
-        key: &str,
-        card: &WorkerCard,
-        token: Option<ClusterToken>,
-    ) -> anyhow::Result<Self> {
-        let w = Self::new(&card.grpc_address, card.role, token)?;
+    pub fn from_card(key: &str, card: &WorkerCard, auth: &PeerAuth) -> anyhow::Result<Self> {
+        let w = Self::new(&card.grpc_address, card.role, auth)?;
         *w.card.lock().unwrap_or_else(|e| e.into_inner()) = Some((key.to_string(), card.clone()));
         Ok(w)
     }
@@ -604,8 +601,8 @@ pub struct Pools {
     poll_interval: Mutex<Option<Duration>>,
     /// Woken after every poll and membership change (what a waiting request waits on).
     changed: Arc<Notify>,
-    /// What every call to a worker carries, those known from cards included.
-    token: Option<ClusterToken>,
+    /// How every call to a worker authenticates, those known from cards included.
+    auth: PeerAuth,
     /// Which worker holds which prefix block.
     pub index: Arc<KvIndex>,
     pub params: RoutingParams,
@@ -613,19 +610,19 @@ pub struct Pools {
 }
 
 impl Pools {
-    /// The pools of workers at these addresses, routed by `params`; every call to them
-    /// carries `token`.
+    /// The pools of workers at these addresses, routed by `params`; every call to them is
+    /// authenticated by `auth`.
     pub fn new(
         decode: &[String],
         prefill: &[String],
-        token: Option<ClusterToken>,
+        auth: PeerAuth,
         params: RoutingParams,
     ) -> anyhow::Result<Self> {
         let make = |list: &[String], role| -> anyhow::Result<Vec<Arc<Worker>>> {
             list.iter()
                 .map(|a| a.trim())
                 .filter(|a| !a.is_empty())
-                .map(|a| Worker::new(a, role, token.clone()).map(Arc::new))
+                .map(|a| Worker::new(a, role, &auth).map(Arc::new))
                 .collect()
         };
         Ok(Self {
@@ -633,7 +630,7 @@ impl Pools {
             prefill: RwLock::new(make(prefill, Role::Prefill)?),
             poll_interval: Mutex::new(None),
             changed: Arc::default(),
-            token,
+            auth,
             index: Arc::default(),
             params,
             decisions: Arc::default(),
@@ -718,7 +715,7 @@ impl Pools {
                 if card.role != role || known.contains(key) {
                     continue;
                 }
-                match Worker::from_card(key, card, self.token.clone()) {
+                match Worker::from_card(key, card, &self.auth) {
                     Ok(w) => {
                         let w = Arc::new(w);
                         if let Some(interval) = interval {
@@ -1121,7 +1118,7 @@ mod tests {
             Pools::new(
                 &["127.0.0.1:1".into()],
                 &[],
-                None,
+                PeerAuth::default(),
                 params(RoutingPolicy::CacheAware),
             )
             .unwrap(),
@@ -1273,7 +1270,7 @@ mod tests {
                 "127.0.0.1:3".into(),
             ],
             &["127.0.0.1:4".into(), "127.0.0.1:5".into()],
-            None,
+            PeerAuth::default(),
             params(RoutingPolicy::CacheAware),
         )
         .unwrap();
@@ -1358,7 +1355,7 @@ mod tests {
         let pools = Pools::new(
             &["127.0.0.1:9".into()],
             &[],
-            None,
+            PeerAuth::default(),
             params(RoutingPolicy::CacheAware),
         )
         .unwrap();
@@ -1416,7 +1413,7 @@ mod tests {
         let pools = Pools::new(
             &["127.0.0.1:1".into()],
             &["127.0.0.1:4".into(), "127.0.0.1:5".into()],
-            None,
+            PeerAuth::default(),
             params(policy),
         )
         .unwrap();
