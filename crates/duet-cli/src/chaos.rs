@@ -406,7 +406,12 @@ fn start_again(cluster: &mut Cluster, index: usize) -> Result<()> {
 }
 
 async fn stats(worker: SocketAddr, token: &ClusterToken) -> Result<v1::StatsResponse> {
-    let channel = duet_proto::channel(&worker.to_string(), Some(token.clone()))?;
+    // Launched clusters serve plaintext (the bench launches no TLS cluster).
+    let auth = duet_proto::PeerAuth {
+        token: Some(token.clone()),
+        tls: None,
+    };
+    let channel = duet_proto::channel(&worker.to_string(), &auth)?;
     Ok(v1::worker_control_client::WorkerControlClient::new(channel)
         .stats(v1::StatsRequest {})
         .await

@@ -1560,7 +1560,7 @@ mod tests {
         let pools = Pools::new(
             &["127.0.0.1:1".into()],
             &["127.0.0.1:2".into(), "127.0.0.1:3".into()],
-            None,
+            PeerAuth::default(),
             params(RoutingPolicy::CacheAware),
         )
         .unwrap();
