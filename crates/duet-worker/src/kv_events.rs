@@ -356,6 +356,7 @@ mod tests {
             default_deadline: Duration::from_secs(5),
             max_in_flight: 4,
             cluster_token: None,
+            tls: None,
         })
     }
 
