@@ -93,7 +93,7 @@ fn faults_under_load_lose_no_request_repeat_no_token_and_leak_no_block() {
     // The table a user reads says the same.
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(
-        table.contains("2 of 2 faults injected")
+        table.contains("3 of 3 faults injected")
             && table.contains("completed 40, failed 0, differing streams 0"),
         "{table}"
     );
