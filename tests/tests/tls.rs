@@ -3,15 +3,17 @@
 //! prefill → decode, stats polls), its router's public port serves TLS to a client without a
 //! certificate, and a worker's internal port refuses a plaintext client, a TLS client without a
 //! certificate and one whose certificate another CA signed, while the cluster's own certificate
-//! is let through. Certificates are made here with rcgen.
+//! is let through. The router's HTTP port serves HTTPS to the official `openai` client trusting
+//! the CA, while a client stalled in its handshake waits alone. Certificates are made here with
+//! rcgen.
 
 use std::path::{Path, PathBuf};
 
 use duet_proto::{PeerAuth, TlsArgs, v1};
 use duet_tests::*;
 use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair,
-    KeyUsagePurpose,
+    BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
+    ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose,
 };
 use tonic::transport::ClientTlsConfig;
 
@@ -24,6 +26,7 @@ struct Authority {
 impl Authority {
     fn new(dir: &Path, name: &str) -> Self {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name = common_name(&format!("{name} CA"));
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
         let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
@@ -37,6 +40,9 @@ impl Authority {
     fn issue(&self, dir: &Path, name: &str) -> TlsArgs {
         let mut params =
             CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
+        // Its own name: OpenSSL (the Python client) takes a certificate whose subject is its
+        // issuer's for a self-signed one.
+        params.distinguished_name = common_name(name);
         params.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
@@ -52,6 +58,31 @@ impl Authority {
         TlsArgs::new(cert_path, key_path, self.ca.clone())
     }
 }
+
+fn common_name(name: &str) -> DistinguishedName {
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, name);
+    dn
+}
+
+/// The official client against the HTTPS port: argv is the cluster's CA, another CA, the port's
+/// address and the model's name.
+const OPENAI_OVER_HTTPS: &str = r#"
+import ssl, sys, openai
+ca, other_ca, addr, model = sys.argv[1:]
+def client(scheme, trusted):
+    verify = ssl.create_default_context(cafile=trusted)
+    return openai.OpenAI(base_url=f"{scheme}://{addr}/v1", api_key="unused", max_retries=0,
+                         timeout=60, http_client=openai.DefaultHttpxClient(verify=verify))
+done = client("https", ca).completions.create(model=model, prompt="hello", max_tokens=4)
+assert done.usage.completion_tokens >= 1, done
+for who, refused in [("plaintext", client("http", ca)), ("another CA", client("https", other_ca))]:
+    try:
+        refused.models.list()
+        sys.exit(f"a {who} client got an answer from the HTTPS port")
+    except openai.APIConnectionError:
+        pass
+"#;
 
 /// A worker's `Stats` through `tls` (`None`: plaintext), with the cluster token.
 async fn stats(
@@ -93,6 +124,8 @@ fn a_cluster_with_mutual_tls_serves_and_its_workers_refuse_callers_without_its_c
     spec.processes = true;
     spec.bin_dir = Some(bin_dir());
     spec.router.tls = tls.clone();
+    let http = free_addr();
+    spec.router.http_listen = Some(http);
     spec.prefill.tls = tls.clone();
     spec.decode.tls = tls.clone();
     let c = Cluster::start(&spec).unwrap();
@@ -133,6 +166,19 @@ fn a_cluster_with_mutual_tls_serves_and_its_workers_refuse_callers_without_its_c
             .unwrap_err();
         assert!(refused_by_the_connection(&refused), "{refused:?}");
 
+        // (d) The HTTP port: HTTPS to the official client, while a connection that never
+        // handshakes stays open beside it; plaintext and a client trusting another CA are refused.
+        let _stalled = std::net::TcpStream::connect(http).unwrap();
+        let stranger = Authority::new(dir.path(), "stranger");
+        let status = std::process::Command::new("python3")
+            .args(["-c", OPENAI_OVER_HTTPS])
+            .arg(&cluster_ca.ca)
+            .arg(&stranger.ca)
+            .arg(http.to_string())
+            .arg(duet_router::model_name(&tiny_model()))
+            .status()
+            .expect("python3 (with PyPI `openai`, which scripts/test.sh installs)");
+        assert!(status.success(), "the openai client over HTTPS failed");
         // (b) A worker's internal port: plaintext, and TLS without a client certificate, are
         // refused before any call is served.
         let foreign = Authority::new(dir.path(), "foreign").issue(dir.path(), "intruder");

@@ -2,11 +2,12 @@
 //! `--tls-ca` ([`TlsArgs`]) give a service its certificate and the CA of the cluster. Internal
 //! ports (the workers') then require a client certificate signed by that CA (mutual TLS), and
 //! every call to a peer presents the service's own certificate and checks the peer's against the
-//! CA ([`Tls::client`]). The router's public port serves TLS with the same certificate but asks
-//! no client certificate: clients authenticate with API keys.
+//! CA ([`Tls::client`]). The router's public ports (gRPC, and HTTPS through [`Tls::https`]) serve
+//! TLS with the same certificate but ask no client certificate: clients authenticate with API keys.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -44,8 +45,9 @@ pub enum TlsError {
 #[derive(clap::Args, Clone, Debug, Default, PartialEq)]
 pub struct TlsArgs {
     /// PEM certificate (chain) this service presents, as server and as client of its peers.
-    /// With --tls-key and --tls-ca: every gRPC port serves TLS, worker ports require a client
-    /// certificate signed by --tls-ca, and calls to peers dial https. Unset: plaintext.
+    /// With --tls-key and --tls-ca: every gRPC port (and the router's HTTP port) serves TLS,
+    /// worker ports require a client certificate signed by --tls-ca, and calls to peers dial
+    /// https. Unset: plaintext.
     #[arg(long, env = "DUET_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
     /// PEM private key of --tls-cert.
@@ -62,6 +64,7 @@ pub struct TlsArgs {
 pub struct Tls {
     identity: Identity,
     ca: Certificate,
+    https: Arc<rustls::ServerConfig>,
 }
 
 impl TlsArgs {
@@ -102,19 +105,25 @@ impl TlsArgs {
                 what: "private key",
                 reason: e.to_string(),
             })?;
-        rustls::sign::CertifiedKey::from_der(
-            chain,
-            private_key,
-            &rustls::crypto::ring::default_provider(),
-        )
-        .map_err(|e| TlsError::KeyMismatch {
+        let key_mismatch = |e: rustls::Error| TlsError::KeyMismatch {
             key: key.clone(),
             cert: cert.clone(),
             reason: e.to_string(),
-        })?;
+        };
+        // Checks that the key is the certificate's, and is the HTTPS port's configuration.
+        let mut https = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(key_mismatch)?
+        .with_no_client_auth()
+        .with_single_cert(chain, private_key)
+        .map_err(key_mismatch)?;
+        https.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(Some(Tls {
             identity: Identity::from_pem(cert_pem, key_pem),
             ca: load_ca(ca)?,
+            https: Arc::new(https),
         }))
     }
 
@@ -169,6 +178,11 @@ impl Tls {
     /// A public port's TLS: no client certificate asked (clients authenticate with API keys).
     pub fn server(&self) -> ServerTlsConfig {
         ServerTlsConfig::new().identity(self.identity.clone())
+    }
+
+    /// The router's HTTP port (HTTP/1.1 over TLS): no client certificate asked either.
+    pub fn https(&self) -> Arc<rustls::ServerConfig> {
+        self.https.clone()
     }
 
     /// Calls to peers: verify them against the CA, present this service's certificate.

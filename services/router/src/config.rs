@@ -20,7 +20,8 @@ pub struct RouterConfig {
     pub listen: SocketAddr,
 
     /// Address to serve the OpenAI-compatible HTTP API on (`/v1/completions`,
-    /// `/v1/chat/completions`, `/v1/models`, `/health`, `/live`). Unset: no HTTP API.
+    /// `/v1/chat/completions`, `/v1/models`, `/health`, `/live`); HTTPS with --tls-cert.
+    /// Unset: no HTTP API.
     #[arg(long, value_name = "ADDR", env = "DUET_HTTP_LISTEN")]
     pub http_listen: Option<SocketAddr>,
 

@@ -28,6 +28,7 @@ use tonic::Code;
 
 use crate::api_keys::{ApiKeys, require_api_key};
 use crate::error::RouterError;
+use crate::https::TlsListener;
 use crate::openai::{
     Answer, ChatChoice, ChatCompletion, ChatLogprobs, ChatMessageOut, ChatRequest, Completion,
     CompletionChoice, CompletionLogprobs, CompletionRequest, ErrorBody, ErrorEnvelope, ModelCard,
@@ -72,15 +73,25 @@ pub fn app(
         .with_state(front)
 }
 
-/// Serves `app` on `listener` until `shutdown` resolves.
+/// Serves `app` on `listener` (HTTPS with `tls`, else plain HTTP) until `shutdown` resolves.
 pub async fn serve(
     app: axum::Router,
     listener: tokio::net::TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    match tls {
+        Some(tls) => {
+            axum::serve(TlsListener::new(listener, tls)?, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+    }
 }
 
 /// Everything a call can fail with, answered in OpenAI's envelope.

@@ -15,6 +15,7 @@ pub mod api_keys;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod https;
 pub mod kv_feed;
 pub mod kv_index;
 pub mod metrics;
@@ -154,14 +155,19 @@ pub async fn serve(
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("cannot listen for HTTP on {addr}"))?;
-            tracing::info!(addr = %addr, "OpenAI-compatible HTTP API serving");
+            tracing::info!(addr = %addr, tls = tls.is_some(), "OpenAI-compatible HTTP API serving");
             let front = Arc::new(http::HttpFront {
                 state: state.clone(),
                 limit: edge.in_flight_limit(),
                 request_timeout,
             });
             let app = http::app(front, config.routing.max_request_bytes, api_keys);
-            Some(tokio::spawn(http::serve(app, listener, shutdown.clone())))
+            Some(tokio::spawn(http::serve(
+                app,
+                listener,
+                tls.as_ref().map(duet_proto::Tls::https),
+                shutdown.clone(),
+            )))
         }
         None => None,
     };
