@@ -16,11 +16,17 @@ llama_memory_seq_cp (across streams that copies the buffer: distinct memory, not
 Each repeat drops what earlier repeats decoded (back to `context`), runs one untimed step, then
 times --decode-steps steps of a llama_batch holding one token per sequence, logits for each.
 Other context parameters are llama.cpp's defaults (f16 KV, flash attention on auto).
+
+llama.cpp's extra buffer types (AMX, CPU repacking) stay on unless a probe (this script in a child
+process, one short prefill) dies of a signal: AMX on a CPU that advertises it inside a VM that
+does not save its tile state crashes the process. Then they are off, and the result says so
+("extra_buffer_types": false, and in "system_info").
 """
 import argparse
 import ctypes
 import json
 import random
+import subprocess
 import sys
 import time
 
@@ -38,7 +44,19 @@ def main():
     ap.add_argument("--prefill-tokens", type=ints, default=[200, 2000])
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--extra-buffer-types", choices=["probe", "on", "off"], default="probe")
+    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+
+    if a.extra_buffer_types == "probe":
+        child = subprocess.run([sys.executable, __file__, "--model", a.model, "--threads",
+                                str(a.threads), "--extra-buffer-types", "on", "--probe"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if child.returncode < 0:
+            print(f"llama.cpp: a prefill with its extra buffer types (AMX, repacking) died of "
+                  f"signal {-child.returncode}; measuring without them", file=sys.stderr, flush=True)
+        a.extra_buffer_types = "off" if child.returncode < 0 else "on"
+    extra = a.extra_buffer_types == "on"
 
     import llama_cpp as L
 
@@ -49,7 +67,9 @@ def main():
 
     L.llama_log_set(quiet, ctypes.c_void_p())
     L.llama_backend_init()
-    model = L.llama_model_load_from_file(a.model.encode(), L.llama_model_default_params())
+    params = L.llama_model_default_params()
+    params.use_extra_bufts = extra
+    model = L.llama_model_load_from_file(a.model.encode(), params)
     if not model:
         sys.exit(f"llama.cpp could not load {a.model}")
     vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
@@ -98,9 +118,15 @@ def main():
         print(f"llama.cpp: {line}", file=sys.stderr, flush=True)
 
     batch = L.llama_batch_init(max(a.prefill_tokens + a.contexts + a.batch), 0, 1)
-    result = {"version": L.__version__,
-              "system_info": L.llama_print_system_info().decode().strip(),
-              "prefill": [], "decode": []}
+    if a.probe:
+        ctx = new_context(1, 64)
+        prefill(ctx, batch, prompt(32))
+        return 0
+    system_info = L.llama_print_system_info().decode().strip()
+    if not extra:
+        system_info += " EXTRA_BUFFER_TYPES = 0 |"
+    result = {"version": L.__version__, "system_info": system_info,
+              "extra_buffer_types": extra, "prefill": [], "decode": []}
 
     ctx = new_context(1, max(a.prefill_tokens))
     mem = L.llama_get_memory(ctx)

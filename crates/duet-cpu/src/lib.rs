@@ -317,12 +317,12 @@ impl Backend for CpuBackend {
         if out.rows != gate_up.rows || out.cols != inter {
             *out = self.alloc(gate_up.rows, inter);
         }
-        let stacked = gate_up.cols;
+        let (stacked, path) = (gate_up.cols, self.kernels);
         self.for_rows(gate_up.rows, &mut out.data, inter, |rows, os| {
             let ins = &gate_up.data[rows.start * stacked..rows.end * stacked];
             for (o, row) in os.chunks_exact_mut(inter).zip(ins.chunks_exact(stacked)) {
                 let (gate, up) = row.split_at(inter);
-                vector::silu_mul_slices(gate, up, o);
+                vector::silu_mul_slices(path, gate, up, o);
             }
         });
     }

@@ -1,5 +1,7 @@
 //! Row-wise f32 kernels that are cheap next to the matrix products: RMSNorm, SiLU·mul, exp.
 
+use crate::quant::KernelPath;
+
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let mut acc = [0f32; 8];
     let chunks = x.chunks_exact(8);
@@ -16,20 +18,28 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// `out[i] = silu(gate[i]) * up[i]`; the same loop is compiled a second time for AVX-512, where
-/// it runs 16 lanes wide.
-pub fn silu_mul_slices(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has the features the function is compiled for.
-        return unsafe { silu_mul_avx512(gate, up, out) };
+/// `out[i] = silu(gate[i]) * up[i]` on the kernel `path`: the same loop compiled a second and a
+/// third time for AVX-512 (16 lanes) and AVX2 (8 lanes), bit-identical (no contraction into FMA).
+pub fn silu_mul_slices(path: KernelPath, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    match path {
+        // SAFETY (both): `path` is only ever a path this CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx512 => unsafe { silu_mul_avx512(gate, up, out) },
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2 => unsafe { silu_mul_avx2(gate, up, out) },
+        _ => silu_mul_loop(gate, up, out),
     }
-    silu_mul_loop(gate, up, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn silu_mul_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    silu_mul_loop(gate, up, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
     silu_mul_loop(gate, up, out)
 }
 

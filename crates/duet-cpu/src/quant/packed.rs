@@ -295,6 +295,10 @@ pub(crate) fn quantize_acts(
         super::KernelPath::Avx512 => unsafe {
             super::x86::quantize_acts_avx512(x, qs, d, sd, isum, isum_lo)
         },
+        #[cfg(target_arch = "x86_64")]
+        super::KernelPath::Avx2 => unsafe {
+            super::x86::quantize_acts_avx2(x, qs, d, sd, isum, isum_lo)
+        },
         _ => quantize_acts_scalar(x, qs, d, sd, isum, isum_lo),
     }
 }

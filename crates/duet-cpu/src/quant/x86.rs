@@ -15,7 +15,7 @@ use std::arch::x86_64::*;
 /// Token tile of the AVX-512 kernels (accumulators held in registers).
 pub(crate) const NT_512: usize = 8;
 /// Token tile of the AVX2 kernels.
-pub(crate) const NT_256: usize = 4;
+pub(crate) const NT_256: usize = 8;
 
 macro_rules! dispatch_nt {
     ($f:ident, $nt:expr, $max:expr, ($($args:expr),*)) => {
@@ -646,6 +646,58 @@ pub(crate) unsafe fn quantize_acts_avx512(
             d[b] = db;
             isum[b] = s;
             isum_lo[b] = _mm512_reduce_add_epi32(q0);
+            sd[b] = db * s as f32;
+        }
+    }
+}
+
+/// AVX2 version of `packed::quantize_acts_scalar` (bit-identical results).
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn quantize_acts_avx2(
+    x: &[f32],
+    qs: &mut [i16],
+    d: &mut [f32],
+    sd: &mut [f32],
+    isum: &mut [i32],
+    isum_lo: &mut [i32],
+) {
+    unsafe {
+        let absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        let lo = _mm256_set1_epi32(-32767);
+        let hi = _mm256_set1_epi32(32767);
+        let hsum = |v: __m256i| {
+            let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+            _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)))
+        };
+        for b in 0..d.len() {
+            let p = x.as_ptr().add(32 * b);
+            let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(p.add(8 * i)));
+            let a = v.map(|v| _mm256_and_ps(v, absmask));
+            let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+            let db = amax / super::packed::QMAX;
+            let id = _mm256_set1_ps(if db != 0.0 { 1.0 / db } else { 0.0 });
+            // Rounded to nearest even (the default rounding), clamped, then each group of 4
+            // in `packed::PAIR_POS` order (0, 2, 1, 3).
+            let q = v.map(|v| {
+                let q = _mm256_cvtps_epi32(_mm256_mul_ps(v, id));
+                _mm256_shuffle_epi32::<0b11_01_10_00>(_mm256_min_epi32(_mm256_max_epi32(q, lo), hi))
+            });
+            // packs interleaves 128-bit lanes (q0 0-3, q1 0-3, q0 4-7, q1 4-7); the permute
+            // restores token order. The values are clamped, so packing never saturates.
+            let o = qs.as_mut_ptr().add(32 * b);
+            for (half, (q0, q1)) in [(q[0], q[1]), (q[2], q[3])].into_iter().enumerate() {
+                let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(q0, q1));
+                _mm256_storeu_si256(o.add(16 * half) as *mut __m256i, packed);
+            }
+            let first = hsum(_mm256_add_epi32(q[0], q[1]));
+            let s = first + hsum(_mm256_add_epi32(q[2], q[3]));
+            d[b] = db;
+            isum[b] = s;
+            isum_lo[b] = first;
             sd[b] = db * s as f32;
         }
     }
