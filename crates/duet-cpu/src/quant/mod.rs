@@ -171,6 +171,19 @@ impl<T> SyncPtr<T> {
     fn get(self) -> *mut T {
         self.0
     }
+
+    /// Tokens `tokens` of a token-major buffer of `per_token` values each.
+    ///
+    /// # Safety
+    /// The buffer holds those tokens, and no one else touches them while the slice lives.
+    unsafe fn tokens<'a>(self, tokens: &std::ops::Range<usize>, per_token: usize) -> &'a mut [T] {
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.0.add(tokens.start * per_token),
+                tokens.len() * per_token,
+            )
+        }
+    }
 }
 
 thread_local! {
@@ -312,33 +325,23 @@ impl QMatrix {
                 let isum = SyncPtr(acts.isum.as_mut_ptr());
                 let isum_lo = SyncPtr(acts.isum_lo.as_mut_ptr());
                 pool.for_each_range(n_tokens, |tr| {
-                    let n = tr.len();
                     // SAFETY: participants get disjoint token ranges of buffers sized above.
                     unsafe {
                         packed::quantize_acts(
                             path,
                             &x[tr.start * cols..tr.end * cols],
-                            std::slice::from_raw_parts_mut(qs.get().add(tr.start * cols), n * cols),
-                            std::slice::from_raw_parts_mut(d.get().add(tr.start * nb), n * nb),
-                            std::slice::from_raw_parts_mut(sd.get().add(tr.start * nb), n * nb),
-                            std::slice::from_raw_parts_mut(isum.get().add(tr.start * nb), n * nb),
-                            std::slice::from_raw_parts_mut(
-                                isum_lo.get().add(tr.start * nb),
-                                n * nb,
-                            ),
+                            packed::ActBlocks {
+                                qs: qs.tokens(&tr, cols),
+                                d: d.tokens(&tr, nb),
+                                sd: sd.tokens(&tr, nb),
+                                isum: isum.tokens(&tr, nb),
+                                isum_lo: isum_lo.tokens(&tr, nb),
+                            },
                         )
                     }
                 });
             } else {
-                packed::quantize_acts(
-                    path,
-                    x,
-                    &mut acts.qs,
-                    &mut acts.d,
-                    &mut acts.sd,
-                    &mut acts.isum,
-                    &mut acts.isum_lo,
-                );
+                packed::quantize_acts(path, x, acts.blocks());
             }
             let acts: &QActs = acts;
             let ty = self.ty;

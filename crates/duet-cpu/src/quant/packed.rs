@@ -262,6 +262,17 @@ impl QActs {
         self.isum.resize(n_tokens * nb, 0);
         self.isum_lo.resize(n_tokens * nb, 0);
     }
+
+    /// Every token's outputs, to quantize into.
+    pub fn blocks(&mut self) -> ActBlocks<'_> {
+        ActBlocks {
+            qs: &mut self.qs,
+            d: &mut self.d,
+            sd: &mut self.sd,
+            isum: &mut self.isum,
+            isum_lo: &mut self.isum_lo,
+        }
+    }
 }
 
 /// Rounds to nearest, ties to even, for |v| < 2^22 (exactly what `cvtps2dq` does under the
@@ -272,62 +283,54 @@ pub(crate) fn round_even(v: f32) -> f32 {
     (v + MAGIC) - MAGIC
 }
 
+/// Where quantized activations of some tokens go: all of a [`QActs`] ([`QActs::blocks`]) or one
+/// thread's token range of it.
+pub(crate) struct ActBlocks<'a> {
+    pub qs: &'a mut [i16],
+    pub d: &'a mut [f32],
+    pub sd: &'a mut [f32],
+    pub isum: &'a mut [i32],
+    pub isum_lo: &'a mut [i32],
+}
+
 /// Quantizes `x` (whole tokens) into the given output slices (same token range).
-pub(crate) fn quantize_acts(
-    path: super::KernelPath,
-    x: &[f32],
-    qs: &mut [i16],
-    d: &mut [f32],
-    sd: &mut [f32],
-    isum: &mut [i32],
-    isum_lo: &mut [i32],
-) {
+pub(crate) fn quantize_acts(path: super::KernelPath, x: &[f32], out: ActBlocks<'_>) {
+    let nb = out.d.len();
     assert!(
-        qs.len() == x.len()
-            && d.len() * 32 == x.len()
-            && sd.len() == d.len()
-            && isum.len() == d.len()
-            && isum_lo.len() == d.len()
+        out.qs.len() == x.len()
+            && nb * 32 == x.len()
+            && out.sd.len() == nb
+            && out.isum.len() == nb
+            && out.isum_lo.len() == nb
     );
     match path {
         // SAFETY: the path is supported (checked by the caller) and the lengths agree (above).
         #[cfg(target_arch = "x86_64")]
-        super::KernelPath::Avx512 => unsafe {
-            super::x86::quantize_acts_avx512(x, qs, d, sd, isum, isum_lo)
-        },
+        super::KernelPath::Avx512 => unsafe { super::x86::quantize_acts_avx512(x, out) },
         #[cfg(target_arch = "x86_64")]
-        super::KernelPath::Avx2 => unsafe {
-            super::x86::quantize_acts_avx2(x, qs, d, sd, isum, isum_lo)
-        },
-        _ => quantize_acts_scalar(x, qs, d, sd, isum, isum_lo),
+        super::KernelPath::Avx2 => unsafe { super::x86::quantize_acts_avx2(x, out) },
+        _ => quantize_acts_scalar(x, out),
     }
 }
 
-pub(crate) fn quantize_acts_scalar(
-    x: &[f32],
-    qs: &mut [i16],
-    d: &mut [f32],
-    sd: &mut [f32],
-    isum: &mut [i32],
-    isum_lo: &mut [i32],
-) {
+pub(crate) fn quantize_acts_scalar(x: &[f32], out: ActBlocks<'_>) {
     for (b, xb) in x.chunks_exact(32).enumerate() {
         let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let db = amax / QMAX;
         let id = if db != 0.0 { 1.0 / db } else { 0.0 };
-        let q = &mut qs[b * 32..b * 32 + 32];
+        let q = &mut out.qs[b * 32..b * 32 + 32];
         let mut s = 0i32;
         for (i, &xv) in xb.iter().enumerate() {
             let v = (round_even(xv * id) as i32).clamp(-32767, 32767);
             q[(i & !3) + PAIR_POS[i & 3]] = v as i16;
             s += v;
             if i == 15 {
-                isum_lo[b] = s;
+                out.isum_lo[b] = s;
             }
         }
-        d[b] = db;
-        isum[b] = s;
-        sd[b] = db * s as f32;
+        out.d[b] = db;
+        out.isum[b] = s;
+        out.sd[b] = db * s as f32;
     }
 }
 

@@ -389,7 +389,17 @@ fn activation_quantization_is_identical_on_every_path() {
             vec![0; nb],
         );
         let mut lo = vec![0; nb];
-        packed::quantize_acts(path, &x, &mut q, &mut d, &mut sd, &mut s, &mut lo);
+        packed::quantize_acts(
+            path,
+            &x,
+            packed::ActBlocks {
+                qs: &mut q,
+                d: &mut d,
+                sd: &mut sd,
+                isum: &mut s,
+                isum_lo: &mut lo,
+            },
+        );
         // independent reading: element e of block b is stored at position PAIR_POS order
         for b in 0..nb {
             let xb = &x[32 * b..32 * b + 32];

@@ -9,7 +9,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::QuantType;
-use super::packed::{Q4K_D, Q4K_DMIN, Q4K_MN, Q4K_SC, Q6K_D, Q6K_QH, Q6K_SC, Tile};
+use super::packed::{ActBlocks, Q4K_D, Q4K_DMIN, Q4K_MN, Q4K_SC, Q6K_D, Q6K_QH, Q6K_SC, Tile};
 use std::arch::x86_64::*;
 
 /// Token tile of the AVX-512 kernels (accumulators held in registers).
@@ -602,21 +602,14 @@ pub(crate) unsafe fn dot4_avx2(w: &[f32], nr: usize, cols: usize, x: &[f32]) -> 
 
 /// AVX-512 version of `packed::quantize_acts_scalar` (bit-identical results).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-pub(crate) unsafe fn quantize_acts_avx512(
-    x: &[f32],
-    qs: &mut [i16],
-    d: &mut [f32],
-    sd: &mut [f32],
-    isum: &mut [i32],
-    isum_lo: &mut [i32],
-) {
+pub(crate) unsafe fn quantize_acts_avx512(x: &[f32], out: ActBlocks<'_>) {
     unsafe {
         let absmask = _mm512_set1_epi32(0x7FFF_FFFF);
         let lo = _mm512_set1_epi32(-32767);
         let hi = _mm512_set1_epi32(32767);
         // `packed::PAIR_POS` within every group of 4.
         let perm = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
-        for b in 0..d.len() {
+        for b in 0..out.d.len() {
             let p = x.as_ptr().add(32 * b);
             let v0 = _mm512_loadu_ps(p);
             let v1 = _mm512_loadu_ps(p.add(16));
@@ -633,7 +626,7 @@ pub(crate) unsafe fn quantize_acts_avx512(
                 _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, id)), lo),
                 hi,
             );
-            let o = qs.as_mut_ptr().add(32 * b);
+            let o = out.qs.as_mut_ptr().add(32 * b);
             _mm256_storeu_si256(
                 o as *mut __m256i,
                 _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(perm, q0)),
@@ -643,24 +636,17 @@ pub(crate) unsafe fn quantize_acts_avx512(
                 _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(perm, q1)),
             );
             let s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-            d[b] = db;
-            isum[b] = s;
-            isum_lo[b] = _mm512_reduce_add_epi32(q0);
-            sd[b] = db * s as f32;
+            out.d[b] = db;
+            out.isum[b] = s;
+            out.isum_lo[b] = _mm512_reduce_add_epi32(q0);
+            out.sd[b] = db * s as f32;
         }
     }
 }
 
 /// AVX2 version of `packed::quantize_acts_scalar` (bit-identical results).
 #[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn quantize_acts_avx2(
-    x: &[f32],
-    qs: &mut [i16],
-    d: &mut [f32],
-    sd: &mut [f32],
-    isum: &mut [i32],
-    isum_lo: &mut [i32],
-) {
+pub(crate) unsafe fn quantize_acts_avx2(x: &[f32], out: ActBlocks<'_>) {
     unsafe {
         let absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
         let lo = _mm256_set1_epi32(-32767);
@@ -670,7 +656,7 @@ pub(crate) unsafe fn quantize_acts_avx2(
             let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
             _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)))
         };
-        for b in 0..d.len() {
+        for b in 0..out.d.len() {
             let p = x.as_ptr().add(32 * b);
             let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(p.add(8 * i)));
             let a = v.map(|v| _mm256_and_ps(v, absmask));
@@ -688,17 +674,17 @@ pub(crate) unsafe fn quantize_acts_avx2(
             });
             // packs interleaves 128-bit lanes (q0 0-3, q1 0-3, q0 4-7, q1 4-7); the permute
             // restores token order. The values are clamped, so packing never saturates.
-            let o = qs.as_mut_ptr().add(32 * b);
+            let o = out.qs.as_mut_ptr().add(32 * b);
             for (half, (q0, q1)) in [(q[0], q[1]), (q[2], q[3])].into_iter().enumerate() {
                 let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(q0, q1));
                 _mm256_storeu_si256(o.add(16 * half) as *mut __m256i, packed);
             }
             let first = hsum(_mm256_add_epi32(q[0], q[1]));
             let s = first + hsum(_mm256_add_epi32(q[2], q[3]));
-            d[b] = db;
-            isum[b] = s;
-            isum_lo[b] = first;
-            sd[b] = db * s as f32;
+            out.d[b] = db;
+            out.isum[b] = s;
+            out.isum_lo[b] = first;
+            out.sd[b] = db * s as f32;
         }
     }
 }
