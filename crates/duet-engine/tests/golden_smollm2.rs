@@ -13,6 +13,7 @@ use common::*;
 use duet_cpu::CpuBackend;
 use duet_cpu::quant::KernelPath;
 use duet_engine::backend::CpuKernels;
+use duet_engine::batch::{LogitsWanted, SeqInput};
 use duet_engine::engine::{Engine, EngineOptions};
 use duet_model::params::SamplingParams;
 use duet_model::params::StopCriteria;
@@ -156,4 +157,87 @@ fn batched_greedy_equals_solo_runs() {
         solo, together,
         "a sequence's tokens depend on its batch companions"
     );
+}
+
+/// The logits of a sequence's position are the same bits however they are computed: decoded
+/// alone or beside other sequences' prompts and decodes, on one thread or two, and as the last
+/// row of a whole prompt (what a worker taking over a stream computes). So a stream that fails
+/// over, or shares its steps, continues exactly as it would have alone. The context is long
+/// enough that attention cuts it into several spans.
+#[test]
+fn a_position_has_the_same_logits_alone_in_a_batch_and_in_a_prompt() {
+    let Some(path) = default_model() else { return };
+    let tokens = |n: usize, seed: u32| -> Vec<u32> {
+        (0..n as u32)
+            .map(|i| (i.wrapping_mul(7919) ^ seed) % 49152)
+            .collect()
+    };
+    let (a, b, c) = (tokens(300, 1), tokens(200, 2), tokens(90, 3));
+    fn input<'a>(
+        t: &'a [u32],
+        from: usize,
+        to: usize,
+        table: &'a [u32],
+        logits: LogitsWanted,
+    ) -> SeqInput<'a> {
+        SeqInput {
+            tokens: &t[from..to],
+            start_pos: from,
+            block_table: table,
+            logits,
+        }
+    }
+    let last_bits = |l: &duet_engine::llama::Logits, row: usize| -> Vec<u32> {
+        l.row(row).iter().map(|x| x.to_bits()).collect()
+    };
+    let mut runs: Vec<(String, Vec<u32>)> = Vec::new();
+    for threads in [1, 2] {
+        let mut h = Harness::load(&path, threads);
+        // Alone: the prompt, then its last token decoded.
+        let t = h.blocks_for(a.len());
+        h.forward(&[input(&a, 0, 299, &t, LogitsWanted::None)]);
+        let l = h.forward(&[input(&a, 299, 300, &t, LogitsWanted::Last)]);
+        runs.push((
+            format!("decoded alone, {threads} threads"),
+            last_bits(&l, 0),
+        ));
+        // As the last row of the whole prompt.
+        let t = h.blocks_for(a.len());
+        let l = h.forward(&[input(&a, 0, 300, &t, LogitsWanted::Last)]);
+        runs.push((
+            format!("the last row of a prompt, {threads} threads"),
+            last_bits(&l, 0),
+        ));
+    }
+    // In batches: the prompt in two chunks beside another prompt and a decode, then the last
+    // token decoded beside a decode and a 30-row prompt chunk.
+    let mut h = Harness::load(&path, 2);
+    let (ta, tb, tc) = (
+        h.blocks_for(a.len()),
+        h.blocks_for(b.len()),
+        h.blocks_for(c.len()),
+    );
+    h.forward(&[
+        input(&b, 0, 199, &tb, LogitsWanted::None),
+        input(&a, 0, 150, &ta, LogitsWanted::None),
+    ]);
+    h.forward(&[
+        input(&a, 150, 299, &ta, LogitsWanted::None),
+        input(&b, 199, 200, &tb, LogitsWanted::Last),
+        input(&c, 0, 60, &tc, LogitsWanted::None),
+    ]);
+    let l = h.forward(&[
+        input(&c, 60, 90, &tc, LogitsWanted::Last),
+        input(&a, 299, 300, &ta, LogitsWanted::Last),
+    ]);
+    runs.push(("decoded in a batch, 2 threads".into(), last_bits(&l, 1)));
+    for (what, bits) in &runs[1..] {
+        assert!(
+            *bits == runs[0].1,
+            "{what}: logits differ from {} ({} of {} values)",
+            runs[0].0,
+            bits.iter().zip(&runs[0].1).filter(|(x, y)| x != y).count(),
+            bits.len()
+        );
+    }
 }
