@@ -107,7 +107,11 @@ impl fmt::Display for Worker {
 
 impl fmt::Display for Fault {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = |d: Duration| format!("{}s", d.as_secs_f64());
+        // Whole milliseconds as a user writes them: `5s`, `3478ms` (not `3.4779999999999998s`).
+        let s = |d: Duration| match d.as_millis() {
+            ms if ms % 1000 == 0 => format!("{}s", ms / 1000),
+            ms => format!("{ms}ms"),
+        };
         let (name, tail) = match self.action {
             Action::Kill { back_after: None } => ("kill", "+never".to_string()),
             Action::Kill {
@@ -720,13 +724,20 @@ mod tests {
 
     #[test]
     fn a_fault_prints_as_it_parses() {
-        let text =
-            "kill:decode0@5s+2s,stop:prefill1@8s+3s,restart:decode1@12s,kill:decode0@1s+never";
+        let text = "kill:decode0@5s+2s,stop:prefill1@8s+3s,restart:decode1@12s,kill:decode0@1s+never,stop:decode1@3478ms+2127ms";
         let ChaosSpec::Faults(faults) = ChaosSpec::parse(text, BACK).unwrap() else {
             panic!("faults expected")
         };
         let printed: Vec<String> = faults.iter().map(Fault::to_string).collect();
         assert_eq!(printed.join(","), text);
+        // Drawn faults print as a schedule that parses back to them.
+        let drawn = random_faults(8, 7, Duration::from_secs(100), 2, 2, BACK);
+        let printed: Vec<String> = drawn.iter().map(Fault::to_string).collect();
+        assert_eq!(
+            ChaosSpec::parse(&printed.join(","), BACK).unwrap(),
+            ChaosSpec::Faults(drawn),
+            "{printed:?}"
+        );
     }
 
     #[test]
