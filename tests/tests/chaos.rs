@@ -69,8 +69,8 @@ fn faults_under_load_lose_no_request_repeat_no_token_and_leak_no_block() {
         injected,
         // The restart's drain ends by itself (no open KV event subscription holds it).
         [
-            "kill:decode0@0.5s+0.5s",
-            "stop:prefill0@1.5s+1s",
+            "kill:decode0@500ms+500ms",
+            "stop:prefill0@1500ms+1s",
             "restart:decode1@3s"
         ],
         "{chaos}"
