@@ -16,6 +16,7 @@
 //     contain __syncthreads) and every thread gets the same, bitwise identical,
 //     result, so it may drive uniform control flow. Back-to-back calls are safe.
 //   * Helpers for 16-byte loads of 8 bf16 values.
+//   * mma_bf16_16816: one warp's bf16 tensor-core product (sm_80 and later).
 
 typedef unsigned short bf16;
 
@@ -94,3 +95,15 @@ __device__ __forceinline__ float block_max(float v) {
     float r = (lane < nwarps) ? block_max_scratch[lane] : NEG_INF;
     return warp_max(r);
 }
+
+// d += a·b for one warp: mma.sync m16n8k16, bf16 operands, f32 accumulators (fragment layout in
+// prefill_attention.cu). Every lane of the warp must call it. The CPU emulator defines its own.
+#ifndef DUET_EMULATOR
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif

@@ -1,8 +1,13 @@
-// prefill_attention.cu — causal prefill attention over the paged KV store,
-// tiled in the FlashAttention manner: a block keeps a tile of PREFILL_BLOCK_M
-// queries of one head in registers, streams the K/V of the sequence (cached
-// prefix + the new tokens, all already in the store) through shared memory in
-// tiles of up to PF_MAX_BLOCK_N keys, and keeps an online softmax. f32 math (CUDA cores).
+// prefill_attention.cu — causal prefill attention over the paged KV store on the tensor cores,
+// tiled in the FlashAttention-2 manner: a block of 4 warps takes PREFILL_BLOCK_M query rows of
+// one head (16 rows a warp), streams the K/V of the sequence (cached prefix + the new tokens, all
+// already in the store) through shared memory in tiles of BN keys, and keeps an online softmax in
+// f32. Both products (Q·Kᵀ and P·V) are bf16 mma.sync m16n8k16 with f32 accumulation.
+//
+// f32 accuracy from bf16 tensor cores: K and V are bf16 already (exact operands); Q (f32) is
+// split into three bf16 terms (hi + mid + lo carry all 24 bits of its mantissa) and P (f32, in
+// [0, 1]) into two (16 bits), each term its own mma into the same accumulator. The result is as
+// close to the float64 reference as the f32 kernel it replaces, at tensor-core speed.
 //
 // prefill_attention(q, store, seq_row_start, seq_len, seq_start_pos,
 //     block_tables, table_offsets, layer, num_blocks, num_heads, num_kv_heads,
@@ -14,190 +19,262 @@
 //   q and out are f32 [rows][num_heads*head_dim]; query head qh reads kv head
 //   qh / (num_heads / num_kv_heads).
 //   Launch: grid = (ceil(max_s seq_len[s] / PREFILL_BLOCK_M), num_heads, num_seqs),
-//           block = PF_THREADS (128) threads exactly,
-//           static shared memory 32 KB, no dynamic shared memory.
+//           block = PF_THREADS (128) threads exactly, static shared memory only.
 //   Block (mt, qh, s) handles queries [mt*PREFILL_BLOCK_M, (mt+1)*PREFILL_BLOCK_M)
 //   of sequence s (exits if that start is >= seq_len[s]); key tiles past the
-//   causal limit of the tile's last query are skipped.
+//   causal limit of the block's last query are not loaded, and a warp skips the
+//   tiles past its own last query.
 //
-// Thread layout: TPR threads per query row (TPR = 4, or 8 when head_dim > 128);
-// each thread owns head_dim/TPR of the dimensions (float4 groups
-// 4*TPR*k + 4*j .. +3 for slice j) of q (pre-scaled by scale*log2(e), kept in
-// registers) and of the output accumulator; scores are completed with xor
-// shuffles over the TPR threads. 128/TPR rows are processed per pass (one pass
-// of 32 rows, or two passes of 16 rows when head_dim > 128).
-// head_dim is padded to HDP in {64, 128, 256} (padding dims are zero); K/V
-// tiles are converted to f32 in shared memory, min(32, 4096/HDP) keys a tile.
+// Fragments (PTX ISA, mma.m16n8k16, lane = 4g + t): A a0 = (row g, k 2t..2t+1),
+// a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..); B b0 = (k 2t..2t+1, col g),
+// b1 = (k 2t+8.., col g); C c0,c1 = (row g, cols 2t, 2t+1), c2,c3 = (row g+8, ...).
+// The Q·Kᵀ accumulator of two neighbouring 8-key tiles is exactly the A fragment of
+// P for one 16-key step of P·V, so P never leaves registers. K sits in shared
+// memory as [key][dim] and V transposed as [dim][key], rows padded by 16 bytes so
+// that a warp's 32-bit fragment loads hit 32 different banks.
+// head_dim is padded to HDP in {64, 128, 256} (padding dims are zero).
 //
 // Host guarantees: head_dim % 8 == 0, 8 <= head_dim <= 256;
 // num_heads % num_kv_heads == 0; q/out/store 16-byte aligned; all block table
 // entries the sequence needs are valid.
 
-#define PREFILL_BLOCK_M 32
+#define PREFILL_BLOCK_M 64
 #define PF_THREADS 128
-#define PF_TILE_FLOATS 4096       // floats per K (or V) tile in shared memory
-#define PF_MAX_BLOCK_N 32         // at most this many keys per tile
+#define PF_ROWS_PER_WARP 16
+#define PF_SMEM_BF16 18688  // the largest K tile + Vᵀ tile below (head_dim 256)
 #define PF_LOG2E 1.4426950408889634f
+
+template <int HDP>
+struct PrefillTile {
+    static constexpr int BN = HDP >= 256 ? 32 : 64;  // keys per tile
+    static constexpr int KS = HDP + 8;               // K row stride in bf16 (padded)
+    static constexpr int VS = BN + 8;                // Vᵀ row stride in bf16 (padded)
+    static constexpr int SMEM = BN * KS + HDP * VS;
+};
+
+// Splits x into `terms` bf16 values whose sum is x to the precision the terms carry.
+template <int TERMS>
+__device__ __forceinline__ void split_bf16(float x, bf16* out) {
+#pragma unroll
+    for (int i = 0; i < TERMS; ++i) {
+        out[i] = f32_to_bf16(x);
+        x -= bf16_to_f32(out[i]);
+    }
+}
+
+// Packs the split terms of two neighbouring values (a first) into one 32-bit register per term.
+template <int TERMS>
+__device__ __forceinline__ void split_pair(float a, float b, unsigned* regs, int stride) {
+    bf16 ta[TERMS], tb[TERMS];
+    split_bf16<TERMS>(a, ta);
+    split_bf16<TERMS>(b, tb);
+#pragma unroll
+    for (int i = 0; i < TERMS; ++i) regs[i * stride] = (unsigned)ta[i] | ((unsigned)tb[i] << 16);
+}
 
 template <int HDP>
 __device__ __forceinline__ void prefill_tile(const float* q, const bf16* store,
                                              const unsigned* table, int layer, int num_blocks,
                                              int num_heads, int num_kv_heads, int block_size,
-                                             int head_dim, float scale, float* out, float* ks,
-                                             float* vs, unsigned row_start, int len,
-                                             int start_pos, int m0, int qh) {
-    constexpr int TPR = HDP >= 256 ? 8 : 4;        // threads per query row
-    constexpr int RP = PF_THREADS / TPR;           // query rows per pass: 32, 32, 16
-    constexpr int PASSES = PREFILL_BLOCK_M / RP;   // 1, 1, 2
-    constexpr int BN = PF_TILE_FLOATS / HDP < PF_MAX_BLOCK_N ? PF_TILE_FLOATS / HDP
-                                                             : PF_MAX_BLOCK_N;  // keys per tile
-    constexpr int KG = HDP / (4 * TPR);            // float4 groups per thread: 4, 8, 8
-    constexpr int CPK = HDP / 8;                   // 16-byte bf16 chunks per key row (padded)
+                                             int head_dim, float scale, float* out, bf16* smem,
+                                             unsigned row_start, int len, int start_pos, int m0,
+                                             int qh) {
+    typedef PrefillTile<HDP> T;
+    constexpr int BN = T::BN;
+    constexpr int KSTEPS = HDP / 16;  // k steps of Q·Kᵀ
+    constexpr int NT = BN / 8;        // 8-key tiles of S
+    constexpr int DT = HDP / 8;       // 8-dim tiles of O
+    constexpr int CPK = HDP / 8;      // 16-byte chunks per key row (padded)
+    constexpr int QTERMS = 3;
+    constexpr int PTERMS = 2;
+    static_assert(T::SMEM <= PF_SMEM_BF16, "tile larger than the shared buffer");
+    bf16* ks = smem;               // [BN][KS]
+    bf16* vt = smem + BN * T::KS;  // [HDP][VS]
+
     const int tid = threadIdx.x;
-    const int j = tid % TPR;    // dimension slice
-    const int group = num_heads / num_kv_heads;
-    const int kvh = qh / group;
+    const int warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int kvh = qh / (num_heads / num_kv_heads);
     const unsigned long long hd = (unsigned long long)head_dim;
     const unsigned long long row_stride = (unsigned long long)num_heads * hd;
     const unsigned long long layer_base = (unsigned long long)layer * (unsigned long long)num_blocks;
     const unsigned long long nkv = (unsigned long long)num_kv_heads;
     const unsigned long long bs = (unsigned long long)block_size;
     const int hchunks = head_dim >> 3;  // real 16-byte chunks per key row
-    const float qscale = scale * PF_LOG2E;
 
-    for (int pass = 0; pass < PASSES; ++pass) {
-        const int pm0 = m0 + pass * RP;  // first query of this pass
-        if (pm0 >= len) break;           // uniform per block
-        const int mi = pm0 + tid / TPR;  // this thread's query index within the sequence
-        const bool row_ok = mi < len;
-        const int last_m = min(pm0 + RP, len);  // exclusive
-        const int kv_end = start_pos + last_m;  // keys [0, kv_end) are needed
-        const int qpos = row_ok ? start_pos + mi : kv_end - 1;
-
-        // ---- Q slice into registers, pre-scaled so that scores are in log2 units ----
-        float qr[KG * 4];
-        {
-            const float* qrow = q + (unsigned long long)(row_start + (row_ok ? mi : 0)) * row_stride +
-                                (unsigned long long)qh * hd;
+    const int block_end = min(m0 + PREFILL_BLOCK_M, len);  // exclusive
+    const int kv_end = start_pos + block_end;               // keys [0, kv_end) are needed
+    const int w0 = m0 + warp * PF_ROWS_PER_WARP;            // this warp's first query
+    const bool warp_live = w0 < len;
+    // Keys past this are masked for every row of the warp.
+    const int warp_last_pos = start_pos + min(w0 + PF_ROWS_PER_WARP, len) - 1;
+    int qpos[2];
+    bool row_ok[2];
 #pragma unroll
-            for (int k = 0; k < KG; ++k) {
-                const int d = 4 * TPR * k + 4 * j;
-                float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (row_ok && d < head_dim) v = *reinterpret_cast<const float4*>(qrow + d);
-                qr[4 * k + 0] = v.x * qscale;
-                qr[4 * k + 1] = v.y * qscale;
-                qr[4 * k + 2] = v.z * qscale;
-                qr[4 * k + 3] = v.w * qscale;
+    for (int h = 0; h < 2; ++h) {
+        const int mi = w0 + g + 8 * h;
+        row_ok[h] = mi < len;
+        qpos[h] = row_ok[h] ? start_pos + mi : kv_end - 1;
+    }
+
+    // ---- Q fragments (pre-scaled to log2 units), QTERMS bf16 terms each ----
+    unsigned qf[QTERMS][KSTEPS][4];
+    {
+        const float qscale = scale * PF_LOG2E;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int h = r & 1;              // a0/a2: row g, a1/a3: row g+8
+                const int d = kk * 16 + 2 * t4 + 8 * (r >> 1);
+                float a = 0.0f, b = 0.0f;
+                if (row_ok[h] && d < head_dim) {
+                    const float* qrow = q + (unsigned long long)(row_start + w0 + g + 8 * h) * row_stride +
+                                        (unsigned long long)qh * hd;
+                    a = qrow[d] * qscale;
+                    b = qrow[d + 1] * qscale;
+                }
+                split_pair<QTERMS>(a, b, &qf[0][kk][r], KSTEPS * 4);
+            }
+        }
+    }
+
+    float o[DT][4];
+#pragma unroll
+    for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m_run[2] = {NEG_INF, NEG_INF};
+    float l_run[2] = {0.0f, 0.0f};  // this lane's columns only; summed over the quad at the end
+
+    for (int n0 = 0; n0 < kv_end; n0 += BN) {
+        __syncthreads();  // previous tile fully consumed
+        // ---- Stage K as [key][dim] and V as [dim][key]; keys past kv_end are zeros ----
+        for (int c = tid; c < BN * CPK; c += PF_THREADS) {
+            // K: consecutive threads take consecutive chunks of one key (coalesced loads).
+            // V: consecutive threads take consecutive keys of one chunk (conflict-free Vᵀ stores).
+#pragma unroll
+            for (int which = 0; which < 2; ++which) {
+                const int n = which == 0 ? c / CPK : c % BN;
+                const int ch = which == 0 ? c % CPK : c / BN;
+                const int tk = n0 + n;
+                uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+                if (tk < kv_end && ch < hchunks) {
+                    const unsigned blk = table[(unsigned)tk / (unsigned)block_size];
+                    const unsigned slot = (unsigned)tk % (unsigned)block_size;
+                    const unsigned long long idx =
+                        ((((layer_base + blk) * 2ull + (unsigned long long)which) * nkv +
+                          (unsigned long long)kvh) * bs + slot) * hd +
+                        (unsigned long long)(ch * 8);
+                    raw = *reinterpret_cast<const uint4*>(store + idx);
+                }
+                if (which == 0) {
+                    *reinterpret_cast<uint4*>(ks + n * T::KS + ch * 8) = raw;
+                } else {
+                    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        vt[(ch * 8 + 2 * i) * T::VS + n] = (bf16)(w[i] & 0xffffu);
+                        vt[(ch * 8 + 2 * i + 1) * T::VS + n] = (bf16)(w[i] >> 16);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if (!warp_live || n0 > warp_last_pos) continue;  // uniform per warp
+
+        // ---- S = Q·Kᵀ for the warp's 16 rows and the BN keys ----
+        float s[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const bf16* kp = ks + (nt * 8 + g) * T::KS + kk * 16 + 2 * t4;
+                const unsigned b[2] = {*reinterpret_cast<const unsigned*>(kp),
+                                       *reinterpret_cast<const unsigned*>(kp + 8)};
+#pragma unroll
+                for (int term = 0; term < QTERMS; ++term) mma_bf16_16816(s[nt], qf[term][kk], b);
             }
         }
 
-        float acc[KG * 4];
+        // ---- Causal mask and online softmax, rows g (h = 0) and g + 8 (h = 1) ----
+        float alpha[2];
 #pragma unroll
-        for (int x = 0; x < KG * 4; ++x) acc[x] = 0.0f;
-        float m_run = NEG_INF;
-        float l_run = 0.0f;
-
-        for (int n0 = 0; n0 < kv_end; n0 += BN) {
-            __syncthreads();  // previous tile fully consumed
-            // ---- Stage K/V tile [n0, n0+BN) into shared memory as f32 ----
-            for (int c = tid; c < BN * CPK; c += PF_THREADS) {
-                const int n = c / CPK;
-                const int ch = c - n * CPK;
-                const int t = n0 + n;
-                uint4 kraw = make_uint4(0u, 0u, 0u, 0u), vraw = kraw;
-                if (t < kv_end && ch < hchunks) {
-                    const unsigned blk = table[(unsigned)t / (unsigned)block_size];
-                    const unsigned slot = (unsigned)t % (unsigned)block_size;
-                    const unsigned long long kidx =
-                        ((((layer_base + blk) * 2ull) * nkv + (unsigned long long)kvh) * bs + slot) * hd +
-                        (unsigned long long)(ch * 8);
-                    const unsigned long long vidx = kidx + nkv * bs * hd;  // kv = 1
-                    kraw = *reinterpret_cast<const uint4*>(store + kidx);
-                    vraw = *reinterpret_cast<const uint4*>(store + vidx);
-                }
-                float f[8];
-                float4* kd = reinterpret_cast<float4*>(ks + n * HDP + ch * 8);
-                float4* vd = reinterpret_cast<float4*>(vs + n * HDP + ch * 8);
-                bf16x8_to_f32(kraw, f);
-                kd[0] = make_float4(f[0], f[1], f[2], f[3]);
-                kd[1] = make_float4(f[4], f[5], f[6], f[7]);
-                bf16x8_to_f32(vraw, f);
-                vd[0] = make_float4(f[0], f[1], f[2], f[3]);
-                vd[1] = make_float4(f[4], f[5], f[6], f[7]);
-            }
-            __syncthreads();
-
-            // ---- Scores for this row against the BN keys ----
-            float s[BN];
-#pragma unroll
-            for (int n = 0; n < BN; ++n) {
-                const float4* kr = reinterpret_cast<const float4*>(ks + n * HDP);
-                float dot = 0.0f;
-#pragma unroll
-                for (int k = 0; k < KG; ++k) {
-                    const float4 kv = kr[TPR * k + j];
-                    dot = fmaf(qr[4 * k + 0], kv.x, dot);
-                    dot = fmaf(qr[4 * k + 1], kv.y, dot);
-                    dot = fmaf(qr[4 * k + 2], kv.z, dot);
-                    dot = fmaf(qr[4 * k + 3], kv.w, dot);
-                }
-                s[n] = dot;
-            }
+        for (int h = 0; h < 2; ++h) {
             float m_tile = NEG_INF;
 #pragma unroll
-            for (int n = 0; n < BN; ++n) {
-                float v = s[n];
+            for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-                for (int o = 1; o < TPR; o <<= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-                v = (n0 + n <= qpos) ? v : NEG_INF;  // causal mask (also masks padding keys)
-                s[n] = v;
-                m_tile = fmaxf(m_tile, v);
-            }
-
-            // ---- Online softmax (m_new is finite: key 0 is in the first tile) ----
-            const float m_new = fmaxf(m_run, m_tile);
-            const float alpha = exp2f(m_run - m_new);
-            float psum = 0.0f;
-#pragma unroll
-            for (int n = 0; n < BN; ++n) {
-                const float pn = exp2f(s[n] - m_new);
-                s[n] = pn;
-                psum += pn;
-            }
-            l_run = l_run * alpha + psum;
-            m_run = m_new;
-#pragma unroll
-            for (int x = 0; x < KG * 4; ++x) acc[x] *= alpha;
-
-            // ---- acc += P V ----
-#pragma unroll
-            for (int n = 0; n < BN; ++n) {
-                const float4* vr = reinterpret_cast<const float4*>(vs + n * HDP);
-                const float pn = s[n];
-#pragma unroll
-                for (int k = 0; k < KG; ++k) {
-                    const float4 vv = vr[TPR * k + j];
-                    acc[4 * k + 0] = fmaf(pn, vv.x, acc[4 * k + 0]);
-                    acc[4 * k + 1] = fmaf(pn, vv.y, acc[4 * k + 1]);
-                    acc[4 * k + 2] = fmaf(pn, vv.z, acc[4 * k + 2]);
-                    acc[4 * k + 3] = fmaf(pn, vv.w, acc[4 * k + 3]);
+                for (int c = 0; c < 2; ++c) {
+                    const int key = n0 + nt * 8 + 2 * t4 + c;
+                    float v = s[nt][2 * h + c];
+                    v = key <= qpos[h] ? v : NEG_INF;  // also masks the padding keys
+                    s[nt][2 * h + c] = v;
+                    m_tile = fmaxf(m_tile, v);
                 }
             }
+            m_tile = fmaxf(m_tile, __shfl_xor_sync(FULL_MASK, m_tile, 1));
+            m_tile = fmaxf(m_tile, __shfl_xor_sync(FULL_MASK, m_tile, 2));
+            // Finite: key 0 is in the first tile, and every row sees it.
+            const float m_new = fmaxf(m_run[h], m_tile);
+            alpha[h] = exp2f(m_run[h] - m_new);
+            float psum = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float p = exp2f(s[nt][2 * h + c] - m_new);
+                    s[nt][2 * h + c] = p;
+                    psum += p;
+                }
+            }
+            l_run[h] = l_run[h] * alpha[h] + psum;
+            m_run[h] = m_new;
+        }
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+            o[dt][0] *= alpha[0];
+            o[dt][1] *= alpha[0];
+            o[dt][2] *= alpha[1];
+            o[dt][3] *= alpha[1];
         }
 
-        // ---- Normalise and store ----
-        if (row_ok) {
-            const float inv = 1.0f / l_run;
-            float* orow = out + (unsigned long long)(row_start + mi) * row_stride +
-                          (unsigned long long)qh * hd;
+        // ---- O += P·V, P straight from the S accumulators ----
 #pragma unroll
-            for (int k = 0; k < KG; ++k) {
-                const int d = 4 * TPR * k + 4 * j;
-                if (d < head_dim)
-                    *reinterpret_cast<float4*>(orow + d) =
-                        make_float4(acc[4 * k + 0] * inv, acc[4 * k + 1] * inv,
-                                    acc[4 * k + 2] * inv, acc[4 * k + 3] * inv);
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            unsigned pf[PTERMS][4];
+            split_pair<PTERMS>(s[2 * kk][0], s[2 * kk][1], &pf[0][0], 4);
+            split_pair<PTERMS>(s[2 * kk][2], s[2 * kk][3], &pf[0][1], 4);
+            split_pair<PTERMS>(s[2 * kk + 1][0], s[2 * kk + 1][1], &pf[0][2], 4);
+            split_pair<PTERMS>(s[2 * kk + 1][2], s[2 * kk + 1][3], &pf[0][3], 4);
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                const bf16* vp = vt + (dt * 8 + g) * T::VS + kk * 16 + 2 * t4;
+                const unsigned b[2] = {*reinterpret_cast<const unsigned*>(vp),
+                                       *reinterpret_cast<const unsigned*>(vp + 8)};
+#pragma unroll
+                for (int term = 0; term < PTERMS; ++term) mma_bf16_16816(o[dt], pf[term], b);
             }
+        }
+    }
+    if (!warp_live) return;
+
+    // ---- Normalise and store ----
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = l_run[h];
+        l += __shfl_xor_sync(FULL_MASK, l, 1);
+        l += __shfl_xor_sync(FULL_MASK, l, 2);
+        if (!row_ok[h]) continue;
+        const float inv = 1.0f / l;
+        float* orow = out + (unsigned long long)(row_start + w0 + g + 8 * h) * row_stride +
+                      (unsigned long long)qh * hd;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+            const int d = dt * 8 + 2 * t4;
+            if (d < head_dim)
+                *reinterpret_cast<float2*>(orow + d) =
+                    make_float2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
         }
     }
 }
@@ -207,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) prefill_attention(
     const unsigned* seq_start_pos, const unsigned* block_tables, const unsigned* table_offsets,
     int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim,
     float scale, float* out) {
-    __shared__ __align__(16) float kv_smem[2 * PF_TILE_FLOATS];  // K tile | V tile (32 KB)
+    __shared__ __align__(16) bf16 smem[PF_SMEM_BF16];
 
     const int qh = blockIdx.y;
     const unsigned s = blockIdx.z;
@@ -217,16 +294,14 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) prefill_attention(
     const unsigned row_start = seq_row_start[s];
     const int start_pos = (int)seq_start_pos[s];
     const unsigned* table = block_tables + table_offsets[s];
-    float* ks = kv_smem;
-    float* vs = kv_smem + PF_TILE_FLOATS;
 
     if (head_dim <= 64)
         prefill_tile<64>(q, store, table, layer, num_blocks, num_heads, num_kv_heads, block_size,
-                         head_dim, scale, out, ks, vs, row_start, len, start_pos, m0, qh);
+                         head_dim, scale, out, smem, row_start, len, start_pos, m0, qh);
     else if (head_dim <= 128)
         prefill_tile<128>(q, store, table, layer, num_blocks, num_heads, num_kv_heads, block_size,
-                          head_dim, scale, out, ks, vs, row_start, len, start_pos, m0, qh);
+                          head_dim, scale, out, smem, row_start, len, start_pos, m0, qh);
     else
         prefill_tile<256>(q, store, table, layer, num_blocks, num_heads, num_kv_heads, block_size,
-                          head_dim, scale, out, ks, vs, row_start, len, start_pos, m0, qh);
+                          head_dim, scale, out, smem, row_start, len, start_pos, m0, qh);
 }

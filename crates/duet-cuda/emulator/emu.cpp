@@ -45,9 +45,31 @@ unsigned emu_shfl(unsigned v, int arg, int mode) {
     warp_barrier(w);  // all lanes have written
     unsigned r;
     if (mode == 0) r = w.val[(lane ^ arg) & 31];
-    else r = (lane >= arg) ? w.val[lane - arg] : v;
+    else if (mode == 1) r = (lane >= arg) ? w.val[lane - arg] : v;
+    else r = w.val[arg & 31];
     warp_barrier(w);  // all lanes have read before anyone writes again
     return r;
+}
+
+static float bf16_half(unsigned w, int hi) {
+    unsigned u = (hi ? w >> 16 : w & 0xffffu) << 16; float f; memcpy(&f, &u, 4); return f;
+}
+
+void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+    const int lane = lin_tid() & 31, g = lane >> 2, t = lane & 3;
+    // Lane 4g' + s holds A rows g', g'+8 at k = 2s, 2s+1 (a0, a1) and 2s+8, 2s+9 (a2, a3), and
+    // B column g' at the same k (b0, b1).
+    for (int s = 0; s < 4; s++) {
+        unsigned A[4], B[2][2];
+        for (int i = 0; i < 4; i++) A[i] = emu_shfl(a[i], 4 * g + s, 2);
+        for (int c = 0; c < 2; c++)
+            for (int i = 0; i < 2; i++) B[c][i] = emu_shfl(b[i], 4 * (2 * t + c) + s, 2);
+        for (int h = 0; h < 2; h++)      // output row g + 8h
+            for (int c = 0; c < 2; c++)  // output column 2t + c
+                for (int half = 0; half < 2; half++)  // k = 2s + 8*half + {0, 1}
+                    for (int e = 0; e < 2; e++)
+                        d[2 * h + c] += bf16_half(A[h + 2 * half], e) * bf16_half(B[c][half], e);
+    }
 }
 
 static void fiber_main() {

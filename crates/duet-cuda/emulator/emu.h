@@ -2,11 +2,13 @@
 //
 // Just enough of the CUDA device dialect for the kernel sources to compile as
 // plain C++: dim3/vector types, the bit-cast and math intrinsics they use,
-// __syncthreads, and full-warp __shfl_xor_sync / __shfl_up_sync. Every CUDA
+// __syncthreads, full-warp __shfl_xor_sync / __shfl_up_sync and the bf16 tensor-core
+// product mma_bf16_16816 (common.cuh's, built from shuffles). Every CUDA
 // thread of a block is a ucontext fiber; blocks of a grid run one at a time.
 // __shared__ variables become function-local statics, shared by every fiber of
 // the running block.
 #pragma once
+#define DUET_EMULATOR 1  // common.cuh takes the emulator's mma_bf16_16816 instead of PTX
 #include <ucontext.h>
 #include <cmath>
 #include <cstring>
@@ -23,6 +25,7 @@ struct float4 { float x, y, z, w; } __attribute__((aligned(16)));
 struct float2 { float x, y; } __attribute__((aligned(8)));
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
 
 #define __global__
 #define __device__
@@ -52,7 +55,7 @@ extern dim3 blockIdx, blockDim, gridDim;
 #define threadIdx (g_cur->tid)
 
 void emu_syncthreads();
-// mode 0: xor (lane ^ arg), mode 1: up (lane - arg, own value below arg).
+// mode 0: xor (lane ^ arg), mode 1: up (lane - arg, own value below arg), mode 2: from lane arg.
 unsigned emu_shfl(unsigned v, int arg, int mode);
 #define __syncthreads() emu_syncthreads()
 
@@ -66,6 +69,11 @@ template <class T> inline T __shfl_up_sync(unsigned, T v, int o) {
     static_assert(sizeof(T) == 4, "emulated shuffles are 32-bit");
     unsigned u; memcpy(&u, &v, 4); u = emu_shfl(u, o, 1); T r; memcpy(&r, &u, 4); return r;
 }
+
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 of one warp, d += a·b, with the PTX ISA's
+// fragment layout (see prefill_attention.cu): each lane gathers the A rows and B columns of its
+// four outputs from the lanes that hold them. Every lane of the warp must call it.
+void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b);
 
 // Runs body once per thread of every block of the grid (1-D or 3-D blocks).
 void emu_launch(dim3 grid, dim3 block, std::function<void()> body);

@@ -1,12 +1,12 @@
 """Emulated test of kernels/prefill_attention.cu: causal prefill over a paged KV store vs a float64
-reference. Covers ragged sequence lengths (tiles of 32 query rows), cached prefixes (start_pos > 0),
+reference. Covers ragged sequence lengths (tiles of 64 query rows, 16 a warp), cached prefixes (start_pos > 0),
 GQA, head_dim 32/64/96/128/256, block sizes 8/16, and rows outside every sequence (must stay poisoned)."""
 from harness import *
 from attn_ref import gather_kv, make_store, make_tables, ref_attn
 
 rng = np.random.default_rng(1)
 POISON = -7.0
-BLOCK_M = 32  # PREFILL_BLOCK_M
+BLOCK_M = 64  # PREFILL_BLOCK_M
 
 
 def test_prefill(nh, nkv, hd, bs, seqs, layer=0, L=1):

@@ -69,7 +69,7 @@ pub const FILES: &[KernelFile] = &[
 /// Context tokens per split of decode attention (`PARTITION_TOKENS` in paged_attention.cu).
 pub const PARTITION_TOKENS: usize = 512;
 /// Query rows per prefill-attention block (`PREFILL_BLOCK_M` in prefill_attention.cu).
-pub const PREFILL_BLOCK_M: usize = 32;
+pub const PREFILL_BLOCK_M: usize = 64;
 /// Threads of a prefill-attention block (`PF_THREADS` in prefill_attention.cu).
 pub const PREFILL_THREADS: u32 = 128;
 
