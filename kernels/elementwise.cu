@@ -5,9 +5,11 @@
 // no shared memory. Element counts are 64-bit where the signature says so.
 //
 // silu_mul(gate, up, n)                 gate[i] = silu(gate[i]) * up[i]
-// silu_mul_stacked(gate_up, out, rows, inter)
+// silu_mul_stacked(gate_up, out, out_bf16, rows, inter)
 //                                       gate_up is [rows][2*inter] = [gate | up];
-//                                       out[r][i] = silu(gate[r][i]) * up[r][i]
+//                                       out[r][i] = silu(gate[r][i]) * up[r][i], and
+//                                       out_bf16 the same rounded to bf16 (the next
+//                                       matmul's operand, so that it skips a cast)
 // add_inplace(x, y, n)                  x[i] += y[i]
 // add_bias_rows(x, bias, rows, cols)    x[r][c] += bias[c]
 // f32_to_bf16_n(x, out, n)              out[i] = bf16(x[i]) (round to nearest even)
@@ -49,15 +51,17 @@ extern "C" __global__ void silu_mul(float* gate, const float* up, unsigned long 
     for (unsigned long long i = gtid(); i < n; i += gstride()) gate[i] = silu_f(gate[i]) * up[i];
 }
 
-extern "C" __global__ void silu_mul_stacked(const float* gate_up, float* out, int rows,
-                                            int inter) {
+extern "C" __global__ void silu_mul_stacked(const float* gate_up, float* out, bf16* out_bf16,
+                                            int rows, int inter) {
     const unsigned long long w = (unsigned long long)inter;
     const unsigned long long n = (unsigned long long)rows * w;
     for (unsigned long long i = gtid(); i < n; i += gstride()) {
         unsigned long long r, c;
         divmod64(i, w, r, c);
         const float* row = gate_up + r * 2ull * w;
-        out[i] = silu_f(row[c]) * row[w + c];
+        const float v = silu_f(row[c]) * row[w + c];
+        out[i] = v;
+        out_bf16[i] = f32_to_bf16(v);
     }
 }
 

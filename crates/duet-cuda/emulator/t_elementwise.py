@@ -13,9 +13,11 @@ check_close('silu_mul', g2, gd / (1 + np.exp(-gd)) * u, 1e-5)
 rows, inter = 5, 37
 gu = rng.standard_normal((rows, 2 * inter)).astype(np.float32)
 o = np.full((rows, inter), np.nan, np.float32)
-launch('elementwise', 'silu_mul_stacked', (1,), 64, gu, o, c_int(rows), c_int(inter))
+ob = np.full((rows, inter), 0xffff, np.uint16)
+launch('elementwise', 'silu_mul_stacked', (1,), 64, gu, o, ob, c_int(rows), c_int(inter))
 a = gu[:, :inter].astype(np.float64)
 check_close('silu_mul_stacked', o, a / (1 + np.exp(-a)) * gu[:, inter:], 1e-5)
+check('silu_mul_stacked: its bf16 copy is the f32 result rounded', np.array_equal(ob, f2bf(o)))
 
 x = g.copy()
 launch('elementwise', 'add_inplace', (3,), 32, x, u, c_ulonglong(n))

@@ -24,7 +24,8 @@ def test_prefill(nh, nkv, hd, bs, seqs, layer=0, L=1):
     seq_len = np.array([ln for _, ln in seqs], np.uint32)
     seq_start_pos = np.array([sp for sp, _ in seqs], np.uint32)
     maxlen = max(ln for _, ln in seqs)
-    launch('prefill_attention', 'prefill_attention', ((maxlen + BLOCK_M - 1) // BLOCK_M, nh, len(seqs)), 128,
+    kernel = 'prefill_attention_hd' + str(64 if hd <= 64 else 128 if hd <= 128 else 256)
+    launch('prefill_attention', kernel, ((maxlen + BLOCK_M - 1) // BLOCK_M, nh, len(seqs)), 128,
            q, store, seq_row_start, seq_len, seq_start_pos, block_tables, table_offsets, c_int(layer), c_int(NB),
            c_int(nh), c_int(nkv), c_int(bs), c_int(hd), c_float(scale), out)
     err = 0.0

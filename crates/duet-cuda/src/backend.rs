@@ -5,6 +5,7 @@
 //! first failure is kept, later work is skipped, and `sync` reports it.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
@@ -39,6 +40,21 @@ pub struct CudaBackend {
     failure: Mutex<Option<String>>,
     /// bf16 copy of a matmul input (cuBLAS takes both operands in bf16).
     cast_scratch: Mutex<Option<CudaSlice<u16>>>,
+    /// The f32 activations whose bf16 copy `cast_scratch` holds (device address; 0: none). Set by
+    /// the kernels that write the copy beside their output, cleared by every other launch and
+    /// allocation, so a matmul skips its cast only when nothing can have changed its input since.
+    cast_holds: AtomicU64,
+    /// Decode attention's per-partition results, kept across layers and steps: allocating and
+    /// zeroing them in every layer of every step was three allocations, memsets and frees each.
+    partition_scratch: Mutex<PartitionScratch>,
+}
+
+/// Per (row, head, partition): the partial output, its running max and its sum of weights.
+#[derive(Default)]
+struct PartitionScratch {
+    out: Option<CudaSlice<f32>>,
+    max: Option<CudaSlice<f32>>,
+    sum: Option<CudaSlice<f32>>,
 }
 
 /// A weight matrix `[rows][cols]` in bf16.
@@ -195,6 +211,8 @@ impl CudaBackend {
             memory_fraction,
             failure: Mutex::new(None),
             cast_scratch: Mutex::new(None),
+            cast_holds: AtomicU64::new(0),
+            partition_scratch: Mutex::new(PartitionScratch::default()),
         })
     }
 
@@ -210,6 +228,7 @@ impl CudaBackend {
             rows * cols,
             "upload_activations: wrong length"
         );
+        self.cast_holds.store(0, Ordering::Relaxed);
         let data = self
             .stream
             .clone_htod(values)
@@ -253,6 +272,7 @@ impl CudaBackend {
     where
         T: cudarc::driver::DeviceRepr + Copy + Default,
     {
+        self.cast_holds.store(0, Ordering::Relaxed);
         // A zero-length allocation is an error in CUDA; keep one element.
         if host.is_empty() {
             return self.check(what, self.stream.clone_htod(&[T::default()]));
@@ -265,7 +285,21 @@ impl CudaBackend {
         what: &str,
         len: usize,
     ) -> Option<CudaSlice<T>> {
+        self.cast_holds.store(0, Ordering::Relaxed);
         self.check(what, self.stream.alloc_zeros(len.max(1)))
+    }
+
+    /// A scratch buffer of at least `len` elements, reallocated only when it must grow.
+    fn grown<'s, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        slot: &'s mut Option<CudaSlice<T>>,
+        what: &str,
+        len: usize,
+    ) -> Option<&'s mut CudaSlice<T>> {
+        if slot.as_ref().is_none_or(|s| s.len() < len) {
+            *slot = self.zeros(what, len);
+        }
+        slot.as_mut()
     }
 
     /// Launches `name` with the arguments `push` adds.
@@ -278,6 +312,7 @@ impl CudaBackend {
         if self.failed() {
             return;
         }
+        self.cast_holds.store(0, Ordering::Relaxed);
         let mut args = self.stream.launch_builder(self.function(name));
         push(&mut args);
         // SAFETY: the argument lists match the kernels' signatures in kernels/*.cu, and every
@@ -293,15 +328,30 @@ impl CudaBackend {
         }
         let n = x.rows * x.cols;
         let mut scratch = self.cast_scratch.lock().expect("scratch lock");
-        if scratch.as_ref().is_none_or(|s| s.len() < n) {
-            *scratch = self.zeros("allocating the matmul cast buffer", n);
+        let Some(xb) = self.grown(&mut scratch, "allocating the matmul cast buffer", n) else {
+            return;
+        };
+        let source = self.address(&x.data);
+        if self.cast_holds.load(Ordering::Relaxed) != source {
+            let n64 = n as u64;
+            self.launch("f32_to_bf16_n", grid1(n, 256), |a| {
+                a.arg(&x.data).arg(&mut *xb).arg(&n64);
+            });
+            // Several matmuls of one input (unstacked projections) share the cast.
+            self.cast_holds.store(source, Ordering::Relaxed);
         }
-        let Some(xb) = scratch.as_mut() else { return };
-        let n64 = n as u64;
-        self.launch("f32_to_bf16_n", grid1(n, 256), |a| {
-            a.arg(&x.data).arg(&mut *xb).arg(&n64);
-        });
         self.gemm_bf16(w, xb, x.rows, out);
+        // cuBLAS wrote `out` without a launch of ours.
+        let _ = self.cast_holds.compare_exchange(
+            self.address(&out.data),
+            0,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+    }
+
+    fn address(&self, data: &CudaSlice<f32>) -> u64 {
+        data.device_ptr(&self.stream).0
     }
 
     /// `out[rows][w.rows] = x[rows][w.cols] · wᵀ` with `x` already in bf16: the cuBLAS call.
@@ -751,10 +801,14 @@ impl Backend for CudaBackend {
         if let Some(d) = &b.decode {
             let parts = d.max_partitions as i32;
             let stats = d.count * shape.num_heads * d.max_partitions;
-            let (Some(mut part_out), Some(mut part_max), Some(mut part_sum)) = (
-                self.zeros::<f32>("attention scratch", stats * shape.head_dim),
-                self.zeros::<f32>("attention scratch", stats),
-                self.zeros::<f32>("attention scratch", stats),
+            // Every entry a launch reads is written first (empty partitions too), so the buffers
+            // are reused as they are.
+            let mut scratch = self.partition_scratch.lock().expect("scratch lock");
+            let PartitionScratch { out: o, max, sum } = &mut *scratch;
+            let (Some(part_out), Some(part_max), Some(part_sum)) = (
+                self.grown(o, "attention scratch", stats * shape.head_dim),
+                self.grown(max, "attention scratch", stats),
+                self.grown(sum, "attention scratch", stats),
             ) else {
                 return;
             };
@@ -773,9 +827,9 @@ impl Backend for CudaBackend {
                     .arg(&b.table_offsets);
                 g.push(a);
                 a.arg(&parts)
-                    .arg(&mut part_out)
-                    .arg(&mut part_max)
-                    .arg(&mut part_sum);
+                    .arg(&mut *part_out)
+                    .arg(&mut *part_max)
+                    .arg(&mut *part_sum);
             });
             let cfg = LaunchConfig {
                 grid_dim: (d.count as u32, nh as u32, 1),
@@ -783,9 +837,9 @@ impl Backend for CudaBackend {
                 shared_mem_bytes: 0,
             };
             self.launch("paged_attention_reduce", cfg, |a| {
-                a.arg(&part_out)
-                    .arg(&part_max)
-                    .arg(&part_sum)
+                a.arg(&*part_out)
+                    .arg(&*part_max)
+                    .arg(&*part_sum)
                     .arg(&d.rows)
                     .arg(&b.positions)
                     .arg(&nh)
@@ -804,7 +858,13 @@ impl Backend for CudaBackend {
                 block_dim: (kernels::PREFILL_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            self.launch("prefill_attention", cfg, |a| {
+            // One entry point per padded head size (each with its own registers).
+            let kernel = match shape.head_dim {
+                ..=64 => "prefill_attention_hd64",
+                ..=128 => "prefill_attention_hd128",
+                _ => "prefill_attention_hd256",
+            };
+            self.launch(kernel, cfg, |a| {
                 a.arg(&q.data)
                     .arg(&kv.ptr)
                     .arg(&p.row_start)
@@ -827,16 +887,21 @@ impl Backend for CudaBackend {
 
     fn silu_mul_stacked(&self, gate_up: &CudaActivations, out: &mut CudaActivations) {
         let (rows, inter) = (gate_up.rows as i32, (gate_up.cols / 2) as i32);
-        self.launch(
-            "silu_mul_stacked",
-            grid1(gate_up.rows * gate_up.cols / 2, 256),
-            |a| {
-                a.arg(&gate_up.data)
-                    .arg(&mut out.data)
-                    .arg(&rows)
-                    .arg(&inter);
-            },
-        );
+        let n = gate_up.rows * gate_up.cols / 2;
+        let mut scratch = self.cast_scratch.lock().expect("scratch lock");
+        let Some(xb) = self.grown(&mut scratch, "allocating the matmul cast buffer", n) else {
+            return;
+        };
+        self.launch("silu_mul_stacked", grid1(n, 256), |a| {
+            a.arg(&gate_up.data)
+                .arg(&mut out.data)
+                .arg(&mut *xb)
+                .arg(&rows)
+                .arg(&inter);
+        });
+        // `out` goes to the down projection next, which now needs no cast.
+        let source = self.address(&out.data);
+        self.cast_holds.store(source, Ordering::Relaxed);
     }
 
     fn add(&self, x: &mut CudaActivations, y: &CudaActivations) {

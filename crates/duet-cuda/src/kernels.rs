@@ -57,7 +57,11 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "prefill_attention.cu",
         source: include_str!("../../../kernels/prefill_attention.cu"),
-        kernels: &["prefill_attention"],
+        kernels: &[
+            "prefill_attention_hd64",
+            "prefill_attention_hd128",
+            "prefill_attention_hd256",
+        ],
     },
     KernelFile {
         name: "sampling.cu",
