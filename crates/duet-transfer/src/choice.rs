@@ -418,14 +418,13 @@ mod tests {
         let grpc = open_transport(TransportChoice::Auto, Device::Cpu, auth.clone()).unwrap();
         assert_eq!(grpc.kind(), TransportKind::Grpc);
         let gpu = open_transport(TransportChoice::CudaIpc, Device::Cuda(0), auth.clone());
+        let built = cfg!(feature = "cuda");
         match gpu {
-            Ok(t) => {
-                assert!(cfg!(feature = "cuda"));
-                assert_eq!(t.kind(), TransportKind::CudaIpc);
-            }
-            Err(e) => {
-                assert!(!cfg!(feature = "cuda") && matches!(e, TransportError::NotBuilt { .. }))
-            }
+            Ok(t) => assert_eq!((built, t.kind()), (true, TransportKind::CudaIpc)),
+            Err(e) => assert!(
+                !built && matches!(e, TransportError::NotBuilt { .. }),
+                "{e}"
+            ),
         }
         assert!(open_transport(TransportChoice::Nccl, Device::Cuda(0), auth).is_err());
     }
