@@ -66,6 +66,9 @@ impl StandIn {
                 num_tokens: req.token_ids.len(),
                 sender_worker_id: STAND_IN.into(),
                 timeout: Duration::from_secs(60),
+                dest_block_ids: dest.block_ids,
+                offered: v1::TransportKind::Grpc,
+                transport_params: Vec::new(),
             },
         )?;
         let started = Instant::now();

@@ -147,7 +147,7 @@ pub trait Backend: Send + Sync {
     /// Activations `[rows, cols]`.
     type Activations;
     /// The paged KV store.
-    type KvStore: Send;
+    type KvStore: Send + 'static;
     /// A step's batch metadata as the device reads it (positions, slots, block tables), made once
     /// per forward pass by [`Backend::prepare_batch`].
     type Batch<'a>;

@@ -42,9 +42,17 @@ pub enum TransportError {
     )]
     DifferentNodes { prefill: String, decode: String },
     #[error(
-        "--kv-transport {choice}: the transport is built (duet-cuda) but the workers' push path does not use it yet; use auto or grpc"
+        "--kv-transport nccl: NCCL needs the two workers on two GPUs and is not on the workers' push path yet; use auto (cuda-ipc between two GPU workers on one node) or grpc"
     )]
     NotConnected { choice: TransportChoice },
+    #[error(
+        "--kv-transport {choice} needs a build with CUDA (`cargo build --release --features cuda`)"
+    )]
+    NotBuilt { choice: TransportChoice },
+    #[error(
+        "--kv-transport cuda-ipc: the decode worker cannot export its KV cache for CUDA IPC: {reason}"
+    )]
+    NoExport { reason: String },
     #[error(
         "--kv-transport {choice} needs both workers on GPUs; the {cpu_side} worker runs on the CPU"
     )]
@@ -109,30 +117,165 @@ impl TransportChoice {
         }
     }
 
-    /// What a worker started with this flag pushes KV with: the flag checked against its device,
-    /// and against the transports the push path carries today (gRPC; `auto` resolves to it).
+    /// The fastest transport a worker started with this flag may push (prefill) or offer
+    /// (decode) KV with: the flag checked against its device and against the transports the
+    /// push path carries (gRPC, cuda-ipc). `auto` on a GPU is cuda-ipc, used per push where the
+    /// decode worker offers it from this node and gRPC otherwise; on the CPU it is gRPC.
     pub fn for_worker(self, device: Device) -> Result<TransportKind, TransportError> {
         self.check_device(device)?;
-        match self {
-            Self::Auto | Self::Grpc => Ok(TransportKind::Grpc),
-            Self::CudaIpc | Self::Nccl => Err(TransportError::NotConnected { choice: self }),
+        match (self, device) {
+            (Self::Grpc, _) | (Self::Auto, Device::Cpu) => Ok(TransportKind::Grpc),
+            (Self::Auto | Self::CudaIpc, _) if !cfg!(feature = "cuda") => {
+                if self == Self::Auto {
+                    Ok(TransportKind::Grpc)
+                } else {
+                    Err(TransportError::NotBuilt { choice: self })
+                }
+            }
+            (Self::Auto | Self::CudaIpc, _) => Ok(TransportKind::CudaIpc),
+            (Self::Nccl, _) => Err(TransportError::NotConnected { choice: self }),
+        }
+    }
+
+    /// What a decode worker started with this flag puts in `KvDestination.transport` and
+    /// `.transport_params`: its CUDA-IPC offer where the flag allows cuda-ipc and the export
+    /// worked (`export`: the encoded [`IpcOffer`], or why there is none), else gRPC. An explicit
+    /// cuda-ipc without an export is an error.
+    pub fn decode_offer(
+        self,
+        device: Device,
+        export: Result<Vec<u8>, String>,
+    ) -> Result<(TransportKind, Vec<u8>), TransportError> {
+        match self.for_worker(device)? {
+            TransportKind::CudaIpc => match export {
+                Ok(params) => Ok((TransportKind::CudaIpc, params)),
+                Err(reason) if self == Self::CudaIpc => Err(TransportError::NoExport { reason }),
+                Err(_) => Ok((TransportKind::Grpc, Vec::new())),
+            },
+            kind => Ok((kind, Vec::new())),
         }
     }
 }
 
-/// The sending side of `kind`, as this build carries it; its calls authenticated by `auth`.
+/// The sending side for a prefill worker started with `choice` on `device`, its control calls
+/// authenticated by `auth`: gRPC, or cuda-ipc (which falls back to gRPC per push under `auto`).
 pub fn open_transport(
-    kind: TransportKind,
+    choice: TransportChoice,
+    device: Device,
     auth: duet_proto::PeerAuth,
 ) -> Result<Arc<dyn KvTransport>, TransportError> {
-    match kind {
-        TransportKind::Grpc | TransportKind::Unspecified => Ok(Arc::new(GrpcTransport::new(auth))),
-        TransportKind::CudaIpc => Err(TransportError::NotConnected {
-            choice: TransportChoice::CudaIpc,
-        }),
-        TransportKind::Nccl => Err(TransportError::NotConnected {
-            choice: TransportChoice::Nccl,
-        }),
+    match choice.for_worker(device)? {
+        TransportKind::CudaIpc => cuda_ipc_transport(choice, auth),
+        _ => Ok(Arc::new(GrpcTransport::new(auth))),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_ipc_transport(
+    choice: TransportChoice,
+    auth: duet_proto::PeerAuth,
+) -> Result<Arc<dyn KvTransport>, TransportError> {
+    Ok(Arc::new(crate::cuda_ipc::CudaIpcTransport::new(
+        auth,
+        choice == TransportChoice::CudaIpc,
+        node_name(),
+    )))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_ipc_transport(
+    choice: TransportChoice,
+    _: duet_proto::PeerAuth,
+) -> Result<Arc<dyn KvTransport>, TransportError> {
+    Err(TransportError::NotBuilt { choice })
+}
+
+/// The encoded [`IpcOffer`] of an engine's KV store (`&B::KvStore`) in this process, or why
+/// there is none (not a CUDA store, no CUDA in this build, the export failed).
+pub fn ipc_offer(kv_store: &dyn std::any::Any) -> Result<Vec<u8>, String> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda_ipc::offer(kv_store)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = kv_store;
+        Err("this build has no CUDA support".into())
+    }
+}
+
+/// The host's name (for same-node transports): `HOSTNAME`, else /etc/hostname, else "localhost".
+pub fn node_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+const OFFER_MAGIC: &[u8; 8] = b"duetoff1";
+
+/// A decode worker's CUDA-IPC offer (`KvDestination.transport_params`): where it runs (node and
+/// process; a handle opens only on its node, and not in the process that exported it) and its
+/// exported KV store (`cuda_ipc::KvIpcExport`, encoded).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IpcOffer {
+    pub node: String,
+    pub pid: u32,
+    pub export: Vec<u8>,
+}
+
+impl IpcOffer {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(16 + self.node.len() + self.export.len());
+        out.extend_from_slice(OFFER_MAGIC);
+        out.extend_from_slice(&self.pid.to_le_bytes());
+        out.extend_from_slice(&(self.node.len() as u32).to_le_bytes());
+        out.extend_from_slice(self.node.as_bytes());
+        out.extend_from_slice(&self.export);
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let bad = |what: &str| format!("malformed CUDA-IPC transport parameters: {what}");
+        let rest = bytes
+            .strip_prefix(OFFER_MAGIC.as_slice())
+            .ok_or_else(|| bad("no duetoff1 magic"))?;
+        if rest.len() < 8 {
+            return Err(bad("truncated"));
+        }
+        let pid = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes"));
+        let len = u32::from_le_bytes(rest[4..8].try_into().expect("4 bytes")) as usize;
+        let rest = &rest[8..];
+        if rest.len() < len {
+            return Err(bad("node name truncated"));
+        }
+        let node = std::str::from_utf8(&rest[..len])
+            .map_err(|_| bad("node name is not UTF-8"))?
+            .to_string();
+        Ok(Self {
+            node,
+            pid,
+            export: rest[len..].to_vec(),
+        })
+    }
+
+    /// Whether a prefill worker on `node`, in process `pid`, can open this offer; else why not.
+    pub fn usable_from(&self, node: &str, pid: u32) -> Result<(), String> {
+        if self.node != node {
+            return Err(format!(
+                "the decode worker runs on node {:?}, this prefill worker on {node:?}",
+                self.node
+            ));
+        }
+        if self.pid == pid {
+            return Err(
+                "the decode worker runs in this process (CUDA IPC opens only another process's memory)"
+                    .into(),
+            );
+        }
+        Ok(())
     }
 }
 
@@ -248,11 +391,95 @@ mod tests {
             TransportChoice::Grpc.for_worker(Device::Cuda(0)),
             Ok(TransportKind::Grpc)
         );
-        let err = TransportChoice::CudaIpc
+        let err = TransportChoice::Nccl
             .for_worker(Device::Cuda(0))
             .unwrap_err();
-        assert!(err.to_string().contains("use auto or grpc"), "{err}");
+        assert!(err.to_string().contains("two GPUs"), "{err}");
         let err = TransportChoice::Nccl.for_worker(Device::Cpu).unwrap_err();
         assert!(err.to_string().contains("--device cpu"), "{err}");
+        let err = TransportChoice::CudaIpc
+            .for_worker(Device::Cpu)
+            .unwrap_err();
+        assert!(err.to_string().contains("--device cpu"), "{err}");
+    }
+
+    #[test]
+    fn gpu_workers_push_over_cuda_ipc_where_the_build_has_it() {
+        let on_gpu = |c: TransportChoice| c.for_worker(Device::Cuda(0));
+        if cfg!(feature = "cuda") {
+            assert_eq!(on_gpu(TransportChoice::Auto), Ok(TransportKind::CudaIpc));
+            assert_eq!(on_gpu(TransportChoice::CudaIpc), Ok(TransportKind::CudaIpc));
+        } else {
+            assert_eq!(on_gpu(TransportChoice::Auto), Ok(TransportKind::Grpc));
+            let err = on_gpu(TransportChoice::CudaIpc).unwrap_err();
+            assert!(err.to_string().contains("--features cuda"), "{err}");
+        }
+        let auth = duet_proto::PeerAuth::default();
+        let grpc = open_transport(TransportChoice::Auto, Device::Cpu, auth.clone()).unwrap();
+        assert_eq!(grpc.kind(), TransportKind::Grpc);
+        let gpu = open_transport(TransportChoice::CudaIpc, Device::Cuda(0), auth.clone());
+        let built = cfg!(feature = "cuda");
+        match gpu {
+            Ok(t) => assert_eq!((built, t.kind()), (true, TransportKind::CudaIpc)),
+            Err(e) => assert!(
+                !built && matches!(e, TransportError::NotBuilt { .. }),
+                "{e}"
+            ),
+        }
+        assert!(open_transport(TransportChoice::Nccl, Device::Cuda(0), auth).is_err());
+    }
+
+    #[test]
+    fn the_decode_worker_offers_cuda_ipc_only_with_an_export() {
+        let gpu = Device::Cuda(0);
+        let export = || Ok(vec![1, 2, 3]);
+        let none = || Err("cuIpcGetMemHandle failed".to_string());
+        assert_eq!(
+            TransportChoice::Grpc.decode_offer(gpu, export()),
+            Ok((TransportKind::Grpc, vec![]))
+        );
+        assert_eq!(
+            TransportChoice::Auto.decode_offer(Device::Cpu, none()),
+            Ok((TransportKind::Grpc, vec![]))
+        );
+        assert_eq!(
+            TransportChoice::Auto.decode_offer(gpu, none()),
+            Ok((TransportKind::Grpc, vec![]))
+        );
+        if cfg!(feature = "cuda") {
+            assert_eq!(
+                TransportChoice::Auto.decode_offer(gpu, export()),
+                Ok((TransportKind::CudaIpc, vec![1, 2, 3]))
+            );
+            let err = TransportChoice::CudaIpc
+                .decode_offer(gpu, none())
+                .unwrap_err();
+            assert!(
+                err.to_string().contains("cuIpcGetMemHandle failed"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_ipc_offer_round_trips_and_opens_only_on_its_node_from_another_process() {
+        let offer = IpcOffer {
+            node: "gpu-node-7".into(),
+            pid: 4242,
+            export: (0..100).collect(),
+        };
+        let bytes = offer.encode();
+        assert_eq!(IpcOffer::decode(&bytes), Ok(offer.clone()));
+        for cut in [0, 7, 12, 17] {
+            assert!(IpcOffer::decode(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut wrong = bytes.clone();
+        wrong[0] ^= 1;
+        assert!(IpcOffer::decode(&wrong).unwrap_err().contains("magic"));
+        assert_eq!(offer.usable_from("gpu-node-7", 1), Ok(()));
+        let e = offer.usable_from("gpu-node-8", 1).unwrap_err();
+        assert!(e.contains("gpu-node-8"), "{e}");
+        let e = offer.usable_from("gpu-node-7", 4242).unwrap_err();
+        assert!(e.contains("this process"), "{e}");
     }
 }

@@ -44,18 +44,33 @@ impl KvTransport for GrpcTransport {
     }
 
     fn open(&self, wire: &KvWire, spec: PushSpec) -> Result<OpenPush, TransferError> {
+        let (tx, rx) = unbounded_channel();
+        let header = wire.header(&spec);
+        let acked = self.control(spec, header, rx)?;
+        Ok(OpenPush {
+            kind: v1::TransportKind::Grpc,
+            sender: Box::new(ChunkSender::new(tx, wire.block_bytes())),
+            acked: Box::pin(acked),
+        })
+    }
+}
+
+impl GrpcTransport {
+    /// The `KvTransfer/Push` call of one push: `header`, then what arrives on `rx` until
+    /// `KvDone`; resolves with the receiver's acknowledgement. Every transport's control path
+    /// (cuda-ipc sends its "landed" notices through it).
+    pub(crate) fn control(
+        &self,
+        spec: PushSpec,
+        header: v1::KvHeader,
+        rx: UnboundedReceiver<KvChunk>,
+    ) -> Result<impl Future<Output = Result<Pushed, TransferError>> + Send + 'static, TransferError>
+    {
         let channel = self
             .channels
             .get(&spec.address)
             .map_err(|e| TransferError::Malformed(format!("dest.transfer_address: {e}")))?;
-        let (tx, rx) = unbounded_channel();
-        let header = wire.header(&spec);
-        let sender = ChunkSender::new(tx, wire.block_bytes());
-        let acked = push(KvTransferClient::new(channel), spec, header, rx);
-        Ok(OpenPush {
-            sender: Box::new(sender),
-            acked: Box::pin(acked),
-        })
+        Ok(push(KvTransferClient::new(channel), spec, header, rx))
     }
 }
 
@@ -182,7 +197,16 @@ async fn push(
 /// Serves one `KvTransfer/Push`: checks the header against `wire`, every chunk's checksum and
 /// range, writes the chunks into `sink`'s reservation, and acknowledges once every (layer,
 /// block) arrived exactly once. A reservation that is gone is answered `accepted = false`.
-pub async fn receive<S, K>(mut chunks: S, wire: &KvWire, sink: &K) -> Result<PushAck, TransferError>
+///
+/// A cuda-ipc push (`KvHeader.transport`) runs the same checks on chunks whose payload is
+/// empty: the sender already copied their blocks in place, and `sink` is told they landed.
+/// `on_header` sees the header once it is checked (the transport, for metrics).
+pub async fn receive<S, K>(
+    mut chunks: S,
+    wire: &KvWire,
+    sink: &K,
+    on_header: impl FnOnce(&v1::KvHeader),
+) -> Result<PushAck, TransferError>
 where
     S: Stream<Item = Result<KvChunk, Status>> + Unpin,
     K: KvSink,
@@ -203,13 +227,14 @@ where
         }
     };
     wire.check(&header)?;
+    on_header(&header);
     let key = ReservationKey::from_wire(&header.reservation_id)?;
     let Some(writable) = sink.writable_blocks(key, &header.sender_worker_id).await? else {
         return Ok(rejected(
             "the reservation is gone (cancelled or expired)".into(),
         ));
     };
-    let mut tracker = PushTracker::new(&header, wire.layout.num_layers, writable)?;
+    let mut tracker = PushTracker::new(&header, wire, writable)?;
     let mut writes = Vec::new();
     while let Some(chunk) = chunks
         .next()
@@ -266,6 +291,9 @@ fn rejected(message: String) -> PushAck {
 struct PushTracker {
     blocks: Range<usize>,
     num_layers: usize,
+    block_bytes: usize,
+    /// The blocks were copied in place (cuda-ipc): payloads are empty.
+    in_place: bool,
     seen: Vec<bool>,
     chunks: u64,
     bytes: u64,
@@ -275,9 +303,20 @@ impl PushTracker {
     /// A push announced by `header` into a reservation whose blocks `writable` it may fill.
     fn new(
         header: &v1::KvHeader,
-        num_layers: usize,
+        wire: &KvWire,
         writable: Range<usize>,
     ) -> Result<Self, TransferError> {
+        let num_layers = wire.layout.num_layers;
+        let in_place = match header.transport() {
+            v1::TransportKind::Grpc | v1::TransportKind::Unspecified => false,
+            v1::TransportKind::CudaIpc => true,
+            other => {
+                return Err(TransferError::Malformed(format!(
+                    "a KV push announced over {} cannot be received by KvTransfer/Push",
+                    crate::choice::transport_name(other)
+                )));
+            }
+        };
         let first = header.first_block as usize;
         let blocks = first..first + header.total_blocks as usize;
         if blocks.start < writable.start {
@@ -295,6 +334,8 @@ impl PushTracker {
             seen: vec![false; num_layers * blocks.len()],
             blocks,
             num_layers,
+            block_bytes: wire.block_bytes(),
+            in_place,
             chunks: 0,
             bytes: 0,
         })
@@ -302,7 +343,14 @@ impl PushTracker {
 
     /// Checks one chunk; returns its block range.
     fn accept(&mut self, d: &KvData) -> Result<Range<usize>, TransferError> {
-        if xxhash_rust::xxh3::xxh3_64(&d.payload) != d.xxh3 {
+        if self.in_place && !d.payload.is_empty() {
+            return Err(TransferError::Malformed(format!(
+                "a cuda-ipc KV push sent {} payload bytes for layer {}; its blocks are copied in place",
+                d.payload.len(),
+                d.layer
+            )));
+        }
+        if !self.in_place && xxhash_rust::xxh3::xxh3_64(&d.payload) != d.xxh3 {
             return Err(TransferError::Corrupt(format!(
                 "checksum mismatch in the KV of layer {}",
                 d.layer
@@ -322,6 +370,15 @@ impl PushTracker {
                 "KV chunk out of range: layer {layer}, blocks {start}..{end}"
             )));
         }
+        let bytes = (end - start) * self.block_bytes;
+        if !self.in_place && d.payload.len() != bytes {
+            return Err(TransferError::Malformed(format!(
+                "KV chunk of layer {layer} blocks {start}..{end} has {} bytes; {} blocks of {} bytes were expected",
+                d.payload.len(),
+                end - start,
+                self.block_bytes
+            )));
+        }
         for b in start..end {
             let slot = &mut self.seen[layer * self.blocks.len() + b - self.blocks.start];
             if *slot {
@@ -332,7 +389,7 @@ impl PushTracker {
             *slot = true;
         }
         self.chunks += 1;
-        self.bytes += d.payload.len() as u64;
+        self.bytes += bytes as u64;
         Ok(start..end)
     }
 
@@ -403,7 +460,11 @@ mod tests {
         {
             let mut w = self.written.lock().unwrap();
             for (i, b) in blocks.enumerate() {
-                let bytes = payload[i * self.block_bytes..(i + 1) * self.block_bytes].to_vec();
+                // An empty payload: landed in place (cuda-ipc), recorded as no bytes.
+                let bytes = payload
+                    .get(i * self.block_bytes..(i + 1) * self.block_bytes)
+                    .unwrap_or_default()
+                    .to_vec();
                 w.insert((layer, b), bytes);
             }
             Ok(std::future::ready(Ok(())))
@@ -427,6 +488,9 @@ mod tests {
             num_tokens: 10,
             sender_worker_id: "p".into(),
             timeout: Duration::from_secs(1),
+            dest_block_ids: Vec::new(),
+            offered: v1::TransportKind::Grpc,
+            transport_params: Vec::new(),
         }
     }
 
@@ -452,7 +516,7 @@ mod tests {
 
     fn receive_all(chunks: Vec<KvChunk>, sink: &MemorySink) -> Result<PushAck, TransferError> {
         let stream = futures::stream::iter(chunks.into_iter().map(Ok));
-        futures::executor::block_on(receive(stream, &wire(), sink))
+        futures::executor::block_on(receive(stream, &wire(), sink, |_| {}))
     }
 
     #[test]
@@ -551,6 +615,87 @@ mod tests {
 
         let ack = receive_all(good, &sink(None)).unwrap();
         assert!(!ack.accepted && ack.message.contains("gone"), "{ack:?}");
+    }
+
+    /// A cuda-ipc push as its sender produces it: the header marked CUDA_IPC, one empty
+    /// "landed" chunk per (layer, range), `KvDone` counting the bytes copied in place.
+    fn landed(blocks: Range<usize>) -> Vec<KvChunk> {
+        let w = wire();
+        let mut header = w.header(&spec(blocks.clone()));
+        header.transport = v1::TransportKind::CudaIpc as i32;
+        let mut chunks = vec![KvChunk {
+            kind: Some(Kind::Header(header)),
+        }];
+        for layer in 0..w.layout.num_layers {
+            chunks.push(KvChunk {
+                kind: Some(Kind::Data(KvData {
+                    layer: layer as u32,
+                    block_start: blocks.start as u32,
+                    block_end: blocks.end as u32,
+                    xxh3: 0,
+                    payload: Vec::new(),
+                })),
+            });
+        }
+        chunks.push(KvChunk {
+            kind: Some(Kind::Done(KvDone {
+                num_chunks: w.layout.num_layers as u64,
+                total_bytes: (w.layout.num_layers * blocks.len() * w.block_bytes()) as u64,
+            })),
+        });
+        chunks
+    }
+
+    #[test]
+    fn a_cuda_ipc_push_runs_the_same_checks_without_payloads() {
+        let w = wire();
+        let s = sink(Some(1..4));
+        let mut seen = None;
+        let stream = futures::stream::iter(landed(1..4).into_iter().map(Ok));
+        let ack =
+            futures::executor::block_on(receive(stream, &w, &s, |h| seen = Some(h.transport())))
+                .unwrap();
+        assert_eq!(seen, Some(v1::TransportKind::CudaIpc));
+        assert!(ack.accepted, "{}", ack.message);
+        assert_eq!(ack.bytes_received, (2 * 3 * w.block_bytes()) as u64);
+        // The sink was told every (layer, block) landed, with nothing to write.
+        let written = s.written.lock().unwrap();
+        assert_eq!(written.len(), 2 * 3);
+        assert!(written.values().all(|b| b.is_empty()));
+        drop(written);
+
+        let mut missing = landed(1..4);
+        missing.remove(2);
+        let e = receive_all(missing, &sink(Some(1..4))).unwrap_err();
+        assert!(e.to_string().contains("incomplete"), "{e}");
+
+        let mut with_payload = landed(1..4);
+        if let Some(Kind::Data(d)) = &mut with_payload[1].kind {
+            d.payload = vec![0; 3 * w.block_bytes()];
+        }
+        let e = receive_all(with_payload, &sink(Some(1..4))).unwrap_err();
+        assert!(e.to_string().contains("copied in place"), "{e}");
+
+        let e = receive_all(landed(1..4), &sink(Some(0..4))).unwrap_err();
+        assert!(matches!(e, TransferError::Malformed(_)), "{e}");
+        let ack = receive_all(landed(1..4), &sink(None)).unwrap();
+        assert!(!ack.accepted && ack.message.contains("gone"), "{ack:?}");
+    }
+
+    #[test]
+    fn a_grpc_chunk_must_hold_its_blocks_bytes() {
+        // Empty payloads mean "landed in place" only on a cuda-ipc push.
+        let mut chunks = landed(0..2);
+        if let Some(Kind::Header(h)) = &mut chunks[0].kind {
+            h.transport = v1::TransportKind::Grpc as i32;
+        }
+        for c in &mut chunks {
+            if let Some(Kind::Data(d)) = &mut c.kind {
+                d.xxh3 = xxhash_rust::xxh3::xxh3_64(&[]);
+            }
+        }
+        let e = receive_all(chunks, &sink(Some(0..2))).unwrap_err();
+        assert!(e.to_string().contains("bytes were expected"), "{e}");
     }
 
     #[test]

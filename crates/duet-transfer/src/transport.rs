@@ -2,6 +2,7 @@
 //! worker and fed by its engine thread layer by layer while later layers still compute, and a
 //! receiving side, the decode worker's reservations that the transport writes into.
 
+use std::any::Any;
 use std::future::Future;
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -46,6 +47,7 @@ impl KvWire {
             total_bytes: (l.num_layers * spec.blocks.len() * self.block_bytes()) as u64,
             num_tokens: spec.num_tokens as u32,
             sender_worker_id: spec.sender_worker_id.clone(),
+            transport: v1::TransportKind::Grpc as i32,
         }
     }
 
@@ -101,6 +103,12 @@ pub struct PushSpec {
     pub sender_worker_id: String,
     /// How long the whole push may take.
     pub timeout: Duration,
+    /// The decode worker's physical block of each reservation block (`KvDestination.block_ids`).
+    pub dest_block_ids: Vec<u32>,
+    /// The transport the decode worker offers and its parameters (`KvDestination.transport`,
+    /// `.transport_params`).
+    pub offered: v1::TransportKind,
+    pub transport_params: Vec<u8>,
 }
 
 /// A reservation's name on the wire (`KvDestination.reservation_id`): 128 bits from the OS's
@@ -152,8 +160,30 @@ pub struct Pushed {
 /// from the engine's cache.
 pub type ReadBlock<'a> = dyn FnMut(usize, &mut Vec<u8>) -> Result<(), TransferError> + 'a;
 
+/// One finished layer as the engine holds it, for [`KvSender::send_layer_from`].
+pub struct LayerSource<'a, 'b> {
+    /// The engine's physical block of each reservation block (indexed by reservation block).
+    pub block_table: &'a [u32],
+    /// The engine's backend and KV store (`&B`, `&B::KvStore`), for transports that copy device
+    /// memory directly and downcast them; `None` where the engine does not expose them.
+    pub device: Option<(&'a dyn Any, &'a dyn Any)>,
+    /// Reads a block into host memory in the wire layout.
+    pub read_block: &'a mut ReadBlock<'b>,
+}
+
 /// The engine thread's end of one push.
 pub trait KvSender: Send {
+    /// What the engine thread calls: [`KvSender::send_layer`] through `source.read_block`
+    /// unless the transport moves the bytes itself (cuda-ipc).
+    fn send_layer_from(
+        &mut self,
+        layer: usize,
+        blocks: Range<usize>,
+        source: &mut LayerSource<'_, '_>,
+    ) -> Result<(), TransferError> {
+        self.send_layer(layer, blocks, source.read_block)
+    }
+
     /// Ships `layer`'s KV of reservation blocks `blocks`. `read_block(i, out)` appends block
     /// `i`'s bytes in the wire layout, read from the engine's cache.
     fn send_layer(
@@ -170,6 +200,8 @@ pub trait KvSender: Send {
 /// A push in flight: the sender for the engine thread, and the receiver's acknowledgement.
 /// Dropping the sender without [`KvSender::finish`] never completes the push with missing data.
 pub struct OpenPush {
+    /// The transport this push uses (a transport may fall back per push, e.g. `auto` to gRPC).
+    pub kind: v1::TransportKind,
     pub sender: Box<dyn KvSender>,
     pub acked: BoxFuture<'static, Result<Pushed, TransferError>>,
 }
@@ -195,7 +227,9 @@ pub trait KvSink: Sync {
         sender: &str,
     ) -> impl Future<Output = Result<Option<Range<usize>>, TransferError>> + Send;
 
-    /// Starts writing `payload`, the KV of reservation blocks `blocks` of `layer`. The returned
+    /// Starts writing `payload`, the KV of reservation blocks `blocks` of `layer`. An empty
+    /// `payload` says the transport already wrote those blocks in place (cuda-ipc): only the
+    /// checks run. The returned
     /// future resolves once it is in the cache; a transport starts every write of a push before
     /// awaiting any, so a running batch is not paused once per chunk.
     fn write(

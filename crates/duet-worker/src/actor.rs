@@ -18,7 +18,7 @@ use duet_engine::EngineError;
 use duet_engine::backend::KvLayout;
 use duet_engine::engine::{KvReservation, PlannedSeq, SeqId};
 use duet_model::params::Sampled;
-use duet_transfer::{KvSender, ReservationKey, TransferError};
+use duet_transfer::{KvSender, LayerSource, ReservationKey, TransferError};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
@@ -111,12 +111,19 @@ impl Shipping {
             return;
         }
         let table = &p.block_table;
-        let sent = self
-            .sender
-            .send_layer(done.layer(), self.next_block..end, &mut |i, out| {
-                done.append_kv_block(table[i], out)
-                    .map_err(|e| TransferError::Cache(e.to_string()))
-            });
+        let mut read = |i: usize, out: &mut Vec<u8>| {
+            done.append_kv_block(table[i], out)
+                .map_err(|e| TransferError::Cache(e.to_string()))
+        };
+        let sent = self.sender.send_layer_from(
+            done.layer(),
+            self.next_block..end,
+            &mut LayerSource {
+                block_table: table,
+                device: done.device(),
+                read_block: &mut read,
+            },
+        );
         // A device failure fails the step, and with it the request, unsent.
         if sent.is_ok() && last_layer {
             self.next_block = end;
@@ -419,6 +426,9 @@ impl<E: ActorEngine> Actor<E> {
                 payload.len(),
                 r.blocks.len()
             )));
+        }
+        if payload.is_empty() {
+            return Ok(()); // copied in place by the transport (cuda-ipc): only the checks
         }
         let block_bytes = payload.len() / blocks.len();
         for (chunk, &block) in payload.chunks(block_bytes).zip(&r.blocks[blocks]) {

@@ -16,9 +16,14 @@ pub trait LayerKv {
     fn plan(&self) -> &[PlannedSeq];
     /// Appends this layer's KV of physical `block` in the wire layout.
     fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError>;
+    /// The backend and KV store (`&B`, `&B::KvStore`), for transports that copy device memory
+    /// themselves (cuda-ipc downcasts them).
+    fn device(&self) -> Option<(&dyn std::any::Any, &dyn std::any::Any)> {
+        None
+    }
 }
 
-impl<B: Backend> LayerKv for LayerDone<'_, B> {
+impl<B: Backend + 'static> LayerKv for LayerDone<'_, B> {
     fn layer(&self) -> usize {
         self.layer
     }
@@ -29,6 +34,10 @@ impl<B: Backend> LayerKv for LayerDone<'_, B> {
 
     fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError> {
         LayerDone::append_kv_block(self, block, out)
+    }
+
+    fn device(&self) -> Option<(&dyn std::any::Any, &dyn std::any::Any)> {
+        Some((self.backend, self.kv))
     }
 }
 
@@ -68,7 +77,7 @@ pub trait ActorEngine {
     ) -> Result<Vec<StepOutput>, EngineError>;
 }
 
-impl<B: Backend> ActorEngine for Engine<B> {
+impl<B: Backend + 'static> ActorEngine for Engine<B> {
     fn kv_layout(&self) -> KvLayout {
         Engine::kv_layout(self)
     }

@@ -26,6 +26,10 @@ pub struct EngineInfo {
     pub wire: KvWire,
     pub vocab_size: usize,
     pub context_length: usize,
+    /// This engine's KV store offered for CUDA IPC (`KvDestination.transport_params` of a
+    /// decode worker on a GPU: [`duet_transfer::choice::IpcOffer`], encoded), or why there is
+    /// none (a CPU engine, a build without CUDA, a failed `cuIpcGetMemHandle`).
+    pub kv_ipc_offer: Result<Vec<u8>, String>,
 }
 
 /// A handle on the engine thread; cheap to clone. The thread ends once every handle is dropped
@@ -208,6 +212,7 @@ impl WithEngine for Start {
             },
             vocab_size: engine.config().vocab_size,
             context_length: engine.config().max_position_embeddings,
+            kv_ipc_offer: duet_transfer::choice::ipc_offer(engine.kv_store()),
         };
         let actor = Actor::new(engine, self.lease);
         let (counters, published, kv_events) = actor.shared();

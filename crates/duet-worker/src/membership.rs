@@ -42,15 +42,7 @@ pub fn card(
     }
 }
 
-/// The host's name (for same-node transports): `HOSTNAME`, else /etc/hostname, else "localhost".
-fn node_name() -> String {
-    std::env::var("HOSTNAME")
-        .ok()
-        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "localhost".into())
-}
+use duet_transfer::choice::node_name;
 
 /// Serves `edge` on `listener` with `card` registered: `ready` while serving; once `shutdown`
 /// resolves, drains (see the module) and deregisters.

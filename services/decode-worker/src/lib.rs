@@ -36,7 +36,16 @@ pub async fn serve(
         Duration::from_millis(config.reservation_timeout_ms),
     )
     .await?;
+    let (kv_transport, kv_transport_params) = config
+        .kv_transport
+        .decode_offer(config.engine.device, engine.info().kv_ipc_offer.clone())?;
+    tracing::info!(
+        transport = duet_transfer::choice::transport_name(kv_transport),
+        "KV transport offered to prefill workers"
+    );
     let state = Arc::new(service::WorkerState {
+        kv_transport,
+        kv_transport_params,
         identity: Identity::new(
             config
                 .worker_id

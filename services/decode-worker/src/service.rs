@@ -28,6 +28,10 @@ pub struct WorkerState {
     pub prefill_timeout: Duration,
     /// Channels to prefill workers, reused across requests.
     pub channels: duet_proto::Channels,
+    /// The KV transport offered in `KvDestination` (cuda-ipc: this worker's KV store exported,
+    /// in `kv_transport_params`).
+    pub kv_transport: v1::TransportKind,
+    pub kv_transport_params: Vec<u8>,
 }
 
 #[derive(Clone)]
@@ -229,15 +233,20 @@ impl v1::kv_transfer_server::KvTransfer for TransferService {
         request: tonic::Request<Streaming<v1::KvChunk>>,
     ) -> Result<Response<v1::PushAck>, Status> {
         let engine = &self.state.engine;
-        let transport = transport_name(v1::TransportKind::Grpc);
+        let mut transport = transport_name(v1::TransportKind::Grpc);
         let started = Instant::now();
-        let ack = duet_transfer::grpc::receive(request.into_inner(), &engine.info().wire, engine)
-            .await
-            .inspect_err(|e| {
-                engine
-                    .counters()
-                    .transfer_failed(transport, Direction::In, e.reason())
-            })?;
+        let ack = duet_transfer::grpc::receive(
+            request.into_inner(),
+            &engine.info().wire,
+            engine,
+            |header| transport = transport_name(header.transport()),
+        )
+        .await
+        .inspect_err(|e| {
+            engine
+                .counters()
+                .transfer_failed(transport, Direction::In, e.reason())
+        })?;
         // From the header's arrival to the last chunk written.
         engine.counters().transferred(
             transport,

@@ -236,6 +236,9 @@ impl Forger {
                     num_tokens,
                     sender_worker_id: sender.into(),
                     timeout: Duration::from_secs(10),
+                    dest_block_ids: dest.block_ids.clone(),
+                    offered: v1::TransportKind::Grpc,
+                    transport_params: Vec::new(),
                 },
             )
             .unwrap();

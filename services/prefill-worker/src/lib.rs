@@ -33,7 +33,8 @@ pub async fn serve(
     let token = config.auth.token()?;
     let tls = config.tls.load()?;
     let transport = duet_transfer::choice::open_transport(
-        config.kv_transport.for_worker(config.engine.device)?,
+        config.kv_transport,
+        config.engine.device,
         duet_proto::PeerAuth {
             token: token.clone(),
             tls: tls.as_ref().map(duet_proto::Tls::client),

@@ -158,15 +158,7 @@ impl Inner {
         let n = req.token_ids.len();
         let first_block = dest.cached_blocks as usize;
         let blocks = first_block..n.div_ceil(info.wire.layout.block_size);
-        let transport = transport_name(self.transport.kind());
-        // From opening the push to the receiver's acknowledgement (it overlaps the compute).
-        let transfer_span = tracing::info_span!(
-            "kv_transfer",
-            transport,
-            blocks = blocks.len() as i64,
-            bytes = tracing::field::Empty,
-            chunks = tracing::field::Empty,
-        );
+        let num_blocks = blocks.len();
         let push = self.transport.open(
             &info.wire,
             PushSpec {
@@ -177,8 +169,27 @@ impl Inner {
                 num_tokens: n,
                 sender_worker_id: self.identity.worker_id.clone(),
                 timeout,
+                dest_block_ids: dest.block_ids.clone(),
+                offered: dest.transport(),
+                transport_params: dest.transport_params.clone(),
             },
         )?;
+        let transport = transport_name(push.kind);
+        tracing::info!(
+            request_id = req.request_id,
+            transport,
+            blocks = num_blocks,
+            decode = dest.transfer_address,
+            "KV push opened"
+        );
+        // From opening the push to the receiver's acknowledgement (it overlaps the compute).
+        let transfer_span = tracing::info_span!(
+            "kv_transfer",
+            transport,
+            blocks = num_blocks as i64,
+            bytes = tracing::field::Empty,
+            chunks = tracing::field::Empty,
+        );
         let (events, mut rx) = mpsc::unbounded_channel();
         // Two tokens, so the sequence still holds its blocks after the step that samples the
         // first one (one when the prompt leaves room for just one).
@@ -209,6 +220,7 @@ impl Inner {
             self.max_queued_tokens,
         )?;
 
+        let push_kind = push.kind;
         let mut acked = push.acked.instrument(transfer_span.clone());
         let (mut cached_tokens, mut scheduled) = (0, None);
         let mut prefilled: Option<Prefilled> = None;
@@ -273,7 +285,7 @@ impl Inner {
             prefill_ms: ms(prefilled.compute),
             transfer_ms: ms(transfer),
             bytes_sent: pushed.bytes_sent,
-            transport: self.transport.kind() as i32,
+            transport: push_kind as i32,
             worker_id: self.identity.worker_id.clone(),
         })
     }
@@ -370,6 +382,7 @@ mod tests {
             },
             vocab_size: 100,
             context_length: 64,
+            kv_ipc_offer: Err("a CPU engine".into()),
         }
     }
 
