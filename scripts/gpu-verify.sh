@@ -1,27 +1,60 @@
 #!/usr/bin/env bash
 # The GPU checks, in one run on a machine with an NVIDIA GPU (CUDA 13 driver): build here with
 #   cargo build --release --features cuda --workspace --bins && ./target/release/duet model fetch
-# then run this script where the GPU is (it needs target/release/, models/ and tests/fixtures/).
-# It prints a table: greedy tokens on the GPU vs the CPU backend (tiny fixture, default model),
-# the disaggregated path on the GPU (`duet up --device cuda --processes`), `duet bench gpu`
-# (its own table: checks, rooflines, HF transformers side by side) and the engine benchmark on
-# the GPU.
+# then run this script where the GPU is (it needs target/release/, models/ and tests/fixtures/;
+# NVRTC and cuBLAS from the CUDA toolkit or the nvidia-* wheels on LD_LIBRARY_PATH).
+# It prints a table: greedy tokens on the GPU vs the CPU backend (tiny fixture, default model);
+# the disaggregated path on the GPU (`duet up --device cuda --processes`, one prefill and one
+# decode process on the one GPU) with the KV over CUDA IPC and over gRPC, the same tokens both
+# ways and the transfer time of each; `duet bench gpu --compare-hf` (its own table: checks,
+# rooflines, HF transformers side by side); and the engine benchmark on the GPU.
+# Logs and JSON go to $OUT (default /tmp/duet-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=./target/release
 out=${OUT:-/tmp/duet-gpu}
 mkdir -p "$out"
 rows=()
-row() { rows+=("$(printf '%-52s %-8s %s' "$1" "$2" "$3")"); }
+row() { rows+=("$(printf '%-58s %-6s %s' "$1" "$2" "$3")"); }
 
 ids() { python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'; }
 
 compare_generate() { # name model prompt
   local cpu gpu
   cpu=$($bin/duet generate --json --temperature 0 --max-tokens 24 --model "$2" --prompt "$3" --device cpu | ids)
-  gpu=$($bin/duet generate --json --temperature 0 --max-tokens 24 --model "$2" --prompt "$3" --device cuda 2>"$out/$1.err" | ids)
+  gpu=$($bin/duet generate --json --temperature 0 --max-tokens 24 --model "$2" --prompt "$3" --device cuda 2>"$out/generate.err" | ids)
   if [ -n "$gpu" ] && [ "$cpu" = "$gpu" ]; then row "greedy tokens GPU == CPU: $1" PASS "$gpu"
-  else row "greedy tokens GPU == CPU: $1" FAIL "cpu=$cpu gpu=$gpu $(tail -1 "$out/$1.err")"; fi
+  else row "greedy tokens GPU == CPU: $1" FAIL "cpu=$cpu gpu=$gpu $(tail -1 "$out/generate.err")"; fi
+}
+
+# Waits until no process holds the GPU (the workers of a stopped `duet up` free it on exit).
+gpu_idle() {
+  for _ in $(seq 60); do
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && return 0
+    sleep 0.5
+  done
+  echo "the GPU is still held by: $(nvidia-smi --query-compute-apps=pid,name --format=csv,noheader)" >&2
+}
+
+# `duet up --device cuda --processes` with KV transport $1: greedy tokens of a short prompt (must
+# equal the CPU's; the decode worker prefills short prompts itself) and of a ~4800-token prompt
+# (prefilled by the prefill process and pushed; must be the same over both transports), the
+# transport the prefill worker used, and its KV transfer time per request.
+long_prompt=$(python3 -c "print(' '.join(f'item {i} is {i*i % 97};' for i in range(500)))")
+serve() {
+  local t=$1 log="$out/up-$1.log" port=50551
+  $bin/duet up --processes --device cuda --kv-transport "$t" --listen 127.0.0.1:$port \
+    --metrics-listen 127.0.0.1:0 >"$log" 2>&1 &
+  local up=$!
+  for _ in $(seq 120); do grep -q "duet is ready" "$log" && break; sleep 1; done
+  short[$t]=$($bin/duet generate --server 127.0.0.1:$port --json --temperature 0 --max-tokens 24 --prompt "The capital of France is" | ids)
+  long[$t]=$($bin/duet generate --server 127.0.0.1:$port --json --temperature 0 --max-tokens 24 --prompt "$long_prompt" | ids)
+  used[$t]=$(sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -o 'KV push opened.*' | grep -o 'transport=[a-z"-]*' | sort | uniq -c | tr -s ' ' | tr '\n' ' ')
+  transfer[$t]=""
+  for m in $(grep -o 'Prometheus metrics on http://[0-9.:]*' "$log" | awk '{print $4}'); do
+    transfer[$t]+=$(curl -s "$m/metrics" | awk '/^duet_kv_transfer_seconds_(sum|count)\{.*direction="out"/ {split($0,a," "); v[$1 ~ /_sum/ ? "s" : "c"]+=a[2]} END {if (v["c"]) printf "%.2f ms/request over %d requests", 1e3*v["s"]/v["c"], v["c"]}')
+  done
+  kill $up 2>/dev/null; wait $up 2>/dev/null; gpu_idle
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -30,25 +63,31 @@ for p in "The capital of France is" "def fibonacci(n):" "1, 2, 3, 4,"; do
   compare_generate "smollm2: $p" models/SmolLM2-135M-Instruct.Q4_1.gguf "$p"
 done
 
-# The disaggregated path: router + prefill + decode processes sharing the GPU.
-$bin/duet up --processes --device cuda --listen 127.0.0.1:50551 >"$out/up.log" 2>&1 &
-up=$!
-for _ in $(seq 120); do grep -q "ready" "$out/up.log" && break; sleep 1; done
+declare -A short long used transfer
 cpu=$($bin/duet generate --json --temperature 0 --max-tokens 24 --prompt "The capital of France is" --device cpu | ids)
-gpu=$($bin/duet generate --server 127.0.0.1:50551 --json --temperature 0 --max-tokens 24 --prompt "The capital of France is" | ids)
-kill $up 2>/dev/null; wait $up 2>/dev/null
-if [ -n "$gpu" ] && [ "$cpu" = "$gpu" ]; then row "duet up --device cuda: Generate == CPU" PASS "$gpu"
-else row "duet up --device cuda: Generate == CPU" FAIL "cpu=$cpu up=$gpu (see up.log)"; fi
+for t in cuda-ipc grpc; do
+  serve $t
+  if [ -n "${short[$t]}" ] && [ "$cpu" = "${short[$t]}" ]; then
+    row "duet up --device cuda --processes ($t): short prompt == CPU" PASS "${short[$t]}"
+  else row "duet up --device cuda --processes ($t): short prompt == CPU" FAIL "cpu=$cpu got=${short[$t]} (see up-$t.log)"; fi
+  if [[ "${used[$t]}" == *"$t"* ]]; then row "  long prompt's KV pushed over $t" PASS "${used[$t]}"
+  else row "  long prompt's KV pushed over $t" FAIL "pushes: ${used[$t]:-none} (see up-$t.log)"; fi
+  row "  KV transfer time, $t" INFO "${transfer[$t]:-no metrics}"
+done
+if [ -n "${long[cuda-ipc]}" ] && [ "${long[cuda-ipc]}" = "${long[grpc]}" ]; then
+  row "~4800-token prompt: same tokens over cuda-ipc and grpc" PASS "${long[grpc]}"
+else row "~4800-token prompt: same tokens over cuda-ipc and grpc" FAIL "cuda-ipc=${long[cuda-ipc]} grpc=${long[grpc]}"; fi
 
 # CUDA vs CPU logits, paged attention vs a float64 reference, Llama-3-8B-shaped timings against
 # the rooflines, and HF transformers on the same shapes (its own table).
 if $bin/duet bench gpu --compare-hf --json-out "$out/bench-gpu.json" 2>&1 | tee "$out/bench-gpu.log"; then
   row "duet bench gpu --compare-hf" PASS "$out/bench-gpu.json"
 else row "duet bench gpu --compare-hf" FAIL "$(tail -1 "$out/bench-gpu.log")"; fi
+gpu_idle
 
 if $bin/duet bench engine --device cuda --json-out "$out/bench-engine-cuda.json" >"$out/bench.log" 2>&1; then
   row "duet bench engine --device cuda" DONE "$out/bench-engine-cuda.json"
 else row "duet bench engine --device cuda" FAIL "$(tail -1 "$out/bench.log")"; fi
 
-printf '\n%-52s %-8s %s\n' check result detail
+printf '\n%-58s %-6s %s\n' check result detail
 printf '%s\n' "${rows[@]}"
