@@ -45,8 +45,8 @@ pub struct UpArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineOptions,
-    /// KV transport between the pools: auto, grpc, cuda-ipc or nccl (gRPC today; see
-    /// duet-prefill --help).
+    /// KV transport between the pools: auto (CUDA IPC between GPU processes on one node, else
+    /// gRPC), grpc, cuda-ipc or nccl (see duet-prefill --help).
     #[arg(long, env = "DUET_KV_TRANSPORT", default_value_t = TransportChoice::Auto)]
     pub kv_transport: TransportChoice,
     /// Membership: etcd (every service joins its cluster), else the embedded registry of this
@@ -136,9 +136,17 @@ pub fn run(args: UpArgs) -> Result<()> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
+        // Ctrl-C or SIGTERM (`kill`, systemd, a test harness): either stops the cluster below,
+        // its worker processes included. On SIGTERM's default action they would be left running.
         rt.block_on(async {
-            let _ = tokio::signal::ctrl_c().await;
-        });
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            anyhow::Ok(())
+        })?;
     }
     drop(cluster);
     Ok(())

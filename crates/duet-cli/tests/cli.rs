@@ -1,7 +1,9 @@
 //! The `duet` command as a user runs it.
 
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 fn duet() -> Command {
     Command::new(env!("CARGO_BIN_EXE_duet"))
@@ -415,4 +417,92 @@ fn generate_through_a_server_fails_unless_tokens_come_back() {
         stderr.contains("ended the Generate stream without a token"),
         "{stderr}"
     );
+}
+
+/// Process ids whose parent is `parent` (from /proc).
+fn children_of(parent: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // pid (comm) state ppid ...: the fields after the last ')'.
+            let fields: Vec<&str> = stat
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .split_whitespace()
+                .collect();
+            fields.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(parent)
+        })
+        .collect()
+}
+
+/// Running: /proc has it and it is not a zombie waiting to be reaped.
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| {
+            stat.rsplit(')')
+                .next()
+                .unwrap_or("")
+                .split_whitespace()
+                .next()
+                != Some("Z")
+        })
+        .unwrap_or(false)
+}
+
+/// SIGTERM (what `kill`, systemd and Kubernetes send) stops `duet up --processes` and its worker
+/// processes with it: left running, they would keep their ports and, on a GPU, its memory.
+#[test]
+fn sigterm_stops_duet_up_and_its_worker_processes() {
+    // A free port: the router of `--processes` is its own process and needs one named.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut up = duet()
+        .args([
+            "up",
+            "--processes",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .arg("--model")
+        .arg(fixture("tiny-llama"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = BufReader::new(up.stdout.take().unwrap());
+    let ready = stdout
+        .lines()
+        .map_while(Result::ok)
+        .any(|l| l.starts_with("duet is ready"));
+    assert!(ready, "duet up --processes did not become ready");
+    let workers = children_of(up.id());
+    assert!(
+        workers.len() >= 2,
+        "worker processes of duet up: {workers:?}"
+    );
+
+    let killed = Command::new("kill")
+        .args(["-TERM", &up.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while up.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "duet up did not exit on SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    while workers.iter().any(|&pid| running(pid)) {
+        assert!(
+            Instant::now() < deadline,
+            "worker processes still running after duet up exited: {:?}",
+            workers.iter().filter(|&&p| running(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

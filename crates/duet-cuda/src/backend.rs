@@ -859,10 +859,12 @@ impl Backend for CudaBackend {
                 shared_mem_bytes: 0,
             };
             // One entry point per padded head size (each with its own registers).
-            let kernel = match shape.head_dim {
-                ..=64 => "prefill_attention_hd64",
-                ..=128 => "prefill_attention_hd128",
-                _ => "prefill_attention_hd256",
+            let kernel = if shape.head_dim <= 64 {
+                "prefill_attention_hd64"
+            } else if shape.head_dim <= 128 {
+                "prefill_attention_hd128"
+            } else {
+                "prefill_attention_hd256"
             };
             self.launch(kernel, cfg, |a| {
                 a.arg(&q.data)
