@@ -136,17 +136,9 @@ pub fn run(args: UpArgs) -> Result<()> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        // Ctrl-C or SIGTERM (`kill`, systemd, a test harness): either stops the cluster below,
-        // its worker processes included. On SIGTERM's default action they would be left running.
-        rt.block_on(async {
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            anyhow::Ok(())
-        })?;
+        // Ctrl-C or SIGTERM: either stops the cluster below, its worker processes included (on
+        // SIGTERM's default action they would be left running).
+        rt.block_on(duet_proto::serve::terminated());
     }
     drop(cluster);
     Ok(())

@@ -4,7 +4,8 @@
 //! on internal calls ([`crate::auth`]), INVALID_ARGUMENT for a request that cannot be decoded
 //! ([`crate::malformed`]), each call's server span joined to its caller's trace
 //! ([`TraceContextLayer`]), Nagle's algorithm off, `grpc.health.v1` and server reflection (v1
-//! and v1alpha) for every service added.
+//! and v1alpha) for every service added; and [`terminated`], the signal every service and
+//! `duet up` stop on.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -482,6 +483,17 @@ impl Edge {
             .add_routes(self.routes.routes())
             .serve_with_incoming_shutdown(crate::incoming(listener), shutdown)
             .await
+    }
+}
+
+/// Resolves on SIGTERM (what `kill`, systemd and Kubernetes send) or ctrl-c: the one stop signal
+/// of every service and of `duet up`.
+pub async fn terminated() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing the SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("ctrl-c"),
     }
 }
 

@@ -274,7 +274,7 @@ impl KvTransport for CudaIpcTransport {
             copy: None,
             landed: Vec::new(),
             bytes: 0,
-            failed: Some(failed_tx),
+            on_failure: Some(failed_tx),
         };
         let control = self.grpc.control(spec, header, rx)?;
         let acked = async move {
@@ -305,13 +305,13 @@ struct IpcSender {
     landed: Vec<KvData>,
     bytes: u64,
     /// Fails the push (its acknowledgement future) with the first error; `None` once failed.
-    failed: Option<oneshot::Sender<TransferError>>,
+    on_failure: Option<oneshot::Sender<TransferError>>,
 }
 
 impl IpcSender {
     fn fail(&mut self, e: TransferError) -> TransferError {
         tracing::warn!(request_id = self.request_id, "cuda-ipc KV push failed: {e}");
-        if let Some(tx) = self.failed.take() {
+        if let Some(tx) = self.on_failure.take() {
             let _ = tx.send(TransferError::Cache(e.to_string()));
         }
         e
@@ -434,7 +434,7 @@ impl KvSender for IpcSender {
         blocks: Range<usize>,
         source: &mut LayerSource<'_, '_>,
     ) -> Result<(), TransferError> {
-        if self.failed.is_none() {
+        if self.on_failure.is_none() {
             return Err(TransferError::Cache(format!(
                 "cuda-ipc push of request {} already failed",
                 self.request_id
@@ -445,7 +445,7 @@ impl KvSender for IpcSender {
     }
 
     fn finish(&mut self) {
-        if self.failed.is_none() {
+        if self.on_failure.is_none() {
             return; // failed: the acknowledgement future reports it; never complete the push
         }
         if let Some((_, stream)) = &self.copy {

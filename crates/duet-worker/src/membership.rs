@@ -102,13 +102,3 @@ pub async fn serve_registered(
     }
     result
 }
-
-/// Resolves on SIGTERM (what Kubernetes sends) or ctrl-c.
-pub async fn terminated() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing the SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("ctrl-c"),
-    }
-}

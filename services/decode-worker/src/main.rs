@@ -21,5 +21,5 @@ async fn main() -> anyhow::Result<()> {
     // Kept to the end: dropping it sends the last spans.
     let _exporter = cli.telemetry.init("duet-decode", std::io::stdout)?;
     let listener = tokio::net::TcpListener::bind(cli.config.listen).await?;
-    duet_decode_worker::serve(cli.config, listener, duet_worker::membership::terminated()).await
+    duet_decode_worker::serve(cli.config, listener, duet_proto::serve::terminated()).await
 }

@@ -22,5 +22,5 @@ async fn main() -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
-    duet_prefill_worker::serve(config, listener, duet_worker::membership::terminated()).await
+    duet_prefill_worker::serve(config, listener, duet_proto::serve::terminated()).await
 }

@@ -24,9 +24,5 @@ async fn main() -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(cli.config.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cli.config.listen))?;
-    duet_router::serve(cli.config, listener, async {
-        let _ = tokio::signal::ctrl_c().await;
-        tracing::info!("ctrl-c: shutting down");
-    })
-    .await
+    duet_router::serve(cli.config, listener, duet_proto::serve::terminated()).await
 }
