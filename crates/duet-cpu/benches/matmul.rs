@@ -1,8 +1,8 @@
 //! Matmul kernel benchmark: `cargo bench -p duet-cpu --bench matmul [-- --all-paths] [-- --threads N]`.
 //!
 //! Per-shape numbers repeat one matrix (it stays in cache after the first call); the "whole
-//! model" numbers run all 211 distinct matrices of a SmolLM2-135M forward step in order, so
-//! decode streams ~85 MB of weights from memory as it would in the real model.
+//! model" numbers (1, 32 and 128 tokens) run all 211 distinct matrices of a SmolLM2-135M forward
+//! step in order, so decode streams ~96 MB of weights from memory as it would in the real model.
 
 use std::time::{Duration, Instant};
 
@@ -207,7 +207,7 @@ fn main() {
     let bytes: usize = mats.iter().map(|m| m.size_bytes()).sum();
     println!("weights: {:.1} MB", bytes as f64 / 1e6);
     for &path in &paths {
-        for n_tokens in [1usize, 128] {
+        for n_tokens in [1usize, 32, 128] {
             let xs: Vec<Vec<f32>> = [HIDDEN, FFN]
                 .iter()
                 .map(|&c| (0..n_tokens * c).map(|_| rng.f()).collect())
