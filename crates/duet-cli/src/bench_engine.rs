@@ -211,13 +211,23 @@ fn compute_ceiling(
     threads: usize,
     config: &ModelConfig,
 ) -> Option<ComputeCeiling> {
-    let per_thread: Vec<Option<f64>> = std::thread::scope(|s| {
-        let runs: Vec<_> = (0..threads)
-            .map(|_| s.spawn(move || path.integer_macs_per_s()))
-            .collect();
-        runs.into_iter().map(|r| r.join().ok().flatten()).collect()
-    });
-    let integer_macs_per_s = per_thread.into_iter().sum::<Option<f64>>()?;
+    // Every thread at once, best of a few rounds: a round in which the machine took a core away
+    // would understate the ceiling and so overstate every fraction printed against it.
+    const ROUNDS: usize = 3;
+    let round = || {
+        let per_thread: Vec<Option<f64>> = std::thread::scope(|s| {
+            let runs: Vec<_> = (0..threads)
+                .map(|_| s.spawn(move || path.integer_macs_per_s()))
+                .collect();
+            runs.into_iter().map(|r| r.join().ok().flatten()).collect()
+        });
+        per_thread.into_iter().sum::<Option<f64>>()
+    };
+    let integer_macs_per_s = (0..ROUNDS)
+        .map(|_| round())
+        .collect::<Option<Vec<f64>>>()?
+        .into_iter()
+        .fold(0.0, f64::max);
     let matmul_macs_per_token = config.matmul_params();
     let head_macs = config.vocab_size * config.hidden_size;
     Some(ComputeCeiling {
