@@ -26,7 +26,7 @@ pub fn silu_mul_slices(path: KernelPath, gate: &[f32], up: &[f32], out: &mut [f3
         #[cfg(target_arch = "x86_64")]
         KernelPath::Avx512 => unsafe { silu_mul_avx512(gate, up, out) },
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2 => unsafe { silu_mul_avx2(gate, up, out) },
+        KernelPath::Avx2 | KernelPath::Avx2Vnni => unsafe { silu_mul_avx2(gate, up, out) },
         _ => silu_mul_loop(gate, up, out),
     }
 }

@@ -85,6 +85,8 @@ pub enum CpuKernels {
     Portable,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// x86-64 AVX2 + FMA + F16C + AVX-VNNI (Intel cores from Alder Lake on without AVX-512).
+    Avx2Vnni,
     /// x86-64 AVX-512 F/BW/VL + VNNI.
     Avx512,
 }
@@ -95,6 +97,7 @@ impl std::fmt::Display for CpuKernels {
             CpuKernels::Auto => "auto",
             CpuKernels::Portable => "portable",
             CpuKernels::Avx2 => "avx2",
+            CpuKernels::Avx2Vnni => "avx2-vnni",
             CpuKernels::Avx512 => "avx512",
         })
     }

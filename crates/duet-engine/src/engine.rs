@@ -68,8 +68,9 @@ pub struct EngineOptions {
     /// GPU. Workers exchanging KV must use the same type.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_KV_DTYPE", value_enum, default_value_t = EngineOptions::default().kv_dtype))]
     pub kv_dtype: KvDtypeChoice,
-    /// CPU kernels: auto (the best this CPU supports), portable, avx2 or avx512. Forcing a path
-    /// the CPU lacks is an error at load.
+    /// CPU kernels: auto (the best this CPU supports), portable, avx2, avx2-vnni (AVX2 with
+    /// AVX-VNNI, Intel cores from Alder Lake on) or avx512. Forcing a path the CPU lacks is an
+    /// error at load.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_CPU_KERNELS", value_enum, default_value_t = EngineOptions::default().cpu_kernels))]
     pub cpu_kernels: CpuKernels,
 }

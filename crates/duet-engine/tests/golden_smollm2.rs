@@ -57,7 +57,12 @@ fn last_position_logits_match_reference() {
 fn greedy_continuations_match_reference() {
     let Some(path) = default_model() else { return };
     let golden = read_json("smollm2-greedy.json");
-    let paths = [CpuKernels::Portable, CpuKernels::Avx2, CpuKernels::Avx512];
+    let paths = [
+        CpuKernels::Portable,
+        CpuKernels::Avx2,
+        CpuKernels::Avx2Vnni,
+        CpuKernels::Avx512,
+    ];
     for kernels in paths.into_iter().filter(|&k| KernelPath::choose(k).is_ok()) {
         eprintln!("--cpu-kernels {kernels}");
         greedy_continuations_match(&mut engine(&path, kernels), &golden);

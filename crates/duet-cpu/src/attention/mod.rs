@@ -502,10 +502,7 @@ mod tests {
 
     /// The kernel paths this CPU can run, the portable one first.
     fn paths() -> Vec<KernelPath> {
-        [KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512]
-            .into_iter()
-            .filter(|p| p.supported())
-            .collect()
+        KernelPath::all_supported()
     }
 
     /// Every kernel this CPU can run agrees with a float64 reference (over the values as stored),

@@ -58,11 +58,31 @@ pub enum KernelPath {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// [`KernelPath::Avx2`] whose matrix kernels multiply-accumulate with AVX-VNNI `vpdpwssd`
+    /// (one instruction where AVX2 needs `vpmaddwd` + `vpaddd`): Intel cores from Alder Lake on,
+    /// which have it without AVX-512.
+    Avx2Vnni,
     /// x86-64 AVX-512 F/BW/VL + VNNI (+ FMA, F16C).
     Avx512,
 }
 
 impl KernelPath {
+    /// Every path, the portable one first and the fastest last.
+    pub const ALL: [KernelPath; 4] = [
+        KernelPath::Scalar,
+        KernelPath::Avx2,
+        KernelPath::Avx2Vnni,
+        KernelPath::Avx512,
+    ];
+
+    /// The paths this CPU can run, the portable one first.
+    pub fn all_supported() -> Vec<KernelPath> {
+        KernelPath::ALL
+            .into_iter()
+            .filter(|p| p.supported())
+            .collect()
+    }
+
     /// Whether this CPU can run the path.
     pub fn supported(self) -> bool {
         match self {
@@ -72,6 +92,10 @@ impl KernelPath {
                 is_x86_feature_detected!("avx2")
                     && is_x86_feature_detected!("fma")
                     && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2Vnni => {
+                KernelPath::Avx2.supported() && is_x86_feature_detected!("avxvnni")
             }
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx512 => {
@@ -87,7 +111,7 @@ impl KernelPath {
     }
 
     /// Integer multiply-accumulates per second one thread sustains in this path's dot
-    /// instruction on register operands (`vpdpwssd` zmm, `vpmaddwd` + `vpaddd` ymm): the compute
+    /// instruction on register operands (`vpdpwssd` zmm or ymm, `vpmaddwd` + `vpaddd` ymm): the compute
     /// ceiling of a quantized matmul, for benchmarks. `None` for the portable path.
     pub fn integer_macs_per_s(self) -> Option<f64> {
         const ITERATIONS: usize = 20_000_000;
@@ -99,6 +123,8 @@ impl KernelPath {
             KernelPath::Avx512 => unsafe { x86::dot_throughput_avx512(ITERATIONS) },
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx2 => unsafe { x86::dot_throughput_avx2(ITERATIONS) },
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2Vnni => unsafe { x86::dot_throughput_avx2_vnni(ITERATIONS) },
             #[cfg(not(target_arch = "x86_64"))]
             _ => return None,
         };
@@ -112,6 +138,7 @@ impl KernelPath {
             CpuKernels::Auto => return Ok(KernelPath::detect()),
             CpuKernels::Portable => KernelPath::Scalar,
             CpuKernels::Avx2 => KernelPath::Avx2,
+            CpuKernels::Avx2Vnni => KernelPath::Avx2Vnni,
             CpuKernels::Avx512 => KernelPath::Avx512,
         };
         if path.supported() {
@@ -129,6 +156,7 @@ impl KernelPath {
         match self {
             KernelPath::Scalar => "portable",
             KernelPath::Avx2 => "avx2",
+            KernelPath::Avx2Vnni => "avx2-vnni",
             KernelPath::Avx512 => "avx512",
         }
     }
@@ -137,8 +165,9 @@ impl KernelPath {
     pub fn detect() -> KernelPath {
         static PATH: OnceLock<KernelPath> = OnceLock::new();
         *PATH.get_or_init(|| {
-            [KernelPath::Avx512, KernelPath::Avx2]
+            KernelPath::ALL
                 .into_iter()
+                .rev()
                 .find(|p| p.supported())
                 .unwrap_or(KernelPath::Scalar)
         })
@@ -349,7 +378,7 @@ impl QMatrix {
                 #[cfg(target_arch = "x86_64")]
                 KernelPath::Avx512 => x86::NT_512,
                 #[cfg(target_arch = "x86_64")]
-                KernelPath::Avx2 => x86::NT_256,
+                KernelPath::Avx2 | KernelPath::Avx2Vnni => x86::NT_256,
                 _ => 8,
             };
             let outp = SyncPtr(out.as_mut_ptr());
@@ -517,6 +546,8 @@ unsafe fn run_tile(path: KernelPath, ty: QuantType, t: &Tile, nt: usize) {
             KernelPath::Avx512 => x86::tile_avx512(ty, t, nt),
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx2 => x86::tile_avx2(ty, t, nt),
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2Vnni => x86::tile_avx2_vnni(ty, t, nt),
             _ => packed::tile_scalar(ty, t, nt),
         }
     }
@@ -529,7 +560,9 @@ fn dequantize_row_on(path: KernelPath, ty: QuantType, bytes: &[u8], out: &mut [f
         #[cfg(target_arch = "x86_64")]
         KernelPath::Avx512 => unsafe { x86::dequantize_row_avx512(ty, bytes, out) },
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2 => unsafe { x86::dequantize_row_avx2(ty, bytes, out) },
+        KernelPath::Avx2 | KernelPath::Avx2Vnni => unsafe {
+            x86::dequantize_row_avx2(ty, bytes, out)
+        },
         _ => dequantize_row(ty, bytes, out),
     }
 }
@@ -541,7 +574,7 @@ fn dot4(path: KernelPath, w: &[f32], nr: usize, cols: usize, x: &[f32]) -> [f32;
         #[cfg(target_arch = "x86_64")]
         KernelPath::Avx512 => unsafe { x86::dot4_avx512(w, nr, cols, x) },
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2 => unsafe { x86::dot4_avx2(w, nr, cols, x) },
+        KernelPath::Avx2 | KernelPath::Avx2Vnni => unsafe { x86::dot4_avx2(w, nr, cols, x) },
         _ => dot4_scalar(w, nr, cols, x),
     }
 }

@@ -308,7 +308,9 @@ pub(crate) fn quantize_acts(path: super::KernelPath, x: &[f32], out: ActBlocks<'
         #[cfg(target_arch = "x86_64")]
         super::KernelPath::Avx512 => unsafe { super::x86::quantize_acts_avx512(x, out) },
         #[cfg(target_arch = "x86_64")]
-        super::KernelPath::Avx2 => unsafe { super::x86::quantize_acts_avx2(x, out) },
+        super::KernelPath::Avx2 | super::KernelPath::Avx2Vnni => unsafe {
+            super::x86::quantize_acts_avx2(x, out)
+        },
         _ => quantize_acts_scalar(x, out),
     }
 }

@@ -132,10 +132,7 @@ fn is_packed(ty: QuantType) -> bool {
 }
 
 fn paths() -> Vec<KernelPath> {
-    [KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512]
-        .into_iter()
-        .filter(|p| p.supported())
-        .collect()
+    KernelPath::all_supported()
 }
 
 #[test]

@@ -3,7 +3,8 @@
 //! The block kernels widen the weight quants of a 64-byte chunk (16 rows x 4 bytes) to two
 //! registers of i16 pairs — bytes (0, 2) and (1, 3) of every row word, by a shift and a mask — and
 //! multiply them with broadcast i16 activation pairs (stored in the matching order, see
-//! `packed::PAIR_POS`): `vpdpwssd` on AVX-512 VNNI, `vpmaddwd` + `vpaddd` on AVX2.
+//! `packed::PAIR_POS`): `vpdpwssd` on AVX-512 VNNI, `vpmaddwd` + `vpaddd` on AVX2, and the VEX
+//! `vpdpwssd` of AVX-VNNI on AVX2 machines that have it.
 
 // Kernels index several parallel arrays with one counter.
 #![allow(clippy::needless_range_loop)]
@@ -17,17 +18,18 @@ pub(crate) const NT_512: usize = 8;
 /// Token tile of the AVX2 kernels.
 pub(crate) const NT_256: usize = 8;
 
+/// Calls `$f::<nt, $generics...>($args...)` for a token count known only at run time.
 macro_rules! dispatch_nt {
-    ($f:ident, $nt:expr, $max:expr, ($($args:expr),*)) => {
+    ($f:ident, $nt:expr, $max:expr, ($($args:expr),*) $(, $g:tt)*) => {
         match $nt {
-            1 => $f::<1>($($args),*),
-            2 => $f::<2>($($args),*),
-            3 => $f::<3>($($args),*),
-            4 => $f::<4>($($args),*),
-            5 if $max >= 5 => $f::<5>($($args),*),
-            6 if $max >= 6 => $f::<6>($($args),*),
-            7 if $max >= 7 => $f::<7>($($args),*),
-            8 if $max >= 8 => $f::<8>($($args),*),
+            1 => $f::<1 $(, $g)*>($($args),*),
+            2 => $f::<2 $(, $g)*>($($args),*),
+            3 => $f::<3 $(, $g)*>($($args),*),
+            4 => $f::<4 $(, $g)*>($($args),*),
+            5 if $max >= 5 => $f::<5 $(, $g)*>($($args),*),
+            6 if $max >= 6 => $f::<6 $(, $g)*>($($args),*),
+            7 if $max >= 7 => $f::<7 $(, $g)*>($($args),*),
+            8 if $max >= 8 => $f::<8 $(, $g)*>($($args),*),
             _ => unreachable!("token tile too large"),
         }
     };
@@ -411,11 +413,23 @@ unsafe fn q8_avx512<const NT: usize>(t: &Tile) {
 /// `nt <= NT_256` tokens of one group.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn tile_avx2(ty: QuantType, t: &Tile, nt: usize) {
+    unsafe { tile_256::<false>(ty, t, nt) }
+}
+
+/// [`tile_avx2`] with AVX-VNNI `vpdpwssd` for the multiply-accumulates of full token tiles.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+pub(crate) unsafe fn tile_avx2_vnni(ty: QuantType, t: &Tile, nt: usize) {
+    unsafe { tile_256::<true>(ty, t, nt) }
+}
+
+/// The 256-bit kernels, inlined into the two entry points above, which enable the features.
+#[inline(always)]
+unsafe fn tile_256<const VNNI: bool>(ty: QuantType, t: &Tile, nt: usize) {
     unsafe {
         match ty {
-            QuantType::Q4_0 => dispatch_nt!(q4_avx2_false, nt, NT_256, (t)),
-            QuantType::Q4_1 => dispatch_nt!(q4_avx2_true, nt, NT_256, (t)),
-            QuantType::Q8_0 => dispatch_nt!(q8_avx2, nt, NT_256, (t)),
+            QuantType::Q4_0 => dispatch_nt!(q4_avx2, nt, NT_256, (t), false, VNNI),
+            QuantType::Q4_1 => dispatch_nt!(q4_avx2, nt, NT_256, (t), true, VNNI),
+            QuantType::Q8_0 => dispatch_nt!(q8_avx2, nt, NT_256, (t), VNNI),
             // The portable kernel, autovectorized for AVX2 (bit-identical by construction).
             QuantType::Q4_K => super::packed::tile_q4k_scalar(t, nt),
             QuantType::Q6_K => super::packed::tile_q6k_scalar(t, nt),
@@ -424,13 +438,49 @@ pub(crate) unsafe fn tile_avx2(ty: QuantType, t: &Tile, nt: usize) {
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_avx2_false<const NT: usize>(t: &Tile) {
-    unsafe { q4_avx2::<NT, false>(t) }
+/// `s` plus the products of the i16 pairs of `w[i]` and `x[i]`, summed per 32-bit lane (exact
+/// integer sums, so both ways give the same bits). With `VNNI`, a chain of `vpdpwssd`, one per
+/// pair where AVX2 needs `vpmaddwd` and `vpaddd`; it is worth it only when `NT_256` tokens keep
+/// that many chains in flight (its 5-cycle latency made single-token decode 12% slower).
+#[inline(always)]
+unsafe fn add_pair_dots<const VNNI: bool, const N: usize>(
+    s: __m256i,
+    w: [__m256i; N],
+    x: [__m256i; N],
+) -> __m256i {
+    unsafe {
+        if VNNI {
+            (0..N).fold(s, |s, i| dpwssd_vex(s, w[i], x[i]))
+        } else {
+            let mut p: [__m256i; N] = std::array::from_fn(|i| _mm256_madd_epi16(w[i], x[i]));
+            let mut n = N;
+            while n > 1 {
+                for i in 0..n / 2 {
+                    p[i] = _mm256_add_epi32(p[2 * i], p[2 * i + 1]);
+                }
+                n /= 2;
+            }
+            _mm256_add_epi32(s, p[0])
+        }
+    }
 }
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_avx2_true<const NT: usize>(t: &Tile) {
-    unsafe { q4_avx2::<NT, true>(t) }
+
+/// `vpdpwssd` ymm (AVX-VNNI) written as the instruction: LLVM splits the intrinsic back into
+/// `vpmaddwd` + `vpaddd` for generic x86-64 targets, which measured no faster than AVX2.
+#[inline]
+#[target_feature(enable = "avx2,avxvnni")]
+unsafe fn dpwssd_vex(mut s: __m256i, w: __m256i, x: __m256i) -> __m256i {
+    // SAFETY: register operands only.
+    unsafe {
+        std::arch::asm!(
+            "{{vex}} vpdpwssd {s}, {w}, {x}",
+            s = inout(ymm_reg) s,
+            w = in(ymm_reg) w,
+            x = in(ymm_reg) x,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    s
 }
 
 /// Stores the first `n` lanes of `v` (n <= 8).
@@ -447,8 +497,9 @@ unsafe fn store_partial(p: *mut f32, v: __m256, n: usize) {
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_avx2<const NT: usize, const Q41: bool>(t: &Tile) {
+#[inline(always)]
+unsafe fn q4_avx2<const NT: usize, const Q41: bool, const VNNI: bool>(t: &Tile) {
+    let vnni = VNNI && NT == NT_256;
     unsafe {
         let m4 = _mm256_set1_epi32(0x000F_000F);
         // Rows 0..8 then 8..16 (the two 32-byte halves of every chunk).
@@ -474,14 +525,13 @@ unsafe fn q4_avx2<const NT: usize, const Q41: bool>(t: &Tile) {
                     ];
                     for ti in 0..NT {
                         let x = t.xq.add(ti * t.xs + k * 32);
-                        let p0 = _mm256_madd_epi16(w[0], _mm256_set1_epi32(bcast(x, 2 * c)));
-                        let p1 = _mm256_madd_epi16(w[1], _mm256_set1_epi32(bcast(x, 2 * c + 1)));
-                        let p2 = _mm256_madd_epi16(w[2], _mm256_set1_epi32(bcast(x, 8 + 2 * c)));
-                        let p3 = _mm256_madd_epi16(w[3], _mm256_set1_epi32(bcast(x, 9 + 2 * c)));
-                        s[ti] = _mm256_add_epi32(
-                            s[ti],
-                            _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)),
-                        );
+                        let xs = [2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c]
+                            .map(|m| _mm256_set1_epi32(bcast(x, m)));
+                        s[ti] = if vnni {
+                            add_pair_dots::<true, 4>(s[ti], w, xs)
+                        } else {
+                            add_pair_dots::<false, 4>(s[ti], w, xs)
+                        };
                     }
                 }
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(256 + 16 * h) as *const __m128i));
@@ -508,8 +558,9 @@ unsafe fn q4_avx2<const NT: usize, const Q41: bool>(t: &Tile) {
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_avx2<const NT: usize>(t: &Tile) {
+#[inline(always)]
+unsafe fn q8_avx2<const NT: usize, const VNNI: bool>(t: &Tile) {
+    let vnni = VNNI && NT == NT_256;
     unsafe {
         for h in 0..2 {
             if 8 * h >= t.nvalid {
@@ -529,9 +580,12 @@ unsafe fn q8_avx2<const NT: usize>(t: &Tile) {
                     let wo = _mm256_srai_epi16::<8>(v);
                     for ti in 0..NT {
                         let x = t.xq.add(ti * t.xs + k * 32);
-                        let p0 = _mm256_madd_epi16(we, _mm256_set1_epi32(bcast(x, 2 * c)));
-                        let p1 = _mm256_madd_epi16(wo, _mm256_set1_epi32(bcast(x, 2 * c + 1)));
-                        s[ti] = _mm256_add_epi32(s[ti], _mm256_add_epi32(p0, p1));
+                        let xs = [2 * c, 2 * c + 1].map(|m| _mm256_set1_epi32(bcast(x, m)));
+                        s[ti] = if vnni {
+                            add_pair_dots::<true, 2>(s[ti], [we, wo], xs)
+                        } else {
+                            add_pair_dots::<false, 2>(s[ti], [we, wo], xs)
+                        };
                     }
                 }
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(512 + 16 * h) as *const __m128i));
@@ -812,6 +866,21 @@ pub(crate) unsafe fn dot_throughput_avx2(iterations: usize) -> usize {
                     options(pure, nomem, nostack, preserves_flags),
                 );
             }
+        }
+    }
+    std::hint::black_box(acc);
+    iterations * 12 * 16
+}
+
+/// As [`dot_throughput_avx2`] for AVX-VNNI `vpdpwssd` on ymm registers.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+pub(crate) unsafe fn dot_throughput_avx2_vnni(iterations: usize) -> usize {
+    let mut acc = [_mm256_setzero_si256(); 12];
+    let w = _mm256_set1_epi32(0x0001_0001);
+    for _ in 0..iterations {
+        for a in acc.iter_mut() {
+            // SAFETY: register operands only.
+            *a = unsafe { dpwssd_vex(*a, w, w) };
         }
     }
     std::hint::black_box(acc);
