@@ -98,7 +98,7 @@ fn main() {
     let pool = ThreadPool::new(threads);
     let mut paths = vec![KernelPath::detect()];
     if all_paths {
-        for p in [KernelPath::Avx2Vnni, KernelPath::Avx2, KernelPath::Scalar] {
+        for p in KernelPath::ALL.into_iter().rev() {
             if p.supported() && !paths.contains(&p) {
                 paths.push(p);
             }

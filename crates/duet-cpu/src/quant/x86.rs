@@ -439,17 +439,17 @@ unsafe fn tile_256<const VNNI: bool>(ty: QuantType, t: &Tile, nt: usize) {
 }
 
 /// `s` plus the products of the i16 pairs of `w[i]` and `x[i]`, summed per 32-bit lane (exact
-/// integer sums, so both ways give the same bits). With `VNNI`, a chain of `vpdpwssd`, one per
-/// pair where AVX2 needs `vpmaddwd` and `vpaddd`; it is worth it only when `NT_256` tokens keep
-/// that many chains in flight (its 5-cycle latency made single-token decode 12% slower).
+/// integer sums, so both ways give the same bits). With `vnni` (a constant in every caller), a
+/// chain of `vpdpwssd`, one per pair where AVX2 needs `vpmaddwd` and `vpaddd`.
 #[inline(always)]
-unsafe fn add_pair_dots<const VNNI: bool, const N: usize>(
+unsafe fn add_pair_dots<const N: usize>(
+    vnni: bool,
     s: __m256i,
     w: [__m256i; N],
     x: [__m256i; N],
 ) -> __m256i {
     unsafe {
-        if VNNI {
+        if vnni {
             (0..N).fold(s, |s, i| dpwssd_vex(s, w[i], x[i]))
         } else {
             let mut p: [__m256i; N] = std::array::from_fn(|i| _mm256_madd_epi16(w[i], x[i]));
@@ -463,6 +463,13 @@ unsafe fn add_pair_dots<const VNNI: bool, const N: usize>(
             _mm256_add_epi32(s, p[0])
         }
     }
+}
+
+/// Whether an `NT`-token tile of a `VNNI` kernel uses `vpdpwssd`: only full tiles, since each
+/// token's products form one dependency chain of them, and with fewer tokens in flight their
+/// 5-cycle latency made single-token decode 12% slower than `vpmaddwd` + `vpaddd`.
+const fn vnni_for<const NT: usize, const VNNI: bool>() -> bool {
+    VNNI && NT == NT_256
 }
 
 /// `vpdpwssd` ymm (AVX-VNNI) written as the instruction: LLVM splits the intrinsic back into
@@ -499,7 +506,7 @@ unsafe fn store_partial(p: *mut f32, v: __m256, n: usize) {
 
 #[inline(always)]
 unsafe fn q4_avx2<const NT: usize, const Q41: bool, const VNNI: bool>(t: &Tile) {
-    let vnni = VNNI && NT == NT_256;
+    let vnni = vnni_for::<NT, VNNI>();
     unsafe {
         let m4 = _mm256_set1_epi32(0x000F_000F);
         // Rows 0..8 then 8..16 (the two 32-byte halves of every chunk).
@@ -527,11 +534,7 @@ unsafe fn q4_avx2<const NT: usize, const Q41: bool, const VNNI: bool>(t: &Tile) 
                         let x = t.xq.add(ti * t.xs + k * 32);
                         let xs = [2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c]
                             .map(|m| _mm256_set1_epi32(bcast(x, m)));
-                        s[ti] = if vnni {
-                            add_pair_dots::<true, 4>(s[ti], w, xs)
-                        } else {
-                            add_pair_dots::<false, 4>(s[ti], w, xs)
-                        };
+                        s[ti] = add_pair_dots(vnni, s[ti], w, xs);
                     }
                 }
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(256 + 16 * h) as *const __m128i));
@@ -560,7 +563,7 @@ unsafe fn q4_avx2<const NT: usize, const Q41: bool, const VNNI: bool>(t: &Tile) 
 
 #[inline(always)]
 unsafe fn q8_avx2<const NT: usize, const VNNI: bool>(t: &Tile) {
-    let vnni = VNNI && NT == NT_256;
+    let vnni = vnni_for::<NT, VNNI>();
     unsafe {
         for h in 0..2 {
             if 8 * h >= t.nvalid {
@@ -581,11 +584,7 @@ unsafe fn q8_avx2<const NT: usize, const VNNI: bool>(t: &Tile) {
                     for ti in 0..NT {
                         let x = t.xq.add(ti * t.xs + k * 32);
                         let xs = [2 * c, 2 * c + 1].map(|m| _mm256_set1_epi32(bcast(x, m)));
-                        s[ti] = if vnni {
-                            add_pair_dots::<true, 2>(s[ti], [we, wo], xs)
-                        } else {
-                            add_pair_dots::<false, 2>(s[ti], [we, wo], xs)
-                        };
+                        s[ti] = add_pair_dots(vnni, s[ti], [we, wo], xs);
                     }
                 }
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(512 + 16 * h) as *const __m128i));
@@ -851,36 +850,49 @@ pub(crate) unsafe fn dot_throughput_avx512(iterations: usize) -> usize {
 /// As [`dot_throughput_avx512`] for the AVX2 kernels' `vpmaddwd` + `vpaddd` on ymm registers.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_throughput_avx2(iterations: usize) -> usize {
-    let mut acc = [_mm256_setzero_si256(); 12];
-    let w = _mm256_set1_epi32(0x0001_0001);
-    for _ in 0..iterations {
-        for a in acc.iter_mut() {
-            // SAFETY: register operands only.
-            unsafe {
-                std::arch::asm!(
-                    "vpmaddwd {p}, {w}, {w}",
-                    "vpaddd {a}, {a}, {p}",
-                    a = inout(ymm_reg) *a,
-                    w = in(ymm_reg) w,
-                    p = out(ymm_reg) _,
-                    options(pure, nomem, nostack, preserves_flags),
-                );
-            }
-        }
-    }
-    std::hint::black_box(acc);
-    iterations * 12 * 16
+    unsafe { dot_throughput_256::<false>(iterations) }
 }
 
 /// As [`dot_throughput_avx2`] for AVX-VNNI `vpdpwssd` on ymm registers.
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
 pub(crate) unsafe fn dot_throughput_avx2_vnni(iterations: usize) -> usize {
-    let mut acc = [_mm256_setzero_si256(); 12];
-    let w = _mm256_set1_epi32(0x0001_0001);
+    unsafe { dot_throughput_256::<true>(iterations) }
+}
+
+/// `s` + `vpmaddwd(w, x)` written as the two instructions, so the ceiling loop measures them.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn madd_add_asm(mut s: __m256i, w: __m256i, x: __m256i) -> __m256i {
+    // SAFETY: register operands only.
+    unsafe {
+        std::arch::asm!(
+            "vpmaddwd {p}, {w}, {x}",
+            "vpaddd {s}, {s}, {p}",
+            s = inout(ymm_reg) s,
+            w = in(ymm_reg) w,
+            x = in(ymm_reg) x,
+            p = out(ymm_reg) _,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    s
+}
+
+/// `iterations` rounds of 12 independent dot instructions, inlined into the entry points above.
+#[inline(always)]
+unsafe fn dot_throughput_256<const VNNI: bool>(iterations: usize) -> usize {
+    let mut acc = [unsafe { _mm256_setzero_si256() }; 12];
+    let w = unsafe { _mm256_set1_epi32(0x0001_0001) };
     for _ in 0..iterations {
         for a in acc.iter_mut() {
             // SAFETY: register operands only.
-            *a = unsafe { dpwssd_vex(*a, w, w) };
+            unsafe {
+                *a = if VNNI {
+                    dpwssd_vex(*a, w, w)
+                } else {
+                    madd_add_asm(*a, w, w)
+                };
+            }
         }
     }
     std::hint::black_box(acc);
