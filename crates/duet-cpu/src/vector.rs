@@ -65,15 +65,20 @@ pub fn exp_approx(x: f32) -> f32 {
     const LN2_LO: f32 = 1.428_606_8e-6;
     // Below -87 the result is ~0 and above 88 ~f32::MAX (2^n would leave the exponent field).
     let x = x.clamp(-87.0, 88.0);
-    // Round to nearest via the 1.5·2^23 trick (vectorises, unlike f32::round).
-    let n = (x * LOG2E + 12_582_912.0) - 12_582_912.0;
+    // Round to nearest via the 1.5·2^23 trick (vectorises, unlike f32::round): `shifted` holds
+    // `n` in its low mantissa bits, so its bits minus those of 1.5·2^23 are `n` as an integer —
+    // the same value as `n as i32`, whose saturating conversion LLVM does lane by lane.
+    const SHIFT: f32 = 12_582_912.0;
+    let shifted = x * LOG2E + SHIFT;
+    let n = shifted - SHIFT;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (0.166_666_67
                     + r * (0.041_666_668 + r * (0.008_333_334 + r * 0.001_388_889)))));
-    let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
+    let n_int = shifted.to_bits().wrapping_sub(SHIFT.to_bits());
+    let scale = f32::from_bits(n_int.wrapping_add(127) << 23);
     p * scale
 }
 
@@ -84,8 +89,9 @@ mod tests {
     #[test]
     fn exp_approx_is_accurate() {
         let mut worst = 0f64;
+        // The whole clamped range, so every exponent `n` from -126 to 127 is built.
         let mut x = -87.0f32;
-        while x <= 0.0 {
+        while x <= 88.0 {
             let want = (x as f64).exp();
             let got = exp_approx(x) as f64;
             worst = worst.max(((got - want) / want).abs());
@@ -93,6 +99,7 @@ mod tests {
         }
         assert!(worst < 1e-6, "relative error {worst}");
         assert!(exp_approx(-1000.0) < 1e-37);
+        assert!(exp_approx(1000.0) > 1e38);
     }
 
     #[test]
