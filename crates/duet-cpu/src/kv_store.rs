@@ -1,9 +1,13 @@
 //! The paged KV store in host memory.
 //!
-//! Layout: `[layer][block][K|V][kv_head][slot][head_dim]`, so one layer's blocks are contiguous
-//! (a transfer can ship a layer as soon as it is computed) and one head's keys in a block are
-//! contiguous (attention streams through them). Values are f32 or f16 ([`KvElement`]); the
-//! kernels widen them to f32 as they read.
+//! Layout: `[layer][block][K|V][kv_head]`, then per head keys `[head_dim][slot]` and values
+//! `[slot][head_dim]`. One layer's blocks are contiguous (a transfer can ship a layer as soon as it
+//! is computed), one block's heads too (attention streams through them), and keys are stored
+//! transposed: one dimension of a block's keys is a run of slots, so a query's scores for a run of
+//! slots are one multiply-add per dimension across vector lanes, with no sums across lanes. The
+//! bytes a transfer moves are in the wire order of [`CpuKvStore::read_layer_block`] (keys
+//! `[slot][head_dim]` too), converted here. Values are f32 or f16 ([`KvElement`]); the kernels
+//! widen them to f32 as they read.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -25,8 +29,9 @@ pub(crate) enum KvData {
 /// An element type the CPU cache stores: values are rounded to it when written and widened to
 /// f32 when read.
 pub(crate) trait KvElement: Copy + Send + Sync + 'static {
-    /// The element is an IEEE half (the AVX-512 kernels widen it with `vcvtph2ps`).
+    /// The element is an IEEE half (the vector kernels widen it with `vcvtph2ps`).
     const IS_F16: bool;
+    const ZERO: Self;
     fn to_f32(self) -> f32;
     /// `dst[i] = src[i]`, rounded to nearest even.
     fn store(dst: &mut [Self], src: &[f32]);
@@ -36,6 +41,7 @@ pub(crate) trait KvElement: Copy + Send + Sync + 'static {
 
 impl KvElement for f32 {
     const IS_F16: bool = false;
+    const ZERO: f32 = 0.0;
 
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -61,6 +67,7 @@ impl KvElement for f32 {
 
 impl KvElement for f16 {
     const IS_F16: bool = true;
+    const ZERO: f16 = f16::ZERO;
 
     /// Branch-free so that the portable kernels vectorise: the magnitude bits shifted into f32
     /// position and scaled by 2^112 rebias the exponent (subnormals included); infinities and
@@ -146,21 +153,22 @@ impl CpuKvStore {
         block_len(&self.layout) * self.layout.dtype.bytes()
     }
 
-    /// The KV of one layer of one block, little-endian, as stored: K then V, each
+    /// The KV of one layer of one block, little-endian, in wire order: K then V, each
     /// `[kv_head][slot][head_dim]`.
     pub fn read_layer_block(&self, layer: usize, block: usize, out: &mut [u8]) {
         let range = layer_block_range(&self.layout, layer, block);
         match &self.data {
-            KvData::F32(d) => f32::write_le(&d[range], out),
-            KvData::F16(d) => f16::write_le(&d[range], out),
+            KvData::F32(d) => f32::write_le(&to_wire(&self.layout, &d[range]), out),
+            KvData::F16(d) => f16::write_le(&to_wire(&self.layout, &d[range]), out),
         }
     }
 
+    /// Stores one layer of one block given in the wire order of [`Self::read_layer_block`].
     pub fn write_layer_block(&mut self, layer: usize, block: usize, data: &[u8]) {
         let range = layer_block_range(&self.layout, layer, block);
         match &mut self.data {
-            KvData::F32(d) => f32::read_le(&mut d[range], data),
-            KvData::F16(d) => f16::read_le(&mut d[range], data),
+            KvData::F32(d) => from_wire(&self.layout, data, &mut d[range]),
+            KvData::F16(d) => from_wire(&self.layout, data, &mut d[range]),
         }
     }
 
@@ -181,21 +189,55 @@ fn write_rows<E: KvElement>(
     v: &[f32],
     slots: &[u32],
 ) {
-    let width = l.num_kv_heads * l.head_dim;
+    let (hd, bs) = (l.head_dim, l.block_size);
+    let width = l.num_kv_heads * hd;
+    let mut key = vec![E::ZERO; hd];
     for (row, &slot) in slots.iter().enumerate() {
-        let (block, offset) = (slot as usize / l.block_size, slot as usize % l.block_size);
+        let (block, offset) = (slot as usize / bs, slot as usize % bs);
         let base = layer_block_range(l, layer, block).start;
-        for (kv, src) in [(0, k), (1, v)] {
-            for h in 0..l.num_kv_heads {
-                let dst = base + ((kv * l.num_kv_heads + h) * l.block_size + offset) * l.head_dim;
-                let s = row * width + h * l.head_dim;
-                E::store(&mut data[dst..dst + l.head_dim], &src[s..s + l.head_dim]);
+        for h in 0..l.num_kv_heads {
+            let src = row * width + h * hd;
+            // Keys `[head_dim][slot]`: the token's dimensions are `block_size` apart.
+            E::store(&mut key, &k[src..src + hd]);
+            let keys = base + h * bs * hd;
+            for (d, &x) in key.iter().enumerate() {
+                data[keys + d * bs + offset] = x;
             }
+            let dst = base + ((l.num_kv_heads + h) * bs + offset) * hd;
+            E::store(&mut data[dst..dst + hd], &v[src..src + hd]);
         }
     }
 }
 
-/// Values of one (layer, block) pair: K then V, each `[kv_head][slot][head_dim]`.
+/// One layer block as stored (keys `[head_dim][slot]`) in wire order (keys `[slot][head_dim]`).
+fn to_wire<E: KvElement>(l: &KvLayout, stored: &[E]) -> Vec<E> {
+    let mut wire = stored.to_vec();
+    let (hd, bs) = (l.head_dim, l.block_size);
+    for h in 0..l.num_kv_heads {
+        let keys = &stored[h * bs * hd..][..bs * hd];
+        for (i, x) in wire[h * bs * hd..][..bs * hd].iter_mut().enumerate() {
+            let (slot, d) = (i / hd, i % hd);
+            *x = keys[d * bs + slot];
+        }
+    }
+    wire
+}
+
+/// The inverse of [`to_wire`], from little-endian bytes.
+fn from_wire<E: KvElement>(l: &KvLayout, bytes: &[u8], stored: &mut [E]) {
+    E::read_le(stored, bytes);
+    let (hd, bs) = (l.head_dim, l.block_size);
+    for h in 0..l.num_kv_heads {
+        let keys = &mut stored[h * bs * hd..][..bs * hd];
+        let wire = keys.to_vec();
+        for (i, &x) in wire.iter().enumerate() {
+            let (slot, d) = (i / hd, i % hd);
+            keys[d * bs + slot] = x;
+        }
+    }
+}
+
+/// Values of one (layer, block) pair: K then V, each `kv_head` × `slot` × `head_dim`.
 fn block_len(l: &KvLayout) -> usize {
     2 * l.num_kv_heads * l.block_size * l.head_dim
 }
@@ -213,12 +255,25 @@ pub(crate) struct KvView<'a, E> {
 }
 
 impl<'a, E> KvView<'a, E> {
-    /// K (`kv = 0`) or V (`kv = 1`) of one head in one block: `[slot][head_dim]`.
+    /// K (`kv = 0`, `[head_dim][slot]`) or V (`kv = 1`, `[slot][head_dim]`) of one head in one
+    /// block.
     pub(crate) fn head_block(&self, layer: usize, block: usize, kv: usize, head: usize) -> &'a [E] {
+        self.heads_block(layer, block, kv, head..head + 1)
+    }
+
+    /// K or V of consecutive heads in one block, one contiguous run of the cache.
+    pub(crate) fn heads_block(
+        &self,
+        layer: usize,
+        block: usize,
+        kv: usize,
+        heads: std::ops::Range<usize>,
+    ) -> &'a [E] {
         let l = self.layout;
+        let per_head = l.block_size * l.head_dim;
         let start = layer_block_range(&l, layer, block).start
-            + (kv * l.num_kv_heads + head) * l.block_size * l.head_dim;
-        &self.data[start..start + l.block_size * l.head_dim]
+            + (kv * l.num_kv_heads + heads.start) * per_head;
+        &self.data[start..start + heads.len() * per_head]
     }
 }
 
@@ -263,18 +318,29 @@ mod tests {
             let mut again = vec![0u8; bytes.len()];
             copy.read_layer_block(1, 2, &mut again);
             assert_eq!(bytes, again, "{dtype}");
-            // slot 9 = block 2, offset 1; K of head 1 holds k[8..16], exactly representable
-            let view = |s: &CpuKvStore| match &s.data {
-                KvData::F32(d) => d.iter().map(|x| x.to_f32()).collect::<Vec<f32>>(),
+            // slot 9 = block 2, offset 1: in wire order, K of head 1 holds k[8..16] at slot 1 and
+            // V of head 0 holds v[0..8] (both exactly representable); as stored, the key's
+            // dimensions are a block size apart.
+            let wire = |i: usize| match dtype {
+                KvDtype::F32 => f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap()),
+                _ => f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+            };
+            let (bs, hd) = (4, 8);
+            let key: Vec<f32> = (0..hd).map(|d| wire((bs + 1) * hd + d)).collect();
+            assert_eq!(key, &k[8..16], "{dtype}");
+            let value: Vec<f32> = (0..hd).map(|d| wire((2 * bs + 1) * hd + d)).collect();
+            assert_eq!(value, &v[0..8], "{dtype}");
+            let stored: Vec<f32> = match &copy.data {
+                KvData::F32(d) => d.iter().map(|x| x.to_f32()).collect(),
                 KvData::F16(d) => d.iter().map(|x| KvElement::to_f32(*x)).collect(),
             };
-            let all = view(&copy);
-            let head = KvView {
+            let keys = KvView {
                 layout,
-                data: &all[..],
+                data: &stored[..],
             }
             .head_block(1, 2, 0, 1);
-            assert_eq!(&head[8..16], &k[8..16], "{dtype}");
+            let key: Vec<f32> = (0..hd).map(|d| keys[d * bs + 1]).collect();
+            assert_eq!(key, &k[8..16], "{dtype}");
         }
     }
 }

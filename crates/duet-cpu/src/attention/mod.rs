@@ -7,9 +7,11 @@
 //! never on the other rows of the step, the thread count, or whether it is a prompt or a decode
 //! row — so a sequence's tokens are the same alone and in any batch.
 //!
-//! How the work is dealt to threads is chosen per step: a (row, KV head) pair with all its spans
-//! is one piece when there are enough pairs to keep every thread busy; otherwise — single-stream
-//! decode of a long context — every span is a piece of its own and the merge follows. Threads
+//! How the work is dealt to threads is chosen per step: a row with all its spans is one piece when
+//! there are enough rows to keep every thread busy; otherwise — single-stream decode of a long
+//! context — every span is a piece of its own and the merge follows. A piece covers all KV heads
+//! of its row, so it reads each cache block of a layer as one contiguous run (the heads are
+//! adjacent), unless that leaves too few pieces, when each KV head is a piece of its own. Threads
 //! take pieces largest first from a shared counter, so the long rows of a causal prompt do not end
 //! up on one thread.
 
@@ -26,9 +28,11 @@ use super::{CpuBackend, CpuTensor, SendPtr};
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-/// Pieces per thread a step needs before each (row, KV head) pair is one piece: enough that
-/// threads finishing early find more work.
+/// Pieces per thread a step needs before each row is one piece: enough that threads finishing
+/// early find more work.
 const PIECES_PER_THREAD: usize = 8;
+/// Pieces per thread below which each KV head is a piece of its own.
+const MIN_PIECES_PER_THREAD: usize = 2;
 /// Positions per span (rounded up to whole cache blocks). Short enough that one long sequence
 /// splits into pieces for every thread and its scores stay in L1; long enough that a span's fixed
 /// costs (its share of the merge, a block walk) stay small next to streaming its keys and values.
@@ -76,17 +80,26 @@ fn attention_over<E: KvElement>(
     out: &mut CpuTensor,
 ) {
     let (pool, path) = (&backend.pool, backend.kernels);
-    let (hd, kvh) = (shape.head_dim, shape.num_kv_heads);
+    let (hd, kvh, rows) = (shape.head_dim, shape.num_kv_heads, q.rows);
     let group = shape.num_heads / kvh;
-    let units = q.rows * kvh;
     let ctx = |row: usize| batch.positions[row] as usize + 1;
-    let max_ctx = (0..q.rows).map(ctx).max().unwrap_or(0);
+    let max_ctx = (0..rows).map(ctx).max().unwrap_or(0);
     let plan = SpanPlan::new(kv.layout.block_size);
     let max_spans = plan.spans(max_ctx);
-    let split = units < PIECES_PER_THREAD * pool.n_threads() && max_spans > 1;
+    let threads = pool.n_threads();
+    let split = rows < PIECES_PER_THREAD * threads && max_spans > 1;
+    let row_pieces = if split { rows * max_spans } else { rows };
+    // KV heads per piece, and the query heads they serve: `unit` = (row, set of KV heads).
+    let heads = if row_pieces < MIN_PIECES_PER_THREAD * threads {
+        1
+    } else {
+        kvh
+    };
+    let (head_sets, q_heads) = (kvh / heads, heads * group);
+    let units = rows * head_sets;
     let kernel = span_kernel::<E>(path, hd);
     // Pieces that are single spans of a context write to `partials`, merged once all have run.
-    let mut partials = SpanResults::new(if split { units * max_spans } else { 0 }, group, hd);
+    let mut partials = SpanResults::new(if split { units * max_spans } else { 0 }, q_heads, hd);
     let partial_ptrs = (
         SendPtr(partials.out.as_mut_ptr()),
         SendPtr(partials.lse.as_mut_ptr()),
@@ -96,7 +109,7 @@ fn attention_over<E: KvElement>(
     let pieces = if split { units * max_spans } else { units };
     let taken = AtomicUsize::new(0);
     pool.run(|_, _| {
-        let mut scratch = Scratch::new(group, plan.span_tokens, hd, max_spans, split);
+        let mut scratch = Scratch::new(q_heads, plan.span_tokens, hd, max_spans, split);
         loop {
             let i = taken.fetch_add(1, Ordering::Relaxed);
             if i >= pieces {
@@ -109,33 +122,33 @@ fn attention_over<E: KvElement>(
             } else {
                 (piece, None)
             };
-            let (row, h) = (unit / kvh, unit % kvh);
+            let (row, first_kvh) = (unit / head_sets, unit % head_sets * heads);
             let spans = plan.spans(ctx(row));
             if span.is_some_and(|s| s >= spans) {
                 continue;
             }
             let seq = &batch.seqs[batch.row_seq[row] as usize];
-            let first_head = h * group;
+            let first_head = first_kvh * group;
             let span_of = |s: usize| {
                 let (start, end) = plan.span(s, ctx(row));
                 Span {
                     kv,
                     layer,
-                    kvh: h,
+                    kvh: first_kvh,
+                    heads,
                     block_table: &seq.block_table,
                     start,
                     end,
-                    q: &q.data
-                        [row * q_cols + first_head * hd..row * q_cols + (first_head + group) * hd],
+                    q: &q.data[row * q_cols + first_head * hd..][..q_heads * hd],
                     group,
                     head_dim: hd,
                 }
             };
-            // SAFETY (both): each piece owns its outputs: a (row, KV head) pair (or the only span
-            // of its context) the outputs of the row's query heads of that KV head, a span of a
-            // context of several its slot in `partials`.
+            // SAFETY (both): each piece owns its outputs: a unit (or the only span of its
+            // context) the outputs of the row's query heads of its KV heads, a span of a context
+            // of several its slot in `partials`.
             let out_of_unit =
-                || unsafe { out_ptr.slice(row * out_cols + first_head * hd, group * hd) };
+                || unsafe { out_ptr.slice(row * out_cols + first_head * hd, q_heads * hd) };
             match span {
                 _ if spans == 1 => kernel(
                     &span_of(0),
@@ -148,8 +161,8 @@ fn attention_over<E: KvElement>(
                     kernel(
                         &span_of(s),
                         &mut scratch.work,
-                        partial_ptrs.0.slice(at * group * hd, group * hd),
-                        partial_ptrs.1.slice(at * group, group),
+                        partial_ptrs.0.slice(at * q_heads * hd, q_heads * hd),
+                        partial_ptrs.1.slice(at * q_heads, q_heads),
                     )
                 },
                 None => {
@@ -165,10 +178,10 @@ fn attention_over<E: KvElement>(
     });
     if split {
         for unit in 0..units {
-            let (row, h) = (unit / kvh, unit % kvh);
+            let (row, first_kvh) = (unit / head_sets, unit % head_sets * heads);
             let spans = plan.spans(ctx(row));
             if spans > 1 {
-                let o = &mut out.data[row * out_cols + h * group * hd..][..group * hd];
+                let o = &mut out.data[row * out_cols + first_kvh * group * hd..][..q_heads * hd];
                 partials.merge(unit * max_spans, spans, o);
             }
         }
@@ -203,25 +216,25 @@ impl SpanPlan {
 /// Spans' results: each span's attention output normalised over the span,
 /// `[span][head][head_dim]`, and its log-sum-exp of scores, `[span][head]`.
 struct SpanResults {
-    group: usize,
+    q_heads: usize,
     head_dim: usize,
     out: Vec<f32>,
     lse: Vec<f32>,
 }
 
 impl SpanResults {
-    fn new(spans: usize, group: usize, head_dim: usize) -> Self {
+    fn new(spans: usize, q_heads: usize, head_dim: usize) -> Self {
         Self {
-            group,
+            q_heads,
             head_dim,
-            out: vec![0.0; spans * group * head_dim],
-            lse: vec![0.0; spans * group],
+            out: vec![0.0; spans * q_heads * head_dim],
+            lse: vec![0.0; spans * q_heads],
         }
     }
 
     /// Span `s`'s output and log-sum-exps, for a kernel to write.
     fn span_mut(&mut self, s: usize) -> (&mut [f32], &mut [f32]) {
-        let (g, hd) = (self.group, self.head_dim);
+        let (g, hd) = (self.q_heads, self.head_dim);
         (
             &mut self.out[s * g * hd..][..g * hd],
             &mut self.lse[s * g..][..g],
@@ -232,7 +245,7 @@ impl SpanResults {
     /// output weighted by its share of the softmax, `exp(lse_span - lse_all)`, summed in span
     /// order — the one merge, whichever thread ran the spans.
     fn merge(&self, first: usize, spans: usize, out: &mut [f32]) {
-        let (g, hd) = (self.group, self.head_dim);
+        let (g, hd) = (self.q_heads, self.head_dim);
         for h in 0..g {
             let lse = |s: usize| self.lse[(first + s) * g + h];
             let max = (0..spans).map(lse).fold(f32::NEG_INFINITY, f32::max);
@@ -251,16 +264,17 @@ impl SpanResults {
     }
 }
 
-/// One piece: the `group` query heads of KV head `kvh` attending positions `start..end` of a
-/// sequence (`start` on a block boundary).
+/// One piece: the `group` query heads of each of KV heads `kvh..kvh + heads` attending positions
+/// `start..end` of a sequence (`start` on a block boundary).
 pub(crate) struct Span<'a, E> {
     kv: KvView<'a, E>,
     layer: usize,
     kvh: usize,
+    heads: usize,
     block_table: &'a [u32],
     start: usize,
     end: usize,
-    /// The `group` query heads, `[group][head_dim]`.
+    /// The query heads, `[heads * group][head_dim]`.
     q: &'a [f32],
     group: usize,
     head_dim: usize,
@@ -269,6 +283,11 @@ pub(crate) struct Span<'a, E> {
 impl<E> Span<'_, E> {
     fn len(&self) -> usize {
         self.end - self.start
+    }
+
+    /// Query heads of the span: `group` for each of its KV heads.
+    fn q_heads(&self) -> usize {
+        self.heads * self.group
     }
 
     /// `(first position, block id)` of every cache block holding positions of the span.
@@ -295,43 +314,42 @@ impl Scratch {
     /// For pieces of spans of at most `span_tokens` positions: single spans when `split`, else
     /// whole contexts of up to `max_spans` spans.
     fn new(
-        group: usize,
+        q_heads: usize,
         span_tokens: usize,
         head_dim: usize,
         max_spans: usize,
         split: bool,
     ) -> Self {
         Self {
-            work: KernelScratch::new(group, span_tokens, head_dim),
-            lse: vec![0.0; group],
-            spans: SpanResults::new(if split { 0 } else { max_spans }, group, head_dim),
+            work: KernelScratch::new(q_heads, span_tokens, head_dim),
+            lse: vec![0.0; q_heads],
+            spans: SpanResults::new(if split { 0 } else { max_spans }, q_heads, head_dim),
         }
     }
 }
 
-/// Slots a vector kernel widens and scores at once (the AVX-512 kernel's 16 lanes; the AVX2
-/// kernel takes half).
-const SLOT_CHUNK: usize = 16;
+/// Slots of the AVX2 kernel's chunks of keys (its 8 lanes).
+const TILE_SLOTS: usize = 8;
 
 pub(crate) struct KernelScratch {
-    /// `[group][span]`: the scores, then the normalised softmax weights.
+    /// `[q_heads][span]`: the scores, then the normalised softmax weights.
     scores: Vec<f32>,
-    /// Up to [`SLOT_CHUNK`] slots of one block's keys or values widened to f32,
-    /// `[slot][head_dim]`, zero past the slots in use.
-    slots: Vec<f32>,
+    /// A chunk of fewer than [`TILE_SLOTS`] keys widened to f32, `[head_dim][TILE_SLOTS]`, zero
+    /// past the slots in use (the AVX2 kernel's partial chunks).
+    tile: Vec<f32>,
 }
 
 impl KernelScratch {
-    fn new(group: usize, span_tokens: usize, head_dim: usize) -> Self {
+    fn new(q_heads: usize, span_tokens: usize, head_dim: usize) -> Self {
         Self {
-            scores: vec![0.0; group * span_tokens],
-            slots: vec![0.0; SLOT_CHUNK * head_dim],
+            scores: vec![0.0; q_heads * span_tokens],
+            tile: vec![0.0; TILE_SLOTS * head_dim],
         }
     }
 }
 
-/// Attention over one span: writes the group's outputs normalised over the span to `out`
-/// (`[group][head_dim]`) and each head's log-sum-exp of scaled scores to `lse`.
+/// Attention over one span: writes its query heads' outputs normalised over the span to `out`
+/// (`[q_heads][head_dim]`) and each query head's log-sum-exp of scaled scores to `lse`.
 type SpanKernel<E> = fn(&Span<'_, E>, &mut KernelScratch, &mut [f32], &mut [f32]);
 
 /// The kernel of `path` for this head size: AVX-512 for head sizes that are a multiple of 16,
@@ -385,14 +403,22 @@ fn attend<E: KvElement>(
     let (hd, n, g) = (u.head_dim, u.len(), u.group);
     let bs = u.kv.layout.block_size;
     let scale = 1.0 / (hd as f32).sqrt();
-    let scores = &mut work.scores[..g * n];
-    // Scores: every key read once for all query heads of the group.
+    let scores = &mut work.scores[..u.q_heads() * n];
+    // Scores: a block's keys (`[head_dim][slot]`) taken one dimension at a time across its
+    // slots, for every query head of the group.
     for (first, block) in u.blocks() {
-        let keys = u.kv.head_block(u.layer, block, 0, u.kvh);
-        for s in 0..bs.min(u.end - first) {
-            let k = &keys[s * hd..(s + 1) * hd];
-            for h in 0..g {
-                scores[h * n + first - u.start + s] = dot(&u.q[h * hd..(h + 1) * hd], k) * scale;
+        let cnt = bs.min(u.end - first);
+        for head in 0..u.heads {
+            let keys = u.kv.head_block(u.layer, block, 0, u.kvh + head);
+            for h in head * g..(head + 1) * g {
+                let row = &mut scores[h * n + first - u.start..][..cnt];
+                row.fill(0.0);
+                for (d, &qd) in u.q[h * hd..(h + 1) * hd].iter().enumerate() {
+                    axpy(qd, &keys[d * bs..d * bs + cnt], row);
+                }
+                for x in row.iter_mut() {
+                    *x *= scale;
+                }
             }
         }
     }
@@ -401,35 +427,20 @@ fn attend<E: KvElement>(
     }
     out.fill(0.0);
     for (first, block) in u.blocks() {
-        let values = u.kv.head_block(u.layer, block, 1, u.kvh);
-        for s in 0..bs.min(u.end - first) {
-            let v = &values[s * hd..(s + 1) * hd];
-            for h in 0..g {
-                axpy(
-                    scores[h * n + first - u.start + s],
-                    v,
-                    &mut out[h * hd..(h + 1) * hd],
-                );
+        for head in 0..u.heads {
+            let values = u.kv.head_block(u.layer, block, 1, u.kvh + head);
+            for s in 0..bs.min(u.end - first) {
+                let v = &values[s * hd..(s + 1) * hd];
+                for h in head * g..(head + 1) * g {
+                    axpy(
+                        scores[h * n + first - u.start + s],
+                        v,
+                        &mut out[h * hd..(h + 1) * hd],
+                    );
+                }
             }
         }
     }
-}
-
-#[inline(always)]
-fn dot<E: KvElement>(a: &[f32], b: &[E]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for j in 0..8 {
-            acc[j] += x[j] * y[j].to_f32();
-        }
-    }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y.to_f32();
-    }
-    s
 }
 
 #[inline(always)]
@@ -522,7 +533,8 @@ mod tests {
             (20, 2, 4),
         ] {
             let values = rng.values(layout(hd, bs, 12, KvDtype::F32).bytes() / 4);
-            let q: Vec<f32> = rng.values(group * hd).iter().map(|x| 2.0 * x).collect();
+            // Both KV heads of the layout: one head a span, and both in one span.
+            let q: Vec<f32> = rng.values(2 * group * hd).iter().map(|x| 2.0 * x).collect();
             let mut f16_data = vec![f16::ZERO; values.len()];
             KvElement::store(&mut f16_data, &values);
             check_kernels(layout(hd, bs, 12, KvDtype::F32), &values, &q, group);
@@ -534,32 +546,38 @@ mod tests {
         let (hd, bs) = (layout.head_dim, layout.block_size);
         let block_table = [5u32, 0, 11, 3, 8, 1, 9];
         let ends = [1, bs - 1, bs, bs + 1, 3 * bs + 2, 7 * bs];
-        for (start, end) in ends.iter().map(|&e| (0, e)).chain([
+        let spans = ends.iter().map(|&e| (0, e)).chain([
             (bs, bs + 1),
             (2 * bs, 3 * bs + 2),
             (3 * bs, 7 * bs),
-        ]) {
+        ]);
+        for ((start, end), (kvh, heads)) in spans.flat_map(|s| [(s, (1, 1)), (s, (0, 2))]) {
+            let q_heads = heads * group;
             let span = Span {
                 kv: KvView { layout, data },
                 layer: 1,
-                kvh: 1,
+                kvh,
+                heads,
                 block_table: &block_table,
                 start,
                 end,
-                q,
+                q: &q[kvh * group * hd..][..q_heads * hd],
                 group,
                 head_dim: hd,
             };
             let (want, want_lse) = reference(&span);
             for path in paths() {
                 let kernel = span_kernel::<E>(path, hd);
-                let mut work = KernelScratch::new(group, end - start, hd);
-                let mut out = vec![f32::NAN; group * hd];
-                let mut lse = vec![f32::NAN; group];
+                let mut work = KernelScratch::new(q_heads, end - start, hd);
+                let mut out = vec![f32::NAN; q_heads * hd];
+                let mut lse = vec![f32::NAN; q_heads];
                 kernel(&span, &mut work, &mut out, &mut lse);
                 let what = format!(
-                    "{path:?} {}: head_dim {hd} group {group} span {start}..{end}",
-                    layout.dtype
+                    "{path:?} {}: head_dim {hd} group {group} KV heads {kvh}..{} span {}..{}",
+                    layout.dtype,
+                    kvh + heads,
+                    start,
+                    end
                 );
                 assert_close(&out, &want, &what);
                 assert_close(&lse, &want_lse, &format!("{what} lse"));
@@ -580,21 +598,27 @@ mod tests {
     /// The span's attention outputs and per-head log-sum-exps of the scaled scores, in f64.
     fn reference<E: KvElement>(u: &Span<'_, E>) -> (Vec<f64>, Vec<f64>) {
         let (hd, bs) = (u.head_dim, u.kv.layout.block_size);
-        let slot = |pos: usize, kv: usize| {
+        // Keys are stored `[head_dim][slot]`, values `[slot][head_dim]`.
+        let slot = |pos: usize, kv: usize, head: usize| {
             let block = u.block_table[pos / bs] as usize;
             let s = pos % bs;
-            u.kv.head_block(u.layer, block, kv, u.kvh)[s * hd..(s + 1) * hd]
-                .iter()
-                .map(|x| x.to_f32() as f64)
+            let data = u.kv.head_block(u.layer, block, kv, u.kvh + head);
+            (0..hd)
+                .map(|d| data[if kv == 0 { d * bs + s } else { s * hd + d }].to_f32() as f64)
                 .collect::<Vec<f64>>()
         };
-        let mut out = vec![0f64; u.group * hd];
-        let mut lse = vec![0f64; u.group];
-        for h in 0..u.group {
+        let mut out = vec![0f64; u.q_heads() * hd];
+        let mut lse = vec![0f64; u.q_heads()];
+        for h in 0..u.q_heads() {
+            let head = h / u.group;
             let q = &u.q[h * hd..(h + 1) * hd];
             let logits: Vec<f64> = (u.start..u.end)
                 .map(|p| {
-                    let d: f64 = q.iter().zip(slot(p, 0)).map(|(&a, b)| a as f64 * b).sum();
+                    let d: f64 = q
+                        .iter()
+                        .zip(slot(p, 0, head))
+                        .map(|(&a, b)| a as f64 * b)
+                        .sum();
                     d / (hd as f64).sqrt()
                 })
                 .collect();
@@ -603,7 +627,7 @@ mod tests {
             let sum: f64 = e.iter().sum();
             lse[h] = max + sum.ln();
             for (p, w) in (u.start..u.end).zip(&e) {
-                for (o, v) in out[h * hd..(h + 1) * hd].iter_mut().zip(slot(p, 1)) {
+                for (o, v) in out[h * hd..(h + 1) * hd].iter_mut().zip(slot(p, 1, head)) {
                     *o += w / sum * v;
                 }
             }
@@ -685,6 +709,7 @@ mod tests {
                         kv: view,
                         layer: 1,
                         kvh,
+                        heads: 1,
                         block_table: table,
                         start: 0,
                         end: ctx,

@@ -1,358 +1,455 @@
 //! The vector attention kernels: AVX-512 (head sizes a multiple of 16) and AVX2 (multiples of
-//! 8). Both take a span's keys and values a chunk of slots at a time, widened to f32 once for all
-//! query heads of the group (f16 with `vcvtph2ps`). A query head's scores for the chunk are
-//! independent dot products, one per slot, whose lanes are summed by one transposing reduction
-//! instead of a horizontal sum each; its weighted sum of values keeps a run of output values in
-//! registers over the chunk's slots.
+//! 8), over the cache's layout (per block and head, keys `[head_dim][slot]` and values
+//! `[slot][head_dim]`, see `kv_store.rs`).
+//!
+//! Scores: the slots of a chunk are the vector lanes (16 or 8), so a query head's scores are one
+//! multiply-add per dimension — that dimension's run of keys, widened once for every query head
+//! of the group, times the query's value broadcast — with no sums across lanes and no copies.
+//! Values: each slot's values are widened once and added, weighted by the slot's softmax weight,
+//! into the outputs of the group's query heads, held in registers over the block.
 
 use std::arch::x86_64::*;
 
-use super::{KernelScratch, SLOT_CHUNK, Span, row_max, softmax_from};
+use super::{KernelScratch, Span, TILE_SLOTS, row_max, softmax_from};
 use crate::kv_store::KvElement;
 
-/// Calls `f(offset in the span, slots in use, widened slots)` for every chunk of up to `CHUNK`
-/// attended slots of keys (`kv = 0`) or values (`kv = 1`), widened by `widen`. Blocks are
-/// scattered, so the hardware prefetcher stops at each one: the next block is fetched while this
-/// one is used, and the keys' pass also fetches each block's values for the next pass.
+/// Query heads whose accumulators a kernel call keeps in registers; larger GQA groups are taken
+/// in batches of this many.
+const HEADS_AT_ONCE: usize = 4;
+
+/// Calls `$f::<E, G $(, W)?>(args)` for `$g` (1..=4) query heads known only at run time.
+macro_rules! dispatch_heads {
+    ($f:ident, $e:ty, $g:expr $(, $w:tt)?; $($args:expr),*) => {
+        match $g {
+            1 => $f::<$e, 1 $(, $w)?>($($args),*),
+            2 => $f::<$e, 2 $(, $w)?>($($args),*),
+            3 => $f::<$e, 3 $(, $w)?>($($args),*),
+            4 => $f::<$e, 4 $(, $w)?>($($args),*),
+            _ => unreachable!("more than {HEADS_AT_ONCE} query heads at once"),
+        }
+    };
+}
+
+/// Calls `f(KV head of the span, offset in the span, slots in use, that head's block)` for every
+/// block of the span's keys (`kv = 0`) or values (`kv = 1`), block by block and, within a block,
+/// head by head: the span's heads of one block are one contiguous run of the cache, read in
+/// order. Blocks are scattered, so the hardware prefetcher stops at each one: the next block is
+/// fetched while this one is used, and the keys' pass also fetches each block's values for the
+/// next pass, into L2 (`T1`: on AMD Zen 4, 15-25% faster attention than into L1, whose few miss
+/// buffers the loads being waited for need).
 #[inline(always)]
-fn for_each_chunk<E: KvElement, const CHUNK: usize>(
+fn for_each_block<E: KvElement>(
     u: &Span<'_, E>,
     kv: usize,
-    slots: &mut [f32],
-    widen: impl Fn(&[E], &mut [f32]),
-    mut f: impl FnMut(usize, usize, &[f32]),
+    mut f: impl FnMut(usize, usize, usize, &[E]),
 ) {
-    let (hd, bs) = (u.head_dim, u.kv.layout.block_size);
-    let slots = &mut slots[..CHUNK * hd];
-    let fetch = |first: usize, block: usize, kv: usize| {
-        let data = u.kv.head_block(u.layer, block, kv, u.kvh);
-        for line in (0..bs.min(u.end - first) * hd).step_by(64 / size_of::<E>()) {
+    let bs = u.kv.layout.block_size;
+    let fetch = |block: usize, kv: usize| {
+        let run = u.kv.heads_block(u.layer, block, kv, u.kvh..u.kvh + u.heads);
+        for line in (0..run.len()).step_by(64 / size_of::<E>()) {
             // SAFETY: SSE is part of x86-64; a prefetch never faults.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(data[line..].as_ptr() as *const i8) };
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(run[line..].as_ptr() as *const i8) };
         }
     };
     let mut blocks = u.blocks().peekable();
     while let Some((first, block)) = blocks.next() {
-        if let Some(&(next_first, next)) = blocks.peek() {
-            fetch(next_first, next, kv);
+        if let Some(&(_, next)) = blocks.peek() {
+            fetch(next, kv);
         }
         if kv == 0 {
-            fetch(first, block, 1);
+            fetch(block, 1);
         }
-        let data = u.kv.head_block(u.layer, block, kv, u.kvh);
         let in_block = bs.min(u.end - first);
-        for c in (0..in_block).step_by(CHUNK) {
-            let n = CHUNK.min(in_block - c);
-            widen(&data[c * hd..(c + n) * hd], slots);
-            f(first - u.start + c, n, slots);
+        for head in 0..u.heads {
+            let data = u.kv.head_block(u.layer, block, kv, u.kvh + head);
+            f(head, first - u.start, in_block, data);
         }
     }
 }
 
-/// Attention with AVX-512 over 16-slot chunks.
-#[target_feature(enable = "avx512f,fma,f16c")]
-pub(super) unsafe fn attend_avx512<E: KvElement>(
-    u: &Span<'_, E>,
-    work: &mut KernelScratch,
-    out: &mut [f32],
-    lse: &mut [f32],
-) {
-    let (hd, n, g) = (u.head_dim, u.len(), u.group);
-    debug_assert!(hd.is_multiple_of(16));
-    let scale = _mm512_set1_ps(1.0 / (hd as f32).sqrt());
-    let KernelScratch { scores, slots } = work;
-    let scores = &mut scores[..g * n];
-    for_each_chunk::<E, 16>(
-        u,
-        0,
-        slots,
-        |s, d| widen16(s, d),
-        |at, cnt, keys| {
-            let mask = lanes16(cnt);
-            for h in 0..g {
-                let d = _mm512_mul_ps(dots16(&u.q[h * hd..(h + 1) * hd], keys), scale);
-                let row = &mut scores[h * n + at..h * n + at + cnt];
-                // SAFETY: the mask stores the first `cnt` lanes, the length of `row`.
-                unsafe { _mm512_mask_storeu_ps(row.as_mut_ptr(), mask, d) };
-            }
-        },
-    );
-    for (row, l) in scores.chunks_exact_mut(n).zip(lse.iter_mut()) {
-        *l = softmax_from(row, row_max(row));
+/// Independent accumulators per query head in a scores kernel of `lanes`-wide vectors: enough
+/// chains, over all heads of a call, to cover the multiply-add latency within the registers (the
+/// sums are split by dimension, in a fixed order).
+const fn score_chains(heads: usize, lanes: usize) -> usize {
+    match (lanes, heads) {
+        (16, 1 | 2) => 4,
+        (16, _) => 2,
+        _ => 8 / heads,
     }
-    out.fill(0.0);
-    for_each_chunk::<E, 16>(
-        u,
-        1,
-        slots,
-        |s, d| widen16(s, d),
-        |at, cnt, values| {
-            for h in 0..g {
-                let weights = &scores[h * n + at..h * n + at + cnt];
-                for d0 in (0..hd).step_by(64) {
-                    let o = &mut out[h * hd + d0..(h + 1) * hd];
-                    let v = &values[d0..];
-                    match (hd - d0) / 16 {
-                        1 => weighted_sum16::<1>(weights, v, hd, o),
-                        2 => weighted_sum16::<2>(weights, v, hd, o),
-                        3 => weighted_sum16::<3>(weights, v, hd, o),
-                        _ => weighted_sum16::<4>(weights, v, hd, o),
-                    }
-                }
-            }
-        },
-    );
 }
 
-/// `dst[..src.len()]` = `src` as f32, the rest of `dst` zero.
-#[inline]
-#[target_feature(enable = "avx512f,f16c")]
-fn widen16<E: KvElement>(src: &[E], dst: &mut [f32]) {
-    assert!(src.len().is_multiple_of(16) && src.len() <= dst.len());
-    let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
-    for i in (0..src.len()).step_by(16) {
-        // SAFETY: `i + 16 <= src.len() <= dst.len()`.
+/// The f32 vector of a kernel path, with the few operations the kernels use. Every method is
+/// inlined into a caller that enables the path's target features.
+trait Vector: Copy {
+    const LANES: usize;
+    /// Loads of fewer than `LANES` values (AVX-512 masks); without them a short chunk of keys is
+    /// widened into a tile first.
+    const PARTIAL_LOADS: bool;
+    /// Vectors of values a values kernel keeps per query head: one pass over a run of
+    /// `LANES * VALUE_VECTORS` dimensions.
+    const VALUE_VECTORS: usize;
+    unsafe fn zero() -> Self;
+    unsafe fn splat(x: f32) -> Self;
+    /// `a * b + c`.
+    unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
+    unsafe fn add(a: Self, b: Self) -> Self;
+    unsafe fn mul(a: Self, b: Self) -> Self;
+    /// The first `n` values at `p` widened to f32, the other lanes zero (`n == LANES` unless
+    /// `PARTIAL_LOADS`).
+    unsafe fn load<E: KvElement>(p: *const E, n: usize) -> Self;
+    unsafe fn load_f32(p: *const f32) -> Self;
+    unsafe fn store_f32(p: *mut f32, v: Self);
+    /// Stores the first `n` lanes.
+    unsafe fn store_first(p: *mut f32, v: Self, n: usize);
+}
+
+#[derive(Clone, Copy)]
+struct V512(__m512);
+
+impl Vector for V512 {
+    const LANES: usize = 16;
+    const PARTIAL_LOADS: bool = true;
+    const VALUE_VECTORS: usize = 4;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn zero() -> Self {
+        V512(_mm512_setzero_ps())
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn splat(x: f32) -> Self {
+        V512(_mm512_set1_ps(x))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+        V512(_mm512_fmadd_ps(a.0, b.0, c.0))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn add(a: Self, b: Self) -> Self {
+        V512(_mm512_add_ps(a.0, b.0))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        V512(_mm512_mul_ps(a.0, b.0))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn load<E: KvElement>(p: *const E, n: usize) -> Self {
+        // SAFETY: the caller passes `n` readable values; masked-off lanes are never accessed.
         unsafe {
-            let v = if E::IS_F16 {
-                _mm512_cvtph_ps(_mm256_loadu_si256(s.add(i) as *const __m256i))
+            let mask = lanes16(n);
+            V512(if E::IS_F16 {
+                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16))
             } else {
-                _mm512_loadu_ps(s.add(i) as *const f32)
-            };
-            _mm512_storeu_ps(d.add(i), v);
+                _mm512_maskz_loadu_ps(mask, p as *const f32)
+            })
         }
     }
-    dst[src.len()..].fill(0.0);
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn load_f32(p: *const f32) -> Self {
+        V512(unsafe { _mm512_loadu_ps(p) })
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn store_f32(p: *mut f32, v: Self) {
+        unsafe { _mm512_storeu_ps(p, v.0) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn store_first(p: *mut f32, v: Self, n: usize) {
+        unsafe { _mm512_mask_storeu_ps(p, lanes16(n), v.0) }
+    }
 }
 
-/// A mask of the first `n <= 16` lanes.
+/// The first `n <= 16` lanes.
+#[inline(always)]
 fn lanes16(n: usize) -> __mmask16 {
     ((1u32 << n) - 1) as __mmask16
 }
 
-/// Lane `s` = `q · keys[s]` for the 16 slots of `keys` (`[16][q.len()]`).
-#[inline]
-#[target_feature(enable = "avx512f,fma")]
-fn dots16(q: &[f32], keys: &[f32]) -> __m512 {
-    let hd = q.len();
-    assert!(hd.is_multiple_of(16) && keys.len() >= SLOT_CHUNK * hd);
-    let mut acc = [_mm512_setzero_ps(); 16];
-    for c in (0..hd).step_by(16) {
-        // SAFETY: `c + 16 <= hd`, and slot `s < 16` holds `hd` values.
+#[derive(Clone, Copy)]
+struct V256(__m256);
+
+impl Vector for V256 {
+    const LANES: usize = 8;
+    const PARTIAL_LOADS: bool = false;
+    const VALUE_VECTORS: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn zero() -> Self {
+        V256(_mm256_setzero_ps())
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn splat(x: f32) -> Self {
+        V256(_mm256_set1_ps(x))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+        V256(_mm256_fmadd_ps(a.0, b.0, c.0))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(a: Self, b: Self) -> Self {
+        V256(_mm256_add_ps(a.0, b.0))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        V256(_mm256_mul_ps(a.0, b.0))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load<E: KvElement>(p: *const E, _n: usize) -> Self {
+        // SAFETY: the caller passes 8 readable values.
         unsafe {
-            let qv = _mm512_loadu_ps(q.as_ptr().add(c));
-            for (s, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys.as_ptr().add(s * hd + c)), *a);
+            V256(if E::IS_F16 {
+                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+            } else {
+                _mm256_loadu_ps(p as *const f32)
+            })
+        }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_f32(p: *const f32) -> Self {
+        V256(unsafe { _mm256_loadu_ps(p) })
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn store_f32(p: *mut f32, v: Self) {
+        unsafe { _mm256_storeu_ps(p, v.0) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn store_first(p: *mut f32, v: Self, n: usize) {
+        let mut lanes = [0f32; 8];
+        unsafe {
+            _mm256_storeu_ps(lanes.as_mut_ptr(), v.0);
+            std::ptr::copy_nonoverlapping(lanes.as_ptr(), p, n);
+        }
+    }
+}
+
+/// `slots` slots of a block's keys from slot 0 of `keys` on: dimension `d` is
+/// `keys[d * stride..][..slots]`.
+struct KeyChunk<'a, E> {
+    keys: &'a [E],
+    stride: usize,
+    slots: usize,
+}
+
+/// `slots` slots of a block's values from dimension 0 of `values` on: slot `s` is
+/// `values[s * head_dim..]`.
+struct ValueChunk<'a, E> {
+    values: &'a [E],
+    head_dim: usize,
+    slots: usize,
+}
+
+/// The attention kernel of one vector type: `$attend` with its scores and values kernels, each
+/// compiled with `$features` so that the vector's operations inline into them.
+macro_rules! vector_attention {
+    ($v:ident, $features:literal, $attend:ident, $scores:ident, $values:ident) => {
+        /// Attention over one span in chunks of `$v::LANES` slots.
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $attend<E: KvElement>(
+            u: &Span<'_, E>,
+            work: &mut KernelScratch,
+            out: &mut [f32],
+            lse: &mut [f32],
+        ) {
+            let (hd, n, g, bs) = (u.head_dim, u.len(), u.group, u.kv.layout.block_size);
+            debug_assert!(hd.is_multiple_of($v::LANES));
+            let scale = 1.0 / (hd as f32).sqrt();
+            let KernelScratch { scores, tile: buf } = work;
+            let scores = &mut scores[..u.q_heads() * n];
+            for_each_block(u, 0, |head, at, in_block, keys| {
+                for c in (0..in_block).step_by($v::LANES) {
+                    let cnt = $v::LANES.min(in_block - c);
+                    // Without partial loads, a short chunk is first widened into a tile of
+                    // `LANES` slots (zero past its own), so that no load reads past the block.
+                    let tile = (cnt < $v::LANES && !$v::PARTIAL_LOADS).then(|| {
+                        let tile = &mut buf[..TILE_SLOTS * hd];
+                        tile.fill(0.0);
+                        for (d, t) in tile.chunks_exact_mut(TILE_SLOTS).enumerate() {
+                            for (x, k) in t.iter_mut().zip(&keys[d * bs + c..][..cnt]) {
+                                *x = k.to_f32();
+                            }
+                        }
+                        &*tile
+                    });
+                    for h0 in (head * g..(head + 1) * g).step_by(HEADS_AT_ONCE) {
+                        let heads = HEADS_AT_ONCE.min((head + 1) * g - h0);
+                        let q = &u.q[h0 * hd..(h0 + heads) * hd];
+                        let rows = &mut scores[h0 * n + at + c..];
+                        // SAFETY (both): the chunks hold `hd` dimensions of `cnt` slots, readable
+                        // as `load` reads them (a whole tile, or a masked or whole run of a block).
+                        match tile {
+                            Some(t) => {
+                                let chunk = KeyChunk {
+                                    keys: t,
+                                    stride: TILE_SLOTS,
+                                    slots: cnt,
+                                };
+                                unsafe {
+                                    dispatch_heads!($scores, f32, heads; &chunk, q, scale, rows, n)
+                                }
+                            }
+                            None => {
+                                let chunk = KeyChunk {
+                                    keys: &keys[c..],
+                                    stride: bs,
+                                    slots: cnt,
+                                };
+                                unsafe {
+                                    dispatch_heads!($scores, E, heads; &chunk, q, scale, rows, n)
+                                }
+                            }
+                        }
+                    }
+                }
+            });
+            for (row, l) in scores.chunks_exact_mut(n).zip(lse.iter_mut()) {
+                *l = softmax_from(row, row_max(row));
             }
+            out.fill(0.0);
+            let pass = $v::LANES * $v::VALUE_VECTORS;
+            for_each_block(u, 1, |head, at, in_block, values| {
+                for h0 in (head * g..(head + 1) * g).step_by(HEADS_AT_ONCE) {
+                    let heads = HEADS_AT_ONCE.min((head + 1) * g - h0);
+                    let weights = &scores[h0 * n + at..];
+                    for d0 in (0..hd).step_by(pass) {
+                        let chunk = ValueChunk {
+                            values: &values[d0..],
+                            head_dim: hd,
+                            slots: in_block,
+                        };
+                        let o = &mut out[h0 * hd + d0..];
+                        // SAFETY (all): `V`'s features are enabled by the caller.
+                        unsafe {
+                            match ((hd - d0) / $v::LANES).min($v::VALUE_VECTORS) {
+                                1 => {
+                                    dispatch_heads!($values, E, heads, 1; &chunk, weights, n, o)
+                                }
+                                2 => {
+                                    dispatch_heads!($values, E, heads, 2; &chunk, weights, n, o)
+                                }
+                                3 => {
+                                    dispatch_heads!($values, E, heads, 3; &chunk, weights, n, o)
+                                }
+                                _ => {
+                                    dispatch_heads!($values, E, heads, 4; &chunk, weights, n, o)
+                                }
+                            }
+                        }
+                    }
+                }
+            });
         }
-    }
-    sum_lanes16(acc)
-}
 
-/// Lane `i` of the result = the sum of the 16 lanes of `a[i]`: four rounds, each adding two
-/// halves of pairs of vectors (8 + 4 + 2 + 1 additions, 45 instructions instead of 16
-/// horizontal sums).
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn sum_lanes16(a: [__m512; 16]) -> __m512 {
-    // The rounds leave lane 4k + p holding input 4p + k, so inputs are taken transposed.
-    let x = |i: usize| a[(i % 4) * 4 + i / 4];
-    // Round 1: 256-bit halves. b[i] = [x(2i) folded to 8 lanes | x(2i+1) folded].
-    let b: [__m512; 8] = std::array::from_fn(|i| {
-        let (u, v) = (x(2 * i), x(2 * i + 1));
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x44>(u, v),
-            _mm512_shuffle_f32x4::<0xEE>(u, v),
-        )
-    });
-    // Round 2: 128-bit quarters. c[j] quarter k = x(4j + k) folded to 4 lanes.
-    let c: [__m512; 4] = std::array::from_fn(|j| {
-        let (u, v) = (b[2 * j], b[2 * j + 1]);
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x88>(u, v),
-            _mm512_shuffle_f32x4::<0xDD>(u, v),
-        )
-    });
-    // Round 3: pairs within quarters.
-    let d: [__m512; 2] = std::array::from_fn(|m| {
-        let (u, v) = (c[2 * m], c[2 * m + 1]);
-        _mm512_add_ps(
-            _mm512_shuffle_ps::<0x44>(u, v),
-            _mm512_shuffle_ps::<0xEE>(u, v),
-        )
-    });
-    // Round 4: single lanes.
-    _mm512_add_ps(
-        _mm512_shuffle_ps::<0x88>(d[0], d[1]),
-        _mm512_shuffle_ps::<0xDD>(d[0], d[1]),
-    )
-}
-
-/// `o[..W * 16] += sum_s weights[s] * values[s * hd .. s * hd + W * 16]`.
-#[inline]
-#[target_feature(enable = "avx512f,fma")]
-fn weighted_sum16<const W: usize>(weights: &[f32], values: &[f32], hd: usize, o: &mut [f32]) {
-    let n = weights.len();
-    assert!(o.len() >= W * 16 && (n == 0 || values.len() >= (n - 1) * hd + W * 16));
-    let (v, op) = (values.as_ptr(), o.as_mut_ptr());
-    // SAFETY (loads and stores): inside `values` and `o` (asserted above).
-    let mut even: [__m512; W] = std::array::from_fn(|j| unsafe { _mm512_loadu_ps(op.add(16 * j)) });
-    let mut odd = [_mm512_setzero_ps(); W];
-    let add = |acc: &mut [__m512; W], s: usize| {
-        let w = _mm512_set1_ps(weights[s]);
-        for (j, a) in acc.iter_mut().enumerate() {
-            *a = _mm512_fmadd_ps(w, unsafe { _mm512_loadu_ps(v.add(s * hd + 16 * j)) }, *a);
-        }
-    };
-    let mut s = 0;
-    while s + 2 <= n {
-        add(&mut even, s);
-        add(&mut odd, s + 1);
-        s += 2;
-    }
-    if s < n {
-        add(&mut even, s);
-    }
-    for j in 0..W {
-        unsafe { _mm512_storeu_ps(op.add(16 * j), _mm512_add_ps(even[j], odd[j])) };
-    }
-}
-
-/// Attention with AVX2 over 8-slot chunks.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn attend_avx2<E: KvElement>(
-    u: &Span<'_, E>,
-    work: &mut KernelScratch,
-    out: &mut [f32],
-    lse: &mut [f32],
-) {
-    let (hd, n, g) = (u.head_dim, u.len(), u.group);
-    debug_assert!(hd.is_multiple_of(8));
-    let scale = _mm256_set1_ps(1.0 / (hd as f32).sqrt());
-    let KernelScratch { scores, slots } = work;
-    let scores = &mut scores[..g * n];
-    for_each_chunk::<E, 8>(
-        u,
-        0,
-        slots,
-        |s, d| widen8(s, d),
-        |at, cnt, keys| {
-            for h in 0..g {
-                let d = _mm256_mul_ps(dots8(&u.q[h * hd..(h + 1) * hd], keys), scale);
-                let row = &mut scores[h * n + at..h * n + at + cnt];
-                if cnt == 8 {
-                    // SAFETY: `row` holds 8 values.
-                    unsafe { _mm256_storeu_ps(row.as_mut_ptr(), d) };
-                } else {
-                    let mut all = [0f32; 8];
-                    // SAFETY: `all` holds 8 values.
-                    unsafe { _mm256_storeu_ps(all.as_mut_ptr(), d) };
-                    row.copy_from_slice(&all[..cnt]);
+        /// `rows[i * n + s]` = `scale * q_i · key_s` for the chunk's slots `s` and the `G` query
+        /// heads `q_i = q[i * head_dim..]`.
+        ///
+        /// # Safety
+        /// the chunk's keys are readable as `$v::load` reads them.
+        #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn $scores<E: KvElement, const G: usize>(
+            chunk: &KeyChunk<'_, E>,
+            q: &[f32],
+            scale: f32,
+            rows: &mut [f32],
+            n: usize,
+        ) {
+            let hd = q.len() / G;
+            let (stride, cnt) = (chunk.stride, chunk.slots);
+            let loaded = if $v::PARTIAL_LOADS { cnt } else { $v::LANES };
+            assert!(cnt <= $v::LANES && chunk.keys.len() >= (hd - 1) * stride + loaded);
+            assert!(rows.len() >= (G - 1) * n + cnt);
+            let chains = score_chains(G, $v::LANES);
+            let (kp, qp) = (chunk.keys.as_ptr(), q.as_ptr());
+            // SAFETY (all): loads within the chunk (asserted above), `q` holds `G * hd` values,
+            // row `i` holds `cnt` values at `i * n`.
+            unsafe {
+                let mut acc = [[$v::zero(); 8]; G];
+                for d in (0..hd).step_by(chains) {
+                    for j in 0..chains {
+                        let k = $v::load(kp.add((d + j) * stride), cnt);
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            a[j] = $v::fmadd($v::splat(*qp.add(i * hd + d + j)), k, a[j]);
+                        }
+                    }
+                }
+                for (i, a) in acc.iter().enumerate() {
+                    let s = a[1..chains].iter().fold(a[0], |s, &x| $v::add(s, x));
+                    $v::store_first(
+                        rows.as_mut_ptr().add(i * n),
+                        $v::mul(s, $v::splat(scale)),
+                        cnt,
+                    );
                 }
             }
-        },
-    );
-    for (row, l) in scores.chunks_exact_mut(n).zip(lse.iter_mut()) {
-        *l = softmax_from(row, row_max(row));
-    }
-    out.fill(0.0);
-    for_each_chunk::<E, 8>(
-        u,
-        1,
-        slots,
-        |s, d| widen8(s, d),
-        |at, cnt, values| {
-            for h in 0..g {
-                let weights = &scores[h * n + at..h * n + at + cnt];
-                for d0 in (0..hd).step_by(64) {
-                    let o = &mut out[h * hd + d0..(h + 1) * hd];
-                    let v = &values[d0..];
-                    match (hd - d0) / 8 {
-                        1 => weighted_sum8::<1>(weights, v, hd, o),
-                        2 => weighted_sum8::<2>(weights, v, hd, o),
-                        3 => weighted_sum8::<3>(weights, v, hd, o),
-                        4 => weighted_sum8::<4>(weights, v, hd, o),
-                        5 => weighted_sum8::<5>(weights, v, hd, o),
-                        6 => weighted_sum8::<6>(weights, v, hd, o),
-                        7 => weighted_sum8::<7>(weights, v, hd, o),
-                        _ => weighted_sum8::<8>(weights, v, hd, o),
+        }
+
+        /// `out[i * head_dim..][..W * LANES] += sum_s weights[i * n + s] * value_s[..W * LANES]`
+        /// for the chunk's slots and the `G` query heads.
+        ///
+        #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn $values<E: KvElement, const G: usize, const W: usize>(
+            chunk: &ValueChunk<'_, E>,
+            weights: &[f32],
+            n: usize,
+            out: &mut [f32],
+        ) {
+            let (hd, cnt, width) = (chunk.head_dim, chunk.slots, W * $v::LANES);
+            assert!(cnt == 0 || chunk.values.len() >= (cnt - 1) * hd + width);
+            assert!(cnt == 0 || weights.len() >= (G - 1) * n + cnt);
+            assert!(out.len() >= (G - 1) * hd + width);
+            let (vp, wp, op) = (chunk.values.as_ptr(), weights.as_ptr(), out.as_mut_ptr());
+            let at = |i: usize, j: usize| i * hd + j * $v::LANES;
+            // SAFETY (all): loads and stores inside `values`, `weights` and `out` (asserted above).
+            unsafe {
+                let acc_at = |i: usize| std::array::from_fn(|j| $v::load_f32(op.add(at(i, j))));
+                let mut acc: [[$v; W]; G] = std::array::from_fn(acc_at);
+                for s in 0..cnt {
+                    let slot = vp.add(s * hd);
+                    let v: [$v; W] =
+                        std::array::from_fn(|j| $v::load(slot.add(j * $v::LANES), $v::LANES));
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        let w = $v::splat(*wp.add(i * n + s));
+                        for (aj, &vj) in a.iter_mut().zip(&v) {
+                            *aj = $v::fmadd(w, vj, *aj);
+                        }
+                    }
+                }
+                for (i, a) in acc.iter().enumerate() {
+                    for (j, &aj) in a.iter().enumerate() {
+                        $v::store_f32(op.add(at(i, j)), aj);
                     }
                 }
             }
-        },
-    );
-}
-
-/// `dst[..src.len()]` = `src` as f32, the rest of `dst` zero.
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-fn widen8<E: KvElement>(src: &[E], dst: &mut [f32]) {
-    assert!(src.len().is_multiple_of(8) && src.len() <= dst.len());
-    let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
-    for i in (0..src.len()).step_by(8) {
-        // SAFETY: `i + 8 <= src.len() <= dst.len()`.
-        unsafe {
-            let v = if E::IS_F16 {
-                _mm256_cvtph_ps(_mm_loadu_si128(s.add(i) as *const __m128i))
-            } else {
-                _mm256_loadu_ps(s.add(i) as *const f32)
-            };
-            _mm256_storeu_ps(d.add(i), v);
         }
-    }
-    dst[src.len()..].fill(0.0);
+    };
 }
 
-/// Lane `s` = `q · keys[s]` for the 8 slots of `keys` (`[8][q.len()]`): eight independent FMA
-/// chains, enough to cover the FMA latency at two per cycle.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn dots8(q: &[f32], keys: &[f32]) -> __m256 {
-    let hd = q.len();
-    assert!(hd.is_multiple_of(8) && keys.len() >= 8 * hd);
-    let mut acc = [_mm256_setzero_ps(); 8];
-    for c in (0..hd).step_by(8) {
-        // SAFETY: `c + 8 <= hd`, and slot `s < 8` holds `hd` values.
-        unsafe {
-            let qv = _mm256_loadu_ps(q.as_ptr().add(c));
-            for (s, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys.as_ptr().add(s * hd + c)), *a);
-            }
-        }
-    }
-    sum_lanes8(acc)
-}
-
-/// Lane `i` of the result = the sum of the 8 lanes of `a[i]`: two rounds of pairwise horizontal
-/// adds leave each input folded to 4 lanes per 128-bit half; adding the halves finishes.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn sum_lanes8(a: [__m256; 8]) -> __m256 {
-    let t: [__m256; 4] = std::array::from_fn(|i| _mm256_hadd_ps(a[2 * i], a[2 * i + 1]));
-    // u[0] = [a0..a3 summed over lanes 0-3 | the same over lanes 4-7]; u[1] likewise for a4..a7.
-    let u = [_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3])];
-    _mm256_add_ps(
-        _mm256_permute2f128_ps::<0x20>(u[0], u[1]),
-        _mm256_permute2f128_ps::<0x31>(u[0], u[1]),
-    )
-}
-
-/// `o[..W * 8] += sum_s weights[s] * values[s * hd .. s * hd + W * 8]`: `W` accumulators, enough
-/// independent chains at `W = 8` (a head size of 64 in one pass).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn weighted_sum8<const W: usize>(weights: &[f32], values: &[f32], hd: usize, o: &mut [f32]) {
-    let n = weights.len();
-    assert!(o.len() >= W * 8 && (n == 0 || values.len() >= (n - 1) * hd + W * 8));
-    let (v, op) = (values.as_ptr(), o.as_mut_ptr());
-    // SAFETY (loads and stores): inside `values` and `o` (asserted above).
-    let mut acc: [__m256; W] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(op.add(8 * j)) });
-    for (s, &w) in weights.iter().enumerate() {
-        let w = _mm256_set1_ps(w);
-        for (j, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_fmadd_ps(w, unsafe { _mm256_loadu_ps(v.add(s * hd + 8 * j)) }, *a);
-        }
-    }
-    for (j, a) in acc.iter().enumerate() {
-        unsafe { _mm256_storeu_ps(op.add(8 * j), *a) };
-    }
-}
+vector_attention!(
+    V512,
+    "avx512f,avx512bw,avx512vl,fma,f16c",
+    attend_avx512,
+    key_scores_avx512,
+    weighted_values_avx512
+);
+vector_attention!(
+    V256,
+    "avx2,fma,f16c",
+    attend_avx2,
+    key_scores_avx2,
+    weighted_values_avx2
+);
