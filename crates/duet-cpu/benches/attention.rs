@@ -17,6 +17,7 @@ use duet_cpu::CpuBackend;
 use duet_cpu::quant::KernelPath;
 use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvLayout};
 use duet_engine::batch::{ForwardBatch, LogitsWanted, SeqInput};
+use duet_model::synthetic::Uniform;
 
 const LAYERS: usize = 30;
 const HEADS: usize = 9;
@@ -25,19 +26,6 @@ const HEAD_DIM: usize = 64;
 const BLOCK: usize = 16;
 /// Bytes of weights the matrix products of one layer read (~96 MB / 30 layers).
 const WEIGHTS_PER_LAYER: usize = 3 << 20;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn f(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
 
 struct Options {
     threads: usize,
@@ -100,7 +88,7 @@ fn main() {
         if o.hot { ", KV hot" } else { "" }
     );
     let weights = vec![1u8; LAYERS * WEIGHTS_PER_LAYER];
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut rng = Uniform::new(17);
     for &(batch, context) in &o.points {
         let per_seq = context.div_ceil(BLOCK);
         // Four times the blocks in use, at least 1 GiB of cache: reads land all over memory.
@@ -121,7 +109,8 @@ fn main() {
         let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
         if o.scattered {
             for i in (1..ids.len()).rev() {
-                ids.swap(i, rng.next() as usize % (i + 1));
+                let r = (rng.next_value() + 1.0) / 2.0 * (i + 1) as f32;
+                ids.swap(i, (r as usize).min(i));
             }
         }
         let tables: Vec<Vec<u32>> = (0..batch)
@@ -137,7 +126,7 @@ fn main() {
         // Every block of the pool written once (the OS backs the whole cache, as in a busy server).
         let width = KV_HEADS * HEAD_DIM;
         let chunk = 4096;
-        let values: Vec<f32> = (0..chunk * width).map(|_| rng.f()).collect();
+        let values = rng.values(chunk * width);
         for layer in 0..LAYERS {
             let mut slot = 0u32;
             while (slot as usize) < num_blocks * BLOCK {
@@ -160,7 +149,7 @@ fn main() {
         let forward = ForwardBatch::new(&inputs, BLOCK, num_blocks, 2, context).expect("batch");
         let prepared = backend.prepare_batch(&forward);
         let q = duet_cpu::CpuTensor {
-            data: (0..batch * HEADS * HEAD_DIM).map(|_| rng.f()).collect(),
+            data: rng.values(batch * HEADS * HEAD_DIM),
             rows: batch,
             cols: HEADS * HEAD_DIM,
         };
