@@ -12,6 +12,7 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
+use crate::huge_pages::HugeBuffer;
 use duet_engine::EngineError;
 use duet_engine::backend::{KvDtype, KvLayout};
 
@@ -22,8 +23,8 @@ pub struct CpuKvStore {
 
 /// The cache's values, in the element type of its layout.
 pub(crate) enum KvData {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
+    F32(HugeBuffer<f32>),
+    F16(HugeBuffer<f16>),
 }
 
 /// An element type the CPU cache stores: values are rounded to it when written and widened to
@@ -102,22 +103,6 @@ impl KvElement for f16 {
     }
 }
 
-/// `len` zeroed values straight from the allocator (calloc/mmap): memory becomes resident only
-/// as blocks are first written, so an idle pool costs nothing. `None` if the allocation fails.
-fn zeroed_vec<T: KvElement>(len: usize) -> Option<Vec<T>> {
-    if len == 0 {
-        return Some(Vec::new());
-    }
-    let bytes = std::alloc::Layout::array::<T>(len).ok()?;
-    // SAFETY: the layout is non-zero-sized; a non-null result is `len` zeroed values (all-zero
-    // bits are 0.0 for both element types) allocated by the global allocator with exactly the
-    // layout a Vec<T> uses.
-    unsafe {
-        let ptr = std::alloc::alloc_zeroed(bytes) as *mut T;
-        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, len, len))
-    }
-}
-
 impl CpuKvStore {
     pub fn new(layout: KvLayout) -> Result<Self, EngineError> {
         let len = layout
@@ -125,18 +110,20 @@ impl CpuKvStore {
             .checked_mul(layout.block_size)
             .and_then(|n| n.checked_mul(layout.values_per_token()))
             .ok_or_else(|| EngineError::Config("KV cache size overflows".into()))?;
+        // Zeroed memory that becomes resident only as blocks are first written, so an idle pool
+        // costs nothing.
         let data = match layout.dtype {
-            KvDtype::F32 => zeroed_vec(len).map(KvData::F32),
-            KvDtype::F16 => zeroed_vec(len).map(KvData::F16),
+            KvDtype::F32 => HugeBuffer::zeroed(len).map(KvData::F32),
+            KvDtype::F16 => HugeBuffer::zeroed(len).map(KvData::F16),
             KvDtype::Bf16 => {
                 return Err(EngineError::Config(
                     "the CPU KV cache stores f32 or f16, not bf16".into(),
                 ));
             }
         };
-        let data = data.ok_or_else(|| {
+        let data = data.map_err(|e| {
             EngineError::Config(format!(
-                "cannot allocate a KV cache of {} MiB ({} blocks)",
+                "cannot allocate a KV cache of {} MiB ({} blocks): {e}",
                 layout.bytes() >> 20,
                 layout.num_blocks
             ))

@@ -2,6 +2,7 @@
 //! store, every op split over the kernel thread pool.
 
 mod attention;
+mod huge_pages;
 mod kv_store;
 pub mod quant;
 pub mod threadpool;

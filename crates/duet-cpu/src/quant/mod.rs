@@ -49,6 +49,13 @@ pub enum QuantError {
         expected: usize,
         got: usize,
     },
+    #[error("{ty} matrix [{rows} x {cols}]: cannot map memory for its weights: {reason}")]
+    OutOfMemory {
+        ty: QuantType,
+        rows: usize,
+        cols: usize,
+        reason: String,
+    },
 }
 
 /// Which kernel implementation runs a matmul.
@@ -249,7 +256,14 @@ impl QMatrix {
             });
         }
         let data = if packed::packable(ty) {
-            Data::Packed(Arc::new(Packed::pack(ty, rows, cols, &bytes)))
+            let packed =
+                Packed::pack(ty, rows, cols, &bytes).map_err(|e| QuantError::OutOfMemory {
+                    ty,
+                    rows,
+                    cols,
+                    reason: e.to_string(),
+                })?;
+            Data::Packed(Arc::new(packed))
         } else {
             Data::Raw(bytes)
         };

@@ -20,18 +20,14 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::QuantType;
+use crate::huge_pages::HugeBuffer;
 use duet_model::dequant::f16_at;
 
 pub(crate) const GROUP: usize = 16;
 
-/// 64-byte aligned storage unit.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-pub(crate) struct A64(pub [u8; 64]);
-
 pub(crate) struct Packed {
-    storage: Vec<A64>,
-    len: usize,
+    /// On huge pages, page aligned (see `huge_pages.rs`).
+    storage: HugeBuffer<u8>,
     /// Block columns per row.
     pub nb: usize,
     /// Bytes per group-block.
@@ -44,7 +40,9 @@ impl std::fmt::Debug for Packed {
         write!(
             f,
             "Packed({} groups x {} blocks, {} bytes)",
-            self.n_groups, self.nb, self.len
+            self.n_groups,
+            self.nb,
+            self.storage.len()
         )
     }
 }
@@ -92,30 +90,23 @@ const Q6K_GB: usize = Q6K_D + 32;
 
 impl Packed {
     pub fn bytes(&self) -> &[u8] {
-        // SAFETY: A64 is plain bytes; `len <= storage.len() * 64`.
-        unsafe { std::slice::from_raw_parts(self.storage.as_ptr() as *const u8, self.len) }
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above.
-        unsafe { std::slice::from_raw_parts_mut(self.storage.as_mut_ptr() as *mut u8, self.len) }
+        &self.storage
     }
 
     /// Packs `rows` rows of `cols` values stored in GGML layout (`raw.len() == rows * row_bytes`).
-    pub fn pack(ty: QuantType, rows: usize, cols: usize, raw: &[u8]) -> Packed {
+    /// Fails only when the memory for them cannot be mapped.
+    pub fn pack(ty: QuantType, rows: usize, cols: usize, raw: &[u8]) -> std::io::Result<Packed> {
         let nb = cols / ty.block_len();
         let gb = group_block_bytes(ty);
         let n_groups = rows.div_ceil(GROUP);
-        let len = n_groups * nb * gb;
         let mut p = Packed {
-            storage: vec![A64([0; 64]); len.div_ceil(64)],
-            len,
+            storage: HugeBuffer::zeroed(n_groups * nb * gb)?,
             nb,
             gb,
             n_groups,
         };
         let rb = nb * ty.block_bytes();
-        let bytes = p.bytes_mut();
+        let bytes = &mut p.storage[..];
         for r in 0..rows {
             let row = &raw[r * rb..(r + 1) * rb];
             for k in 0..nb {
@@ -124,7 +115,7 @@ impl Packed {
                 put_block(ty, blk, r % GROUP, dst);
             }
         }
-        p
+        Ok(p)
     }
 
     /// Row `r` in the original GGML block layout.
