@@ -103,6 +103,50 @@ trait Vector: Copy {
     unsafe fn store_first(p: *mut f32, v: Self, n: usize);
 }
 
+/// The `Vector` methods that are one intrinsic each, for vector type `$v` under `$features`.
+macro_rules! one_intrinsic_ops {
+    ($v:ident, $features:literal, $zero:ident, $splat:ident, $fmadd:ident, $add:ident, $mul:ident,
+     $load:ident, $store:ident) => {
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn zero() -> Self {
+            $v($zero())
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn splat(x: f32) -> Self {
+            $v($splat(x))
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            $v($fmadd(a.0, b.0, c.0))
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            $v($add(a.0, b.0))
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            $v($mul(a.0, b.0))
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn load_f32(p: *const f32) -> Self {
+            // SAFETY: the caller passes `LANES` readable values.
+            $v(unsafe { $load(p) })
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn store_f32(p: *mut f32, v: Self) {
+            // SAFETY: the caller passes room for `LANES` values.
+            unsafe { $store(p, v.0) }
+        }
+    };
+}
+
 #[derive(Clone, Copy)]
 struct V512(__m512);
 
@@ -110,31 +154,17 @@ impl Vector for V512 {
     const LANES: usize = 16;
     const PARTIAL_LOADS: bool = true;
     const VALUE_VECTORS: usize = 4;
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    unsafe fn zero() -> Self {
-        V512(_mm512_setzero_ps())
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    unsafe fn splat(x: f32) -> Self {
-        V512(_mm512_set1_ps(x))
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
-        V512(_mm512_fmadd_ps(a.0, b.0, c.0))
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    unsafe fn add(a: Self, b: Self) -> Self {
-        V512(_mm512_add_ps(a.0, b.0))
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    unsafe fn mul(a: Self, b: Self) -> Self {
-        V512(_mm512_mul_ps(a.0, b.0))
-    }
+    one_intrinsic_ops!(
+        V512,
+        "avx512f,avx512bw,avx512vl,fma,f16c",
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_add_ps,
+        _mm512_mul_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps
+    );
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
     unsafe fn load<E: KvElement>(p: *const E, n: usize) -> Self {
@@ -147,16 +177,6 @@ impl Vector for V512 {
                 _mm512_maskz_loadu_ps(mask, p as *const f32)
             })
         }
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    unsafe fn load_f32(p: *const f32) -> Self {
-        V512(unsafe { _mm512_loadu_ps(p) })
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    unsafe fn store_f32(p: *mut f32, v: Self) {
-        unsafe { _mm512_storeu_ps(p, v.0) }
     }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
@@ -178,31 +198,17 @@ impl Vector for V256 {
     const LANES: usize = 8;
     const PARTIAL_LOADS: bool = false;
     const VALUE_VECTORS: usize = 2;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn zero() -> Self {
-        V256(_mm256_setzero_ps())
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn splat(x: f32) -> Self {
-        V256(_mm256_set1_ps(x))
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
-        V256(_mm256_fmadd_ps(a.0, b.0, c.0))
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn add(a: Self, b: Self) -> Self {
-        V256(_mm256_add_ps(a.0, b.0))
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn mul(a: Self, b: Self) -> Self {
-        V256(_mm256_mul_ps(a.0, b.0))
-    }
+    one_intrinsic_ops!(
+        V256,
+        "avx2,fma,f16c",
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_add_ps,
+        _mm256_mul_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps
+    );
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load<E: KvElement>(p: *const E, _n: usize) -> Self {
@@ -214,16 +220,6 @@ impl Vector for V256 {
                 _mm256_loadu_ps(p as *const f32)
             })
         }
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_f32(p: *const f32) -> Self {
-        V256(unsafe { _mm256_loadu_ps(p) })
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn store_f32(p: *mut f32, v: Self) {
-        unsafe { _mm256_storeu_ps(p, v.0) }
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
