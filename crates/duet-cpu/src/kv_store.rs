@@ -201,26 +201,28 @@ fn to_wire<E: KvElement>(l: &KvLayout, stored: &[E]) -> Vec<E> {
     let mut wire = stored.to_vec();
     let (hd, bs) = (l.head_dim, l.block_size);
     for h in 0..l.num_kv_heads {
-        let keys = &stored[h * bs * hd..][..bs * hd];
-        for (i, x) in wire[h * bs * hd..][..bs * hd].iter_mut().enumerate() {
-            let (slot, d) = (i / hd, i % hd);
-            *x = keys[d * bs + slot];
-        }
+        let keys = h * bs * hd..(h + 1) * bs * hd;
+        transpose(&stored[keys.clone()], hd, bs, &mut wire[keys]);
     }
     wire
 }
 
 /// The inverse of [`to_wire`], from little-endian bytes.
 fn from_wire<E: KvElement>(l: &KvLayout, bytes: &[u8], stored: &mut [E]) {
-    E::read_le(stored, bytes);
+    let mut wire = vec![E::ZERO; stored.len()];
+    E::read_le(&mut wire, bytes);
+    stored.copy_from_slice(&wire);
     let (hd, bs) = (l.head_dim, l.block_size);
     for h in 0..l.num_kv_heads {
-        let keys = &mut stored[h * bs * hd..][..bs * hd];
-        let wire = keys.to_vec();
-        for (i, &x) in wire.iter().enumerate() {
-            let (slot, d) = (i / hd, i % hd);
-            keys[d * bs + slot] = x;
-        }
+        let keys = h * bs * hd..(h + 1) * bs * hd;
+        transpose(&wire[keys.clone()], bs, hd, &mut stored[keys]);
+    }
+}
+
+/// `to[c * rows + r] = from[r * cols + c]`: a `rows` x `cols` matrix transposed.
+fn transpose<E: Copy>(from: &[E], rows: usize, cols: usize, to: &mut [E]) {
+    for (i, &x) in from[..rows * cols].iter().enumerate() {
+        to[(i % cols) * rows + i / cols] = x;
     }
 }
 
