@@ -274,7 +274,7 @@ fn matmul_matches_reference_on_every_path() {
         let (rows, cols) = (53, cols_for(ty));
         let (m, raw) = random_matrix(ty, rows, cols, 7 + ty as u64);
         let w = ref_dequant(ty, &raw, rows * cols);
-        for n_tokens in [1usize, 3, 17, 64] {
+        for n_tokens in [1usize, 3, 17, 29, 64] {
             let mut rng = Rng(1000 + n_tokens as u64);
             let x: Vec<f32> = (0..n_tokens * cols).map(|_| rng.f() * 2.0).collect();
             let want = ref_matmul(&w, rows, cols, &x, n_tokens);

@@ -13,25 +13,33 @@ use super::QuantType;
 use super::packed::{ActBlocks, Q4K_D, Q4K_DMIN, Q4K_MN, Q4K_SC, Q6K_D, Q6K_QH, Q6K_SC, Tile};
 use std::arch::x86_64::*;
 
-/// Token tile of the AVX-512 kernels (accumulators held in registers).
-pub(crate) const NT_512: usize = 8;
-/// Token tile of the AVX2 kernels.
+/// Token tile of the AVX-512 kernels: every unpacked weight register feeds 16 tokens' dots, so
+/// unpacking costs less per dot and 16 independent accumulator chains hide the `vpdpwssd`
+/// latency. The f32 accumulators then live on the stack, read and written once per block by the
+/// load and store ports. 16 rather than 8 measured 6-13% faster per matrix at 32 tokens on an
+/// Intel Xeon (family 6 model 207), for every block type.
+pub(crate) const NT_512: usize = 16;
+/// Token tile of the AVX2 kernels (16 ymm registers: accumulators and weights of 8 tokens).
 pub(crate) const NT_256: usize = 8;
 
-/// Calls `$f::<nt, $generics...>($args...)` for a token count known only at run time.
+/// Calls `$f::<nt, $generics...>($args...)` for a token count known only at run time:
+/// `dispatch_nt!(@512 f, nt, (args), generics...)` for 1..=[`NT_512`] tokens, `@256` for
+/// 1..=[`NT_256`].
 macro_rules! dispatch_nt {
-    ($f:ident, $nt:expr, $max:expr, ($($args:expr),*) $(, $g:tt)*) => {
+    (@512 $f:ident, $nt:expr, $args:tt $(, $g:tt)*) => {
+        dispatch_nt!(@match [1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16] $f, $nt, $args, [$($g)*])
+    };
+    (@256 $f:ident, $nt:expr, $args:tt $(, $g:tt)*) => {
+        dispatch_nt!(@match [1 2 3 4 5 6 7 8] $f, $nt, $args, [$($g)*])
+    };
+    (@match [$($n:literal)*] $f:ident, $nt:expr, $args:tt, $gs:tt) => {
         match $nt {
-            1 => $f::<1 $(, $g)*>($($args),*),
-            2 => $f::<2 $(, $g)*>($($args),*),
-            3 => $f::<3 $(, $g)*>($($args),*),
-            4 => $f::<4 $(, $g)*>($($args),*),
-            5 if $max >= 5 => $f::<5 $(, $g)*>($($args),*),
-            6 if $max >= 6 => $f::<6 $(, $g)*>($($args),*),
-            7 if $max >= 7 => $f::<7 $(, $g)*>($($args),*),
-            8 if $max >= 8 => $f::<8 $(, $g)*>($($args),*),
+            $($n => dispatch_nt!(@call $f, $n, $gs, $args),)*
             _ => unreachable!("token tile too large"),
         }
+    };
+    (@call $f:ident, $n:literal, [$($g:tt)*], ($($args:expr),*)) => {
+        $f::<$n $(, $g)*>($($args),*)
     };
 }
 
@@ -176,11 +184,11 @@ const PREFETCH_BYTES: usize = 4096;
 pub(crate) unsafe fn tile_avx512(ty: QuantType, t: &Tile, nt: usize) {
     unsafe {
         match ty {
-            QuantType::Q4_0 => dispatch_nt!(q4_avx512_false, nt, NT_512, (t)),
-            QuantType::Q4_1 => dispatch_nt!(q4_avx512_true, nt, NT_512, (t)),
-            QuantType::Q8_0 => dispatch_nt!(q8_avx512, nt, NT_512, (t)),
-            QuantType::Q4_K => dispatch_nt!(q4k_avx512, nt, NT_512, (t)),
-            QuantType::Q6_K => dispatch_nt!(q6k_avx512, nt, NT_512, (t)),
+            QuantType::Q4_0 => dispatch_nt!(@512 q4_avx512_false, nt, (t)),
+            QuantType::Q4_1 => dispatch_nt!(@512 q4_avx512_true, nt, (t)),
+            QuantType::Q8_0 => dispatch_nt!(@512 q8_avx512, nt, (t)),
+            QuantType::Q4_K => dispatch_nt!(@512 q4k_avx512, nt, (t)),
+            QuantType::Q6_K => dispatch_nt!(@512 q6k_avx512, nt, (t)),
             _ => unreachable!(),
         }
     }
@@ -212,16 +220,20 @@ unsafe fn q4_avx512<const NT: usize, const Q41: bool>(t: &Tile) {
                         v = _mm512_srli_epi32::<4>(v);
                     }
                     (w[2 * c], w[2 * c + 1]) = nibble_pairs(v);
+                    if !Q41 {
+                        // Q4_0 quants are offset by 8: signed weights need no per-token correction
+                        // (which, at 16 tokens, spilled and made Q4_0 20% slower than at 8).
+                        let eight = _mm512_set1_epi16(8);
+                        w[2 * c] = _mm512_sub_epi16(w[2 * c], eight);
+                        w[2 * c + 1] = _mm512_sub_epi16(w[2 * c + 1], eight);
+                    }
                 }
                 dp_tokens(&mut s, &w, |ti| t.xq.add(ti * t.xs + k * 32), 8 * h);
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(256) as *const __m256i));
             for ti in 0..NT {
                 let ai = ti * t.anb + k;
-                let mut s = sum_chains(&s, ti);
-                if !Q41 {
-                    s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * *t.xi.add(ai)));
-                }
+                let s = sum_chains(&s, ti);
                 let dx = _mm512_set1_ps(*t.xd.add(ai));
                 acc[ti] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[ti]);
                 if Q41 {
@@ -427,9 +439,9 @@ pub(crate) unsafe fn tile_avx2_vnni(ty: QuantType, t: &Tile, nt: usize) {
 unsafe fn tile_256<const VNNI: bool>(ty: QuantType, t: &Tile, nt: usize) {
     unsafe {
         match ty {
-            QuantType::Q4_0 => dispatch_nt!(q4_avx2, nt, NT_256, (t), false, VNNI),
-            QuantType::Q4_1 => dispatch_nt!(q4_avx2, nt, NT_256, (t), true, VNNI),
-            QuantType::Q8_0 => dispatch_nt!(q8_avx2, nt, NT_256, (t), VNNI),
+            QuantType::Q4_0 => dispatch_nt!(@256 q4_avx2, nt, (t), false, VNNI),
+            QuantType::Q4_1 => dispatch_nt!(@256 q4_avx2, nt, (t), true, VNNI),
+            QuantType::Q8_0 => dispatch_nt!(@256 q8_avx2, nt, (t), VNNI),
             // The portable kernel, autovectorized for AVX2 (bit-identical by construction).
             QuantType::Q4_K => super::packed::tile_q4k_scalar(t, nt),
             QuantType::Q6_K => super::packed::tile_q6k_scalar(t, nt),
