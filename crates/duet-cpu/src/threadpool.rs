@@ -119,6 +119,28 @@ impl ThreadPool {
         }
     }
 
+    /// Runs `f(range)` over contiguous ranges covering `0..n` once, claimed by the participants
+    /// as they go (see [`Claims`]): threads running at different speeds finish together. Ranges
+    /// are at least `min` long, except the last.
+    pub fn for_each_claimed<F: Fn(std::ops::Range<usize>) + Sync>(
+        &self,
+        n: usize,
+        min: usize,
+        f: F,
+    ) {
+        let claims = Claims {
+            next: AtomicUsize::new(0),
+            n,
+            min: min.max(1),
+            shares: 2 * self.n_threads,
+        };
+        self.run(|_, _| {
+            while let Some(r) = claims.claim() {
+                f(r)
+            }
+        });
+    }
+
     /// Splits `0..n` into contiguous ranges, one per participant, and runs `f(range)` on each.
     pub fn for_each_range<F: Fn(std::ops::Range<usize>) + Sync>(&self, n: usize, f: F) {
         self.run(|idx, count| {
@@ -127,6 +149,37 @@ impl ThreadPool {
                 f(r)
             }
         });
+    }
+}
+
+/// Claims parts of `0..n` for [`ThreadPool::for_each_claimed`]: each claim takes a
+/// `1 / (2 * threads)` share of what is left (at least `min` items), so the first claims are long
+/// contiguous runs and the last ones short enough that a thread slowed down (a busy sibling
+/// hyperthread, a preempted vCPU) does not hold up the others for long.
+struct Claims {
+    next: AtomicUsize,
+    n: usize,
+    min: usize,
+    shares: usize,
+}
+
+impl Claims {
+    fn claim(&self) -> Option<std::ops::Range<usize>> {
+        let mut start = self.next.load(Ordering::Relaxed);
+        loop {
+            if start >= self.n {
+                return None;
+            }
+            let len = ((self.n - start) / self.shares).max(self.min);
+            let end = self.n.min(start + len);
+            match self
+                .next
+                .compare_exchange_weak(start, end, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return Some(start..end),
+                Err(now) => start = now,
+            }
+        }
     }
 }
 
@@ -164,7 +217,7 @@ impl Drop for Turn<'_> {
 }
 
 /// The `idx`-th of `count` near-equal contiguous parts of `0..n`.
-pub fn split_range(n: usize, idx: usize, count: usize) -> std::ops::Range<usize> {
+fn split_range(n: usize, idx: usize, count: usize) -> std::ops::Range<usize> {
     let base = n / count;
     let extra = n % count;
     let start = idx * base + idx.min(extra);
@@ -270,6 +323,25 @@ mod tests {
             inside.fetch_sub(1, Ordering::SeqCst);
         });
         assert_eq!(*order.lock().unwrap(), ["waiting", "again"]);
+    }
+
+    #[test]
+    fn claimed_ranges_cover_everything_once_in_runs_of_at_least_min() {
+        let pool = ThreadPool::new(3);
+        for (n, min) in [(0, 1), (1, 4), (101, 1), (1000, 7), (96, 200)] {
+            let seen: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            let short = AtomicUsize::new(0);
+            pool.for_each_claimed(n, min, |r| {
+                if r.len() < min && r.end != n {
+                    short.fetch_add(1, Ordering::Relaxed);
+                }
+                for i in r {
+                    seen[i].fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1), "n {n}");
+            assert_eq!(short.load(Ordering::Relaxed), 0, "n {n} min {min}");
+        }
     }
 
     #[test]

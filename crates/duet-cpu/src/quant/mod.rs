@@ -25,7 +25,7 @@ mod x86;
 use std::cell::RefCell;
 use std::sync::{Arc, OnceLock};
 
-use crate::threadpool::{ThreadPool, split_range};
+use crate::threadpool::ThreadPool;
 use duet_engine::EngineError;
 use duet_engine::backend::CpuKernels;
 pub use duet_model::dequant::dequantize_row;
@@ -398,8 +398,8 @@ impl QMatrix {
             let outp = SyncPtr(out.as_mut_ptr());
             let w = p.bytes().as_ptr() as usize;
             let (wnb, gb) = (p.nb, p.gb);
-            pool.run(|idx, n| {
-                for g in split_range(p.n_groups, idx, n) {
+            pool.for_each_claimed(p.n_groups, 1, |groups| {
+                for g in groups {
                     let mut t0 = 0;
                     while t0 < n_tokens {
                         let nt = nt_max.min(n_tokens - t0);
@@ -443,11 +443,7 @@ impl QMatrix {
         let rb = self.row_bytes();
         let outp = SyncPtr(out.as_mut_ptr());
         let n_chunks = rows.div_ceil(F32_ROWS);
-        pool.run(|idx, n| {
-            let chunks = split_range(n_chunks, idx, n);
-            if chunks.is_empty() {
-                return;
-            }
+        pool.for_each_claimed(n_chunks, 1, |chunks| {
             ROWS_F32.with(|cell| {
                 let mut fresh = Vec::new();
                 let mut borrowed = cell.try_borrow_mut();
