@@ -119,19 +119,13 @@ impl ThreadPool {
         }
     }
 
-    /// Runs `f(range)` over contiguous ranges covering `0..n` once, claimed by the participants
-    /// as they go (see [`Claims`]): threads running at different speeds finish together. Ranges
-    /// are at least `min` long, except the last.
-    pub fn for_each_claimed<F: Fn(std::ops::Range<usize>) + Sync>(
-        &self,
-        n: usize,
-        min: usize,
-        f: F,
-    ) {
+    /// Runs `f(range)` over disjoint contiguous ranges covering `0..n`, claimed by the
+    /// participants as they go (see [`Claims`]), so threads running at different speeds finish
+    /// together.
+    pub fn for_each_range<F: Fn(std::ops::Range<usize>) + Sync>(&self, n: usize, f: F) {
         let claims = Claims {
             next: AtomicUsize::new(0),
             n,
-            min: min.max(1),
             shares: 2 * self.n_threads,
         };
         self.run(|_, _| {
@@ -140,26 +134,15 @@ impl ThreadPool {
             }
         });
     }
-
-    /// Splits `0..n` into contiguous ranges, one per participant, and runs `f(range)` on each.
-    pub fn for_each_range<F: Fn(std::ops::Range<usize>) + Sync>(&self, n: usize, f: F) {
-        self.run(|idx, count| {
-            let r = split_range(n, idx, count);
-            if !r.is_empty() {
-                f(r)
-            }
-        });
-    }
 }
 
-/// Claims parts of `0..n` for [`ThreadPool::for_each_claimed`]: each claim takes a
-/// `1 / (2 * threads)` share of what is left (at least `min` items), so the first claims are long
+/// Claims parts of `0..n` for [`ThreadPool::for_each_range`]: each claim takes a
+/// `1 / (2 * threads)` share of what is left (at least one item), so the first claims are long
 /// contiguous runs and the last ones short enough that a thread slowed down (a busy sibling
 /// hyperthread, a preempted vCPU) does not hold up the others for long.
 struct Claims {
     next: AtomicUsize,
     n: usize,
-    min: usize,
     shares: usize,
 }
 
@@ -170,7 +153,7 @@ impl Claims {
             if start >= self.n {
                 return None;
             }
-            let len = ((self.n - start) / self.shares).max(self.min);
+            let len = ((self.n - start) / self.shares).max(1);
             let end = self.n.min(start + len);
             match self
                 .next
@@ -214,15 +197,6 @@ impl Drop for Turn<'_> {
         t.1 += 1;
         self.turns.served.notify_all();
     }
-}
-
-/// The `idx`-th of `count` near-equal contiguous parts of `0..n`.
-fn split_range(n: usize, idx: usize, count: usize) -> std::ops::Range<usize> {
-    let base = n / count;
-    let extra = n % count;
-    let start = idx * base + idx.min(extra);
-    let len = base + usize::from(idx < extra);
-    start..start + len
 }
 
 /// One thread per core the process may use.
@@ -326,33 +300,36 @@ mod tests {
     }
 
     #[test]
-    fn claimed_ranges_cover_everything_once_in_runs_of_at_least_min() {
-        let pool = ThreadPool::new(3);
-        for (n, min) in [(0, 1), (1, 4), (101, 1), (1000, 7), (96, 200)] {
-            let seen: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-            let short = AtomicUsize::new(0);
-            pool.for_each_claimed(n, min, |r| {
-                if r.len() < min && r.end != n {
-                    short.fetch_add(1, Ordering::Relaxed);
-                }
-                for i in r {
-                    seen[i].fetch_add(1, Ordering::Relaxed);
-                }
-            });
-            assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1), "n {n}");
-            assert_eq!(short.load(Ordering::Relaxed), 0, "n {n} min {min}");
+    fn ranges_cover_everything_once() {
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            for n in [0, 1, 2, 101, 1000] {
+                let seen: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                pool.for_each_range(n, |r| {
+                    assert!(!r.is_empty());
+                    for i in r {
+                        seen[i].fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+                assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1), "n {n}");
+            }
         }
     }
 
+    /// Claims start long and shrink: the first takes `1 / (2 * threads)` of the work, so a
+    /// matrix is streamed in a few long runs rather than many short ones.
     #[test]
-    fn ranges_cover_everything_once() {
-        let pool = ThreadPool::new(2);
-        let seen: Vec<AtomicUsize> = (0..101).map(|_| AtomicUsize::new(0)).collect();
-        pool.for_each_range(101, |r| {
-            for i in r {
-                seen[i].fetch_add(1, Ordering::Relaxed);
-            }
-        });
-        assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+    fn claims_shrink_with_the_work_left() {
+        let claims = Claims {
+            next: AtomicUsize::new(0),
+            n: 100,
+            shares: 4,
+        };
+        let lens: Vec<usize> = std::iter::from_fn(|| claims.claim())
+            .map(|r| r.len())
+            .collect();
+        assert_eq!(lens[..4], [25, 18, 14, 10]);
+        assert_eq!(lens.iter().sum::<usize>(), 100);
+        assert!(lens.windows(2).all(|w| w[0] >= w[1]));
     }
 }

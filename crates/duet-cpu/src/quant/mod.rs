@@ -398,7 +398,7 @@ impl QMatrix {
             let outp = SyncPtr(out.as_mut_ptr());
             let w = p.bytes().as_ptr() as usize;
             let (wnb, gb) = (p.nb, p.gb);
-            pool.for_each_claimed(p.n_groups, 1, |groups| {
+            pool.for_each_range(p.n_groups, |groups| {
                 for g in groups {
                     let mut t0 = 0;
                     while t0 < n_tokens {
@@ -443,7 +443,7 @@ impl QMatrix {
         let rb = self.row_bytes();
         let outp = SyncPtr(out.as_mut_ptr());
         let n_chunks = rows.div_ceil(F32_ROWS);
-        pool.for_each_claimed(n_chunks, 1, |chunks| {
+        pool.for_each_range(n_chunks, |chunks| {
             ROWS_F32.with(|cell| {
                 let mut fresh = Vec::new();
                 let mut borrowed = cell.try_borrow_mut();
