@@ -37,6 +37,10 @@ const MIN_PIECES_PER_THREAD: usize = 2;
 /// splits into pieces for every thread and its scores stay in L1; long enough that a span's fixed
 /// costs (its share of the merge, a block walk) stay small next to streaming its keys and values.
 const SPAN_TOKENS: usize = 128;
+/// Most rows of one sequence in a tile: a prompt chunk's rows read the keys and values of the
+/// spans they share once per tile, not once per row. Their scores take
+/// `TILE_ROWS * query heads * SPAN_TOKENS` floats (36 KiB for 9 heads), which stay in L1.
+const TILE_ROWS: usize = 8;
 
 pub(super) fn paged_attention(
     backend: &CpuBackend,
@@ -88,15 +92,23 @@ fn attention_over<E: KvElement>(
     let max_spans = plan.spans(max_ctx);
     let threads = pool.n_threads();
     let split = rows < PIECES_PER_THREAD * threads && max_spans > 1;
-    let row_pieces = if split { rows * max_spans } else { rows };
-    // KV heads per piece, and the query heads they serve: `unit` = (row, set of KV heads).
-    let heads = if row_pieces < MIN_PIECES_PER_THREAD * threads {
+    // Consecutive rows of one sequence (a prompt chunk) share their context's leading spans,
+    // which a tile of them reads once; when spans are pieces of their own, every row is a tile.
+    let tiles = RowTiles::new(batch, if split { 1 } else { TILE_ROWS });
+    let tile_rows = tiles.max_rows();
+    let tile_pieces = if split {
+        tiles.len() * max_spans
+    } else {
+        tiles.len()
+    };
+    // KV heads per piece, and the query heads they serve: `unit` = (tile, set of KV heads).
+    let heads = if tile_pieces < MIN_PIECES_PER_THREAD * threads {
         1
     } else {
         kvh
     };
     let (head_sets, q_heads) = (kvh / heads, heads * group);
-    let units = rows * head_sets;
+    let units = tiles.len() * head_sets;
     let kernel = span_kernel::<E>(path, hd);
     // Pieces that are single spans of a context write to `partials`, merged once all have run.
     let mut partials = SpanResults::new(if split { units * max_spans } else { 0 }, q_heads, hd);
@@ -109,7 +121,8 @@ fn attention_over<E: KvElement>(
     let pieces = if split { units * max_spans } else { units };
     let taken = AtomicUsize::new(0);
     pool.run(|_, _| {
-        let mut scratch = Scratch::new(q_heads, plan.span_tokens, hd, max_spans, split);
+        let kept_spans = if split { 0 } else { max_spans };
+        let mut scratch = Scratch::new(q_heads, plan.span_tokens, hd, tile_rows, kept_spans);
         loop {
             let i = taken.fetch_add(1, Ordering::Relaxed);
             if i >= pieces {
@@ -122,15 +135,17 @@ fn attention_over<E: KvElement>(
             } else {
                 (piece, None)
             };
-            let (row, first_kvh) = (unit / head_sets, unit % head_sets * heads);
-            let spans = plan.spans(ctx(row));
+            let (tile, first_kvh) = (tiles.get(unit / head_sets), unit % head_sets * heads);
+            let last = tile.start + tile.len() - 1;
+            let spans = plan.spans(ctx(last));
             if span.is_some_and(|s| s >= spans) {
                 continue;
             }
-            let seq = &batch.seqs[batch.row_seq[row] as usize];
+            let seq = &batch.seqs[batch.row_seq[tile.start] as usize];
             let first_head = first_kvh * group;
-            let span_of = |s: usize| {
-                let (start, end) = plan.span(s, ctx(row));
+            // Span `s` for the tile's rows `rows` (all of them end it at the same position).
+            let span_of = |s: usize, rows: std::ops::Range<usize>| {
+                let (start, end) = plan.span(s, ctx(rows.end - 1));
                 Span {
                     kv,
                     layer,
@@ -139,52 +154,106 @@ fn attention_over<E: KvElement>(
                     block_table: &seq.block_table,
                     start,
                     end,
-                    q: &q.data[row * q_cols + first_head * hd..][..q_heads * hd],
+                    rows: rows.len(),
+                    q: &q.data[rows.start * q_cols + first_head * hd..],
+                    q_stride: q_cols,
                     group,
                     head_dim: hd,
                 }
             };
             // SAFETY (both): each piece owns its outputs: a unit (or the only span of its
-            // context) the outputs of the row's query heads of its KV heads, a span of a context
+            // context) the outputs of its rows' query heads of its KV heads, a span of a context
             // of several its slot in `partials`.
-            let out_of_unit =
-                || unsafe { out_ptr.slice(row * out_cols + first_head * hd, q_heads * hd) };
+            let out_of_row = |row: usize| unsafe {
+                out_ptr.slice(row * out_cols + first_head * hd, q_heads * hd)
+            };
             match span {
-                _ if spans == 1 => kernel(
-                    &span_of(0),
+                _ if spans == 1 && tile.len() == 1 => kernel(
+                    &span_of(0, tile.clone()),
                     &mut scratch.work,
-                    out_of_unit(),
+                    out_of_row(tile.start),
                     &mut scratch.lse,
                 ),
                 Some(s) => unsafe {
                     let at = unit * max_spans + s;
                     kernel(
-                        &span_of(s),
+                        &span_of(s, tile.clone()),
                         &mut scratch.work,
                         partial_ptrs.0.slice(at * q_heads * hd, q_heads * hd),
                         partial_ptrs.1.slice(at * q_heads, q_heads),
                     )
                 },
                 None => {
-                    let parts = &mut scratch.spans;
+                    // Results `[span][row of the tile]`: a span the rows share is one call for
+                    // all of them, the spans where their contexts end one call per row.
+                    let (parts, n) = (&mut scratch.spans, tile.len());
                     for s in 0..spans {
-                        let (po, pl) = parts.span_mut(s);
-                        kernel(&span_of(s), &mut scratch.work, po, pl);
+                        if plan.span(s, ctx(tile.start)) == plan.span(s, ctx(last)) {
+                            let (po, pl) = parts.slots_mut(s * n, n);
+                            kernel(&span_of(s, tile.clone()), &mut scratch.work, po, pl);
+                            continue;
+                        }
+                        for row in tile.clone().filter(|&row| s < plan.spans(ctx(row))) {
+                            let (po, pl) = parts.slots_mut(s * n + row - tile.start, 1);
+                            kernel(&span_of(s, row..row + 1), &mut scratch.work, po, pl);
+                        }
                     }
-                    parts.merge(0, spans, out_of_unit());
+                    for row in tile.clone() {
+                        let r = row - tile.start;
+                        parts.merge(r, plan.spans(ctx(row)), n, out_of_row(row));
+                    }
                 }
             }
         }
     });
     if split {
         for unit in 0..units {
-            let (row, first_kvh) = (unit / head_sets, unit % head_sets * heads);
+            let (row, first_kvh) = (tiles.get(unit / head_sets).start, unit % head_sets * heads);
             let spans = plan.spans(ctx(row));
             if spans > 1 {
                 let o = &mut out.data[row * out_cols + first_kvh * group * hd..][..q_heads * hd];
-                partials.merge(unit * max_spans, spans, o);
+                partials.merge(unit * max_spans, spans, 1, o);
             }
         }
+    }
+}
+
+/// The step's rows in tiles: runs of at most `max_rows` consecutive rows of one sequence, in
+/// row order.
+struct RowTiles {
+    starts: Vec<usize>,
+}
+
+impl RowTiles {
+    fn new(batch: &ForwardBatch, max_rows: usize) -> Self {
+        let rows = batch.row_seq.len();
+        let mut starts = Vec::with_capacity(rows + 1);
+        for row in 0..rows {
+            let new_seq = row == 0 || batch.row_seq[row] != batch.row_seq[row - 1];
+            if new_seq || row - starts.last().copied().unwrap_or(0) == max_rows {
+                starts.push(row);
+            }
+        }
+        starts.push(rows);
+        Self { starts }
+    }
+
+    fn len(&self) -> usize {
+        self.starts.len() - 1
+    }
+
+    /// The most rows a tile has.
+    fn max_rows(&self) -> usize {
+        self.starts
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The rows of tile `i`.
+    fn get(&self, i: usize) -> std::ops::Range<usize> {
+        self.starts[i]..self.starts[i + 1]
     }
 }
 
@@ -232,22 +301,28 @@ impl SpanResults {
         }
     }
 
-    /// Span `s`'s output and log-sum-exps, for a kernel to write.
-    fn span_mut(&mut self, s: usize) -> (&mut [f32], &mut [f32]) {
+    /// Results `first..first + count`' outputs and log-sum-exps, for a kernel to write.
+    fn slots_mut(&mut self, first: usize, count: usize) -> (&mut [f32], &mut [f32]) {
         let (g, hd) = (self.q_heads, self.head_dim);
         (
-            &mut self.out[s * g * hd..][..g * hd],
-            &mut self.lse[s * g..][..g],
+            &mut self.out[first * g * hd..][..count * g * hd],
+            &mut self.lse[first * g..][..count * g],
         )
     }
 
-    /// `out` (`[head][head_dim]`) from spans `first..first + spans` of one context: every span's
-    /// output weighted by its share of the softmax, `exp(lse_span - lse_all)`, summed in span
-    /// order — the one merge, whichever thread ran the spans.
-    fn merge(&self, first: usize, spans: usize, out: &mut [f32]) {
+    /// `out` (`[head][head_dim]`) from the `spans` spans of one context, span `s` at result
+    /// `first + s * stride`: every span's output weighted by its share of the softmax,
+    /// `exp(lse_span - lse_all)`, summed in span order — the one merge, whichever thread ran the
+    /// spans. A context of one span is its output as it is.
+    fn merge(&self, first: usize, spans: usize, stride: usize, out: &mut [f32]) {
         let (g, hd) = (self.q_heads, self.head_dim);
+        let at = |s: usize| first + s * stride;
+        if spans == 1 {
+            out.copy_from_slice(&self.out[at(0) * g * hd..][..g * hd]);
+            return;
+        }
         for h in 0..g {
-            let lse = |s: usize| self.lse[(first + s) * g + h];
+            let lse = |s: usize| self.lse[at(s) * g + h];
             let max = (0..spans).map(lse).fold(f32::NEG_INFINITY, f32::max);
             let weight = |s: usize| exp_approx(lse(s) - max);
             let inv = 1.0 / (0..spans).map(weight).sum::<f32>();
@@ -255,7 +330,7 @@ impl SpanResults {
             o.fill(0.0);
             for s in 0..spans {
                 let w = weight(s);
-                let part = &self.out[((first + s) * g + h) * hd..][..hd];
+                let part = &self.out[(at(s) * g + h) * hd..][..hd];
                 for (oi, &pi) in o.iter_mut().zip(part) {
                     *oi += w * inv * pi;
                 }
@@ -264,8 +339,8 @@ impl SpanResults {
     }
 }
 
-/// One piece: the `group` query heads of each of KV heads `kvh..kvh + heads` attending positions
-/// `start..end` of a sequence (`start` on a block boundary).
+/// One piece: for each of `rows` rows of a sequence, the `group` query heads of each of KV heads
+/// `kvh..kvh + heads` attending positions `start..end` (`start` on a block boundary).
 pub(crate) struct Span<'a, E> {
     kv: KvView<'a, E>,
     layer: usize,
@@ -274,8 +349,10 @@ pub(crate) struct Span<'a, E> {
     block_table: &'a [u32],
     start: usize,
     end: usize,
-    /// The query heads, `[heads * group][head_dim]`.
+    rows: usize,
+    /// Row `r`'s query heads, `[heads * group][head_dim]`, at `r * q_stride`.
     q: &'a [f32],
+    q_stride: usize,
     group: usize,
     head_dim: usize,
 }
@@ -288,6 +365,11 @@ impl<E> Span<'_, E> {
     /// Query heads of the span: `group` for each of its KV heads.
     fn q_heads(&self) -> usize {
         self.heads * self.group
+    }
+
+    /// Row `r`'s query heads.
+    fn q_row(&self, r: usize) -> &[f32] {
+        &self.q[r * self.q_stride..][..self.q_heads() * self.head_dim]
     }
 
     /// `(first position, block id)` of every cache block holding positions of the span.
@@ -311,19 +393,19 @@ struct Scratch {
 }
 
 impl Scratch {
-    /// For pieces of spans of at most `span_tokens` positions: single spans when `split`, else
-    /// whole contexts of up to `max_spans` spans.
+    /// For pieces of spans of at most `span_tokens` positions over tiles of up to `tile_rows`
+    /// rows, keeping `spans` spans' results per row (0 when each span is a piece of its own).
     fn new(
         q_heads: usize,
         span_tokens: usize,
         head_dim: usize,
-        max_spans: usize,
-        split: bool,
+        tile_rows: usize,
+        spans: usize,
     ) -> Self {
         Self {
-            work: KernelScratch::new(q_heads, span_tokens, head_dim),
+            work: KernelScratch::new(tile_rows * q_heads, span_tokens, head_dim),
             lse: vec![0.0; q_heads],
-            spans: SpanResults::new(if split { 0 } else { max_spans }, q_heads, head_dim),
+            spans: SpanResults::new(spans * tile_rows, q_heads, head_dim),
         }
     }
 }
@@ -332,7 +414,7 @@ impl Scratch {
 const TILE_SLOTS: usize = 8;
 
 pub(crate) struct KernelScratch {
-    /// `[q_heads][span]`: the scores, then the normalised softmax weights.
+    /// `[row][q_heads][span]`: the scores, then the normalised softmax weights.
     scores: Vec<f32>,
     /// A chunk of fewer than [`TILE_SLOTS`] keys widened to f32, `[head_dim][TILE_SLOTS]`, zero
     /// past the slots in use (the AVX2 kernel's partial chunks).
@@ -340,16 +422,18 @@ pub(crate) struct KernelScratch {
 }
 
 impl KernelScratch {
-    fn new(q_heads: usize, span_tokens: usize, head_dim: usize) -> Self {
+    /// For `queries` query heads (over all rows) of spans of at most `span_tokens` positions.
+    fn new(queries: usize, span_tokens: usize, head_dim: usize) -> Self {
         Self {
-            scores: vec![0.0; q_heads * span_tokens],
+            scores: vec![0.0; queries * span_tokens],
             tile: vec![0.0; TILE_SLOTS * head_dim],
         }
     }
 }
 
-/// Attention over one span: writes its query heads' outputs normalised over the span to `out`
-/// (`[q_heads][head_dim]`) and each query head's log-sum-exp of scaled scores to `lse`.
+/// Attention over one span: writes its rows' query heads' outputs normalised over the span to
+/// `out` (`[row][q_heads][head_dim]`) and each one's log-sum-exp of scaled scores to `lse`
+/// (`[row][q_heads]`). A row's results are the same bits whatever rows it shares the call with.
 type SpanKernel<E> = fn(&Span<'_, E>, &mut KernelScratch, &mut [f32], &mut [f32]);
 
 /// The kernel of `path` for this head size: AVX-512 for head sizes that are a multiple of 16,
@@ -400,24 +484,27 @@ fn attend<E: KvElement>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let (hd, n, g) = (u.head_dim, u.len(), u.group);
+    let (hd, n, g, qh) = (u.head_dim, u.len(), u.group, u.q_heads());
     let bs = u.kv.layout.block_size;
     let scale = 1.0 / (hd as f32).sqrt();
-    let scores = &mut work.scores[..u.q_heads() * n];
+    let scores = &mut work.scores[..u.rows * qh * n];
     // Scores: a block's keys (`[head_dim][slot]`) taken one dimension at a time across its
-    // slots, for every query head of the group.
+    // slots, for every query head of the group of every row.
     for (first, block) in u.blocks() {
         let cnt = bs.min(u.end - first);
         for head in 0..u.heads {
             let keys = u.kv.head_block(u.layer, block, 0, u.kvh + head);
-            for h in head * g..(head + 1) * g {
-                let row = &mut scores[h * n + first - u.start..][..cnt];
-                row.fill(0.0);
-                for (d, &qd) in u.q[h * hd..(h + 1) * hd].iter().enumerate() {
-                    axpy(qd, &keys[d * bs..d * bs + cnt], row);
-                }
-                for x in row.iter_mut() {
-                    *x *= scale;
+            for r in 0..u.rows {
+                let q = u.q_row(r);
+                for h in head * g..(head + 1) * g {
+                    let row = &mut scores[(r * qh + h) * n + first - u.start..][..cnt];
+                    row.fill(0.0);
+                    for (d, &qd) in q[h * hd..(h + 1) * hd].iter().enumerate() {
+                        axpy(qd, &keys[d * bs..d * bs + cnt], row);
+                    }
+                    for x in row.iter_mut() {
+                        *x *= scale;
+                    }
                 }
             }
         }
@@ -431,7 +518,9 @@ fn attend<E: KvElement>(
             let values = u.kv.head_block(u.layer, block, 1, u.kvh + head);
             for s in 0..bs.min(u.end - first) {
                 let v = &values[s * hd..(s + 1) * hd];
-                for h in head * g..(head + 1) * g {
+                for h in
+                    (0..u.rows).flat_map(|r| (head * g..(head + 1) * g).map(move |h| r * qh + h))
+                {
                     axpy(
                         scores[h * n + first - u.start + s],
                         v,
@@ -535,14 +624,21 @@ mod tests {
             let values = rng.values(layout(hd, bs, 12, KvDtype::F32).bytes() / 4);
             // Both KV heads of the layout: one head a span, and both in one span.
             let q: Vec<f32> = rng.values(2 * group * hd).iter().map(|x| 2.0 * x).collect();
+            let q2: Vec<f32> = rng.values(2 * group * hd).iter().map(|x| 2.0 * x).collect();
             let mut f16_data = vec![f16::ZERO; values.len()];
             KvElement::store(&mut f16_data, &values);
-            check_kernels(layout(hd, bs, 12, KvDtype::F32), &values, &q, group);
-            check_kernels(layout(hd, bs, 12, KvDtype::F16), &f16_data, &q, group);
+            check_kernels(layout(hd, bs, 12, KvDtype::F32), &values, &q, &q2, group);
+            check_kernels(layout(hd, bs, 12, KvDtype::F16), &f16_data, &q, &q2, group);
         }
     }
 
-    fn check_kernels<E: KvElement>(layout: KvLayout, data: &[E], q: &[f32], group: usize) {
+    fn check_kernels<E: KvElement>(
+        layout: KvLayout,
+        data: &[E],
+        q: &[f32],
+        q2: &[f32],
+        group: usize,
+    ) {
         let (hd, bs) = (layout.head_dim, layout.block_size);
         let block_table = [5u32, 0, 11, 3, 8, 1, 9];
         let ends = [1, bs - 1, bs, bs + 1, 3 * bs + 2, 7 * bs];
@@ -561,14 +657,28 @@ mod tests {
                 block_table: &block_table,
                 start,
                 end,
-                q: &q[kvh * group * hd..][..q_heads * hd],
+                rows: 1,
+                q: &q[kvh * group * hd..],
+                q_stride: 0,
                 group,
                 head_dim: hd,
             };
             let (want, want_lse) = reference(&span);
+            // Three rows sharing the span, the first with the single row's queries.
+            let tile_q: Vec<f32> = [&q[kvh * group * hd..][..q_heads * hd], q2, q]
+                .iter()
+                .flat_map(|x| x[..q_heads * hd].to_vec())
+                .collect();
+            let tile = Span {
+                rows: 3,
+                q: &tile_q,
+                q_stride: q_heads * hd,
+                ..span
+            };
+            let (tile_want, tile_want_lse) = reference(&tile);
             for path in paths() {
                 let kernel = span_kernel::<E>(path, hd);
-                let mut work = KernelScratch::new(q_heads, end - start, hd);
+                let mut work = KernelScratch::new(3 * q_heads, end - start, hd);
                 let mut out = vec![f32::NAN; q_heads * hd];
                 let mut lse = vec![f32::NAN; q_heads];
                 kernel(&span, &mut work, &mut out, &mut lse);
@@ -581,6 +691,22 @@ mod tests {
                 );
                 assert_close(&out, &want, &what);
                 assert_close(&lse, &want_lse, &format!("{what} lse"));
+                let mut tile_out = vec![f32::NAN; 3 * q_heads * hd];
+                let mut tile_lse = vec![f32::NAN; 3 * q_heads];
+                kernel(&tile, &mut work, &mut tile_out, &mut tile_lse);
+                assert_close(&tile_out, &tile_want, &format!("{what}, 3 rows"));
+                assert_close(&tile_lse, &tile_want_lse, &format!("{what}, 3 rows, lse"));
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&tile_out[..q_heads * hd]),
+                    bits(&out),
+                    "{what}: a row's outputs differ in a tile"
+                );
+                assert_eq!(
+                    bits(&tile_lse[..q_heads]),
+                    bits(&lse),
+                    "{what}: a row's log-sum-exps differ in a tile"
+                );
             }
         }
     }
@@ -595,7 +721,8 @@ mod tests {
         }
     }
 
-    /// The span's attention outputs and per-head log-sum-exps of the scaled scores, in f64.
+    /// The span's attention outputs and log-sum-exps of the scaled scores per row and head, in
+    /// f64.
     fn reference<E: KvElement>(u: &Span<'_, E>) -> (Vec<f64>, Vec<f64>) {
         let (hd, bs) = (u.head_dim, u.kv.layout.block_size);
         // Keys are stored `[head_dim][slot]`, values `[slot][head_dim]`.
@@ -607,11 +734,12 @@ mod tests {
                 .map(|d| data[if kv == 0 { d * bs + s } else { s * hd + d }].to_f32() as f64)
                 .collect::<Vec<f64>>()
         };
-        let mut out = vec![0f64; u.q_heads() * hd];
-        let mut lse = vec![0f64; u.q_heads()];
-        for h in 0..u.q_heads() {
-            let head = h / u.group;
-            let q = &u.q[h * hd..(h + 1) * hd];
+        let qh = u.q_heads();
+        let mut out = vec![0f64; u.rows * qh * hd];
+        let mut lse = vec![0f64; u.rows * qh];
+        for h in 0..u.rows * qh {
+            let head = h % qh / u.group;
+            let q = &u.q_row(h / qh)[h % qh * hd..][..hd];
             let logits: Vec<f64> = (u.start..u.end)
                 .map(|p| {
                     let d: f64 = q
@@ -713,7 +841,9 @@ mod tests {
                         block_table: table,
                         start: 0,
                         end: ctx,
+                        rows: 1,
                         q: &q_data[(row * shape.num_heads + kvh * group) * hd..][..group * hd],
+                        q_stride: 0,
                         group,
                         head_dim: hd,
                     };
@@ -742,6 +872,122 @@ mod tests {
                         ),
                         None => row_a.push((path, got_a)),
                     }
+                }
+            }
+        }
+    }
+
+    /// A prompt chunk's rows, which attention takes in tiles sharing their leading spans, are
+    /// the same bits as each row computed alone (as a decode row, its spans split among threads),
+    /// on every path and thread count: around span cuts, a row whose context ends exactly on one,
+    /// and tiles that do not start at a multiple of the tile size.
+    #[test]
+    fn a_prompt_row_is_the_same_bits_as_the_row_alone() {
+        let (hd, group, bs, kv_heads) = (64, 3, 16, 2);
+        let mut rng = duet_model::synthetic::Uniform::new(12);
+        let layout = KvLayout {
+            num_kv_heads: kv_heads,
+            ..layout(hd, bs, 40, KvDtype::F16)
+        };
+        let mut store = CpuKvStore::new(layout).unwrap();
+        let width = kv_heads * hd;
+        let slots: Vec<u32> = (0..(40 * bs) as u32).collect();
+        let (k, v) = (
+            rng.values(slots.len() * width),
+            rng.values(slots.len() * width),
+        );
+        store.write(1, &k, &v, &slots);
+        let shape = AttentionShape {
+            num_heads: kv_heads * group,
+            num_kv_heads: kv_heads,
+            head_dim: hd,
+        };
+        let cols = shape.num_heads * hd;
+        // A 3-row chunk of another sequence first, then positions 100..300 of a prompt.
+        let (table_b, table_a): (Vec<u32>, Vec<u32>) =
+            ((0..4).collect(), (39..40).chain(4..23).collect());
+        let (rows_b, first_a, rows_a) = (3, 100, 200);
+        let tokens = vec![7u32; rows_a];
+        let inputs = [
+            SeqInput {
+                tokens: &tokens[..rows_b],
+                start_pos: 40,
+                block_table: &table_b,
+                logits: LogitsWanted::None,
+            },
+            SeqInput {
+                tokens: &tokens,
+                start_pos: first_a,
+                block_table: &table_a,
+                logits: LogitsWanted::None,
+            },
+        ];
+        let batch = ForwardBatch::new(&inputs, bs, 40, 100, 4096).unwrap();
+        let rows = rows_b + rows_a;
+        let q = CpuTensor {
+            data: rng.values(rows * cols),
+            rows,
+            cols,
+        };
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for threads in [1, 2] {
+            for path in paths() {
+                let backend = CpuBackend::with_kernels(threads, path);
+                let mut out = CpuTensor {
+                    data: vec![f32::NAN; q.data.len()],
+                    rows,
+                    cols,
+                };
+                paged_attention(&backend, &q, &store, 1, shape, &batch, &mut out);
+                for pos in [100, 101, 126, 127, 128, 129, 135, 200, 255, 256, 257, 299] {
+                    let row = rows_b + pos - first_a;
+                    let alone = [SeqInput {
+                        tokens: &tokens[..1],
+                        start_pos: pos,
+                        block_table: &table_a,
+                        logits: LogitsWanted::None,
+                    }];
+                    let alone = ForwardBatch::new(&alone, bs, 40, 100, 4096).unwrap();
+                    let q_row = CpuTensor {
+                        data: q.data[row * cols..][..cols].to_vec(),
+                        rows: 1,
+                        cols,
+                    };
+                    let mut out_row = CpuTensor {
+                        data: vec![f32::NAN; cols],
+                        rows: 1,
+                        cols,
+                    };
+                    paged_attention(&backend, &q_row, &store, 1, shape, &alone, &mut out_row);
+                    let what = format!("{path:?}, {threads} threads, position {pos}");
+                    assert_eq!(
+                        bits(&out.data[row * cols..][..cols]),
+                        bits(&out_row.data),
+                        "{what}: the prompt row differs from the row alone"
+                    );
+                    let KvData::F16(data) = &store.data else {
+                        unreachable!()
+                    };
+                    let want: Vec<f64> = (0..kv_heads)
+                        .flat_map(|kvh| {
+                            reference(&Span {
+                                kv: KvView { layout, data },
+                                layer: 1,
+                                kvh,
+                                heads: 1,
+                                block_table: &table_a,
+                                start: 0,
+                                end: pos + 1,
+                                rows: 1,
+                                q: &q_row.data[kvh * group * hd..],
+                                q_stride: 0,
+                                group,
+                                head_dim: hd,
+                            })
+                            .0
+                        })
+                        .collect();
+                    assert_close(&out_row.data, &want, &what);
                 }
             }
         }

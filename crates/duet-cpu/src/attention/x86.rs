@@ -261,10 +261,11 @@ macro_rules! vector_attention {
             lse: &mut [f32],
         ) {
             let (hd, n, g, bs) = (u.head_dim, u.len(), u.group, u.kv.layout.block_size);
+            let qh = u.q_heads();
             debug_assert!(hd.is_multiple_of($v::LANES));
             let scale = 1.0 / (hd as f32).sqrt();
             let KernelScratch { scores, tile: buf } = work;
-            let scores = &mut scores[..u.q_heads() * n];
+            let scores = &mut scores[..u.rows * qh * n];
             for_each_block(u, 0, |head, at, in_block, keys| {
                 for c in (0..in_block).step_by($v::LANES) {
                     let cnt = $v::LANES.min(in_block - c);
@@ -280,31 +281,38 @@ macro_rules! vector_attention {
                         }
                         &*tile
                     });
-                    for h0 in (head * g..(head + 1) * g).step_by(HEADS_AT_ONCE) {
-                        let heads = HEADS_AT_ONCE.min((head + 1) * g - h0);
-                        let q = &u.q[h0 * hd..(h0 + heads) * hd];
-                        let rows = &mut scores[h0 * n + at + c..];
-                        // SAFETY (both): the chunks hold `hd` dimensions of `cnt` slots, readable
-                        // as `load` reads them (a whole tile, or a masked or whole run of a block).
-                        match tile {
-                            Some(t) => {
-                                let chunk = KeyChunk {
-                                    keys: t,
-                                    stride: TILE_SLOTS,
-                                    slots: cnt,
-                                };
-                                unsafe {
-                                    dispatch_heads!($scores, f32, heads; &chunk, q, scale, rows, n)
+                    // Each row's query heads in the same batches as alone: a row's scores are
+                    // the same bits in any tile.
+                    for r in 0..u.rows {
+                        let q_row = u.q_row(r);
+                        let row_scores = &mut scores[r * qh * n..];
+                        for h0 in (head * g..(head + 1) * g).step_by(HEADS_AT_ONCE) {
+                            let heads = HEADS_AT_ONCE.min((head + 1) * g - h0);
+                            let q = &q_row[h0 * hd..(h0 + heads) * hd];
+                            let rows = &mut row_scores[h0 * n + at + c..];
+                            // SAFETY (both): the chunks hold `hd` dimensions of `cnt` slots,
+                            // readable as `load` reads them (a whole tile, or a masked or whole
+                            // run of a block).
+                            match tile {
+                                Some(t) => {
+                                    let chunk = KeyChunk {
+                                        keys: t,
+                                        stride: TILE_SLOTS,
+                                        slots: cnt,
+                                    };
+                                    unsafe {
+                                        dispatch_heads!($scores, f32, heads; &chunk, q, scale, rows, n)
+                                    }
                                 }
-                            }
-                            None => {
-                                let chunk = KeyChunk {
-                                    keys: &keys[c..],
-                                    stride: bs,
-                                    slots: cnt,
-                                };
-                                unsafe {
-                                    dispatch_heads!($scores, E, heads; &chunk, q, scale, rows, n)
+                                None => {
+                                    let chunk = KeyChunk {
+                                        keys: &keys[c..],
+                                        stride: bs,
+                                        slots: cnt,
+                                    };
+                                    unsafe {
+                                        dispatch_heads!($scores, E, heads; &chunk, q, scale, rows, n)
+                                    }
                                 }
                             }
                         }
@@ -317,30 +325,32 @@ macro_rules! vector_attention {
             out.fill(0.0);
             let pass = $v::LANES * $v::VALUE_VECTORS;
             for_each_block(u, 1, |head, at, in_block, values| {
-                for h0 in (head * g..(head + 1) * g).step_by(HEADS_AT_ONCE) {
-                    let heads = HEADS_AT_ONCE.min((head + 1) * g - h0);
-                    let weights = &scores[h0 * n + at..];
-                    for d0 in (0..hd).step_by(pass) {
-                        let chunk = ValueChunk {
-                            values: &values[d0..],
-                            head_dim: hd,
-                            slots: in_block,
-                        };
-                        let o = &mut out[h0 * hd + d0..];
-                        // SAFETY (all): `V`'s features are enabled by the caller.
-                        unsafe {
-                            match ((hd - d0) / $v::LANES).min($v::VALUE_VECTORS) {
-                                1 => {
-                                    dispatch_heads!($values, E, heads, 1; &chunk, weights, n, o)
-                                }
-                                2 => {
-                                    dispatch_heads!($values, E, heads, 2; &chunk, weights, n, o)
-                                }
-                                3 => {
-                                    dispatch_heads!($values, E, heads, 3; &chunk, weights, n, o)
-                                }
-                                _ => {
-                                    dispatch_heads!($values, E, heads, 4; &chunk, weights, n, o)
+                for r in 0..u.rows {
+                    for h0 in (head * g..(head + 1) * g).step_by(HEADS_AT_ONCE) {
+                        let heads = HEADS_AT_ONCE.min((head + 1) * g - h0);
+                        let weights = &scores[(r * qh + h0) * n + at..];
+                        for d0 in (0..hd).step_by(pass) {
+                            let chunk = ValueChunk {
+                                values: &values[d0..],
+                                head_dim: hd,
+                                slots: in_block,
+                            };
+                            let o = &mut out[(r * qh + h0) * hd + d0..];
+                            // SAFETY (all): `V`'s features are enabled by the caller.
+                            unsafe {
+                                match ((hd - d0) / $v::LANES).min($v::VALUE_VECTORS) {
+                                    1 => {
+                                        dispatch_heads!($values, E, heads, 1; &chunk, weights, n, o)
+                                    }
+                                    2 => {
+                                        dispatch_heads!($values, E, heads, 2; &chunk, weights, n, o)
+                                    }
+                                    3 => {
+                                        dispatch_heads!($values, E, heads, 3; &chunk, weights, n, o)
+                                    }
+                                    _ => {
+                                        dispatch_heads!($values, E, heads, 4; &chunk, weights, n, o)
+                                    }
                                 }
                             }
                         }
