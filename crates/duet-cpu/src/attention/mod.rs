@@ -763,22 +763,20 @@ mod tests {
         (out, lse)
     }
 
-    /// Attention for a whole step equals the reference over each row's whole context on every
-    /// path and thread count: a long single sequence (every span a piece of its own), with two
-    /// short companions (still split), and in a batch of 32 rows (a row's spans merged by one
-    /// thread). The long row's outputs are the same bits in every batch and on every thread count:
-    /// what a sequence generates does not depend on its companions.
-    #[test]
-    fn a_step_equals_whole_contexts_and_a_row_is_independent_of_its_batch() {
+    /// A cache of `blocks` 16-token f16 blocks whose layer 1 holds random keys and values, for
+    /// 2 KV heads of 64 serving 3 query heads each, and that attention shape.
+    fn random_cache(
+        rng: &mut duet_model::synthetic::Uniform,
+        blocks: usize,
+    ) -> (CpuKvStore, AttentionShape) {
         let (hd, group, bs, kv_heads) = (64, 3, 16, 2);
-        let mut rng = duet_model::synthetic::Uniform::new(11);
         let layout = KvLayout {
             num_kv_heads: kv_heads,
-            ..layout(hd, bs, 64, KvDtype::F16)
+            ..layout(hd, bs, blocks, KvDtype::F16)
         };
         let mut store = CpuKvStore::new(layout).unwrap();
+        let slots: Vec<u32> = (0..(blocks * bs) as u32).collect();
         let width = kv_heads * hd;
-        let slots: Vec<u32> = (0..(64 * bs) as u32).collect();
         let (k, v) = (
             rng.values(slots.len() * width),
             rng.values(slots.len() * width),
@@ -789,7 +787,56 @@ mod tests {
             num_kv_heads: kv_heads,
             head_dim: hd,
         };
-        let cols = shape.num_heads * hd;
+        (store, shape)
+    }
+
+    /// The reference outputs of one row's query heads (`q`, `[head][head_dim]`) over positions
+    /// `0..ctx` of layer 1 of `store`.
+    fn whole_context_reference(
+        store: &CpuKvStore,
+        shape: AttentionShape,
+        block_table: &[u32],
+        ctx: usize,
+        q: &[f32],
+    ) -> Vec<f64> {
+        let KvData::F16(data) = &store.data else {
+            unreachable!()
+        };
+        let (hd, group) = (shape.head_dim, shape.num_heads / shape.num_kv_heads);
+        (0..shape.num_kv_heads)
+            .flat_map(|kvh| {
+                reference(&Span {
+                    kv: KvView {
+                        layout: store.layout,
+                        data,
+                    },
+                    layer: 1,
+                    kvh,
+                    heads: 1,
+                    block_table,
+                    start: 0,
+                    end: ctx,
+                    rows: 1,
+                    q: &q[kvh * group * hd..],
+                    q_stride: 0,
+                    group,
+                    head_dim: hd,
+                })
+                .0
+            })
+            .collect()
+    }
+
+    /// Attention for a whole step equals the reference over each row's whole context on every
+    /// path and thread count: a long single sequence (every span a piece of its own), with two
+    /// short companions (still split), and in a batch of 32 rows (a row's spans merged by one
+    /// thread). The long row's outputs are the same bits in every batch and on every thread count:
+    /// what a sequence generates does not depend on its companions.
+    #[test]
+    fn a_step_equals_whole_contexts_and_a_row_is_independent_of_its_batch() {
+        let mut rng = duet_model::synthetic::Uniform::new(11);
+        let (store, shape) = random_cache(&mut rng, 64);
+        let (bs, cols) = (store.layout.block_size, shape.num_heads * shape.head_dim);
         // Sequence A: 700 tokens over blocks 63, 62, ... (scattered, decreasing), always row 0
         // with the same query; B spans two cuts, C and the rest are short.
         let table_a: Vec<u32> = (0..44).map(|b| 63 - b).collect();
@@ -826,30 +873,13 @@ mod tests {
                 rows,
                 cols,
             };
-            let KvData::F16(data) = &store.data else {
-                unreachable!()
-            };
-            let view = KvView { layout, data };
-            let mut want = Vec::new();
-            for (row, &(table, ctx)) in seqs.iter().enumerate() {
-                for kvh in 0..kv_heads {
-                    let span = Span {
-                        kv: view,
-                        layer: 1,
-                        kvh,
-                        heads: 1,
-                        block_table: table,
-                        start: 0,
-                        end: ctx,
-                        rows: 1,
-                        q: &q_data[(row * shape.num_heads + kvh * group) * hd..][..group * hd],
-                        q_stride: 0,
-                        group,
-                        head_dim: hd,
-                    };
-                    want.extend(reference(&span).0);
-                }
-            }
+            let want: Vec<f64> = seqs
+                .iter()
+                .enumerate()
+                .flat_map(|(row, &(table, ctx))| {
+                    whole_context_reference(&store, shape, table, ctx, &q_data[row * cols..])
+                })
+                .collect();
             for threads in [1, 2, 3] {
                 for path in paths() {
                     let backend = CpuBackend::with_kernels(threads, path);
@@ -883,26 +913,9 @@ mod tests {
     /// and tiles that do not start at a multiple of the tile size.
     #[test]
     fn a_prompt_row_is_the_same_bits_as_the_row_alone() {
-        let (hd, group, bs, kv_heads) = (64, 3, 16, 2);
         let mut rng = duet_model::synthetic::Uniform::new(12);
-        let layout = KvLayout {
-            num_kv_heads: kv_heads,
-            ..layout(hd, bs, 40, KvDtype::F16)
-        };
-        let mut store = CpuKvStore::new(layout).unwrap();
-        let width = kv_heads * hd;
-        let slots: Vec<u32> = (0..(40 * bs) as u32).collect();
-        let (k, v) = (
-            rng.values(slots.len() * width),
-            rng.values(slots.len() * width),
-        );
-        store.write(1, &k, &v, &slots);
-        let shape = AttentionShape {
-            num_heads: kv_heads * group,
-            num_kv_heads: kv_heads,
-            head_dim: hd,
-        };
-        let cols = shape.num_heads * hd;
+        let (store, shape) = random_cache(&mut rng, 40);
+        let (bs, cols) = (store.layout.block_size, shape.num_heads * shape.head_dim);
         // A 3-row chunk of another sequence first, then positions 100..300 of a prompt.
         let (table_b, table_a): (Vec<u32>, Vec<u32>) =
             ((0..4).collect(), (39..40).chain(4..23).collect());
@@ -965,28 +978,8 @@ mod tests {
                         bits(&out_row.data),
                         "{what}: the prompt row differs from the row alone"
                     );
-                    let KvData::F16(data) = &store.data else {
-                        unreachable!()
-                    };
-                    let want: Vec<f64> = (0..kv_heads)
-                        .flat_map(|kvh| {
-                            reference(&Span {
-                                kv: KvView { layout, data },
-                                layer: 1,
-                                kvh,
-                                heads: 1,
-                                block_table: &table_a,
-                                start: 0,
-                                end: pos + 1,
-                                rows: 1,
-                                q: &q_row.data[kvh * group * hd..],
-                                q_stride: 0,
-                                group,
-                                head_dim: hd,
-                            })
-                            .0
-                        })
-                        .collect();
+                    let want =
+                        whole_context_reference(&store, shape, &table_a, pos + 1, &q_row.data);
                     assert_close(&out_row.data, &want, &what);
                 }
             }
