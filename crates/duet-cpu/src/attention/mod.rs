@@ -827,6 +827,23 @@ mod tests {
             .collect()
     }
 
+    /// The step's attention over layer 1 of `store`, into outputs that start as NaN.
+    fn step_attention(
+        backend: &CpuBackend,
+        q: &CpuTensor,
+        store: &CpuKvStore,
+        shape: AttentionShape,
+        batch: &ForwardBatch,
+    ) -> CpuTensor {
+        let mut out = CpuTensor {
+            data: vec![f32::NAN; q.data.len()],
+            rows: q.rows,
+            cols: q.cols,
+        };
+        paged_attention(backend, q, store, 1, shape, batch, &mut out);
+        out
+    }
+
     /// Attention for a whole step equals the reference over each row's whole context on every
     /// path and thread count: a long single sequence (every span a piece of its own), with two
     /// short companions (still split), and in a batch of 32 rows (a row's spans merged by one
@@ -883,12 +900,7 @@ mod tests {
             for threads in [1, 2, 3] {
                 for path in paths() {
                     let backend = CpuBackend::with_kernels(threads, path);
-                    let mut out = CpuTensor {
-                        data: vec![f32::NAN; q.data.len()],
-                        rows,
-                        cols,
-                    };
-                    paged_attention(&backend, &q, &store, 1, shape, &batch, &mut out);
+                    let out = step_attention(&backend, &q, &store, shape, &batch);
                     let what = format!("{path:?}, {rows} rows, {threads} threads");
                     assert_close(&out.data, &want, &what);
                     let got_a = out.data[..cols].to_vec();
@@ -946,12 +958,7 @@ mod tests {
         for threads in [1, 2] {
             for path in paths() {
                 let backend = CpuBackend::with_kernels(threads, path);
-                let mut out = CpuTensor {
-                    data: vec![f32::NAN; q.data.len()],
-                    rows,
-                    cols,
-                };
-                paged_attention(&backend, &q, &store, 1, shape, &batch, &mut out);
+                let out = step_attention(&backend, &q, &store, shape, &batch);
                 for pos in [100, 101, 126, 127, 128, 129, 135, 200, 255, 256, 257, 299] {
                     let row = rows_b + pos - first_a;
                     let alone = [SeqInput {
@@ -966,12 +973,7 @@ mod tests {
                         rows: 1,
                         cols,
                     };
-                    let mut out_row = CpuTensor {
-                        data: vec![f32::NAN; cols],
-                        rows: 1,
-                        cols,
-                    };
-                    paged_attention(&backend, &q_row, &store, 1, shape, &alone, &mut out_row);
+                    let out_row = step_attention(&backend, &q_row, &store, shape, &alone);
                     let what = format!("{path:?}, {threads} threads, position {pos}");
                     assert_eq!(
                         bits(&out.data[row * cols..][..cols]),
