@@ -7,13 +7,15 @@
 //! never on the other rows of the step, the thread count, or whether it is a prompt or a decode
 //! row — so a sequence's tokens are the same alone and in any batch.
 //!
-//! How the work is dealt to threads is chosen per step: a row with all its spans is one piece when
-//! there are enough rows to keep every thread busy; otherwise — single-stream decode of a long
-//! context — every span is a piece of its own and the merge follows. A piece covers all KV heads
-//! of its row, so it reads each cache block of a layer as one contiguous run (the heads are
-//! adjacent), unless that leaves too few pieces, when each KV head is a piece of its own. Threads
-//! take pieces largest first from a shared counter, so the long rows of a causal prompt do not end
-//! up on one thread.
+//! How the work is dealt to threads is chosen per step. When there are enough rows to keep every
+//! thread busy, a piece is a tile of up to [`TILE_ROWS`] consecutive rows of one sequence (a
+//! prompt chunk's rows; a decode row alone) with all their spans, and the spans its rows share are
+//! one call for all of them, which reads each key and value once. Otherwise — single-stream decode
+//! of a long context — every span is a piece of its own and the merge follows. A piece covers all
+//! KV heads of its rows, so it reads each cache block of a layer as one contiguous run (the heads
+//! are adjacent), unless that leaves too few pieces, when each KV head is a piece of its own.
+//! Threads take pieces largest first from a shared counter, so the long rows of a causal prompt do
+//! not end up on one thread.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -136,7 +138,7 @@ fn attention_over<E: KvElement>(
                 (piece, None)
             };
             let (tile, first_kvh) = (tiles.get(unit / head_sets), unit % head_sets * heads);
-            let last = tile.start + tile.len() - 1;
+            let last = tile.end - 1;
             let spans = plan.spans(ctx(last));
             if span.is_some_and(|s| s >= spans) {
                 continue;
