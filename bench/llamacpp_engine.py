@@ -18,9 +18,10 @@ times --decode-steps steps of a llama_batch holding one token per sequence, logi
 Other context parameters are llama.cpp's defaults (f16 KV, flash attention on auto).
 
 llama.cpp's extra buffer types (AMX, CPU repacking) stay on unless a probe (this script in a child
-process, one short prefill) dies of a signal: AMX on a CPU that advertises it inside a VM that
-does not save its tile state crashes the process. Then they are off, and the result says so
-("extra_buffer_types": false, and in "system_info").
+process, one short prefill) dies of a signal: llama.cpp's AMX matrix kernels crash the process on
+some Xeons (0.3.36 on an Intel model-207 VM: SIGILL at its first tile load in a worker thread,
+although the tile state is enabled and the permission granted). Then they are off, and the result
+says so ("extra_buffer_types": false, and in "system_info").
 """
 import argparse
 import ctypes
