@@ -543,20 +543,20 @@ fn axpy<E: KvElement>(alpha: f32, x: &[E], y: &mut [f32]) {
 
 /// Independent lanes of the softmax's maximum and sum: one AVX-512 vector (two AVX2 ones), the
 /// same order on every kernel path so a row's weights are the same bits on each.
-const LANES: usize = 16;
+const SOFTMAX_LANES: usize = 16;
 
-/// The largest value of `row`, [`LANES`] at a time so it vectorises.
+/// The largest value of `row`, [`SOFTMAX_LANES`] at a time so it vectorises.
 #[inline(always)]
 fn row_max(row: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; LANES];
-    let chunks = row.chunks_exact(LANES);
+    let mut acc = [f32::NEG_INFINITY; SOFTMAX_LANES];
+    let chunks = row.chunks_exact(SOFTMAX_LANES);
     let tail = chunks
         .remainder()
         .iter()
         .copied()
         .fold(f32::NEG_INFINITY, f32::max);
     for c in chunks {
-        for j in 0..LANES {
+        for j in 0..SOFTMAX_LANES {
             acc[j] = acc[j].max(c[j]);
         }
     }
@@ -568,10 +568,10 @@ fn row_max(row: &[f32]) -> f32 {
 /// branch-free so it vectorises, then divided by the sum. Returns the log-sum-exp of `row`.
 #[inline(always)]
 fn softmax_from(row: &mut [f32], max: f32) -> f32 {
-    let mut acc = [0f32; LANES];
-    let mut chunks = row.chunks_exact_mut(LANES);
+    let mut acc = [0f32; SOFTMAX_LANES];
+    let mut chunks = row.chunks_exact_mut(SOFTMAX_LANES);
     for c in &mut chunks {
-        for j in 0..LANES {
+        for j in 0..SOFTMAX_LANES {
             c[j] = exp_approx(c[j] - max);
             acc[j] += c[j];
         }
