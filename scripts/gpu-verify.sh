@@ -46,7 +46,8 @@ serve() {
   $bin/duet up --processes --device cuda --kv-transport "$t" --listen 127.0.0.1:$port \
     --metrics-listen 127.0.0.1:0 >"$log" 2>&1 &
   local up=$!
-  for _ in $(seq 120); do grep -q "duet is ready" "$log" && break; sleep 1; done
+  # Stop waiting as soon as `duet up` exits (a missing binary, a port taken): its log says why.
+  for _ in $(seq 120); do grep -q "duet is ready" "$log" && break; kill -0 $up 2>/dev/null || break; sleep 1; done
   short[$t]=$($bin/duet generate --server 127.0.0.1:$port --json --temperature 0 --max-tokens 24 --prompt "The capital of France is" | ids)
   long[$t]=$($bin/duet generate --server 127.0.0.1:$port --json --temperature 0 --max-tokens 24 --prompt "$long_prompt" | ids)
   used[$t]=$(sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -o 'KV push opened.*' | grep -o 'transport=[a-z"-]*' | sort | uniq -c | tr -s ' ' | tr '\n' ' ')
@@ -57,6 +58,10 @@ serve() {
   kill $up 2>/dev/null; wait $up 2>/dev/null; gpu_idle
 }
 
+# `duet up --processes` starts the worker binaries beside duet: all four must have been built.
+for b in duet duet-prefill duet-decode duet-router; do
+  [ -x "$bin/$b" ] || { echo "$bin/$b is missing: cargo build --release --features cuda --workspace --bins" >&2; exit 2; }
+done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 compare_generate tiny tests/fixtures/tiny-llama "hello world"
 for p in "The capital of France is" "def fibonacci(n):" "1, 2, 3, 4,"; do
