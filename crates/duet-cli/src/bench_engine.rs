@@ -141,6 +141,9 @@ struct Cpu {
     model: String,
     /// `cpu family` in /proc/cpuinfo.
     family: String,
+    /// `model` in /proc/cpuinfo: with the family, tells apart CPUs of one name (AMD EPYC Zen 3
+    /// is family 25 model 1, Zen 4 family 25 model 17).
+    model_number: String,
 }
 
 #[derive(Serialize)]
@@ -324,8 +327,8 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
     let kernels = duet_cpu::quant::KernelPath::choose(options.cpu_kernels)?;
     let kernel_path = format!("{kernels:?}");
     eprintln!(
-        "cpu: {} (family {}), kernel path {kernel_path}, {threads} threads",
-        cpu.model, cpu.family
+        "cpu: {} (family {} model {}), kernel path {kernel_path}, {threads} threads",
+        cpu.model, cpu.family, cpu.model_number
     );
     let mut prompt = prompt_source(engine.config().vocab_size);
     let total = args.prefill_tokens.len() + args.decode_points().len();
@@ -469,8 +472,8 @@ fn print_report(r: &Report) {
         r.model, r.device, r.threads
     );
     println!(
-        "cpu: {} (family {}); kernel path {}",
-        r.cpu.model, r.cpu.family, r.kernel_path
+        "cpu: {} (family {} model {}); kernel path {}",
+        r.cpu.model, r.cpu.family, r.cpu.model_number, r.kernel_path
     );
     if let Some(m) = &r.memory_roofline {
         println!(
@@ -550,8 +553,8 @@ fn print_report(r: &Report) {
     );
 }
 
-/// `model name` and `cpu family` of the first processor in /proc/cpuinfo ("unknown" where there
-/// is none).
+/// `model name`, `cpu family` and `model` of the first processor in /proc/cpuinfo ("unknown"
+/// where there is none).
 fn cpu_info() -> Cpu {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let field = |key: &str| {
@@ -563,6 +566,7 @@ fn cpu_info() -> Cpu {
     Cpu {
         model: field("model name"),
         family: field("cpu family"),
+        model_number: field("model"),
     }
 }
 
