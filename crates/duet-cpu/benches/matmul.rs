@@ -1,8 +1,9 @@
 //! Matmul kernel benchmark: `cargo bench -p duet-cpu --bench matmul [-- --all-paths] [-- --threads N]`.
 //!
-//! Per-shape numbers repeat one matrix (it stays in cache after the first call); the "whole
-//! model" numbers (1, 32 and 128 tokens) run all 211 distinct matrices of a SmolLM2-135M forward
-//! step in order, so decode streams ~96 MB of weights from memory as it would in the real model.
+//! First the cost of one empty pool dispatch. Per-shape numbers repeat one matrix (it stays in
+//! cache after the first call); the "whole model" numbers (1, 32 and 128 tokens) run all 211
+//! distinct matrices of a SmolLM2-135M forward step in order, so decode streams ~96 MB of weights
+//! from memory as it would in the real model.
 
 use std::time::{Duration, Instant};
 
@@ -110,6 +111,11 @@ fn main() {
         "threads: {threads}, detected kernel path: {:?}",
         KernelPath::detect()
     );
+
+    // What every matrix call pays before any weight is read: waking the workers and waiting for
+    // the last one (a decode step makes ~150 such calls: 5 per layer and the output).
+    let dispatch = time(|| pool.run(|_, _| {}), budget);
+    println!("pool dispatch (empty job): {:.2} us", dispatch * 1e6);
 
     for &path in &paths {
         println!("\n== path {path:?}: per shape (weights hot in cache after the first call) ==");

@@ -1,26 +1,40 @@
 //! A fixed pool of worker threads for data-parallel kernels.
 //!
 //! Matrix kernels split their output rows over every thread of the machine many thousand times a
-//! second (30 layers × 7 matrices per forward step), so a dispatch must cost microseconds: the
-//! workers spin briefly on an epoch counter before parking, and the caller takes a share of the
-//! work itself instead of sleeping.
+//! second (30 layers × 5 jobs per forward step), so a dispatch must cost well under a microsecond:
+//! the workers spin briefly on an epoch counter before parking, a dispatch publishes its job
+//! without a lock and makes a system call only when a worker is parked, and the caller takes a
+//! share of the work itself instead of sleeping.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 type Job = dyn Fn(usize, usize) + Sync;
 
 struct Shared {
-    /// Bumped once per dispatched job; workers run the job when they see a new value.
+    /// Bumped once per dispatched job (after `job` is written); workers run the job when they see
+    /// a new value.
     epoch: AtomicUsize,
     /// Workers still running the current job.
     pending: AtomicUsize,
-    /// The current job, valid while `pending > 0` (erased lifetime, see `run`).
-    job: Mutex<Option<&'static Job>>,
+    /// The current job (erased lifetime, see `run`): written only by the dispatching caller while
+    /// no worker runs a job, read by workers between seeing a new epoch and decrementing
+    /// `pending`.
+    job: UnsafeCell<Option<&'static Job>>,
+    /// Workers parked on `wake` or about to be; a dispatch locks `parking` and notifies only when
+    /// this is not zero.
+    parked: AtomicUsize,
+    parking: Mutex<()>,
     wake: Condvar,
-    shutdown: std::sync::atomic::AtomicBool,
+    shutdown: AtomicBool,
 }
+
+// SAFETY: `job` is accessed as described on the field: the epoch's release/acquire orders the
+// caller's write before the workers' reads, and `pending` reaching zero orders their reads before
+// the next write.
+unsafe impl Sync for Shared {}
 
 /// A pool of `n - 1` worker threads plus the calling thread.
 pub struct ThreadPool {
@@ -46,9 +60,11 @@ impl ThreadPool {
         let shared = Arc::new(Shared {
             epoch: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
-            job: Mutex::new(None),
+            job: UnsafeCell::new(None),
+            parked: AtomicUsize::new(0),
+            parking: Mutex::new(()),
             wake: Condvar::new(),
-            shutdown: std::sync::atomic::AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
         });
         let workers = (1..n_threads)
             .map(|idx| {
@@ -92,13 +108,21 @@ impl ThreadPool {
         let job: &'static Job = unsafe {
             std::mem::transmute::<&(dyn Fn(usize, usize) + Sync + '_), &'static Job>(job)
         };
-        *self.shared.job.lock().unwrap() = Some(job);
+        // SAFETY: no worker runs a job (the last dispatch waited for `pending` to reach zero,
+        // and `dispatch` keeps other callers out), so none reads `job` now.
+        unsafe { *self.shared.job.get() = Some(job) };
         self.shared
             .pending
             .store(self.n_threads - 1, Ordering::SeqCst);
-        {
-            let _g = self.shared.job.lock().unwrap();
-            self.shared.epoch.fetch_add(1, Ordering::SeqCst);
+        self.shared.epoch.fetch_add(1, Ordering::SeqCst);
+        // A worker counts itself parked before its last look at the epoch (both SeqCst), so
+        // either it sees the new epoch or we see it counted and wake it under the lock.
+        if self.shared.parked.load(Ordering::SeqCst) != 0 {
+            let _g = self
+                .shared
+                .parking
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             self.shared.wake.notify_all();
         }
         // A panic in our share must not free `f` while workers still use it.
@@ -113,7 +137,8 @@ impl ThreadPool {
                 std::thread::yield_now();
             }
         }
-        *self.shared.job.lock().unwrap() = None;
+        // SAFETY: every worker is done with the job (`pending` is zero).
+        unsafe { *self.shared.job.get() = None };
         if let Err(panic) = result {
             std::panic::resume_unwind(panic);
         }
@@ -222,16 +247,20 @@ fn worker_loop(shared: Arc<Shared>, idx: usize, n_threads: usize) {
             if spins < SPIN_ITERS {
                 std::hint::spin_loop();
             } else {
-                let guard = shared.job.lock().unwrap();
-                if shared.epoch.load(Ordering::Acquire) == seen
-                    && !shared.shutdown.load(Ordering::Acquire)
+                let guard = shared.parking.lock().unwrap_or_else(|e| e.into_inner());
+                shared.parked.fetch_add(1, Ordering::SeqCst);
+                if shared.epoch.load(Ordering::SeqCst) == seen
+                    && !shared.shutdown.load(Ordering::SeqCst)
                 {
-                    drop(shared.wake.wait(guard).unwrap());
+                    drop(shared.wake.wait(guard).unwrap_or_else(|e| e.into_inner()));
                 }
+                shared.parked.fetch_sub(1, Ordering::SeqCst);
             }
         };
         seen = epoch;
-        let job = *shared.job.lock().unwrap();
+        // SAFETY: the job was written before the epoch we acquired, and stays until we
+        // decrement `pending`.
+        let job = unsafe { *shared.job.get() };
         if let Some(job) = job {
             // A panicking kernel is a bug; keep the pool consistent and let the caller's own share
             // (or the next debug run) surface it.
@@ -244,7 +273,11 @@ fn worker_loop(shared: Arc<Shared>, idx: usize, n_threads: usize) {
 impl Drop for ThreadPool {
     fn drop(&mut self) {
         {
-            let _g = self.shared.job.lock().unwrap();
+            let _g = self
+                .shared
+                .parking
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             self.shared.shutdown.store(true, Ordering::SeqCst);
             self.shared.wake.notify_all();
         }
@@ -269,6 +302,30 @@ mod tests {
             });
             assert_eq!(hits.load(Ordering::Relaxed), 3);
         }
+    }
+
+    /// Between jobs further apart than the spin, workers park; the next dispatch must wake every
+    /// one of them (a lost wake-up hangs the caller), and dropping the pool must end parked ones.
+    #[test]
+    fn parked_workers_wake_for_the_next_job_and_on_drop() {
+        let pool = ThreadPool::new(3);
+        let all_parked = || {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while pool.shared.parked.load(Ordering::SeqCst) != 2 {
+                assert!(std::time::Instant::now() < deadline, "workers never parked");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        };
+        for _ in 0..20 {
+            all_parked();
+            let hits = AtomicUsize::new(0);
+            pool.run(|_, _| {
+                hits.fetch_add(1, Ordering::Relaxed);
+            });
+            assert_eq!(hits.load(Ordering::Relaxed), 3);
+        }
+        all_parked();
+        drop(pool);
     }
 
     /// Callers taking turns never overlap, and a caller that asks again at once waits behind one
