@@ -124,7 +124,10 @@ struct DecodePoint {
     llamacpp_tokens_per_s: Option<f64>,
     /// duet ÷ llama.cpp.
     ratio: Option<f64>,
-    /// Batch 1: the memory-bandwidth roofline at this context ([`MemoryRoofline::tokens_per_s`]).
+    /// Batch 1 on a CPU: the streaming-read bandwidth just before and just after the point.
+    bandwidth: Option<BandwidthAround>,
+    /// Batch 1: the memory-bandwidth roofline at this context ([`MemoryRoofline::tokens_per_s`]
+    /// at the higher of the two bandwidths).
     roofline_tokens_per_s: Option<f64>,
     roofline_fraction: Option<f64>,
     /// Batched: share of [`ComputeCeiling::decode_tokens_per_s`].
@@ -175,6 +178,8 @@ struct Report {
 /// cannot beat the memory bandwidth divided by those bytes.
 #[derive(Serialize)]
 struct MemoryRoofline {
+    /// Measured after the whole sweep; each single-stream point is judged by its own
+    /// [`BandwidthAround`].
     bandwidth: Bandwidth,
     /// Weights read per decode token: see [`weight_bytes_per_token`].
     weight_bytes_per_token: u64,
@@ -186,11 +191,63 @@ impl MemoryRoofline {
     /// Decode tokens per second at `context` when only memory traffic costs time. The KV read is
     /// the mean over the timed steps: step `k` (from 0) attends `context + 2 + k` positions (the
     /// prompt, the untimed step's token, the tokens of the timed steps so far and its own).
-    fn tokens_per_s(&self, context: usize, steps: usize) -> f64 {
+    fn tokens_per_s(&self, context: usize, steps: usize, bandwidth: f64) -> f64 {
         let mean_context = context as f64 + (steps as f64 + 3.0) / 2.0;
         let bytes = self.weight_bytes_per_token as f64
             + mean_context * self.kv_bytes_per_context_token as f64;
-        self.bandwidth.bytes_per_s / bytes
+        bandwidth / bytes
+    }
+}
+
+/// The streaming-read bandwidth right before and right after one single-stream decode point. A
+/// host's bandwidth can move by tens of percent within minutes (other tenants of its memory), so
+/// one measurement for the whole run may come from another phase than the point it judges. The
+/// roofline takes the higher of the two: a slow phase never flatters the engine.
+#[derive(Serialize)]
+struct BandwidthAround {
+    before: Bandwidth,
+    after: Bandwidth,
+}
+
+impl BandwidthAround {
+    fn bytes_per_s(&self) -> f64 {
+        self.before.bytes_per_s.max(self.after.bytes_per_s)
+    }
+}
+
+/// Measures the streaming-read bandwidth between engine runs while keeping the engine's peak RSS
+/// apart from the measurement's buffer: the kernel's high-water mark is read before each
+/// measurement and reset after it (`/proc/self/clear_refs`); if it cannot be reset, later marks
+/// would count the buffer and are not read.
+struct BandwidthProbe {
+    threads: usize,
+    buffer_bytes: usize,
+    engine_peak_rss: u64,
+    high_water_mark_is_engines: bool,
+}
+
+impl BandwidthProbe {
+    fn new(threads: usize, buffer_bytes: usize) -> Self {
+        Self {
+            threads,
+            buffer_bytes,
+            engine_peak_rss: 0,
+            high_water_mark_is_engines: true,
+        }
+    }
+
+    fn measure(&mut self) -> Bandwidth {
+        self.engine_peak_rss();
+        let bandwidth = bandwidth::streaming_read(self.threads, self.buffer_bytes, 5);
+        self.high_water_mark_is_engines &= std::fs::write("/proc/self/clear_refs", "5").is_ok();
+        bandwidth
+    }
+
+    fn engine_peak_rss(&mut self) -> u64 {
+        if self.high_water_mark_is_engines {
+            self.engine_peak_rss = self.engine_peak_rss.max(rss_bytes("VmHWM"));
+        }
+        self.engine_peak_rss
     }
 }
 
@@ -344,24 +401,31 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
         eprintln!("[{done}/{total}] prefill {tokens} tokens: {best:.1} tok/s");
         prefill.push((tokens, best));
     }
+    let mut probe = BandwidthProbe::new(threads, args.bandwidth_mib << 20);
+    let on_cpu = options.device == Device::Cpu;
     let mut decode = Vec::new();
     for &context in &args.contexts {
         let source = PrefilledPrompt::new(&mut engine, prompt(context))
             .with_context(|| format!("prefilling the {context}-token decode context"))?;
         for &batch in &args.batch {
+            let around = on_cpu && batch == 1;
+            let before = around.then(|| probe.measure());
             let m = decode_point(&mut engine, &source, batch, args.decode_steps, args.repeats)
                 .with_context(|| format!("decode at batch {batch}, context {context}"))?;
+            let bandwidth = before.map(|before| BandwidthAround {
+                before,
+                after: probe.measure(),
+            });
             done += 1;
             eprintln!(
                 "[{done}/{total}] decode batch {batch} at context {context}: {:.1} tok/s",
                 m.tokens_per_s
             );
-            decode.push((batch, context, m));
+            decode.push((batch, context, m, bandwidth));
         }
         source.release(&mut engine)?;
     }
-    // Before the bandwidth buffer is allocated: the peak is the engine's.
-    let peak_rss = rss_bytes("VmHWM");
+    let peak_rss = probe.engine_peak_rss();
 
     let layout = engine.kv_layout();
     let (memory_roofline, compute_ceiling) = match options.device {
@@ -371,7 +435,7 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
                 args.bandwidth_mib
             );
             let roofline = MemoryRoofline {
-                bandwidth: bandwidth::streaming_read(threads, args.bandwidth_mib << 20, 5),
+                bandwidth: probe.measure(),
                 weight_bytes_per_token: weight_bytes,
                 kv_bytes_per_context_token: (layout.values_per_token() * layout.dtype.bytes())
                     as u64,
@@ -409,15 +473,15 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let decode = decode
         .into_iter()
-        .map(|(batch, context, m)| {
+        .map(|(batch, context, m, bandwidth)| {
             let peer = llamacpp
                 .as_ref()
                 .map(|l| l.decode_rate(batch, context))
                 .transpose()?;
             let roofline = memory_roofline
                 .as_ref()
-                .filter(|_| batch == 1)
-                .map(|r| r.tokens_per_s(context, args.decode_steps));
+                .zip(bandwidth.as_ref())
+                .map(|(r, b)| r.tokens_per_s(context, args.decode_steps, b.bytes_per_s()));
             let rate = m.tokens_per_s;
             Ok(DecodePoint {
                 batch,
@@ -425,6 +489,7 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
                 tokens_per_s: rate,
                 llamacpp_tokens_per_s: peer,
                 ratio: peer.map(|p| rate / p),
+                bandwidth,
                 roofline_tokens_per_s: roofline,
                 roofline_fraction: roofline.map(|r| rate / r),
                 compute_fraction: compute_ceiling
@@ -477,7 +542,7 @@ fn print_report(r: &Report) {
     );
     if let Some(m) = &r.memory_roofline {
         println!(
-            "memory bandwidth: {:.1} GB/s streaming read ({} threads, {} MiB, best of {}); a token reads {:.1} MB of weights + {:.1} KB of KV per context token",
+            "memory bandwidth: {:.1} GB/s streaming read after the sweep ({} threads, {} MiB, best of {}; each single-stream point is judged by the higher of the reads just before and after it); a token reads {:.1} MB of weights + {:.1} KB of KV per context token",
             m.bandwidth.bytes_per_s / 1e9,
             m.bandwidth.threads,
             m.bandwidth.buffer_bytes >> 20,
@@ -525,10 +590,10 @@ fn print_report(r: &Report) {
         "batch", "context", "duet tok/s", "llama.cpp tok/s", "ratio", "roofline"
     );
     for d in &r.decode {
-        let ceiling = match (d.roofline_fraction, d.compute_fraction) {
-            (Some(f), _) => format!("{} bandwidth", pct(f)),
-            (None, Some(f)) => format!("{} compute", pct(f)),
-            (None, None) => "-".into(),
+        let ceiling = match (d.roofline_fraction, &d.bandwidth, d.compute_fraction) {
+            (Some(f), Some(b), _) => format!("{} of {:.1} GB/s", pct(f), b.bytes_per_s() / 1e9),
+            (_, _, Some(f)) => format!("{} compute", pct(f)),
+            _ => "-".into(),
         };
         println!(
             "{:>8} {:>8} {:>12.1} {:>16} {:>8} {:>16}",

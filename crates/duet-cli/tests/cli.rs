@@ -308,6 +308,24 @@ fn bench_engine_sweeps_every_point_with_private_kv() {
         );
         if batch == 1 {
             assert!(d["roofline_fraction"].as_f64().unwrap() > 0.0, "{d}");
+            // Judged by the bandwidth read right around the point, the higher of the two.
+            let read = |when: &str| d["bandwidth"][when]["bytes_per_s"].as_f64().unwrap();
+            let higher = read("before").max(read("after"));
+            assert!(read("before") > 0.0 && read("after") > 0.0, "{d}");
+            let (rate, roofline) = (
+                d["tokens_per_s"].as_f64().unwrap(),
+                d["roofline_tokens_per_s"].as_f64().unwrap(),
+            );
+            let fraction = d["roofline_fraction"].as_f64().unwrap();
+            assert!((rate / roofline - fraction).abs() < 1e-9, "{d}");
+            // The roofline is that bandwidth over the weights and the mean KV of the timed steps.
+            let m = &v["memory_roofline"];
+            let kv_tokens = context as f64 + (steps as f64 + 3.0) / 2.0;
+            let bytes = m["weight_bytes_per_token"].as_f64().unwrap()
+                + kv_tokens * m["kv_bytes_per_context_token"].as_f64().unwrap();
+            assert!((roofline * bytes / higher - 1.0).abs() < 1e-9, "{d}");
+        } else {
+            assert!(d["bandwidth"].is_null(), "{d}");
         }
     }
     let expected: Vec<(u64, u64)> = contexts
