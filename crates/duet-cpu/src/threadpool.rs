@@ -7,7 +7,8 @@
 //! share of the work itself instead of sleeping.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -144,48 +145,121 @@ impl ThreadPool {
         }
     }
 
-    /// Runs `f(range)` over disjoint contiguous ranges covering `0..n`, claimed by the
-    /// participants as they go (see [`Claims`]), so threads running at different speeds finish
+    /// Runs `f(range)` over disjoint contiguous ranges covering `0..n`, taken by the
+    /// participants as they go (see [`Shares`]), so threads running at different speeds finish
     /// together.
-    pub fn for_each_range<F: Fn(std::ops::Range<usize>) + Sync>(&self, n: usize, f: F) {
-        let claims = Claims {
-            next: AtomicUsize::new(0),
-            n,
-            shares: 2 * self.n_threads,
-        };
-        self.run(|_, _| {
-            while let Some(r) = claims.claim() {
+    pub fn for_each_range<F: Fn(Range<usize>) + Sync>(&self, n: usize, f: F) {
+        let shares = Shares::new(n, self.n_threads);
+        self.run(|me, _| {
+            while let Some(r) = shares.take(me) {
                 f(r)
             }
         });
     }
 }
 
-/// Claims parts of `0..n` for [`ThreadPool::for_each_range`]: each claim takes a
-/// `1 / (2 * threads)` share of what is left (at least one item), so the first claims are long
-/// contiguous runs and the last ones short enough that a thread slowed down (a busy sibling
-/// hyperthread, a preempted vCPU) does not hold up the others for long.
-struct Claims {
-    next: AtomicUsize,
-    n: usize,
-    shares: usize,
+/// The parts of `0..n` for [`ThreadPool::for_each_range`]. Each participant owns one contiguous
+/// share and takes it front to back, a quarter of what is left at a time, so what it reads stays
+/// one forward run the hardware prefetcher follows: a decode step's rows are its weights, streamed
+/// from memory, and every run started anew costs a memory latency and the prefetcher's warm-up
+/// (one shared counter handing out pieces made each thread start ~7 runs a matrix). A participant
+/// whose share is done moves the back half of the largest share left into its own, so a thread
+/// slowed down (a busy sibling hyperthread, a preempted vCPU) holds up the others for little more
+/// than one piece.
+struct Shares {
+    by_participant: Vec<Share>,
 }
 
-impl Claims {
-    fn claim(&self) -> Option<std::ops::Range<usize>> {
-        let mut start = self.next.load(Ordering::Relaxed);
+/// One participant's share, `start` in the low and `end` in the high 32 bits, on a cache line of
+/// its own: its owner updates it for every piece.
+#[repr(align(64))]
+struct Share(AtomicU64);
+
+fn pack(start: usize, end: usize) -> u64 {
+    start as u64 | (end as u64) << 32
+}
+
+fn unpack(share: u64) -> (usize, usize) {
+    ((share & u32::MAX as u64) as usize, (share >> 32) as usize)
+}
+
+impl Shares {
+    fn new(n: usize, participants: usize) -> Self {
+        assert!(
+            u32::try_from(n).is_ok(),
+            "for_each_range over {n} items: at most 2^32 - 1"
+        );
+        let bound = |i: usize| n * i / participants;
+        Self {
+            by_participant: (0..participants)
+                .map(|i| Share(AtomicU64::new(pack(bound(i), bound(i + 1)))))
+                .collect(),
+        }
+    }
+
+    /// The next piece for participant `me`: from its own share, else from one it takes over.
+    fn take(&self, me: usize) -> Option<Range<usize>> {
         loop {
-            if start >= self.n {
+            if let Some(piece) = self.take_front(me) {
+                return Some(piece);
+            }
+            if !self.take_over(me) {
                 return None;
             }
-            let len = ((self.n - start) / self.shares).max(1);
-            let end = self.n.min(start + len);
-            match self
-                .next
-                .compare_exchange_weak(start, end, Ordering::Relaxed, Ordering::Relaxed)
+        }
+    }
+
+    /// A quarter of what is left of `me`'s share (at least one item), from its front.
+    fn take_front(&self, me: usize) -> Option<Range<usize>> {
+        let share = &self.by_participant[me].0;
+        let mut now = share.load(Ordering::Acquire);
+        loop {
+            let (start, end) = unpack(now);
+            if start >= end {
+                return None;
+            }
+            let len = ((end - start) / 4).max(1);
+            match share.compare_exchange_weak(
+                now,
+                pack(start + len, end),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(start..start + len),
+                Err(seen) => now = seen,
+            }
+        }
+    }
+
+    /// Moves the back half of the largest other share into `me`'s (empty) one; false when every
+    /// share is empty. Ranges only ever move to disjoint places, so a share never holds the same
+    /// value twice and a compare-and-swap cannot mistake a new range for an old one.
+    fn take_over(&self, me: usize) -> bool {
+        loop {
+            let largest = (0..self.by_participant.len())
+                .filter(|&i| i != me)
+                .map(|i| (i, self.by_participant[i].0.load(Ordering::Acquire)))
+                .max_by_key(|&(_, share)| {
+                    let (start, end) = unpack(share);
+                    end.saturating_sub(start)
+                });
+            let Some((victim, share)) = largest else {
+                return false;
+            };
+            let (start, end) = unpack(share);
+            if start >= end {
+                return false;
+            }
+            let cut = end - (end - start).div_ceil(2);
+            if self.by_participant[victim]
+                .0
+                .compare_exchange(share, pack(start, cut), Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
             {
-                Ok(_) => return Some(start..end),
-                Err(now) => start = now,
+                self.by_participant[me]
+                    .0
+                    .store(pack(cut, end), Ordering::Release);
+                return true;
             }
         }
     }
@@ -373,20 +447,52 @@ mod tests {
         }
     }
 
-    /// Claims start long and shrink: the first takes `1 / (2 * threads)` of the work, so a
-    /// matrix is streamed in a few long runs rather than many short ones.
+    /// A participant that runs slowly keeps little more than its first pieces: the others take
+    /// over the rest of its share, and every item still runs exactly once.
     #[test]
-    fn claims_shrink_with_the_work_left() {
-        let claims = Claims {
-            next: AtomicUsize::new(0),
-            n: 100,
-            shares: 4,
-        };
-        let lens: Vec<usize> = std::iter::from_fn(|| claims.claim())
-            .map(|r| r.len())
-            .collect();
-        assert_eq!(lens[..4], [25, 18, 14, 10]);
-        assert_eq!(lens.iter().sum::<usize>(), 100);
-        assert!(lens.windows(2).all(|w| w[0] >= w[1]));
+    fn a_slow_participant_is_taken_over() {
+        let pool = ThreadPool::new(3);
+        let n = 3000;
+        let seen: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+        let slow_items = AtomicUsize::new(0);
+        pool.for_each_range(n, |r| {
+            if std::thread::current().name() == Some("duet-kernel-1") {
+                slow_items.fetch_add(r.len(), Ordering::Relaxed);
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            for i in r {
+                seen[i].fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+        assert!(
+            slow_items.load(Ordering::Relaxed) < n / 3,
+            "the slow share was not taken over"
+        );
+    }
+
+    /// Alone, a participant takes its share as one forward run of shrinking pieces; with its own
+    /// share done it takes over the back half of the largest share left.
+    #[test]
+    fn shares_run_forward_then_take_over_the_largest_back_half() {
+        let shares = Shares::new(100, 2);
+        let first: Vec<Range<usize>> = (0..4).map(|_| shares.take(0).unwrap()).collect();
+        assert_eq!(first, [0..12, 12..21, 21..28, 28..33]);
+        // Participant 1 has not started: once 0 is through its own 50, it takes 75..100.
+        while shares.take_front(0).is_some() {}
+        assert!(shares.take_over(0));
+        assert_eq!(
+            unpack(shares.by_participant[1].0.load(Ordering::Relaxed)),
+            (50, 75)
+        );
+        assert_eq!(shares.take(0), Some(75..81));
+        // Participant 1's own share now ends where 0 took over.
+        let mut own = Vec::new();
+        while let Some(r) = shares.take_front(1) {
+            own.push(r);
+        }
+        assert_eq!(own.first().unwrap().start, 50);
+        assert_eq!(own.last().unwrap().end, 75);
+        assert!(own.windows(2).all(|w| w[0].end == w[1].start));
     }
 }
