@@ -17,7 +17,7 @@ use duet_engine::EngineError;
 use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
 use duet_engine::batch::ForwardBatch;
 use duet_engine::engine::{Engine, EngineOptions};
-use duet_model::model_files::open_model;
+use duet_model::model_files::{RawTensor, open_model};
 use duet_model::storage::WeightBytes;
 
 pub use kv_store::CpuKvStore;
@@ -141,22 +141,31 @@ impl Backend for CpuBackend {
             .map_err(|e| EngineError::Weights(format!("tensor {name}: {e}")))
     }
 
-    fn stack_matrices(&self, parts: &[&QMatrix]) -> Option<QMatrix> {
-        let first = parts.first()?;
+    fn load_stacked_matrix(&self, parts: &[RawTensor]) -> Result<Option<QMatrix>, EngineError> {
+        let Some(first) = parts.first() else {
+            return Ok(None);
+        };
         if parts
             .iter()
-            .any(|m| m.ty() != first.ty() || m.cols() != first.cols())
+            .any(|t| t.ty != first.ty || t.cols != first.cols)
         {
-            return None;
+            return Ok(None);
         }
-        let rows: usize = parts.iter().map(|m| m.rows()).sum();
-        let mut bytes = Vec::with_capacity(parts.iter().map(|m| m.size_bytes()).sum());
-        for m in parts {
-            for r in 0..m.rows() {
-                bytes.extend_from_slice(&m.row_bytes_ggml(r));
-            }
+        // GGML rows are whole blocks, so the parts' bytes one after another are the stack's.
+        let mut bytes = Vec::with_capacity(parts.iter().map(|t| t.bytes.len()).sum());
+        for t in parts {
+            bytes.extend_from_slice(&t.bytes);
         }
-        QMatrix::new(first.ty(), rows, first.cols(), WeightBytes::from_vec(bytes)).ok()
+        let rows = parts.iter().map(|t| t.rows).sum();
+        let names: Vec<&str> = parts.iter().map(|t| t.name.as_str()).collect();
+        self.load_matrix(
+            &names.join(" + "),
+            first.ty,
+            rows,
+            first.cols,
+            WeightBytes::from_vec(bytes),
+        )
+        .map(Some)
     }
 
     fn matrix_rows(&self, m: &QMatrix) -> usize {
@@ -481,5 +490,67 @@ mod synthetic_model {
         assert!((0.05..50.0).contains(&rms), "logit rms {rms}");
         assert_eq!(a, logits(1));
         assert_ne!(a, logits(2));
+    }
+}
+
+#[cfg(test)]
+mod stacking {
+    use duet_engine::backend::Backend;
+    use duet_model::model_files::RawTensor;
+    use duet_model::storage::WeightBytes;
+
+    use super::{CpuBackend, QuantType};
+
+    /// `rows × cols` Q8_0 weights: scale 1/64, quants counting up from `seed`.
+    fn q8_0(name: &str, rows: usize, cols: usize, seed: u8) -> RawTensor {
+        let mut bytes = Vec::new();
+        for b in 0..rows * cols / 32 {
+            bytes.extend_from_slice(&half::f16::from_f32(1.0 / 64.0).to_bits().to_le_bytes());
+            bytes.extend((0..32u8).map(|i| seed.wrapping_add(i).wrapping_mul(b as u8 | 1)));
+        }
+        RawTensor {
+            name: name.into(),
+            ty: QuantType::Q8_0,
+            rows,
+            cols,
+            bytes: WeightBytes::from_vec(bytes),
+        }
+    }
+
+    /// A stack of stored tensors computes exactly what its parts compute one by one, and parts
+    /// of different types are left to load separately.
+    #[test]
+    fn a_stack_is_its_parts_rows_one_after_another() {
+        let backend = CpuBackend::new(2);
+        let (q, k) = (q8_0("q", 48, 64, 3), q8_0("k", 16, 64, 90));
+        let stacked = backend
+            .load_stacked_matrix(&[q.clone(), k.clone()])
+            .unwrap()
+            .expect("same type and width stack");
+        let x: Vec<f32> = (0..2 * 64).map(|i| (i as f32 * 0.37).sin()).collect();
+        let product = |t: &RawTensor| {
+            let m = backend
+                .load_matrix(&t.name, t.ty, t.rows, t.cols, t.bytes.clone())
+                .unwrap();
+            let mut out = vec![0.0; 2 * t.rows];
+            m.matmul(&x, 2, &mut out, backend.pool());
+            out
+        };
+        let mut all = vec![0.0; 2 * 64];
+        stacked.matmul(&x, 2, &mut all, backend.pool());
+        let (pq, pk) = (product(&q), product(&k));
+        for token in 0..2 {
+            let row = &all[token * 64..][..64];
+            assert_eq!(row[..48], pq[token * 48..][..48]);
+            assert_eq!(row[48..], pk[token * 16..][..16]);
+        }
+        let f32_part = RawTensor {
+            name: "v".into(),
+            ty: QuantType::F32,
+            rows: 1,
+            cols: 64,
+            bytes: WeightBytes::from_vec(vec![0; 64 * 4]),
+        };
+        assert!(backend.load_stacked_matrix(&[q, f32_part]).unwrap().is_none());
     }
 }

@@ -19,6 +19,7 @@ use duet_engine::EngineError;
 use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
 use duet_engine::batch::ForwardBatch;
 use duet_model::dequant::dequantize_row;
+use duet_model::model_files::RawTensor;
 use duet_model::quant_type::QuantType;
 use duet_model::storage::WeightBytes;
 
@@ -414,6 +415,20 @@ impl CudaBackend {
     }
 }
 
+/// The bf16 bits of `len` values stored as `ty`: GGUF quantized (and f16/f32) weights are
+/// dequantized at load, since the GPU path is bf16.
+fn bf16_matrix(ty: QuantType, bytes: &[u8], len: usize) -> Vec<u16> {
+    if ty == QuantType::BF16 {
+        return bytes
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+    }
+    let mut f = vec![0f32; len];
+    dequantize_row(ty, bytes, &mut f);
+    bf16_bits(&f)
+}
+
 /// bf16 bits of `values`, rounded to nearest even (as the kernels' `f32_to_bf16`).
 pub fn bf16_bits(values: &[f32]) -> Vec<u16> {
     values
@@ -455,37 +470,24 @@ impl Backend for CudaBackend {
         cols: usize,
         bytes: WeightBytes,
     ) -> Result<CudaMatrix, EngineError> {
-        let values: Vec<u16> = if ty == QuantType::BF16 {
-            bytes
-                .chunks_exact(2)
-                .map(|b| u16::from_le_bytes([b[0], b[1]]))
-                .collect()
-        } else {
-            // GGUF quantized (and f16/f32) weights are dequantized at load: the GPU path is bf16.
-            let mut f = vec![0f32; rows * cols];
-            dequantize_row(ty, &bytes, &mut f);
-            bf16_bits(&f)
-        };
-        self.upload_matrix(name, &values, rows, cols)
+        self.upload_matrix(name, &bf16_matrix(ty, &bytes, rows * cols), rows, cols)
     }
 
-    fn stack_matrices(&self, parts: &[&CudaMatrix]) -> Option<CudaMatrix> {
-        let cols = parts.first()?.cols;
-        if parts.iter().any(|p| p.cols != cols) {
-            return None;
+    fn load_stacked_matrix(&self, parts: &[RawTensor]) -> Result<Option<CudaMatrix>, EngineError> {
+        let Some(first) = parts.first() else {
+            return Ok(None);
+        };
+        if parts.iter().any(|t| t.cols != first.cols) {
+            return Ok(None);
         }
-        let rows: usize = parts.iter().map(|p| p.rows).sum();
-        let mut data = self.zeros::<u16>("stacking matrices", rows * cols)?;
-        let mut at = 0;
-        for p in parts {
-            let len = p.rows * cols;
-            let r = self
-                .stream
-                .memcpy_dtod(&p.data, &mut data.slice_mut(at..at + len));
-            self.check("stacking matrices", r)?;
-            at += len;
+        // Every part becomes bf16, whatever its stored type, so mixed types stack too.
+        let mut values = Vec::new();
+        for t in parts {
+            values.extend(bf16_matrix(t.ty, &t.bytes, t.rows * t.cols));
         }
-        Some(CudaMatrix { data, rows, cols })
+        let rows = parts.iter().map(|t| t.rows).sum();
+        self.upload_matrix("stacked matrices", &values, rows, first.cols)
+            .map(Some)
     }
 
     fn matrix_rows(&self, m: &CudaMatrix) -> usize {

@@ -7,6 +7,7 @@
 
 use crate::EngineError;
 use crate::batch::ForwardBatch;
+use duet_model::model_files::RawTensor;
 use duet_model::quant_type::QuantType;
 use duet_model::storage::WeightBytes;
 
@@ -169,9 +170,12 @@ pub trait Backend: Send + Sync {
         cols: usize,
         bytes: WeightBytes,
     ) -> Result<Self::Matrix, EngineError>;
-    /// Stacks matrices with equal `cols` into one (rows concatenated), so that projections of the
-    /// same input run as one product. `None` when the backend cannot (e.g. mixed types).
-    fn stack_matrices(&self, parts: &[&Self::Matrix]) -> Option<Self::Matrix>;
+    /// One matrix of `parts` stacked (rows concatenated, equal `cols`), so that projections of
+    /// the same input run as one product; `Ok(None)` when the backend cannot (e.g. mixed types),
+    /// and the parts are loaded one by one. Stacking the stored tensors, not loaded matrices,
+    /// keeps the parts from ever taking memory of their own.
+    fn load_stacked_matrix(&self, parts: &[RawTensor])
+    -> Result<Option<Self::Matrix>, EngineError>;
     fn matrix_rows(&self, m: &Self::Matrix) -> usize;
     fn load_vector(&self, values: Vec<f32>) -> Result<Self::Vector, EngineError>;
 

@@ -98,15 +98,26 @@ impl<B: Backend> Llama<B> {
         let tensor = |name: &str| {
             tensors(name)?.ok_or_else(|| EngineError::Weights(format!("missing tensor {name}")))
         };
-        let matrix =
-            |name: &str, unpermute_heads: Option<usize>| -> Result<B::Matrix, EngineError> {
+        // A weight matrix as stored, with the row order this engine's RoPE expects.
+        let weights =
+            |name: &str, unpermute_heads: Option<usize>| -> Result<RawTensor, EngineError> {
                 let t = tensor(name)?;
-                let t = match unpermute_heads {
-                    Some(heads) if interleaved => unpermute_rows(t, heads)?,
-                    _ => t,
-                };
-                backend.load_matrix(&t.name, t.ty, t.rows, t.cols, t.bytes)
+                match unpermute_heads {
+                    Some(heads) if interleaved => unpermute_rows(t, heads),
+                    _ => Ok(t),
+                }
             };
+        let load = |t: RawTensor| backend.load_matrix(&t.name, t.ty, t.rows, t.cols, t.bytes);
+        let matrix =
+            |name: &str, unpermute_heads: Option<usize>| load(weights(name, unpermute_heads)?);
+        let stack = |parts: Vec<RawTensor>| -> Result<Projection<B>, EngineError> {
+            Ok(match backend.load_stacked_matrix(&parts)? {
+                Some(m) => Projection::Stacked(m),
+                None => {
+                    Projection::Separate(parts.into_iter().map(load).collect::<Result<_, _>>()?)
+                }
+            })
+        };
         let vector = |name: &str| -> Result<B::Vector, EngineError> {
             backend.load_vector(tensor_f32(&tensor(name)?))
         };
@@ -114,10 +125,11 @@ impl<B: Backend> Llama<B> {
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = |s: &str| format!("blk.{i}.{s}");
-            let q = matrix(&p("attn_q.weight"), Some(cfg.num_heads))?;
-            let k = matrix(&p("attn_k.weight"), Some(cfg.num_kv_heads))?;
-            let v = matrix(&p("attn_v.weight"), None)?;
-            let qkv = stack(&backend, vec![q, k, v]);
+            let qkv = stack(vec![
+                weights(&p("attn_q.weight"), Some(cfg.num_heads))?,
+                weights(&p("attn_k.weight"), Some(cfg.num_kv_heads))?,
+                weights(&p("attn_v.weight"), None)?,
+            ])?;
             let qkv_bias = if cfg.attention_bias {
                 Some([
                     vector(&p("attn_q.bias"))?,
@@ -127,13 +139,10 @@ impl<B: Backend> Llama<B> {
             } else {
                 None
             };
-            let gate_up = stack(
-                &backend,
-                vec![
-                    matrix(&p("ffn_gate.weight"), None)?,
-                    matrix(&p("ffn_up.weight"), None)?,
-                ],
-            );
+            let gate_up = stack(vec![
+                weights(&p("ffn_gate.weight"), None)?,
+                weights(&p("ffn_up.weight"), None)?,
+            ])?;
             layers.push(Layer {
                 attn_norm: vector(&p("attn_norm.weight"))?,
                 qkv,
@@ -331,14 +340,6 @@ impl<B: Backend> Default for FfnScratch<B> {
             gate_up: None,
             up: None,
         }
-    }
-}
-
-fn stack<B: Backend>(backend: &B, parts: Vec<B::Matrix>) -> Projection<B> {
-    let refs: Vec<&B::Matrix> = parts.iter().collect();
-    match backend.stack_matrices(&refs) {
-        Some(m) => Projection::Stacked(m),
-        None => Projection::Separate(parts),
     }
 }
 
