@@ -145,9 +145,13 @@ impl Backend for CpuBackend {
         let Some(first) = parts.first() else {
             return Ok(None);
         };
+        // A part of another type or width, or whose bytes are not its rows, loads on its own
+        // (where a wrong size is an error naming it).
+        let whole =
+            |t: &RawTensor| t.ty.row_bytes(t.cols).map(|rb| rb * t.rows) == Some(t.bytes.len());
         if parts
             .iter()
-            .any(|t| t.ty != first.ty || t.cols != first.cols)
+            .any(|t| t.ty != first.ty || t.cols != first.cols || !whole(t))
         {
             return Ok(None);
         }
@@ -551,6 +555,16 @@ mod stacking {
             cols: 64,
             bytes: WeightBytes::from_vec(vec![0; 64 * 4]),
         };
-        assert!(backend.load_stacked_matrix(&[q, f32_part]).unwrap().is_none());
+        assert!(
+            backend
+                .load_stacked_matrix(&[q.clone(), f32_part])
+                .unwrap()
+                .is_none()
+        );
+        // Bytes that are not the part's rows are not stacked (the total would hide them): the
+        // part then fails to load on its own.
+        let mut short = k.clone();
+        short.rows = 15;
+        assert!(backend.load_stacked_matrix(&[q, short]).unwrap().is_none());
     }
 }
