@@ -160,6 +160,20 @@ impl Service {
 impl Cluster {
     /// Starts every service and returns once a one-token `Generate` succeeds.
     pub fn start(spec: &ClusterSpec) -> Result<Cluster> {
+        Self::start_unless(spec, std::future::pending())
+    }
+
+    /// [`Self::start`], given up with the services started so far stopped if `stop` completes
+    /// first (a stop signal: [`duet_proto::serve::terminated`]).
+    pub fn start_unless(spec: &ClusterSpec, stop: impl Future<Output = ()>) -> Result<Cluster> {
+        // Port 0 becomes a free port here: the readiness probe and the ready line need the one
+        // the router serves on.
+        let router = match spec.router.listen {
+            a if a.port() == 0 => std::net::TcpListener::bind(a)
+                .and_then(|l| l.local_addr())
+                .with_context(|| format!("finding a free port on {}", a.ip()))?,
+            a => a,
+        };
         let prefill = free_ports(spec.prefill_workers)?;
         let decode = free_ports(spec.decode_workers)?;
         let token = spec.auth.token()?.unwrap_or_else(ClusterToken::random);
@@ -218,6 +232,7 @@ impl Cluster {
             })
         }));
         services.push(Service::Router(RouterConfig {
+            listen: router,
             prefill: listed(&prefill),
             decode: listed(&decode),
             model: model(&spec.router.model),
@@ -231,7 +246,7 @@ impl Cluster {
             .enable_all()
             .build()?;
         let mut cluster = Cluster {
-            router: spec.router.listen,
+            router,
             metrics: router_metrics
                 .into_iter()
                 .chain(worker_metrics.into_iter().flatten())
@@ -262,7 +277,6 @@ impl Cluster {
                 runtime.spawn(async move { report(binary, service.serve().await) });
             }
         }
-        let router = cluster.router;
         // The readiness probe is a public call: with API keys, it carries the first.
         let key = match &spec.router.api_keys_file {
             Some(path) => Some(
@@ -273,14 +287,35 @@ impl Cluster {
             None => None,
         };
         let tls = spec.router.tls.load()?.map(|t| t.client());
-        runtime.block_on(wait_until_serving(
-            router,
-            key.as_deref(),
-            tls.as_ref(),
-            Duration::from_secs(300),
-        ))?;
+        // An error here drops `cluster`, which stops the service processes already started: a
+        // stop signal or a service that died while starting leaves none of them behind.
+        runtime.block_on(async {
+            tokio::select! {
+                r = wait_until_serving(
+                    router,
+                    key.as_deref(),
+                    tls.as_ref(),
+                    Duration::from_secs(300),
+                    || cluster.exited_process(),
+                ) => r,
+                () = stop => bail!("stopped while starting"),
+            }
+        })?;
         cluster.runtime = Some(runtime);
         Ok(cluster)
+    }
+
+    /// An error naming the first service process that has exited, if one has.
+    fn exited_process(&mut self) -> Result<()> {
+        for p in &mut self.children {
+            if let Some(status) = p.child.try_wait()? {
+                bail!(
+                    "{} exited while the cluster was starting ({status})",
+                    p.name
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Kills one service process (failure tests); `index` counts prefill workers then decode
@@ -415,17 +450,35 @@ fn free_ports(n: usize) -> Result<Vec<SocketAddr>> {
 }
 
 /// Polls with a one-token `Generate` until one succeeds: only then would a user's call succeed.
+/// Stops at the first error of `services_alive`, checked before each try.
 async fn wait_until_serving(
     router: SocketAddr,
     key: Option<&str>,
     tls: Option<&ClientTlsConfig>,
     limit: Duration,
+    mut services_alive: impl FnMut() -> Result<()>,
 ) -> Result<()> {
     let deadline = Instant::now() + limit;
     let mut last_error = String::from("not started");
     while Instant::now() < deadline {
+        services_alive()?;
         match probe(router, key, tls).await {
             Ok(()) => return Ok(()),
+            // The configuration refuses every call (a prompt limit below the probe's, say):
+            // waiting would not change that.
+            Err(e)
+                if e.downcast_ref::<tonic::Status>().is_some_and(|s| {
+                    matches!(
+                        s.code(),
+                        tonic::Code::InvalidArgument
+                            | tonic::Code::Unauthenticated
+                            | tonic::Code::PermissionDenied
+                            | tonic::Code::Unimplemented
+                    )
+                }) =>
+            {
+                bail!("the router refuses the readiness probe (a one-token Generate): {e:#}")
+            }
             Err(e) => last_error = format!("{e:#}"),
         }
         tokio::time::sleep(Duration::from_millis(200)).await;

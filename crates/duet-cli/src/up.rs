@@ -112,10 +112,10 @@ pub fn run(args: UpArgs) -> Result<()> {
     // Kept to the end: dropping it sends the last spans.
     let _exporter = args.telemetry.init("duet", std::io::stderr)?;
     let started = Instant::now();
-    let cluster = Cluster::start(&spec)?;
+    let cluster = Cluster::start_unless(&spec, duet_proto::serve::terminated())?;
     println!(
         "duet is ready on {} (router + {} prefill + {} decode, {}) after {:.1}s; try: duet generate --server {} --prompt \"Hello\"",
-        args.listen,
+        cluster.router,
         args.prefill_workers,
         args.decode_workers,
         if args.processes {
@@ -124,7 +124,7 @@ pub fn run(args: UpArgs) -> Result<()> {
             "one process"
         },
         started.elapsed().as_secs_f64(),
-        args.listen
+        cluster.router
     );
     if let Some(http) = args.http_listen {
         println!("OpenAI-compatible HTTP API on http://{http}/v1");

@@ -477,12 +477,7 @@ fn running(pid: u32) -> bool {
 /// processes with it: left running, they would keep their ports and, on a GPU, its memory.
 #[test]
 fn sigterm_stops_duet_up_and_its_worker_processes() {
-    // A free port: the router of `--processes` is its own process and needs one named.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let mut up = duet()
         .args([
             "up",
@@ -508,11 +503,7 @@ fn sigterm_stops_duet_up_and_its_worker_processes() {
         "worker processes of duet up: {workers:?}"
     );
 
-    let killed = Command::new("kill")
-        .args(["-TERM", &up.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    sigterm(up.id());
     let deadline = Instant::now() + Duration::from_secs(20);
     while up.try_wait().unwrap().is_none() {
         assert!(Instant::now() < deadline, "duet up did not exit on SIGTERM");
@@ -526,4 +517,137 @@ fn sigterm_stops_duet_up_and_its_worker_processes() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A free loopback port, for a router of `--processes` (its own process, which needs one named).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `duet up ARGS` on the tiny fixture, its stderr piped.
+fn spawn_up(args: &[&str]) -> std::process::Child {
+    duet()
+        .arg("up")
+        .args(args)
+        .arg("--model")
+        .arg(fixture("tiny-llama"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Sends SIGTERM to `pid`.
+fn sigterm(pid: u32) {
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+}
+
+/// Waits for `child` to exit, up to `limit`; whether it succeeded, and its stderr.
+fn exited_within(mut child: std::process::Child, limit: Duration, what: &str) -> (bool, String) {
+    let deadline = Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("{what}: still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A worker process that dies while the cluster starts (here: a KV transport its CPU cannot
+/// use) stops `duet up --processes` at once, naming it, and takes the router it started down
+/// with it, instead of waiting minutes for a cluster that cannot become ready.
+#[test]
+fn a_worker_process_dying_at_start_stops_duet_up_and_the_rest() {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let up = spawn_up(&[
+        "--processes",
+        "--kv-transport",
+        "cuda-ipc",
+        "--listen",
+        &listen,
+    ]);
+    let (ok, err) = exited_within(up, Duration::from_secs(60), "duet up with a dying worker");
+    assert!(!ok);
+    assert!(
+        err.contains("exited while the cluster was starting"),
+        "{err}"
+    );
+    // The router process held this port; gone with it, the port is free again.
+    std::net::TcpListener::bind(("127.0.0.1", port)).expect("the router's port is still held");
+}
+
+/// SIGTERM while the cluster is still starting (a registry that cannot be reached keeps it from
+/// becoming ready) stops the worker processes started so far too.
+#[test]
+fn sigterm_while_starting_stops_the_worker_processes_started_so_far() {
+    let port = free_port();
+    let dead_etcd = free_port();
+    let (listen, etcd) = (
+        format!("127.0.0.1:{port}"),
+        format!("http://127.0.0.1:{dead_etcd}"),
+    );
+    let up = spawn_up(&["--processes", "--listen", &listen, "--etcd", &etcd]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut workers = children_of(up.id());
+    while workers.len() < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "processes of duet up: {workers:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        workers = children_of(up.id());
+    }
+    sigterm(up.id());
+    let (ok, err) = exited_within(up, Duration::from_secs(20), "duet up after SIGTERM");
+    assert!(!ok);
+    assert!(err.contains("stopped while starting"), "{err}");
+    let left: Vec<_> = workers.iter().filter(|&&p| running(p)).collect();
+    assert!(left.is_empty(), "worker processes still running: {left:?}");
+}
+
+/// A configuration that refuses every call (here: prompts of at most one byte) fails `duet up`
+/// at once with the router's reason, not after minutes of retrying.
+#[test]
+fn a_router_refusing_every_call_fails_duet_up_with_its_reason() {
+    let up = spawn_up(&["--listen", "127.0.0.1:0", "--max-prompt-bytes", "1"]);
+    let (ok, err) = exited_within(up, Duration::from_secs(60), "duet up refusing every call");
+    assert!(!ok);
+    assert!(err.contains("refuses the readiness probe"), "{err}");
+    assert!(err.contains("--max-prompt-bytes"), "{err}");
+}
+
+/// `--listen` on port 0 serves on a free port, which the ready line names.
+#[test]
+fn duet_up_on_port_zero_becomes_ready_on_the_port_it_names() {
+    let out = duet()
+        .args(["up", "--exit-when-ready", "--listen", "127.0.0.1:0"])
+        .arg("--model")
+        .arg(fixture("tiny-llama"))
+        .output()
+        .unwrap();
+    assert_succeeded(&out);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let ready = stdout
+        .lines()
+        .find(|l| l.starts_with("duet is ready on 127.0.0.1:"))
+        .unwrap_or_else(|| panic!("no ready line: {stdout}"));
+    assert!(
+        !ready.starts_with("duet is ready on 127.0.0.1:0 "),
+        "{ready}"
+    );
 }
