@@ -166,6 +166,11 @@ impl Cluster {
     /// [`Self::start`], given up with the services started so far stopped if `stop` completes
     /// first (a stop signal: [`duet_proto::serve::terminated`]).
     pub fn start_unless(spec: &ClusterSpec, stop: impl Future<Output = ()>) -> Result<Cluster> {
+        // Without a decode worker no request can be served (a prefill worker only feeds one).
+        anyhow::ensure!(
+            spec.decode_workers > 0,
+            "a cluster needs at least one decode worker (--decode-workers)"
+        );
         // Port 0 becomes a free port here: the readiness probe and the ready line need the one
         // the router serves on.
         let router = match spec.router.listen {

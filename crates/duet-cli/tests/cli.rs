@@ -631,6 +631,15 @@ fn a_router_refusing_every_call_fails_duet_up_with_its_reason() {
     assert!(err.contains("--max-prompt-bytes"), "{err}");
 }
 
+/// A cluster that could never serve is refused before anything starts.
+#[test]
+fn duet_up_without_a_decode_worker_is_refused() {
+    let up = spawn_up(&["--listen", "127.0.0.1:0", "--decode-workers", "0"]);
+    let (ok, err) = exited_within(up, Duration::from_secs(10), "duet up --decode-workers 0");
+    assert!(!ok);
+    assert!(err.contains("at least one decode worker"), "{err}");
+}
+
 /// `--listen` on port 0 serves on a free port, which the ready line names.
 #[test]
 fn duet_up_on_port_zero_becomes_ready_on_the_port_it_names() {

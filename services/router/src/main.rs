@@ -19,6 +19,13 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // Only `duet up` shares an embedded registry with its workers: a router on its own learns of
+    // them from the flags or from etcd, or never serves a request.
+    anyhow::ensure!(
+        !cli.config.decode.is_empty() || !cli.config.cluster.etcd.is_empty(),
+        "duet-router needs its decode workers: --decode ADDR (DUET_DECODE_WORKERS) or --etcd URL \
+         where the workers register"
+    );
     // Kept to the end: dropping it sends the last spans.
     let _exporter = cli.telemetry.init("duet-router", std::io::stdout)?;
     let listener = tokio::net::TcpListener::bind(cli.config.listen)

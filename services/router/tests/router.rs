@@ -798,3 +798,19 @@ async fn undecodable_requests_are_invalid_argument_saying_what_was_wrong() {
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
     assert!(s.message().contains("too large"), "{s:?}");
 }
+
+/// A router started on its own with neither decode workers nor a registry could never serve: it
+/// is refused at start, saying what it needs, before it binds its port.
+#[test]
+fn a_router_with_no_way_to_find_decode_workers_is_refused() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_duet-router"))
+        .args(["--listen", "127.0.0.1:0"])
+        .env_remove("DUET_DECODE_WORKERS")
+        .env_remove("DUET_ETCD")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--decode ADDR"), "{err}");
+    assert!(err.contains("--etcd URL"), "{err}");
+}
