@@ -447,6 +447,29 @@ impl Tokenizer {
             .max(1)
     }
 
+    /// The bytes token `id` stands for (what OpenAI's logprobs report as `bytes`). A token that
+    /// holds part of a multi-byte character decodes to U+FFFD on its own, so its bytes come from
+    /// its spelling: one byte per byte-level BPE character, or a `<0xAB>` byte token's byte.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>, TokenizerError> {
+        let text = self.decode(&[id], false)?;
+        if !text.contains('\u{FFFD}') {
+            return Ok(text.into_bytes());
+        }
+        let spelling = self.id_to_token(id).unwrap_or_default();
+        if let Some(b) = spelling
+            .strip_prefix("<0x")
+            .and_then(|h| h.strip_suffix('>'))
+            .and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            return Ok(vec![b]);
+        }
+        Ok(spelling
+            .chars()
+            .map(byte_of_level_char)
+            .collect::<Option<Vec<u8>>>()
+            .unwrap_or_else(|| text.into_bytes()))
+    }
+
     /// Number of ids (including added tokens).
     pub fn vocab_size(&self) -> usize {
         self.inner.vocab_size
@@ -542,6 +565,23 @@ impl StreamDecoder {
     }
 }
 
+/// Bytes that byte-level BPE spells as themselves; the other 68 (controls, space, DEL, …)
+/// are spelled U+0100 onwards, in byte order (GPT-2's table).
+fn spelled_as_itself(b: u8) -> bool {
+    matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF)
+}
+
+/// The byte a byte-level BPE character spells, if it is one.
+fn byte_of_level_char(c: char) -> Option<u8> {
+    match u32::from(c) {
+        u @ 0..=255 if spelled_as_itself(u as u8) => Some(u as u8),
+        u @ 256..=323 => (0..=255u8)
+            .filter(|&b| !spelled_as_itself(b))
+            .nth(u as usize - 256),
+        _ => None,
+    }
+}
+
 /// The part of `text` after `prefix` (after their common prefix, should a decoder ever rewrite
 /// earlier text).
 fn delta(prefix: &str, text: &str) -> String {
@@ -577,26 +617,19 @@ mod tests {
         }
     }
 
+    /// The character byte-level BPE spells byte `b` with.
+    fn byte_level_char(b: u8) -> char {
+        if spelled_as_itself(b) {
+            return char::from(b);
+        }
+        let n = (0..b).filter(|&x| !spelled_as_itself(x)).count() as u32;
+        char::from_u32(256 + n).unwrap()
+    }
+
     /// The byte-level alphabet: the 256 single-byte tokens, in GPT-2's byte→char mapping.
     fn byte_chars() -> Vec<String> {
-        let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
-            .chain(0xA1..=0xAC)
-            .chain(0xAE..=0xFF)
-            .collect();
-        let mut cs = bs.clone();
-        let mut n = 0;
-        for b in 0..256u32 {
-            if !bs.contains(&b) {
-                bs.push(b);
-                cs.push(256 + n);
-                n += 1;
-            }
-        }
-        let mut pairs: Vec<(u32, u32)> = bs.into_iter().zip(cs).collect();
-        pairs.sort();
-        pairs
-            .into_iter()
-            .map(|(_, c)| char::from_u32(c).unwrap().to_string())
+        (0..=255u8)
+            .map(|b| byte_level_char(b).to_string())
             .collect()
     }
 
@@ -716,6 +749,30 @@ mod tests {
             d.finish().unwrap().unwrap(),
             t.decode(partial, false).unwrap()
         );
+    }
+
+    /// The bytes of a text's tokens, one token at a time, add up to the text's UTF-8 bytes, also
+    /// where a token holds part of a character (OpenAI clients join logprobs' `bytes` so).
+    #[test]
+    fn token_bytes_rebuild_the_text_where_tokens_split_characters() {
+        let (_d, f) = tiny("smollm", false);
+        let t = Tokenizer::from_gguf(&f).unwrap();
+        let s = "a👋 é\u{1}\u{7f}";
+        let ids = t.encode(s).unwrap();
+        assert!(
+            ids.iter()
+                .any(|&id| t.decode(&[id], false).unwrap().contains('\u{FFFD}')),
+            "no token splits a character in {ids:?}"
+        );
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| t.token_bytes(id).unwrap())
+            .collect();
+        assert_eq!(bytes, s.as_bytes());
+        for b in 0..=255u8 {
+            assert_eq!(byte_of_level_char(byte_level_char(b)), Some(b));
+        }
+        assert_eq!(byte_of_level_char('👋'), None);
     }
 
     #[test]

@@ -79,6 +79,60 @@ pub struct Common {
     /// Tenant isolation of the prefix cache (duet's `cache_salt`).
     #[serde(default)]
     pub cache_salt: String,
+    #[serde(flatten)]
+    pub unserved: Unserved,
+}
+
+/// OpenAI fields duet does not serve. A request setting one to anything but its "off" value is
+/// refused, naming it, rather than answered as if the field were absent (free text where JSON
+/// or a tool call was asked for).
+#[derive(Debug, Default, Deserialize)]
+pub struct Unserved {
+    logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    response_format: Option<serde_json::Value>,
+    tools: Option<Vec<serde_json::Value>>,
+    functions: Option<Vec<serde_json::Value>>,
+    tool_choice: Option<serde_json::Value>,
+    function_call: Option<serde_json::Value>,
+    suffix: Option<String>,
+    best_of: Option<u32>,
+}
+
+impl Unserved {
+    fn check(&self) -> Result<(), OpenAiError> {
+        let off = |v: &Option<serde_json::Value>| {
+            v.as_ref()
+                .is_none_or(|v| v == "none" || v == "auto" || v.is_null())
+        };
+        let refuse = |param, what| Err(invalid(param, format!("{what} not supported by duet")));
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return refuse("logit_bias", "logit_bias is");
+        }
+        if let Some(f) = &self.response_format
+            && f["type"] != "text"
+        {
+            return refuse("response_format", "response_format other than text is");
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return refuse("tools", "tool calling is");
+        }
+        if self.functions.as_ref().is_some_and(|t| !t.is_empty()) {
+            return refuse("functions", "function calling is");
+        }
+        if !off(&self.tool_choice) {
+            return refuse("tool_choice", "tool calling is");
+        }
+        if !off(&self.function_call) {
+            return refuse("function_call", "function calling is");
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return refuse("suffix", "suffix is");
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return refuse("best_of", "best_of other than 1 is");
+        }
+        Ok(())
+    }
 }
 
 /// `POST /v1/completions`.
@@ -152,6 +206,7 @@ impl Common {
                 format!("n must be 1 (one choice per request), got {n}"),
             ));
         }
+        self.unserved.check()?;
         if self.stream_options.is_some() && !self.stream {
             return Err(invalid(
                 "stream_options",
@@ -357,14 +412,11 @@ pub struct ChatLogprobs {
 
 impl ChatLogprobs {
     pub fn new(tokenizer: &Tokenizer, logprobs: &[v1::TokenLogprobs], top: u32) -> Self {
-        let entry = |id: u32, logprob: f32, top_logprobs| {
-            let token = token_text(tokenizer, id);
-            TokenLogprob {
-                bytes: token.as_bytes().to_vec(),
-                token,
-                logprob,
-                top_logprobs,
-            }
+        let entry = |id: u32, logprob: f32, top_logprobs| TokenLogprob {
+            token: token_text(tokenizer, id),
+            bytes: tokenizer.token_bytes(id).unwrap_or_default(),
+            logprob,
+            top_logprobs,
         };
         ChatLogprobs {
             content: logprobs
@@ -560,5 +612,56 @@ mod tests {
             completion(r#"{"model":"other","prompt":"a"}"#),
             Err(OpenAiError::UnknownModel { .. })
         ));
+    }
+
+    /// Fields duet does not serve are refused when they ask for something, and accepted at
+    /// their "off" values (which clients send by default).
+    #[test]
+    fn unserved_openai_fields_are_refused_unless_off() {
+        let chat_with = |field: &str| {
+            chat(&format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{field}}}"#
+            ))
+        };
+        for (field, param) in [
+            (r#""logit_bias":{"50256":-100}"#, "logit_bias"),
+            (
+                r#""response_format":{"type":"json_object"}"#,
+                "response_format",
+            ),
+            (
+                r#""tools":[{"type":"function","function":{"name":"f"}}]"#,
+                "tools",
+            ),
+            (r#""functions":[{"name":"f"}]"#, "functions"),
+            (r#""tool_choice":"required""#, "tool_choice"),
+            (r#""function_call":{"name":"f"}"#, "function_call"),
+        ] {
+            match chat_with(field) {
+                Err(OpenAiError::Invalid { param: p, message }) => {
+                    assert_eq!(p, param);
+                    assert!(message.contains("not supported"), "{message}");
+                }
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+        for field in [
+            r#""logit_bias":{}"#,
+            r#""response_format":{"type":"text"}"#,
+            r#""tools":[]"#,
+            r#""tool_choice":"none""#,
+            r#""tool_choice":"auto""#,
+            r#""function_call":null"#,
+        ] {
+            assert!(chat_with(field).is_ok(), "{field}");
+        }
+        for (field, param) in [(r#""suffix":"}""#, "suffix"), (r#""best_of":3"#, "best_of")] {
+            let r = completion(&format!(r#"{{"model":"m","prompt":"a",{field}}}"#));
+            assert!(
+                matches!(&r, Err(OpenAiError::Invalid { param: p, .. }) if *p == param),
+                "{field}: {r:?}"
+            );
+        }
+        assert!(completion(r#"{"model":"m","prompt":"a","suffix":"","best_of":1}"#).is_ok());
     }
 }
