@@ -109,9 +109,15 @@ fn bad_sampling_parameters_are_rejected_with_the_field_named() {
         ("--temperature", "-1", "temperature"),
         ("--top-p", "0", "top_p"),
         ("--max-tokens", "0", "max_tokens"),
+        ("--prompt", "", "the prompt is empty"),
     ] {
         let out = duet()
-            .args(["generate", "--prompt", "hi", flag, value])
+            .args(["generate", flag, value])
+            .args(if flag == "--prompt" {
+                vec![]
+            } else {
+                vec!["--prompt", "hi"]
+            })
             .arg("--model")
             .arg(fixture("tiny-llama"))
             .output()

@@ -325,11 +325,16 @@ impl<B: Backend> Engine<B> {
     ) -> Result<SeqId, EngineError> {
         params.validate()?;
         stop.validate()?;
-        if resumed.generated >= stop.max_tokens || resumed.generated >= tokens.len() {
+        if resumed.generated >= stop.max_tokens {
             return Err(EngineError::InvalidRequest(format!(
-                "{} tokens already generated leave nothing to do (max_tokens {}, {} tokens in all)",
-                resumed.generated,
-                stop.max_tokens,
+                "{} tokens already generated reach max_tokens {}: nothing is left to generate",
+                resumed.generated, stop.max_tokens
+            )));
+        }
+        // An empty request is left to `check_prompt`, which calls it what it is.
+        if !tokens.is_empty() && resumed.generated >= tokens.len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "all {} tokens are already generated ones: no prompt is left",
                 tokens.len()
             )));
         }
