@@ -751,10 +751,7 @@ async fn connect(
     jobs: &[Job],
     tls_ca: Option<&std::path::Path>,
 ) -> Result<(tonic::transport::Channel, v1::InfoResponse, Vec<Job>)> {
-    let tls = tls_ca.map(duet_proto::tls::client_trusting).transpose()?;
-    let channel = duet_proto::channels::endpoint(&router.to_string(), tls.as_ref())?
-        .connect()
-        .await?;
+    let channel = crate::generate::router_channel(&router.to_string(), tls_ca).await?;
     let info = v1::generation_client::GenerationClient::new(channel.clone())
         .info(v1::InfoRequest {})
         .await?

@@ -231,19 +231,23 @@ fn finish_output(
     Ok(())
 }
 
+/// A channel to the router at `server`, over TLS trusting `tls_ca` when given.
+pub(crate) async fn router_channel(
+    server: &str,
+    tls_ca: Option<&std::path::Path>,
+) -> Result<tonic::transport::Channel> {
+    let tls = tls_ca.map(duet_proto::tls::client_trusting).transpose()?;
+    duet_proto::channels::endpoint(server, tls.as_ref())?
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {server} (is `duet up` running?)"))
+}
+
 /// The same request through a running cluster's router.
 async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
     use duet_proto::v1;
     use futures::StreamExt;
-    let tls = args
-        .tls_ca
-        .as_deref()
-        .map(duet_proto::tls::client_trusting)
-        .transpose()?;
-    let channel = duet_proto::channels::endpoint(&server, tls.as_ref())?
-        .connect()
-        .await
-        .with_context(|| format!("connecting to {server} (is `duet up` running?)"))?;
+    let channel = router_channel(&server, args.tls_ca.as_deref()).await?;
     let mut client = v1::generation_client::GenerationClient::new(channel);
     let mut request = v1::GenerateRequest {
         max_tokens: Some(args.max_tokens as u32),
