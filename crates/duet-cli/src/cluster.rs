@@ -478,7 +478,6 @@ async fn wait_until_serving(
                         tonic::Code::InvalidArgument
                             | tonic::Code::Unauthenticated
                             | tonic::Code::PermissionDenied
-                            | tonic::Code::Unimplemented
                     )
                 }) =>
             {

@@ -511,10 +511,7 @@ fn sigterm_stops_duet_up_and_its_worker_processes() {
 
     sigterm(up.id());
     let deadline = Instant::now() + Duration::from_secs(20);
-    while up.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "duet up did not exit on SIGTERM");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    exited_within(up, Duration::from_secs(20), "duet up after SIGTERM");
     while workers.iter().any(|&pid| running(pid)) {
         assert!(
             Instant::now() < deadline,
