@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use clap::Args;
+use duet_cpu::quant::KernelPath;
 use duet_device::{LoadedEngine, WithEngine};
 use duet_engine::backend::Backend;
 use duet_engine::device::Device;
@@ -166,6 +167,9 @@ struct Report {
     /// On a CPU: what the matrix kernels' dot instruction allows batched decode and prefill.
     compute_ceiling: Option<ComputeCeiling>,
     llamacpp: Option<LlamaCppBuild>,
+    /// Set when llama.cpp's build and duet's CPU kernels use different instruction sets, so the
+    /// ratios compare more than the two engines (a pip wheel cached from a native build, say).
+    llamacpp_other_instructions: Option<String>,
     model_file_bytes: u64,
     kv_dtype: String,
     kv_cache_tokens: usize,
@@ -267,7 +271,7 @@ struct ComputeCeiling {
 }
 
 fn compute_ceiling(
-    path: duet_cpu::quant::KernelPath,
+    path: KernelPath,
     threads: usize,
     config: &ModelConfig,
 ) -> Option<ComputeCeiling> {
@@ -381,7 +385,7 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
         options.threads
     };
     let cpu = cpu_info();
-    let kernels = duet_cpu::quant::KernelPath::choose(options.cpu_kernels)?;
+    let kernels = KernelPath::choose(options.cpu_kernels)?;
     let kernel_path = format!("{kernels:?}");
     eprintln!(
         "cpu: {} (family {} model {}), kernel path {kernel_path}, {threads} threads",
@@ -514,6 +518,10 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
         decode,
         memory_roofline,
         compute_ceiling,
+        llamacpp_other_instructions: llamacpp
+            .as_ref()
+            .filter(|_| on_cpu)
+            .and_then(|l| other_instructions(kernels, &l.build.system_info)),
         llamacpp: llamacpp.map(|l| l.build),
         model_file_bytes: std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0),
         kv_dtype: layout.dtype.name().into(),
@@ -562,7 +570,14 @@ fn print_report(r: &Report) {
         );
     }
     if let Some(l) = &r.llamacpp {
-        println!("llama.cpp: llama-cpp-python {}", l.version);
+        println!(
+            "llama.cpp: llama-cpp-python {}, built for {}",
+            l.version,
+            llamacpp_instructions(&l.system_info)
+        );
+    }
+    if let Some(warning) = &r.llamacpp_other_instructions {
+        println!("WARNING: {warning}");
     }
     let opt = |x: Option<f64>, f: &dyn Fn(f64) -> String| x.map_or("-".to_string(), f);
     let rate = |x: f64| format!("{x:.1}");
@@ -946,6 +961,38 @@ impl LlamaCpp {
     }
 }
 
+/// The instruction set a build's kernels use, named as for duet's kernel paths, from
+/// `llama_print_system_info()` ("CPU : SSE3 = 1 | AVX2 = 1 | ...").
+fn llamacpp_instructions(system_info: &str) -> &'static str {
+    let has = |feature: &str| {
+        system_info
+            .split('|')
+            .any(|f| f.trim().trim_start_matches("CPU :").trim() == format!("{feature} = 1"))
+    };
+    if has("AVX512") {
+        KernelPath::Avx512.name()
+    } else if has("AVX2") && has("AVX_VNNI") {
+        KernelPath::Avx2Vnni.name()
+    } else if has("AVX2") {
+        KernelPath::Avx2.name()
+    } else {
+        KernelPath::Scalar.name()
+    }
+}
+
+/// Why llama.cpp's numbers are not those of the same instruction set as duet's `path`, if so.
+fn other_instructions(path: KernelPath, system_info: &str) -> Option<String> {
+    let llamacpp = llamacpp_instructions(system_info);
+    (llamacpp != path.name()).then(|| {
+        format!(
+            "llama.cpp was built for {llamacpp} and duet ran its {} kernels: the ratios compare \
+             instruction sets as well as engines (build llama-cpp-python for the same set with \
+             `pip install --no-cache-dir`, see the README)",
+            path.name()
+        )
+    })
+}
+
 /// Runs the llama.cpp script on the same points; its progress goes to our stderr as it runs.
 fn run_llamacpp(args: &EngineBenchArgs, model: &Path, threads: usize) -> Result<LlamaCpp> {
     eprintln!(
@@ -993,6 +1040,33 @@ fn mib(b: u64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_llamacpp_build_for_another_instruction_set_is_named() {
+        let native = "CPU : SSE3 = 1 | AVX = 1 | AVX_VNNI = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | \
+                      AVX512 = 1 | AVX512_VNNI = 1 | OPENMP = 1 |";
+        let avx2 = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | OPENMP = 1 |";
+        let vnni = "CPU : SSE3 = 1 | AVX = 1 | AVX_VNNI = 1 | AVX2 = 1 | FMA = 1 |";
+        assert_eq!(other_instructions(KernelPath::Avx512, native), None);
+        assert_eq!(other_instructions(KernelPath::Avx2, avx2), None);
+        assert_eq!(other_instructions(KernelPath::Avx2Vnni, vnni), None);
+        assert_eq!(
+            other_instructions(KernelPath::Scalar, "CPU : SSE3 = 1 |"),
+            None
+        );
+        let warning = other_instructions(KernelPath::Avx2, native).unwrap();
+        assert!(
+            warning.starts_with("llama.cpp was built for avx512 and duet ran its avx2 kernels"),
+            "{warning}"
+        );
+        assert!(other_instructions(KernelPath::Avx2Vnni, avx2).is_some());
+        assert!(other_instructions(KernelPath::Avx512, vnni).is_some());
+        // AVX512_VNNI alone is not AVX-512 (a name that only contains the feature's).
+        assert_eq!(
+            llamacpp_instructions("CPU : AVX2 = 1 | AVX512_VNNI = 1 |"),
+            "avx2"
+        );
+    }
 
     #[test]
     fn the_kv_cache_is_sized_for_the_largest_point_in_whole_blocks() {
