@@ -62,7 +62,8 @@ pub struct EngineBenchArgs {
     #[arg(long, default_value_t = 1024)]
     pub bandwidth_mib: usize,
     /// Also run llama.cpp (Python package llama-cpp-python) on the same model file, at every
-    /// point of the sweep, with as many threads as the engine.
+    /// point of the sweep, with as many threads as the engine. The report names the instruction
+    /// set llama.cpp was built for and warns when it is not the kernel path duet ran.
     #[arg(long)]
     pub compare_llamacpp: bool,
     /// Script that measures llama.cpp.
