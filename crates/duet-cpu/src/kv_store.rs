@@ -247,22 +247,11 @@ impl<'a, E> KvView<'a, E> {
     /// K (`kv = 0`, `[head_dim][slot]`) or V (`kv = 1`, `[slot][head_dim]`) of one head in one
     /// block.
     pub(crate) fn head_block(&self, layer: usize, block: usize, kv: usize, head: usize) -> &'a [E] {
-        self.heads_block(layer, block, kv, head..head + 1)
-    }
-
-    /// K or V of consecutive heads in one block, one contiguous run of the cache.
-    pub(crate) fn heads_block(
-        &self,
-        layer: usize,
-        block: usize,
-        kv: usize,
-        heads: std::ops::Range<usize>,
-    ) -> &'a [E] {
         let l = self.layout;
         let per_head = l.block_size * l.head_dim;
-        let start = layer_block_range(&l, layer, block).start
-            + (kv * l.num_kv_heads + heads.start) * per_head;
-        &self.data[start..start + heads.len() * per_head]
+        let start =
+            layer_block_range(&l, layer, block).start + (kv * l.num_kv_heads + head) * per_head;
+        &self.data[start..start + per_head]
     }
 }
 

@@ -36,7 +36,10 @@ macro_rules! dispatch_heads {
 /// order. Blocks are scattered, so the hardware prefetcher stops at each one: the next block is
 /// fetched while this one is used, and the keys' pass also fetches each block's values for the
 /// next pass, into L2 (`T1`: on AMD Zen 4, 15-25% faster attention than into L1, whose few miss
-/// buffers the loads being waited for need).
+/// buffers the loads being waited for need). Each head's share is fetched just before that head's
+/// work rather than the whole block's at once: a burst of 192 lines (three KV heads) held up the
+/// kernel's own loads behind it (per head, 8-13% faster attention on the AVX2 path and 5-22% on
+/// AVX-512, on an Intel Xeon model 207).
 #[inline(always)]
 fn for_each_block<E: KvElement>(
     u: &Span<'_, E>,
@@ -44,8 +47,8 @@ fn for_each_block<E: KvElement>(
     mut f: impl FnMut(usize, usize, usize, &[E]),
 ) {
     let bs = u.kv.layout.block_size;
-    let fetch = |block: usize, kv: usize| {
-        let run = u.kv.heads_block(u.layer, block, kv, u.kvh..u.kvh + u.heads);
+    let fetch = |block: usize, kv: usize, head: usize| {
+        let run = u.kv.head_block(u.layer, block, kv, u.kvh + head);
         for line in (0..run.len()).step_by(64 / size_of::<E>()) {
             // SAFETY: SSE is part of x86-64; a prefetch never faults.
             unsafe { _mm_prefetch::<_MM_HINT_T1>(run[line..].as_ptr() as *const i8) };
@@ -53,14 +56,15 @@ fn for_each_block<E: KvElement>(
     };
     let mut blocks = u.blocks().peekable();
     while let Some((first, block)) = blocks.next() {
-        if let Some(&(_, next)) = blocks.peek() {
-            fetch(next, kv);
-        }
-        if kv == 0 {
-            fetch(block, 1);
-        }
+        let next = blocks.peek().map(|&(_, next)| next);
         let in_block = bs.min(u.end - first);
         for head in 0..u.heads {
+            if let Some(next) = next {
+                fetch(next, kv, head);
+            }
+            if kv == 0 {
+                fetch(block, 1, head);
+            }
             let data = u.kv.head_block(u.layer, block, kv, u.kvh + head);
             f(head, first - u.start, in_block, data);
         }

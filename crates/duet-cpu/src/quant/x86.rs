@@ -452,7 +452,7 @@ unsafe fn tile_256<const VNNI: bool>(ty: QuantType, t: &Tile, nt: usize) {
 
 /// `s` plus the products of the i16 pairs of `w[i]` and `x[i]`, summed per 32-bit lane (exact
 /// integer sums, so both ways give the same bits). With `vnni` (a constant in every caller), a
-/// chain of `vpdpwssd`, one per pair where AVX2 needs `vpmaddwd` and `vpaddd`.
+/// `vpmaddwd` and then a `vpdpwssd` per further pair, where AVX2 needs `vpmaddwd` and `vpaddd`.
 #[inline(always)]
 unsafe fn add_pair_dots<const N: usize>(
     vnni: bool,
@@ -462,7 +462,13 @@ unsafe fn add_pair_dots<const N: usize>(
 ) -> __m256i {
     unsafe {
         if vnni {
-            (0..N).fold(s, |s, i| dpwssd_vex(s, w[i], x[i]))
+            // The call's pairs form a chain of their own, added to `s` at the end: the chains
+            // of a block's calls overlap, where one chain through `s` waited on the latency of
+            // every `vpdpwssd` (the model's matrices at 32 tokens 2-18% faster, Xeon model 207).
+            let t = (1..N).fold(_mm256_madd_epi16(w[0], x[0]), |t, i| {
+                dpwssd_vex(t, w[i], x[i])
+            });
+            _mm256_add_epi32(s, t)
         } else {
             let mut p: [__m256i; N] = std::array::from_fn(|i| _mm256_madd_epi16(w[i], x[i]));
             let mut n = N;
