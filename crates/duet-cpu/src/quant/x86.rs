@@ -483,9 +483,10 @@ unsafe fn add_pair_dots<const N: usize>(
     }
 }
 
-/// Whether an `NT`-token tile of a `VNNI` kernel uses `vpdpwssd`: only full tiles, since each
-/// token's products form one dependency chain of them, and with fewer tokens in flight their
-/// 5-cycle latency made single-token decode 12% slower than `vpmaddwd` + `vpaddd`.
+/// Whether an `NT`-token tile of a `VNNI` kernel uses `vpdpwssd`: only full tiles. With fewer
+/// tokens in flight, the `vpdpwssd` latency made single-token decode 12% slower than `vpmaddwd` +
+/// `vpaddd` (measured when each token's products were one chain through the block, before
+/// [`add_pair_dots`] gave each chunk a chain of its own; not re-measured since).
 const fn vnni_for<const NT: usize, const VNNI: bool>() -> bool {
     VNNI && NT == NT_256
 }
