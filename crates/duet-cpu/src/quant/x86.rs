@@ -428,7 +428,7 @@ pub(crate) unsafe fn tile_avx2(ty: QuantType, t: &Tile, nt: usize) {
     unsafe { tile_256::<false>(ty, t, nt) }
 }
 
-/// [`tile_avx2`] with AVX-VNNI `vpdpwssd` for the multiply-accumulates of full token tiles.
+/// [`tile_avx2`] with AVX-VNNI `vpdpwssd` for its multiply-accumulates.
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
 pub(crate) unsafe fn tile_avx2_vnni(ty: QuantType, t: &Tile, nt: usize) {
     unsafe { tile_256::<true>(ty, t, nt) }
