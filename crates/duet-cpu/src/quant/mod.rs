@@ -360,34 +360,21 @@ impl QMatrix {
             let cols = self.cols;
             let rows = self.rows;
             acts.resize(n_tokens, cols);
-            let nb = acts.nb;
-            if n_tokens >= 8 && pool.n_threads() > 1 {
-                let qs = SyncPtr(acts.qs.as_mut_ptr());
-                let d = SyncPtr(acts.d.as_mut_ptr());
-                let sd = SyncPtr(acts.sd.as_mut_ptr());
-                let isum = SyncPtr(acts.isum.as_mut_ptr());
-                let isum_lo = SyncPtr(acts.isum_lo.as_mut_ptr());
-                pool.for_each_range(n_tokens, |tr| {
-                    // SAFETY: participants get disjoint token ranges of buffers sized above.
-                    unsafe {
-                        packed::quantize_acts(
-                            path,
-                            &x[tr.start * cols..tr.end * cols],
-                            packed::ActBlocks {
-                                qs: qs.tokens(&tr, cols),
-                                d: d.tokens(&tr, nb),
-                                sd: sd.tokens(&tr, nb),
-                                isum: isum.tokens(&tr, nb),
-                                isum_lo: isum_lo.tokens(&tr, nb),
-                            },
-                        )
-                    }
-                });
-            } else {
-                packed::quantize_acts(path, x, acts.blocks());
+            #[cfg(target_arch = "x86_64")]
+            // One token's row is already its tile (see `x86::interleave_tiles`).
+            let tiled = path == KernelPath::Avx512 && n_tokens > 1;
+            #[cfg(target_arch = "x86_64")]
+            if tiled {
+                acts.tiled.resize(n_tokens * cols / 2, 0);
             }
-            let acts: &QActs = acts;
-            let ty = self.ty;
+            let nb = acts.nb;
+            let qs = SyncPtr(acts.qs.as_mut_ptr());
+            let d = SyncPtr(acts.d.as_mut_ptr());
+            let sd = SyncPtr(acts.sd.as_mut_ptr());
+            let isum = SyncPtr(acts.isum.as_mut_ptr());
+            let isum_lo = SyncPtr(acts.isum_lo.as_mut_ptr());
+            #[cfg(target_arch = "x86_64")]
+            let tiled_ptr = SyncPtr(acts.tiled.as_mut_ptr());
             let nt_max = match path {
                 #[cfg(target_arch = "x86_64")]
                 KernelPath::Avx512 => x86::NT_512,
@@ -395,6 +382,43 @@ impl QMatrix {
                 KernelPath::Avx2 | KernelPath::Avx2Vnni => x86::NT_256,
                 _ => 8,
             };
+            // Token tiles, each quantized (and interleaved) by one participant: tiles own whole
+            // cache lines of `tiled`, where participants sharing a tile wrote into the same ones.
+            let quantize = |tiles: std::ops::Range<usize>| {
+                let tr = tiles.start * nt_max..(tiles.end * nt_max).min(n_tokens);
+                // SAFETY: participants get disjoint token ranges of buffers sized above.
+                unsafe {
+                    packed::quantize_acts(
+                        path,
+                        &x[tr.start * cols..tr.end * cols],
+                        packed::ActBlocks {
+                            qs: qs.tokens(&tr, cols),
+                            d: d.tokens(&tr, nb),
+                            sd: sd.tokens(&tr, nb),
+                            isum: isum.tokens(&tr, nb),
+                            isum_lo: isum_lo.tokens(&tr, nb),
+                        },
+                    );
+                    #[cfg(target_arch = "x86_64")]
+                    if tiled {
+                        x86::interleave_tiles(
+                            qs.tokens(&tr, cols),
+                            cols,
+                            n_tokens,
+                            tr,
+                            tiled_ptr.get(),
+                        );
+                    }
+                }
+            };
+            let n_tiles = n_tokens.div_ceil(nt_max);
+            if n_tiles > 1 && pool.n_threads() > 1 {
+                pool.for_each_range(n_tiles, quantize);
+            } else {
+                quantize(0..n_tiles);
+            }
+            let acts: &QActs = acts;
+            let ty = self.ty;
             let outp = SyncPtr(out.as_mut_ptr());
             let w = p.bytes().as_ptr() as usize;
             let (wnb, gb) = (p.nb, p.gb);
@@ -411,7 +435,13 @@ impl QMatrix {
                                 nb: wnb,
                                 anb: nb,
                                 gb,
-                                xq: acts.qs.as_ptr().add(t0 * cols),
+                                xq: match path {
+                                    #[cfg(target_arch = "x86_64")]
+                                    KernelPath::Avx512 if tiled => {
+                                        acts.tiled.as_ptr().add(t0 * cols / 2) as *const i16
+                                    }
+                                    _ => acts.qs.as_ptr().add(t0 * cols),
+                                },
                                 xd: acts.d.as_ptr().add(t0 * nb),
                                 xsd: acts.sd.as_ptr().add(t0 * nb),
                                 xi: acts.isum.as_ptr().add(t0 * nb),

@@ -241,6 +241,8 @@ pub(crate) struct QActs {
     pub isum_lo: Vec<i32>,
     /// Blocks per token.
     pub nb: usize,
+    /// `qs` in the layout of the AVX-512 kernels (`x86::interleave_tiles`), on that path only.
+    pub tiled: Vec<i32>,
 }
 
 impl QActs {
@@ -252,17 +254,6 @@ impl QActs {
         self.sd.resize(n_tokens * nb, 0.0);
         self.isum.resize(n_tokens * nb, 0);
         self.isum_lo.resize(n_tokens * nb, 0);
-    }
-
-    /// Every token's outputs, to quantize into.
-    pub fn blocks(&mut self) -> ActBlocks<'_> {
-        ActBlocks {
-            qs: &mut self.qs,
-            d: &mut self.d,
-            sd: &mut self.sd,
-            isum: &mut self.isum,
-            isum_lo: &mut self.isum_lo,
-        }
     }
 }
 
@@ -334,7 +325,8 @@ pub(crate) struct Tile {
     pub w: *const u8,
     pub nb: usize,
     pub gb: usize,
-    /// Quantized activations of token t0 ([`PAIR_POS`] order).
+    /// Quantized activations of token t0 ([`PAIR_POS`] order); on the AVX-512 path those of
+    /// the tile, interleaved by token (`x86::interleave_tiles`).
     pub xq: *const i16,
     /// Activation blocks (of 32) per token.
     pub anb: usize,
@@ -344,7 +336,8 @@ pub(crate) struct Tile {
     pub xi: *const i32,
     /// Sums of the first 16 quantized activations of each block.
     pub xilo: *const i32,
-    /// Activation values per token (`cols`).
+    /// Activation values per token (`cols`), between tokens' rows of `xq` (not on the AVX-512
+    /// path).
     pub xs: usize,
     pub out: *mut f32,
     /// Output stride per token (`rows`).

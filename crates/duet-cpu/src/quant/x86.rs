@@ -4,7 +4,8 @@
 //! registers of i16 pairs — bytes (0, 2) and (1, 3) of every row word, by a shift and a mask — and
 //! multiply them with broadcast i16 activation pairs (stored in the matching order, see
 //! `packed::PAIR_POS`): `vpdpwssd` on AVX-512 VNNI, `vpmaddwd` + `vpaddd` on AVX2, and the VEX
-//! `vpdpwssd` of AVX-VNNI on AVX2 machines that have it.
+//! `vpdpwssd` of AVX-VNNI on AVX2 machines that have it. The AVX-512 kernels read their token
+//! tile's activations interleaved by token ([`interleave_tiles`]), the others token by token.
 
 // Kernels index several parallel arrays with one counter.
 #![allow(clippy::needless_range_loop)]
@@ -54,72 +55,51 @@ unsafe fn bcast(x: *const i16, m: usize) -> i32 {
 const fn n_chains(nt: usize) -> usize {
     if nt == 1 {
         4
-    } else if nt == 2 {
+    } else if nt <= 9 {
         2
     } else {
         1
     }
 }
 
-/// Adds the products of 16 i16 weight pairs (`w[m]`: 16 rows, pair `m` of a 32-value block)
-/// with the matching activation pairs `m0 + m` of each of `NT` tokens (`x(ti)`) into `s[ti]`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-unsafe fn dp_tokens<const NT: usize>(
-    s: &mut [[__m512i; 4]; NT],
-    w: &[__m512i; 8],
-    x: impl Fn(usize) -> *const i16,
-    m0: usize,
-) {
-    for ti in 0..NT {
-        // SAFETY: callers enable AVX-512 VNNI and pass activations holding pairs m0..m0 + 8.
-        unsafe { dpwssd_pairs::<NT>(&mut s[ti], w, (x(ti) as *const i32).add(m0)) };
-    }
-}
-
-/// `a[m % n_chains] += w[m] · x[m]` for the 8 i16 pairs at `x`, each broadcast to all 16 rows:
-/// eight `vpdpwssd` with the pairs read from memory. Written as the instructions because LLVM's
-/// generic x86 tuning splits the intrinsic into `vpmaddwd` + `vpaddd` to shorten accumulator
-/// chains, and the kernels keep enough chains in flight that the split only doubles their vector
-/// instructions (fused measured 10-20% faster on Zen 5). One block for all 8 pairs, so the
-/// addresses are displacements from one register, as the intrinsic's folded loads were.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-unsafe fn dpwssd_pairs<const NT: usize>(a: &mut [__m512i; 4], w: &[__m512i; 8], x: *const i32) {
-    // `$c`: the accumulator of each of the 8 instructions.
-    macro_rules! pairs {
-        ($c0:ident $c1:ident $c2:ident $c3:ident $c4:ident $c5:ident $c6:ident $c7:ident;
-         $($acc:tt)*) => {
-            std::arch::asm!(
-                concat!("vpdpwssd {", stringify!($c0), "}, {w0}, dword ptr [{x}]{{1to16}}"),
-                concat!("vpdpwssd {", stringify!($c1), "}, {w1}, dword ptr [{x} + 4]{{1to16}}"),
-                concat!("vpdpwssd {", stringify!($c2), "}, {w2}, dword ptr [{x} + 8]{{1to16}}"),
-                concat!("vpdpwssd {", stringify!($c3), "}, {w3}, dword ptr [{x} + 12]{{1to16}}"),
-                concat!("vpdpwssd {", stringify!($c4), "}, {w4}, dword ptr [{x} + 16]{{1to16}}"),
-                concat!("vpdpwssd {", stringify!($c5), "}, {w5}, dword ptr [{x} + 20]{{1to16}}"),
-                concat!("vpdpwssd {", stringify!($c6), "}, {w6}, dword ptr [{x} + 24]{{1to16}}"),
-                concat!("vpdpwssd {", stringify!($c7), "}, {w7}, dword ptr [{x} + 28]{{1to16}}"),
-                $($acc)*
-                w0 = in(zmm_reg) w[0], w1 = in(zmm_reg) w[1], w2 = in(zmm_reg) w[2],
-                w3 = in(zmm_reg) w[3], w4 = in(zmm_reg) w[4], w5 = in(zmm_reg) w[5],
-                w6 = in(zmm_reg) w[6], w7 = in(zmm_reg) w[7],
-                x = in(reg) x,
-                options(pure, readonly, nostack, preserves_flags),
-            )
-        };
-    }
-    let [p0, p1, p2, p3] = a;
-    // SAFETY: the caller enables AVX-512 VNNI and `x` holds 8 readable pairs (any alignment).
-    unsafe {
-        match n_chains(NT) {
-            4 => pairs!(a0 a1 a2 a3 a0 a1 a2 a3;
-                a0 = inout(zmm_reg) *p0, a1 = inout(zmm_reg) *p1,
-                a2 = inout(zmm_reg) *p2, a3 = inout(zmm_reg) *p3,),
-            2 => pairs!(a0 a1 a0 a1 a0 a1 a0 a1;
-                a0 = inout(zmm_reg) *p0, a1 = inout(zmm_reg) *p1,),
-            _ => pairs!(a0 a0 a0 a0 a0 a0 a0 a0; a0 = inout(zmm_reg) *p0,),
-        }
-    }
+/// Adds the products of 16 i16 weight pairs (`$w[m]`: 16 rows, pair `m` of a 32-value block)
+/// with the matching activation pairs of each of `$nt` tokens into `$s[ti]`: the pairs
+/// `$p0 + m` of the tile's activations `$xq`, laid out by [`interleave_tiles`].
+///
+/// Pair by pair, every token in turn, so a chain's next `vpdpwssd` comes `$nt` instructions
+/// later. Token by token (eight into one accumulator in a row) left it to the out-of-order
+/// window to find independent work, which it did not whenever the host kept the core's sibling
+/// thread busy: a loop of nothing but these instructions then fell to ~3.4 G a second from
+/// ~5.5 on an Intel Xeon (family 6 model 207), where pair by pair held 4.5-5.3. With the
+/// activations interleaved, each instruction reads its pair at a constant offset from one
+/// register, fused with the broadcast (a separate broadcast load fell like token by token).
+/// Written as the instruction because LLVM's generic x86 tuning splits the intrinsic into
+/// `vpmaddwd` + `vpaddd`; a macro, to expand inside the kernels' `target_feature` context.
+macro_rules! dp_tokens {
+    ($nt:ident, $s:expr, $w:expr, $xq:expr, $p0:expr) => {{
+        let x = ($xq as *const i32).add(($p0) * $nt);
+        dp_tokens!(@pairs $nt, $s, $w, x, [0 1 2 3 4 5 6 7]);
+    }};
+    (@pairs $nt:ident, $s:expr, $w:expr, $x:ident, [$($m:literal)*]) => {
+        $(dp_tokens!(@tokens $nt, $s, $w, $x, $m, [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15]);)*
+    };
+    (@tokens $nt:ident, $s:expr, $w:expr, $x:ident, $m:literal, [$($ti:literal)*]) => {
+        $(
+            if $ti < $nt {
+                let c = $m % n_chains($nt);
+                // SAFETY: the kernel enables AVX-512 VNNI, and its tile's activations hold pairs
+                // $p0..$p0 + 8 of each of its $nt tokens.
+                std::arch::asm!(
+                    "vpdpwssd {a}, {w}, dword ptr [{x} + {o}]{{1to16}}",
+                    a = inout(zmm_reg) $s[$ti][c],
+                    w = in(zmm_reg) $w[$m],
+                    x = in(reg) $x,
+                    o = const ($m * $nt + $ti) * 4,
+                    options(pure, readonly, nostack, preserves_flags),
+                )
+            }
+        )*
+    };
 }
 
 #[inline]
@@ -179,7 +159,40 @@ unsafe fn prefetch_ahead(b: *const u8, gb: usize) {
 /// How far ahead of the block being multiplied the weights are prefetched.
 const PREFETCH_BYTES: usize = 4096;
 
-/// `nt <= NT_512` tokens of one group.
+/// Copies the quantized activations of `tokens` (`qs`: their rows of `cols` values, token-major)
+/// into `tiled`, the layout of the AVX-512 kernels for a matrix product of `n_tokens` tokens:
+/// tiles of [`NT_512`] tokens (the last one shorter), and within a tile of `nt` tokens every
+/// i16 pair in turn, for each token of the tile: pair `p` of the tile's token `ti` is the i32
+/// at `p * nt + ti` from the tile's start, `t0 * cols / 2` for a tile starting at token `t0`.
+/// (A single token's row is its own tile.)
+///
+/// # Safety
+/// `tiled` holds `n_tokens * cols / 2` values, `tokens` lies within `0..n_tokens`, and no one
+/// else writes the values of these tokens meanwhile.
+pub(crate) unsafe fn interleave_tiles(
+    qs: &[i16],
+    cols: usize,
+    n_tokens: usize,
+    tokens: std::ops::Range<usize>,
+    tiled: *mut i32,
+) {
+    let npairs = cols / 2;
+    for (t, row) in tokens.zip(qs.chunks_exact(cols)) {
+        let t0 = t / NT_512 * NT_512;
+        let nt = NT_512.min(n_tokens - t0);
+        // SAFETY: pair p of token t lands at t0 * npairs + p * nt + (t - t0) < (t0 + nt) * npairs.
+        unsafe {
+            let dst = tiled.add(t0 * npairs + (t - t0));
+            let src = row.as_ptr() as *const i32;
+            for p in 0..npairs {
+                *dst.add(p * nt) = src.add(p).read_unaligned();
+            }
+        }
+    }
+}
+
+/// `nt <= NT_512` tokens of one group; `t.xq` holds the tile's activations as
+/// [`interleave_tiles`] lays them out.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 pub(crate) unsafe fn tile_avx512(ty: QuantType, t: &Tile, nt: usize) {
     unsafe {
@@ -228,7 +241,7 @@ unsafe fn q4_avx512<const NT: usize, const Q41: bool>(t: &Tile) {
                         w[2 * c + 1] = _mm512_sub_epi16(w[2 * c + 1], eight);
                     }
                 }
-                dp_tokens(&mut s, &w, |ti| t.xq.add(ti * t.xs + k * 32), 8 * h);
+                dp_tokens!(NT, s, w, t.xq, 16 * k + 8 * h);
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(256) as *const __m256i));
             for ti in 0..NT {
@@ -269,12 +282,7 @@ unsafe fn q4k_avx512<const NT: usize>(t: &Tile) {
                         }
                         (w[2 * c], w[2 * c + 1]) = nibble_pairs(v);
                     }
-                    dp_tokens(
-                        &mut s,
-                        &w,
-                        |ti| t.xq.add(ti * t.xs + k * 256 + 32 * j),
-                        8 * half,
-                    );
+                    dp_tokens!(NT, s, w, t.xq, 128 * k + 16 * j + 8 * half);
                 }
                 let sc =
                     _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(Q4K_SC + 16 * j) as *const __m128i));
@@ -342,11 +350,12 @@ unsafe fn q6k_avx512<const NT: usize>(t: &Tile) {
                             );
                             (w[2 * c], w[2 * c + 1]) = (q, q_odd);
                         }
-                        dp_tokens(
-                            &mut s_half[half],
-                            &w,
-                            |ti| t.xq.add(ti * t.xs + k * 256 + 128 * n + 32 * quarter),
-                            8 * half,
+                        dp_tokens!(
+                            NT,
+                            s_half[half],
+                            w,
+                            t.xq,
+                            128 * k + 64 * n + 16 * quarter + 8 * half
                         );
                     }
                     let sb = 8 * n + 2 * quarter;
@@ -405,7 +414,7 @@ unsafe fn q8_avx512<const NT: usize>(t: &Tile) {
                     w[2 * c] = _mm512_srai_epi16::<8>(_mm512_slli_epi16::<8>(v));
                     w[2 * c + 1] = _mm512_srai_epi16::<8>(v);
                 }
-                dp_tokens(&mut s, &w, |ti| t.xq.add(ti * t.xs + k * 32), 8 * h);
+                dp_tokens!(NT, s, w, t.xq, 16 * k + 8 * h);
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(512) as *const __m256i));
             for ti in 0..NT {
