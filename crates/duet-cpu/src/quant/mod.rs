@@ -360,10 +360,9 @@ impl QMatrix {
             let cols = self.cols;
             let rows = self.rows;
             acts.resize(n_tokens, cols);
-            #[cfg(target_arch = "x86_64")]
-            // One token's row is already its tile (see `x86::interleave_tiles`).
-            let tiled = path == KernelPath::Avx512 && n_tokens > 1;
-            #[cfg(target_arch = "x86_64")]
+            // The AVX-512 kernels read each token tile's activations interleaved by token
+            // (`x86::interleave_tiles`); one token's row already is its tile.
+            let tiled = cfg!(target_arch = "x86_64") && path == KernelPath::Avx512 && n_tokens > 1;
             if tiled {
                 acts.tiled.resize(n_tokens * cols / 2, 0);
             }
@@ -435,12 +434,10 @@ impl QMatrix {
                                 nb: wnb,
                                 anb: nb,
                                 gb,
-                                xq: match path {
-                                    #[cfg(target_arch = "x86_64")]
-                                    KernelPath::Avx512 if tiled => {
-                                        acts.tiled.as_ptr().add(t0 * cols / 2) as *const i16
-                                    }
-                                    _ => acts.qs.as_ptr().add(t0 * cols),
+                                xq: if tiled {
+                                    acts.tiled.as_ptr().add(t0 * cols / 2) as *const i16
+                                } else {
+                                    acts.qs.as_ptr().add(t0 * cols)
                                 },
                                 xd: acts.d.as_ptr().add(t0 * nb),
                                 xsd: acts.sd.as_ptr().add(t0 * nb),
