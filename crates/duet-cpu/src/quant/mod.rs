@@ -7,8 +7,9 @@
 //!   runs integer dot products of the weight quants widened to i16 against them (AVX-512 VNNI
 //!   `vpdpwssd`, AVX2 `vpmaddwd`, or portable code — all give bit-identical results, exact i32
 //!   sums per 32-value block scaled in f32 in the same order), each weight block being read once
-//!   per call and reused for a tile of tokens held in registers. A token's outputs do not depend
-//!   on the batch it is in, the thread count or the path.
+//!   per call and reused for a tile of tokens held in registers (on the AVX2 path, from 12 tokens
+//!   on, widened once into a buffer that every token of the call reads). A token's outputs do not
+//!   depend on the batch it is in, the thread count or the path.
 //! * F32 / F16 / BF16 matrices stay in their layout (used in place); a call converts four rows at
 //!   a time to f32 and runs f32 FMA dots against every token (4 rows x 4 tokens register tiles
 //!   on AVX-512).
@@ -421,11 +422,27 @@ impl QMatrix {
             let outp = SyncPtr(out.as_mut_ptr());
             let w = p.bytes().as_ptr() as usize;
             let (wnb, gb) = (p.nb, p.gb);
-            pool.for_each_range(p.n_groups, |groups| {
-                for g in groups {
+            // The AVX2 path's block types run weight-stationary units of two row groups over
+            // chunks of up to 48 tokens once a call has enough tokens (`x86::unit_avx2`), all
+            // other calls token tiles of one row group.
+            #[cfg(target_arch = "x86_64")]
+            let units = path == KernelPath::Avx2
+                && matches!(ty, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0)
+                && n_tokens >= x86::UNIT_MIN_TOKENS;
+            #[cfg(not(target_arch = "x86_64"))]
+            let units = false;
+            let (span, token_step) = if units {
+                // Even chunks, so that no short chunk is left at the end.
+                let chunks = n_tokens.div_ceil(x86::UNIT_MAX_TOKENS);
+                (x86::UNIT_GROUPS, n_tokens.div_ceil(chunks))
+            } else {
+                (1, nt_max)
+            };
+            pool.for_each_range(p.n_groups.div_ceil(span), |items| {
+                for g in items.map(|i| i * span) {
                     let mut t0 = 0;
                     while t0 < n_tokens {
-                        let nt = nt_max.min(n_tokens - t0);
+                        let nt = token_step.min(n_tokens - t0);
                         // SAFETY: all offsets are within the buffers (sizes fixed above); each
                         // participant writes only its own rows of `out`.
                         unsafe {
@@ -446,9 +463,9 @@ impl QMatrix {
                                 xs: cols,
                                 out: outp.get().add(t0 * rows + g * GROUP),
                                 os: rows,
-                                nvalid: GROUP.min(rows - g * GROUP),
+                                nvalid: (span * GROUP).min(rows - g * GROUP),
                             };
-                            run_tile(path, ty, &tile, nt);
+                            run_tile(path, ty, &tile, nt, units);
                         }
                         t0 += nt;
                     }
@@ -572,13 +589,16 @@ impl QMatrix {
     }
 }
 
-/// Runs one token tile of one row group on `path`.
+/// Runs one token tile of one row group on `path`, or with `unit` one unit of the AVX2 path
+/// (`x86::unit_avx2`).
 ///
 /// # Safety
 /// `t` must describe valid buffers for `nt` tokens (see [`Tile`]), and `path` must be supported.
-unsafe fn run_tile(path: KernelPath, ty: QuantType, t: &Tile, nt: usize) {
+unsafe fn run_tile(path: KernelPath, ty: QuantType, t: &Tile, nt: usize, unit: bool) {
     unsafe {
         match path {
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2 if unit => x86::unit_avx2(ty, t, nt),
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx512 => x86::tile_avx512(ty, t, nt),
             #[cfg(target_arch = "x86_64")]

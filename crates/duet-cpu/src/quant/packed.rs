@@ -342,7 +342,8 @@ pub(crate) struct Tile {
     pub out: *mut f32,
     /// Output stride per token (`rows`).
     pub os: usize,
-    /// Valid rows in this group (1..=16).
+    /// Valid rows from `w` on: 1..=16 for a row group; up to 32 for a unit of the AVX2 kernels
+    /// (`x86::unit_avx2`: two groups, the second one's group-blocks after the first one's).
     pub nvalid: usize,
 }
 

@@ -270,11 +270,17 @@ fn rel_err(got: &[f32], want: &[f64]) -> f64 {
 #[test]
 fn matmul_matches_reference_on_every_path() {
     let pools = [ThreadPool::new(1), ThreadPool::new(2), ThreadPool::new(3)];
-    for ty in QuantType::ALL {
-        let (rows, cols) = (53, cols_for(ty));
-        let (m, raw) = random_matrix(ty, rows, cols, 7 + ty as u64);
+    // 53 rows: 4 row groups, the last one 5 rows; 40 rows: 3 groups, so the AVX2 kernel's
+    // two-group units end in a unit of one group of 8 rows. 12 tokens and more take those
+    // units, in chunks of at most 48 (64 = 2 x 32, 100 = 34 + 33 + 33).
+    for (ty, rows) in QuantType::ALL
+        .into_iter()
+        .flat_map(|ty| [(ty, 53), (ty, 40)])
+    {
+        let cols = cols_for(ty);
+        let (m, raw) = random_matrix(ty, rows, cols, 7 + ty as u64 + rows as u64);
         let w = ref_dequant(ty, &raw, rows * cols);
-        for n_tokens in [1usize, 3, 17, 29, 64] {
+        for n_tokens in [1usize, 3, 12, 17, 29, 64, 100] {
             let mut rng = Rng(1000 + n_tokens as u64);
             let x: Vec<f32> = (0..n_tokens * cols).map(|_| rng.f() * 2.0).collect();
             let want = ref_matmul(&w, rows, cols, &x, n_tokens);
@@ -284,7 +290,10 @@ fn matmul_matches_reference_on_every_path() {
                 for (pi, pool) in pools.iter().enumerate() {
                     let mut out = vec![f32::NAN; n_tokens * rows];
                     m.matmul_with(path, &x, n_tokens, &mut out, pool);
-                    let ctx = format!("{ty} {path:?} n_tokens={n_tokens} threads={}", pi + 1);
+                    let ctx = format!(
+                        "{ty} {rows} rows {path:?} n_tokens={n_tokens} threads={}",
+                        pi + 1
+                    );
                     let err = rel_err(&out, &want);
                     if is_packed(ty) {
                         // 16-bit activations: error vs the f32 input is the activation rounding,

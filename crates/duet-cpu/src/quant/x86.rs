@@ -6,6 +6,8 @@
 //! `packed::PAIR_POS`): `vpdpwssd` on AVX-512 VNNI, `vpmaddwd` + `vpaddd` on AVX2, and the VEX
 //! `vpdpwssd` of AVX-VNNI on AVX2 machines that have it. The AVX-512 kernels read their token
 //! tile's activations interleaved by token ([`interleave_tiles`]), the others token by token.
+//! Calls of many tokens on the AVX2 path run weight-stationary units instead ([`unit_avx2`]):
+//! each block of two row groups widened once, then every token's dots with it.
 
 // Kernels index several parallel arrays with one counter.
 #![allow(clippy::needless_range_loop)]
@@ -917,4 +919,266 @@ unsafe fn dot_throughput_256<const VNNI: bool>(iterations: usize) -> usize {
     }
     std::hint::black_box(acc);
     iterations * 12 * 16
+}
+
+/// Row groups of a weight-stationary unit of the AVX2 kernels ([`unit_avx2`]).
+pub(crate) const UNIT_GROUPS: usize = 2;
+/// 8-row weight vectors of a unit.
+const UNIT_VECS: usize = 2 * UNIT_GROUPS;
+/// Tokens one pass over a unit's widened block takes: `UNIT_VECS * UNIT_TOKENS` = 12 i32
+/// accumulators, with a broadcast and a product, fill the 16 ymm registers.
+const UNIT_TOKENS: usize = 3;
+/// Most tokens of one unit call: their f32 accumulators (6 KiB) stay on the stack.
+pub(crate) const UNIT_MAX_TOKENS: usize = 48;
+/// Fewest tokens for which units beat token tiles ([`tile_avx2`]): a unit stores each widened
+/// block (2 KiB) once, which fewer tokens do not repay (on AMD Zen 3, one matrix at 8 tokens
+/// 12% slower in units, at 12 and more 5-15% faster).
+pub(crate) const UNIT_MIN_TOKENS: usize = 12;
+
+/// A block's weights of one unit widened to i16 pairs: pair `m` (of 16) of vector `r` at
+/// `w[m * UNIT_VECS + r]`, and the vectors' f32 scales (`d`, and `m` of Q4_1).
+#[repr(C, align(64))]
+struct UnitBlock {
+    w: [__m256i; 16 * UNIT_VECS],
+    d: [__m256; UNIT_VECS],
+    m: [__m256; UNIT_VECS],
+}
+
+/// Widens block `k` of the unit's `ng` groups into `u`, as the token-tile kernels widen them.
+#[inline(always)]
+unsafe fn widen_unit_block(ty: QuantType, t: &Tile, ng: usize, k: usize, u: &mut UnitBlock) {
+    unsafe {
+        let m4 = _mm256_set1_epi32(0x000F_000F);
+        for gi in 0..ng {
+            let b = t.w.add((gi * t.nb + k) * t.gb);
+            prefetch_ahead(b, t.gb);
+            for h in 0..2 {
+                let r = 2 * gi + h;
+                let pair = |m: usize| m * UNIT_VECS + r;
+                let scales = |at: usize| {
+                    _mm256_cvtph_ps(_mm_loadu_si128(b.add(at + 16 * h) as *const __m128i))
+                };
+                match ty {
+                    QuantType::Q4_0 | QuantType::Q4_1 => {
+                        for c in 0..4 {
+                            let v = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
+                            let vh = _mm256_srli_epi32::<4>(v);
+                            u.w[pair(2 * c)] = _mm256_and_si256(v, m4);
+                            u.w[pair(2 * c + 1)] = _mm256_and_si256(_mm256_srli_epi32::<8>(v), m4);
+                            u.w[pair(8 + 2 * c)] = _mm256_and_si256(vh, m4);
+                            u.w[pair(9 + 2 * c)] = _mm256_and_si256(_mm256_srli_epi32::<8>(vh), m4);
+                        }
+                        u.d[r] = scales(256);
+                        if ty == QuantType::Q4_1 {
+                            u.m[r] = scales(288);
+                        }
+                    }
+                    QuantType::Q8_0 => {
+                        for c in 0..8 {
+                            let v = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
+                            // bytes (0, 2) and (1, 3) of every row word, sign-extended to i16
+                            u.w[pair(2 * c)] = _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(v));
+                            u.w[pair(2 * c + 1)] = _mm256_srai_epi16::<8>(v);
+                        }
+                        u.d[r] = scales(512);
+                    }
+                    _ => unreachable!("no unit kernel for {ty:?}"),
+                }
+            }
+        }
+    }
+}
+
+/// `vpmaddwd` of `x` and the vector `O` bytes past `w`, the weights as a memory operand.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn madd_mem<const O: usize>(x: __m256i, w: *const __m256i) -> __m256i {
+    let p;
+    // SAFETY: the caller passes a readable vector at `w + O`.
+    unsafe {
+        std::arch::asm!(
+            "vpmaddwd {p}, {x}, ymmword ptr [{w} + {o}]",
+            p = out(ymm_reg) p,
+            x = in(ymm_reg) x,
+            w = in(reg) w,
+            o = const O,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    p
+}
+
+/// `s` + [`madd_mem`], as `vpmaddwd` + `vpaddd`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn madd_add_mem<const O: usize>(mut s: __m256i, x: __m256i, w: *const __m256i) -> __m256i {
+    // SAFETY: as for `madd_mem`.
+    unsafe {
+        std::arch::asm!(
+            "vpmaddwd {p}, {x}, ymmword ptr [{w} + {o}]",
+            "vpaddd {s}, {s}, {p}",
+            s = inout(ymm_reg) s,
+            x = in(ymm_reg) x,
+            w = in(reg) w,
+            o = const O,
+            p = out(ymm_reg) _,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    s
+}
+
+/// Adds the products of pair `$m` of the first `$nr` widened weight vectors (`$w`, a
+/// [`UnitBlock::w`]) with token `$t`'s broadcast pair `$xb` into `$s[$t]`; pair 0 starts the
+/// sums. The weights are memory operands, so the 12 accumulators, the broadcast and a product
+/// are all the registers the dots need (with intrinsics, LLVM kept weights in registers and
+/// spilled accumulators); a macro, for the constant offsets.
+macro_rules! unit_pair {
+    ($nr:expr, $s:ident, $t:literal, $xb:ident, $w:ident, $m:literal, [$($r:literal)*]) => {
+        $(
+            if $r < $nr {
+                const O: usize = ($m * UNIT_VECS + $r) * 32;
+                $s[$t][$r] = if $m == 0 {
+                    madd_mem::<O>($xb, $w)
+                } else {
+                    madd_add_mem::<O>($s[$t][$r], $xb, $w)
+                };
+            }
+        )*
+    };
+}
+
+/// [`unit_pair`] for every pair `$m` and each of `$nt` tokens (`$x[t]`: the token's 16 pairs).
+macro_rules! unit_pairs {
+    ($nr:expr, $nt:expr, $s:ident, $x:ident, $w:ident, [$($m:literal)*]) => {
+        $(unit_pairs!(@tokens $nr, $nt, $s, $x, $w, $m, [0 1 2]);)*
+    };
+    (@tokens $nr:expr, $nt:expr, $s:ident, $x:ident, $w:ident, $m:literal, [$($t:literal)*]) => {
+        $(
+            if $t < $nt {
+                let xb = _mm256_set1_epi32(*$x[$t].add($m));
+                unit_pair!($nr, $s, $t, xb, $w, $m, [0 1 2 3]);
+            }
+        )*
+    };
+}
+
+/// The i32 dots of `R` widened weight vectors with `T` tokens' activations of one block
+/// (`x[t]`: the token's 16 i16 pairs): for each pair, each token's broadcast feeds all `R`
+/// vectors.
+#[inline(always)]
+unsafe fn unit_dots<const R: usize, const T: usize>(
+    w: &[__m256i; 16 * UNIT_VECS],
+    x: [*const i32; T],
+) -> [[__m256i; R]; T] {
+    unsafe {
+        let mut s = [[_mm256_setzero_si256(); R]; T];
+        let w = w.as_ptr();
+        unit_pairs!(R, T, s, x, w, [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15]);
+        s
+    }
+}
+
+/// Scales `T` tokens' block dots (tokens `t0..`) into their f32 accumulators, in the order of
+/// every other kernel (so the same bits).
+#[inline(always)]
+unsafe fn unit_scale<const R: usize, const T: usize>(
+    ty: QuantType,
+    t: &Tile,
+    k: usize,
+    t0: usize,
+    u: &UnitBlock,
+    s: [[__m256i; R]; T],
+    acc: &mut [[__m256; UNIT_VECS]; UNIT_MAX_TOKENS],
+) {
+    unsafe {
+        for ti in 0..T {
+            let ai = (t0 + ti) * t.anb + k;
+            let dx = _mm256_set1_ps(*t.xd.add(ai));
+            let a = &mut acc[t0 + ti];
+            for r in 0..R {
+                let mut si = s[ti][r];
+                if ty == QuantType::Q4_0 {
+                    si = _mm256_sub_epi32(si, _mm256_set1_epi32(8 * *t.xi.add(ai)));
+                }
+                a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(u.d[r], dx), a[r]);
+                if ty == QuantType::Q4_1 {
+                    a[r] = _mm256_fmadd_ps(u.m[r], _mm256_set1_ps(*t.xsd.add(ai)), a[r]);
+                }
+            }
+        }
+    }
+}
+
+/// Block `k` of the unit (its `R` vectors) for all `nt` tokens, [`UNIT_TOKENS`] at a time.
+#[inline(always)]
+unsafe fn unit_block<const R: usize>(
+    ty: QuantType,
+    t: &Tile,
+    nt: usize,
+    k: usize,
+    u: &UnitBlock,
+    acc: &mut [[__m256; UNIT_VECS]; UNIT_MAX_TOKENS],
+) {
+    unsafe {
+        let x = |ti: usize| t.xq.add(ti * t.xs + k * 32) as *const i32;
+        let mut t0 = 0;
+        while t0 + UNIT_TOKENS <= nt {
+            let s = unit_dots::<R, UNIT_TOKENS>(&u.w, std::array::from_fn(|i| x(t0 + i)));
+            unit_scale(ty, t, k, t0, u, s, acc);
+            t0 += UNIT_TOKENS;
+        }
+        match nt - t0 {
+            0 => {}
+            1 => unit_scale(ty, t, k, t0, u, unit_dots::<R, 1>(&u.w, [x(t0)]), acc),
+            _ => {
+                let s = unit_dots::<R, 2>(&u.w, [x(t0), x(t0 + 1)]);
+                unit_scale(ty, t, k, t0, u, s, acc);
+            }
+        }
+    }
+}
+
+/// `nt` (`UNIT_MIN_TOKENS..=UNIT_MAX_TOKENS`) tokens of a unit: up to [`UNIT_GROUPS`] row
+/// groups (`t.nvalid` rows from `t.w` on, the second group's blocks after the first's),
+/// weight-stationary: each block's weights are widened once into a [`UnitBlock`], and every
+/// token's dots with it are done before the next block. On AMD Zen 3 a broadcast takes a vector
+/// pipe as `vpmaddwd` and `vpaddd` do, and the token-tile kernels ([`tile_avx2`]) pay one per
+/// `vpmaddwd` (plus the widening of each chunk for every 8 tokens); here each broadcast feeds
+/// four `vpmaddwd`s, whose weights are memory operands. Same integer sums and f32 order per
+/// output as every kernel, so the same bits.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn unit_avx2(ty: QuantType, t: &Tile, nt: usize) {
+    unsafe {
+        debug_assert!(nt <= UNIT_MAX_TOKENS && t.nvalid <= UNIT_GROUPS * 16);
+        let ng = t.nvalid.div_ceil(16);
+        let mut acc = [[_mm256_setzero_ps(); UNIT_VECS]; UNIT_MAX_TOKENS];
+        let mut u = UnitBlock {
+            w: [_mm256_setzero_si256(); 16 * UNIT_VECS],
+            d: [_mm256_setzero_ps(); UNIT_VECS],
+            m: [_mm256_setzero_ps(); UNIT_VECS],
+        };
+        for k in 0..t.nb {
+            widen_unit_block(ty, t, ng, k, &mut u);
+            // Each arm names its type, so the scale step's type tests fold away.
+            use QuantType::{Q4_0, Q4_1, Q8_0};
+            match (ty, ng) {
+                (Q4_0, 2) => unit_block::<UNIT_VECS>(Q4_0, t, nt, k, &u, &mut acc),
+                (Q4_1, 2) => unit_block::<UNIT_VECS>(Q4_1, t, nt, k, &u, &mut acc),
+                (Q8_0, 2) => unit_block::<UNIT_VECS>(Q8_0, t, nt, k, &u, &mut acc),
+                (Q4_0, _) => unit_block::<2>(Q4_0, t, nt, k, &u, &mut acc),
+                (Q4_1, _) => unit_block::<2>(Q4_1, t, nt, k, &u, &mut acc),
+                (Q8_0, _) => unit_block::<2>(Q8_0, t, nt, k, &u, &mut acc),
+                _ => unreachable!("no unit kernel for {ty:?}"),
+            }
+        }
+        for (ti, a) in acc.iter().enumerate().take(nt) {
+            for (r, v) in a.iter().enumerate().take(2 * ng) {
+                let rows = t.nvalid.saturating_sub(8 * r);
+                if rows > 0 {
+                    store_partial(t.out.add(ti * t.os + 8 * r), *v, rows);
+                }
+            }
+        }
+    }
 }
