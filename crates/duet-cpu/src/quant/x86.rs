@@ -15,6 +15,7 @@
 use super::QuantType;
 use super::packed::{ActBlocks, Q4K_D, Q4K_DMIN, Q4K_MN, Q4K_SC, Q6K_D, Q6K_QH, Q6K_SC, Tile};
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 /// Token tile of the AVX-512 kernels: every unpacked weight register feeds 16 tokens' dots, so
 /// unpacking costs less per dot and 16 independent accumulator chains hide the `vpdpwssd`
@@ -1089,7 +1090,7 @@ unsafe fn unit_scale<const R: usize, const T: usize>(
     t0: usize,
     u: &UnitBlock,
     s: [[__m256i; R]; T],
-    acc: &mut [[__m256; UNIT_VECS]; UNIT_MAX_TOKENS],
+    acc: &mut [[__m256; UNIT_VECS]],
 ) {
     unsafe {
         for ti in 0..T {
@@ -1118,7 +1119,7 @@ unsafe fn unit_block<const R: usize>(
     nt: usize,
     k: usize,
     u: &UnitBlock,
-    acc: &mut [[__m256; UNIT_VECS]; UNIT_MAX_TOKENS],
+    acc: &mut [[__m256; UNIT_VECS]],
 ) {
     unsafe {
         let x = |ti: usize| t.xq.add(ti * t.xs + k * 32) as *const i32;
@@ -1152,7 +1153,16 @@ pub(crate) unsafe fn unit_avx2(ty: QuantType, t: &Tile, nt: usize) {
     unsafe {
         debug_assert!(nt <= UNIT_MAX_TOKENS && t.nvalid <= UNIT_GROUPS * 16);
         let ng = t.nvalid.div_ceil(16);
-        let mut acc = [[_mm256_setzero_ps(); UNIT_VECS]; UNIT_MAX_TOKENS];
+        // Only the call's tokens' accumulators are zeroed (a whole 6 KiB array per unit call was
+        // ~1% of a batch-32 decode step in `memset`).
+        let mut acc_store =
+            [const { MaybeUninit::<[__m256; UNIT_VECS]>::uninit() }; UNIT_MAX_TOKENS];
+        for a in &mut acc_store[..nt] {
+            a.write([_mm256_setzero_ps(); UNIT_VECS]);
+        }
+        // SAFETY: the first `nt` are initialized (above).
+        let acc =
+            std::slice::from_raw_parts_mut(acc_store.as_mut_ptr() as *mut [__m256; UNIT_VECS], nt);
         let mut u = UnitBlock {
             w: [_mm256_setzero_si256(); 16 * UNIT_VECS],
             d: [_mm256_setzero_ps(); UNIT_VECS],
@@ -1163,16 +1173,16 @@ pub(crate) unsafe fn unit_avx2(ty: QuantType, t: &Tile, nt: usize) {
             // Each arm names its type, so the scale step's type tests fold away.
             use QuantType::{Q4_0, Q4_1, Q8_0};
             match (ty, ng) {
-                (Q4_0, 2) => unit_block::<UNIT_VECS>(Q4_0, t, nt, k, &u, &mut acc),
-                (Q4_1, 2) => unit_block::<UNIT_VECS>(Q4_1, t, nt, k, &u, &mut acc),
-                (Q8_0, 2) => unit_block::<UNIT_VECS>(Q8_0, t, nt, k, &u, &mut acc),
-                (Q4_0, _) => unit_block::<2>(Q4_0, t, nt, k, &u, &mut acc),
-                (Q4_1, _) => unit_block::<2>(Q4_1, t, nt, k, &u, &mut acc),
-                (Q8_0, _) => unit_block::<2>(Q8_0, t, nt, k, &u, &mut acc),
+                (Q4_0, 2) => unit_block::<UNIT_VECS>(Q4_0, t, nt, k, &u, acc),
+                (Q4_1, 2) => unit_block::<UNIT_VECS>(Q4_1, t, nt, k, &u, acc),
+                (Q8_0, 2) => unit_block::<UNIT_VECS>(Q8_0, t, nt, k, &u, acc),
+                (Q4_0, _) => unit_block::<2>(Q4_0, t, nt, k, &u, acc),
+                (Q4_1, _) => unit_block::<2>(Q4_1, t, nt, k, &u, acc),
+                (Q8_0, _) => unit_block::<2>(Q8_0, t, nt, k, &u, acc),
                 _ => unreachable!("no unit kernel for {ty:?}"),
             }
         }
-        for (ti, a) in acc.iter().enumerate().take(nt) {
+        for (ti, a) in acc.iter().enumerate() {
             for (r, v) in a.iter().enumerate().take(2 * ng) {
                 let rows = t.nvalid.saturating_sub(8 * r);
                 if rows > 0 {
