@@ -422,13 +422,13 @@ impl QMatrix {
             let outp = SyncPtr(out.as_mut_ptr());
             let w = p.bytes().as_ptr() as usize;
             let (wnb, gb) = (p.nb, p.gb);
-            // The AVX2 path's block types run units of two row groups (`x86::unit_avx2`) for
-            // one token, and weight-stationary over chunks of up to 48 tokens once a call has
-            // enough of them; all other calls run token tiles of one row group.
+            // The AVX2 path's block types run weight-stationary units of two row groups over
+            // chunks of up to 48 tokens once a call has enough tokens (`x86::unit_avx2`), all
+            // other calls token tiles of one row group.
             #[cfg(target_arch = "x86_64")]
             let units = path == KernelPath::Avx2
                 && matches!(ty, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0)
-                && (n_tokens == 1 || n_tokens >= x86::UNIT_MIN_TOKENS);
+                && n_tokens >= x86::UNIT_MIN_TOKENS;
             #[cfg(not(target_arch = "x86_64"))]
             let units = false;
             let (span, token_step) = if units {

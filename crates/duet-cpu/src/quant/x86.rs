@@ -931,8 +931,8 @@ const UNIT_VECS: usize = 2 * UNIT_GROUPS;
 const UNIT_TOKENS: usize = 3;
 /// Most tokens of one unit call: their f32 accumulators (6 KiB) stay on the stack.
 pub(crate) const UNIT_MAX_TOKENS: usize = 48;
-/// Fewest tokens (besides one: [`unit_token`]) for which weight-stationary units beat token tiles
-/// ([`tile_avx2`]): a unit stores each widened block (2 KiB) once, which fewer tokens do not repay (on AMD Zen 3, one matrix at 8 tokens
+/// Fewest tokens for which units beat token tiles ([`tile_avx2`]): a unit stores each widened
+/// block (2 KiB) once, which fewer tokens do not repay (on AMD Zen 3, one matrix at 8 tokens
 /// 12% slower in units, at 12 and more 5-15% faster).
 pub(crate) const UNIT_MIN_TOKENS: usize = 12;
 
@@ -1000,23 +1000,14 @@ unsafe fn half_scales(ty: QuantType, b: *const u8, h: usize) -> (__m256, __m256)
     }
 }
 
-/// The group-block of block `k` of the unit's group `gi`, its next ones prefetched.
-#[inline(always)]
-unsafe fn unit_group_block(t: &Tile, gi: usize, k: usize) -> *const u8 {
-    unsafe {
-        let b = t.w.add((gi * t.nb + k) * t.gb);
-        prefetch_ahead(b, t.gb);
-        b
-    }
-}
-
 /// Widens block `k` of the unit's `ng` groups into `u`.
 #[inline(always)]
 unsafe fn widen_unit_block(ty: QuantType, t: &Tile, ng: usize, k: usize, u: &mut UnitBlock) {
     unsafe {
         let (chunks, regs) = chunk_shape(ty);
         for gi in 0..ng {
-            let b = unit_group_block(t, gi, k);
+            let b = t.w.add((gi * t.nb + k) * t.gb);
+            prefetch_ahead(b, t.gb);
             for h in 0..2 {
                 let r = 2 * gi + h;
                 for c in 0..chunks {
@@ -1028,54 +1019,6 @@ unsafe fn widen_unit_block(ty: QuantType, t: &Tile, ng: usize, k: usize, u: &mut
                 (u.scales.d[r], u.scales.m[r]) = half_scales(ty, b, h);
             }
         }
-    }
-}
-
-/// One token of a unit's `R` vectors (`R / 2` groups), the weights widened in registers as they
-/// are used: each pair's broadcast feeds all `R` vectors, where a token tile of one token
-/// ([`tile_avx2`]) broadcasts for every half-group (AMD Zen 3: one matrix at one token 10-20%
-/// faster).
-#[inline(always)]
-unsafe fn unit_token<const R: usize>(ty: QuantType, t: &Tile) -> [__m256; UNIT_VECS] {
-    unsafe {
-        let (chunks, regs) = chunk_shape(ty);
-        let x = t.xq as *const i32;
-        let mut acc = [_mm256_setzero_ps(); UNIT_VECS];
-        let mut scales = VecScales {
-            d: [_mm256_setzero_ps(); UNIT_VECS],
-            m: [_mm256_setzero_ps(); UNIT_VECS],
-        };
-        for k in 0..t.nb {
-            let b: [*const u8; R] = std::array::from_fn(|r| {
-                if r % 2 == 0 {
-                    unit_group_block(t, r / 2, k)
-                } else {
-                    t.w.add((r / 2 * t.nb + k) * t.gb)
-                }
-            });
-            let mut s = [_mm256_setzero_si256(); R];
-            for c in 0..chunks {
-                let v: [__m256i; R] = std::array::from_fn(|r| {
-                    _mm256_loadu_si256(b[r].add(64 * c + 32 * (r % 2)) as *const __m256i)
-                });
-                for q in 0..regs {
-                    let xb = _mm256_set1_epi32(*x.add(16 * k + pair_of(ty, c, q)));
-                    for r in 0..R {
-                        let p = _mm256_madd_epi16(widen_pair(ty, v[r], q), xb);
-                        s[r] = if c == 0 && q == 0 {
-                            p
-                        } else {
-                            _mm256_add_epi32(s[r], p)
-                        };
-                    }
-                }
-            }
-            for r in 0..R {
-                (scales.d[r], scales.m[r]) = half_scales(ty, b[r], r % 2);
-            }
-            unit_scale(ty, t, k, 0, &scales, [s], std::slice::from_mut(&mut acc));
-        }
-        acc
     }
 }
 
@@ -1251,10 +1194,10 @@ unsafe fn unit_block<const R: usize>(
     }
 }
 
-/// `nt` tokens of a unit: up to [`UNIT_GROUPS`] row groups (`t.nvalid` rows from `t.w` on,
-/// the second group's blocks after the first's). One token takes [`unit_token`]; 12 to
-/// [`UNIT_MAX_TOKENS`] run weight-stationary: each block's weights are widened once into a
-/// [`UnitBlock`], and every token's dots with it are done before the next block. On AMD Zen 3 a
+/// `nt` (`UNIT_MIN_TOKENS..=UNIT_MAX_TOKENS`) tokens of a unit: up to [`UNIT_GROUPS`] row
+/// groups (`t.nvalid` rows from `t.w` on, the second group's blocks after the first's),
+/// weight-stationary: each block's weights are widened once into a [`UnitBlock`], and every
+/// token's dots with it are done before the next block. On AMD Zen 3 a
 /// broadcast takes a vector pipe as `vpmaddwd` and `vpaddd` do, and the token-tile kernels
 /// ([`tile_avx2`]) pay one per `vpmaddwd` (plus the widening of each chunk for every 8 tokens);
 /// here each broadcast feeds four `vpmaddwd`s, whose weights are memory operands. Same integer
@@ -1265,20 +1208,6 @@ pub(crate) unsafe fn unit_avx2(ty: QuantType, t: &Tile, nt: usize) {
         debug_assert!(nt <= UNIT_MAX_TOKENS && t.nvalid <= UNIT_GROUPS * 16);
         let ng = t.nvalid.div_ceil(16);
         use QuantType::{Q4_0, Q4_1, Q8_0};
-        if nt == 1 {
-            // Each arm names its type, so the type tests fold away.
-            let a = match (ty, ng) {
-                (Q4_0, 2) => unit_token::<UNIT_VECS>(Q4_0, t),
-                (Q4_1, 2) => unit_token::<UNIT_VECS>(Q4_1, t),
-                (Q8_0, 2) => unit_token::<UNIT_VECS>(Q8_0, t),
-                (Q4_0, _) => unit_token::<2>(Q4_0, t),
-                (Q4_1, _) => unit_token::<2>(Q4_1, t),
-                (Q8_0, _) => unit_token::<2>(Q8_0, t),
-                _ => unreachable!("no unit kernel for {ty:?}"),
-            };
-            store_unit_rows(t, 0, &a);
-            return;
-        }
         // Only the call's tokens' accumulators are zeroed (a whole 6 KiB array per unit call was
         // ~1% of a batch-32 decode step in `memset`).
         let mut acc_store =
@@ -1298,6 +1227,7 @@ pub(crate) unsafe fn unit_avx2(ty: QuantType, t: &Tile, nt: usize) {
         };
         for k in 0..t.nb {
             widen_unit_block(ty, t, ng, k, &mut u);
+            // Each arm names its type, so the scale step's type tests fold away.
             match (ty, ng) {
                 (Q4_0, 2) => unit_block::<UNIT_VECS>(Q4_0, t, nt, k, &u, acc),
                 (Q4_1, 2) => unit_block::<UNIT_VECS>(Q4_1, t, nt, k, &u, acc),
