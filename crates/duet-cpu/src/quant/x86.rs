@@ -936,100 +936,55 @@ pub(crate) const UNIT_MAX_TOKENS: usize = 48;
 /// 12% slower in units, at 12 and more 5-15% faster).
 pub(crate) const UNIT_MIN_TOKENS: usize = 12;
 
-/// The f32 scales of a unit's 8-row vectors for one block: `d`, and `m` of Q4_1.
-#[derive(Clone, Copy)]
-struct VecScales {
+/// A block's weights of one unit widened to i16 pairs: pair `m` (of 16) of vector `r` at
+/// `w[m * UNIT_VECS + r]`, and the vectors' f32 scales (`d`, and `m` of Q4_1).
+#[repr(C, align(64))]
+struct UnitBlock {
+    w: [__m256i; 16 * UNIT_VECS],
     d: [__m256; UNIT_VECS],
     m: [__m256; UNIT_VECS],
 }
 
-/// A block's weights of one unit widened to i16 pairs: pair `m` (of 16) of vector `r` at
-/// `w[m * UNIT_VECS + r]`, and the vectors' scales.
-#[repr(C, align(64))]
-struct UnitBlock {
-    w: [__m256i; 16 * UNIT_VECS],
-    scales: VecScales,
-}
-
-/// Chunks of a group-block, and widened registers (pairs) per 32-byte half of a chunk.
-const fn chunk_shape(ty: QuantType) -> (usize, usize) {
-    match ty {
-        QuantType::Q8_0 => (8, 2),
-        _ => (4, 4),
-    }
-}
-
-/// The pair of the block that register `q` of chunk `c` holds: a Q4 chunk's bytes hold values
-/// `4c..4c + 4` in their low nibbles and `16 + 4c..` in their high ones.
-const fn pair_of(ty: QuantType, c: usize, q: usize) -> usize {
-    match ty {
-        QuantType::Q8_0 => 2 * c + q,
-        _ => [2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c][q],
-    }
-}
-
-/// Register `q` of a chunk's 32-byte half `v` (8 rows x 4 bytes) widened to i16 pairs, as the
-/// token-tile kernels widen it: bytes (0, 2) and (1, 3) of every row word, the low nibbles
-/// (Q4: q 0 and 1), then the high ones (2 and 3), or the sign-extended bytes (Q8_0). 16-bit
-/// shifts, so the top nibble needs no mask.
-#[inline(always)]
-unsafe fn widen_pair(ty: QuantType, v: __m256i, q: usize) -> __m256i {
-    unsafe {
-        let m4 = _mm256_set1_epi16(0x000F);
-        match (ty, q) {
-            (QuantType::Q8_0, 0) => _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(v)),
-            (QuantType::Q8_0, _) => _mm256_srai_epi16::<8>(v),
-            (_, 0) => _mm256_and_si256(v, m4),
-            (_, 1) => _mm256_and_si256(_mm256_srli_epi16::<8>(v), m4),
-            (_, 2) => _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4),
-            _ => _mm256_srli_epi16::<12>(v),
-        }
-    }
-}
-
-/// The scales of half `h` (rows `8h..8h + 8`) of the group-block at `b`.
-#[inline(always)]
-unsafe fn half_scales(ty: QuantType, b: *const u8, h: usize) -> (__m256, __m256) {
-    unsafe {
-        let at = |o: usize| _mm256_cvtph_ps(_mm_loadu_si128(b.add(o + 16 * h) as *const __m128i));
-        match ty {
-            QuantType::Q8_0 => (at(512), _mm256_setzero_ps()),
-            QuantType::Q4_1 => (at(256), at(288)),
-            _ => (at(256), _mm256_setzero_ps()),
-        }
-    }
-}
-
-/// Widens block `k` of the unit's `ng` groups into `u`.
+/// Widens block `k` of the unit's `ng` groups into `u`, as the token-tile kernels widen them.
 #[inline(always)]
 unsafe fn widen_unit_block(ty: QuantType, t: &Tile, ng: usize, k: usize, u: &mut UnitBlock) {
     unsafe {
-        let (chunks, regs) = chunk_shape(ty);
+        let m4 = _mm256_set1_epi32(0x000F_000F);
         for gi in 0..ng {
             let b = t.w.add((gi * t.nb + k) * t.gb);
             prefetch_ahead(b, t.gb);
             for h in 0..2 {
                 let r = 2 * gi + h;
-                for c in 0..chunks {
-                    let v = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
-                    for q in 0..regs {
-                        u.w[pair_of(ty, c, q) * UNIT_VECS + r] = widen_pair(ty, v, q);
+                let pair = |m: usize| m * UNIT_VECS + r;
+                let scales = |at: usize| {
+                    _mm256_cvtph_ps(_mm_loadu_si128(b.add(at + 16 * h) as *const __m128i))
+                };
+                match ty {
+                    QuantType::Q4_0 | QuantType::Q4_1 => {
+                        for c in 0..4 {
+                            let v = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
+                            let vh = _mm256_srli_epi32::<4>(v);
+                            u.w[pair(2 * c)] = _mm256_and_si256(v, m4);
+                            u.w[pair(2 * c + 1)] = _mm256_and_si256(_mm256_srli_epi32::<8>(v), m4);
+                            u.w[pair(8 + 2 * c)] = _mm256_and_si256(vh, m4);
+                            u.w[pair(9 + 2 * c)] = _mm256_and_si256(_mm256_srli_epi32::<8>(vh), m4);
+                        }
+                        u.d[r] = scales(256);
+                        if ty == QuantType::Q4_1 {
+                            u.m[r] = scales(288);
+                        }
                     }
+                    QuantType::Q8_0 => {
+                        for c in 0..8 {
+                            let v = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
+                            // bytes (0, 2) and (1, 3) of every row word, sign-extended to i16
+                            u.w[pair(2 * c)] = _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(v));
+                            u.w[pair(2 * c + 1)] = _mm256_srai_epi16::<8>(v);
+                        }
+                        u.d[r] = scales(512);
+                    }
+                    _ => unreachable!("no unit kernel for {ty:?}"),
                 }
-                (u.scales.d[r], u.scales.m[r]) = half_scales(ty, b, h);
-            }
-        }
-    }
-}
-
-/// Stores token `ti`'s outputs of a unit's valid rows.
-#[inline(always)]
-unsafe fn store_unit_rows(t: &Tile, ti: usize, a: &[__m256; UNIT_VECS]) {
-    unsafe {
-        for (r, v) in a.iter().enumerate() {
-            let rows = t.nvalid.saturating_sub(8 * r);
-            if rows > 0 {
-                store_partial(t.out.add(ti * t.os + 8 * r), *v, rows);
             }
         }
     }
@@ -1133,7 +1088,7 @@ unsafe fn unit_scale<const R: usize, const T: usize>(
     t: &Tile,
     k: usize,
     t0: usize,
-    scales: &VecScales,
+    u: &UnitBlock,
     s: [[__m256i; R]; T],
     acc: &mut [[__m256; UNIT_VECS]],
 ) {
@@ -1147,10 +1102,9 @@ unsafe fn unit_scale<const R: usize, const T: usize>(
                 if ty == QuantType::Q4_0 {
                     si = _mm256_sub_epi32(si, _mm256_set1_epi32(8 * *t.xi.add(ai)));
                 }
-                let d = _mm256_mul_ps(scales.d[r], dx);
-                a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), d, a[r]);
+                a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(u.d[r], dx), a[r]);
                 if ty == QuantType::Q4_1 {
-                    a[r] = _mm256_fmadd_ps(scales.m[r], _mm256_set1_ps(*t.xsd.add(ai)), a[r]);
+                    a[r] = _mm256_fmadd_ps(u.m[r], _mm256_set1_ps(*t.xsd.add(ai)), a[r]);
                 }
             }
         }
@@ -1172,23 +1126,15 @@ unsafe fn unit_block<const R: usize>(
         let mut t0 = 0;
         while t0 + UNIT_TOKENS <= nt {
             let s = unit_dots::<R, UNIT_TOKENS>(&u.w, std::array::from_fn(|i| x(t0 + i)));
-            unit_scale(ty, t, k, t0, &u.scales, s, acc);
+            unit_scale(ty, t, k, t0, u, s, acc);
             t0 += UNIT_TOKENS;
         }
         match nt - t0 {
             0 => {}
-            1 => unit_scale(
-                ty,
-                t,
-                k,
-                t0,
-                &u.scales,
-                unit_dots::<R, 1>(&u.w, [x(t0)]),
-                acc,
-            ),
+            1 => unit_scale(ty, t, k, t0, u, unit_dots::<R, 1>(&u.w, [x(t0)]), acc),
             _ => {
                 let s = unit_dots::<R, 2>(&u.w, [x(t0), x(t0 + 1)]);
-                unit_scale(ty, t, k, t0, &u.scales, s, acc);
+                unit_scale(ty, t, k, t0, u, s, acc);
             }
         }
     }
@@ -1197,17 +1143,16 @@ unsafe fn unit_block<const R: usize>(
 /// `nt` (`UNIT_MIN_TOKENS..=UNIT_MAX_TOKENS`) tokens of a unit: up to [`UNIT_GROUPS`] row
 /// groups (`t.nvalid` rows from `t.w` on, the second group's blocks after the first's),
 /// weight-stationary: each block's weights are widened once into a [`UnitBlock`], and every
-/// token's dots with it are done before the next block. On AMD Zen 3 a
-/// broadcast takes a vector pipe as `vpmaddwd` and `vpaddd` do, and the token-tile kernels
-/// ([`tile_avx2`]) pay one per `vpmaddwd` (plus the widening of each chunk for every 8 tokens);
-/// here each broadcast feeds four `vpmaddwd`s, whose weights are memory operands. Same integer
-/// sums and f32 order per output as every kernel, so the same bits.
+/// token's dots with it are done before the next block. On AMD Zen 3 a broadcast takes a vector
+/// pipe as `vpmaddwd` and `vpaddd` do, and the token-tile kernels ([`tile_avx2`]) pay one per
+/// `vpmaddwd` (plus the widening of each chunk for every 8 tokens); here each broadcast feeds
+/// four `vpmaddwd`s, whose weights are memory operands. Same integer sums and f32 order per
+/// output as every kernel, so the same bits.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn unit_avx2(ty: QuantType, t: &Tile, nt: usize) {
     unsafe {
         debug_assert!(nt <= UNIT_MAX_TOKENS && t.nvalid <= UNIT_GROUPS * 16);
         let ng = t.nvalid.div_ceil(16);
-        use QuantType::{Q4_0, Q4_1, Q8_0};
         // Only the call's tokens' accumulators are zeroed (a whole 6 KiB array per unit call was
         // ~1% of a batch-32 decode step in `memset`).
         let mut acc_store =
@@ -1220,14 +1165,13 @@ pub(crate) unsafe fn unit_avx2(ty: QuantType, t: &Tile, nt: usize) {
             std::slice::from_raw_parts_mut(acc_store.as_mut_ptr() as *mut [__m256; UNIT_VECS], nt);
         let mut u = UnitBlock {
             w: [_mm256_setzero_si256(); 16 * UNIT_VECS],
-            scales: VecScales {
-                d: [_mm256_setzero_ps(); UNIT_VECS],
-                m: [_mm256_setzero_ps(); UNIT_VECS],
-            },
+            d: [_mm256_setzero_ps(); UNIT_VECS],
+            m: [_mm256_setzero_ps(); UNIT_VECS],
         };
         for k in 0..t.nb {
             widen_unit_block(ty, t, ng, k, &mut u);
             // Each arm names its type, so the scale step's type tests fold away.
+            use QuantType::{Q4_0, Q4_1, Q8_0};
             match (ty, ng) {
                 (Q4_0, 2) => unit_block::<UNIT_VECS>(Q4_0, t, nt, k, &u, acc),
                 (Q4_1, 2) => unit_block::<UNIT_VECS>(Q4_1, t, nt, k, &u, acc),
@@ -1239,7 +1183,12 @@ pub(crate) unsafe fn unit_avx2(ty: QuantType, t: &Tile, nt: usize) {
             }
         }
         for (ti, a) in acc.iter().enumerate() {
-            store_unit_rows(t, ti, a);
+            for (r, v) in a.iter().enumerate().take(2 * ng) {
+                let rows = t.nvalid.saturating_sub(8 * r);
+                if rows > 0 {
+                    store_partial(t.out.add(ti * t.os + 8 * r), *v, rows);
+                }
+            }
         }
     }
 }
