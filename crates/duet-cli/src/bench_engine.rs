@@ -261,8 +261,10 @@ impl BandwidthProbe {
 #[derive(Serialize, Clone)]
 struct ComputeCeiling {
     kernel_path: String,
-    /// All kernel threads together, registers only.
+    /// All kernel threads together, registers only: the higher of the two measures below.
     integer_macs_per_s: f64,
+    integer_macs_per_s_before_sweep: f64,
+    integer_macs_per_s_after_sweep: f64,
     matmul_macs_per_token: usize,
     /// `integer_macs_per_s / matmul_macs_per_token`: attention and everything else taken as free.
     decode_tokens_per_s: f64,
@@ -271,13 +273,10 @@ struct ComputeCeiling {
     prefill_tokens_per_s: f64,
 }
 
-fn compute_ceiling(
-    path: KernelPath,
-    threads: usize,
-    config: &ModelConfig,
-) -> Option<ComputeCeiling> {
-    // Every thread at once, best of a few rounds: a round in which the machine took a core away
-    // would understate the ceiling and so overstate every fraction printed against it.
+/// Integer multiply-accumulates a second on every kernel thread at once, best of a few rounds:
+/// a round in which the machine took a core away would understate the ceiling and so overstate
+/// every fraction printed against it. `None` for the portable path.
+fn integer_macs_per_s(path: KernelPath, threads: usize) -> Option<f64> {
     const ROUNDS: usize = 3;
     let round = || {
         let per_thread: Vec<Option<f64>> = std::thread::scope(|s| {
@@ -288,20 +287,33 @@ fn compute_ceiling(
         });
         per_thread.into_iter().sum::<Option<f64>>()
     };
-    let integer_macs_per_s = (0..ROUNDS)
-        .map(|_| round())
-        .collect::<Option<Vec<f64>>>()?
-        .into_iter()
-        .fold(0.0, f64::max);
-    let matmul_macs_per_token = config.matmul_params();
-    let head_macs = config.vocab_size * config.hidden_size;
-    Some(ComputeCeiling {
-        kernel_path: format!("{path:?}"),
-        integer_macs_per_s,
-        matmul_macs_per_token,
-        decode_tokens_per_s: integer_macs_per_s / matmul_macs_per_token as f64,
-        prefill_tokens_per_s: integer_macs_per_s / (matmul_macs_per_token - head_macs) as f64,
-    })
+    let rounds = (0..ROUNDS).map(|_| round()).collect::<Option<Vec<f64>>>()?;
+    Some(rounds.into_iter().fold(0.0, f64::max))
+}
+
+impl ComputeCeiling {
+    /// The ceiling from the higher of the rates measured before and after the sweep: a host that
+    /// starves one core for minutes would otherwise halve the ceiling for the whole run.
+    fn new(
+        path: KernelPath,
+        before: Option<f64>,
+        after: Option<f64>,
+        config: &ModelConfig,
+    ) -> Option<ComputeCeiling> {
+        let (before, after) = (before?, after?);
+        let integer_macs_per_s = before.max(after);
+        let matmul_macs_per_token = config.matmul_params();
+        let head_macs = config.vocab_size * config.hidden_size;
+        Some(ComputeCeiling {
+            kernel_path: format!("{path:?}"),
+            integer_macs_per_s,
+            integer_macs_per_s_before_sweep: before,
+            integer_macs_per_s_after_sweep: after,
+            matmul_macs_per_token,
+            decode_tokens_per_s: integer_macs_per_s / matmul_macs_per_token as f64,
+            prefill_tokens_per_s: integer_macs_per_s / (matmul_macs_per_token - head_macs) as f64,
+        })
+    }
 }
 
 /// Bytes of weights one decode token reads: every matrix a forward step multiplies (each
@@ -392,6 +404,10 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
         "cpu: {} (family {} model {}), kernel path {kernel_path}, {threads} threads",
         cpu.model, cpu.family, cpu.model_number
     );
+    let on_cpu = options.device == Device::Cpu;
+    let macs_before = on_cpu
+        .then(|| integer_macs_per_s(kernels, threads))
+        .flatten();
     let mut prompt = prompt_source(engine.config().vocab_size);
     let total = args.prefill_tokens.len() + args.decode_points().len();
     let mut done = 0;
@@ -407,7 +423,6 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
         prefill.push((tokens, best));
     }
     let mut probe = BandwidthProbe::new(threads, args.bandwidth_mib << 20);
-    let on_cpu = options.device == Device::Cpu;
     let mut decode = Vec::new();
     for &context in &args.contexts {
         let source = PrefilledPrompt::new(&mut engine, prompt(context))
@@ -447,7 +462,12 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
             };
             (
                 Some(roofline),
-                compute_ceiling(kernels, threads, engine.config()),
+                ComputeCeiling::new(
+                    kernels,
+                    macs_before,
+                    integer_macs_per_s(kernels, threads),
+                    engine.config(),
+                ),
             )
         }
         Device::Cuda(_) => (None, None),
@@ -562,9 +582,11 @@ fn print_report(r: &Report) {
     }
     if let Some(c) = &r.compute_ceiling {
         println!(
-            "compute ceiling: {} integer dots {:.1} GMAC/s / {:.1} M MACs per token = {:.0} tok/s decode, {:.0} tok/s prefill at most",
+            "compute ceiling: {} integer dots {:.1} GMAC/s (the higher of {:.1} before and {:.1} after the sweep) / {:.1} M MACs per token = {:.0} tok/s decode, {:.0} tok/s prefill at most",
             c.kernel_path,
             c.integer_macs_per_s / 1e9,
+            c.integer_macs_per_s_before_sweep / 1e9,
+            c.integer_macs_per_s_after_sweep / 1e9,
             c.matmul_macs_per_token as f64 / 1e6,
             c.decode_tokens_per_s,
             c.prefill_tokens_per_s
