@@ -339,6 +339,20 @@ fn bench_engine_sweeps_every_point_with_private_kv() {
         .flat_map(|&c| batches.iter().map(move |&b| (b, c)))
         .collect();
     assert_eq!(seen, expected);
+    // The compute ceiling is the higher of its measures before and after the sweep (a host that
+    // starves a core through one of them would otherwise halve it); none on the portable path.
+    let c = &v["compute_ceiling"];
+    if v["kernel_path"] != "Scalar" {
+        let rate = |f: &str| c[f].as_f64().unwrap();
+        let (before, after) = (
+            rate("integer_macs_per_s_before_sweep"),
+            rate("integer_macs_per_s_after_sweep"),
+        );
+        assert!(before > 0.0 && after > 0.0, "{c}");
+        assert_eq!(rate("integer_macs_per_s"), before.max(after), "{c}");
+    } else {
+        assert!(c.is_null(), "{c}");
+    }
     assert!(
         v["memory_roofline"]["bandwidth"]["bytes_per_s"]
             .as_f64()
