@@ -68,12 +68,10 @@ pub async fn worker_stats(cluster: &Cluster, worker: SocketAddr) -> v1::StatsRes
         .into_inner()
 }
 
-/// A free loopback address for a router.
+/// A free loopback address for a service or a test's server to bind
+/// ([`duet_cli::cluster::free_port`]: one no other test's server or kernel-picked port takes).
 pub fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    duet_cli::cluster::free_port(std::net::Ipv4Addr::LOCALHOST.into()).unwrap()
 }
 
 /// The launch spec of a cluster in this process whose workers use [`engine_options`].

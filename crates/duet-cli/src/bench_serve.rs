@@ -409,7 +409,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
             };
             let spec = ClusterSpec {
                 router: RouterConfig {
-                    listen: std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?,
+                    listen: crate::cluster::free_port(std::net::Ipv4Addr::LOCALHOST.into())?,
                     routing: RoutingOptions {
                         local_prefill_threshold,
                         routing: policy.unwrap_or(args.routing.routing),

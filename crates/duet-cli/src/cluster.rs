@@ -174,9 +174,7 @@ impl Cluster {
         // Port 0 becomes a free port here: the readiness probe and the ready line need the one
         // the router serves on.
         let router = match spec.router.listen {
-            a if a.port() == 0 => std::net::TcpListener::bind(a)
-                .and_then(|l| l.local_addr())
-                .with_context(|| format!("finding a free port on {}", a.ip()))?,
+            a if a.port() == 0 => free_port(a.ip())?,
             a => a,
         };
         let prefill = free_ports(spec.prefill_workers)?;
@@ -445,13 +443,49 @@ fn spawn_process(
 
 /// Loopback addresses with free ports for the workers.
 fn free_ports(n: usize) -> Result<Vec<SocketAddr>> {
-    let listeners: Vec<std::net::TcpListener> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<std::io::Result<_>>()?;
-    Ok(listeners
-        .iter()
-        .map(|l| l.local_addr())
-        .collect::<std::io::Result<_>>()?)
+    (0..n)
+        .map(|_| free_port(std::net::Ipv4Addr::LOCALHOST.into()))
+        .collect()
+}
+
+/// A port on `ip` that nothing listens on, for a service or a test server to bind soon after.
+///
+/// Checking a port and binding it later leaves a window in which a port the kernel picks (a
+/// bind to port 0, or an outgoing connection's own port, in any process) can land on it, and the
+/// service then fails to start. So the port comes from below the kernel's ephemeral range, where
+/// the kernel never picks, and no two calls in one process return the same port (a count from a
+/// random start: processes started together take different ones). Where no such range exists,
+/// the kernel picks.
+pub fn free_port(ip: std::net::IpAddr) -> Result<SocketAddr> {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    static START: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let ports = below_ephemeral_ports();
+    let start = *START.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish() as usize
+    });
+    for _ in 0..ports.len() {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = ports.start + ((start + n) % ports.len()) as u16;
+        if let Ok(listener) = std::net::TcpListener::bind((ip, port)) {
+            return Ok(listener.local_addr()?);
+        }
+    }
+    std::net::TcpListener::bind((ip, 0))
+        .and_then(|l| l.local_addr())
+        .with_context(|| format!("finding a free port on {ip}"))
+}
+
+/// The 16384 ports below the kernel's ephemeral range (Linux's `ip_local_port_range`, 32768 by
+/// default), above the privileged ones; empty where the range cannot be read or starts too low.
+fn below_ephemeral_ports() -> std::ops::Range<u16> {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(0);
+    low.saturating_sub(16384).max(1024)..low.max(1024)
 }
 
 /// Polls with a one-token `Generate` until one succeeds: only then would a user's call succeed.
@@ -508,4 +542,27 @@ async fn probe(router: SocketAddr, key: Option<&str>, tls: Option<&ClientTlsConf
     }
     client.complete(req).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_distinct_unbound_and_never_ones_the_kernel_picks() {
+        let ephemeral = below_ephemeral_ports().end;
+        let ports: Vec<SocketAddr> = free_ports(64).unwrap();
+        let mut distinct: Vec<u16> = ports.iter().map(|a| a.port()).collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+        for a in &ports {
+            assert!(a.ip().is_loopback(), "{a}");
+            if ephemeral > 1024 {
+                assert!((1024..ephemeral).contains(&a.port()), "{a}");
+            }
+            // Free when returned: a service can bind it.
+            std::net::TcpListener::bind(a).unwrap();
+        }
+    }
 }

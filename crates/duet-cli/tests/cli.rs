@@ -538,9 +538,7 @@ fn sigterm_stops_duet_up_and_its_worker_processes() {
 
 /// A free loopback port, for a router of `--processes` (its own process, which needs one named).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
+    duet_cli::cluster::free_port(std::net::Ipv4Addr::LOCALHOST.into())
         .unwrap()
         .port()
 }
