@@ -422,9 +422,9 @@ pub(crate) unsafe fn tile_scalar(ty: QuantType, t: &Tile, nt: usize) {
     }
 }
 
-/// Portable Q4_K kernel; the operation order per output matches `x86::q4k_avx512`.
-#[inline(always)]
-pub(crate) unsafe fn tile_q4k_scalar(t: &Tile, nt: usize) {
+/// Portable Q4_K kernel; the operation order per output matches `x86::q4k_avx512` and
+/// `x86::q4k_avx2`.
+unsafe fn tile_q4k_scalar(t: &Tile, nt: usize) {
     unsafe {
         for ti in 0..nt {
             let xq = t.xq.add(ti * t.xs);
@@ -466,9 +466,9 @@ pub(crate) unsafe fn tile_q4k_scalar(t: &Tile, nt: usize) {
     }
 }
 
-/// Portable Q6_K kernel; the operation order per output matches `x86::q6k_avx512`.
-#[inline(always)]
-pub(crate) unsafe fn tile_q6k_scalar(t: &Tile, nt: usize) {
+/// Portable Q6_K kernel; the operation order per output matches `x86::q6k_avx512` and
+/// `x86::q6k_avx2`.
+unsafe fn tile_q6k_scalar(t: &Tile, nt: usize) {
     unsafe {
         for ti in 0..nt {
             let xq = t.xq.add(ti * t.xs);

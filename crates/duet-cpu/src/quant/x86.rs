@@ -454,9 +454,8 @@ unsafe fn tile_256<const VNNI: bool>(ty: QuantType, t: &Tile, nt: usize) {
             QuantType::Q4_0 => dispatch_nt!(@256 q4_avx2, nt, (t), false, VNNI),
             QuantType::Q4_1 => dispatch_nt!(@256 q4_avx2, nt, (t), true, VNNI),
             QuantType::Q8_0 => dispatch_nt!(@256 q8_avx2, nt, (t), VNNI),
-            // The portable kernel, autovectorized for AVX2 (bit-identical by construction).
-            QuantType::Q4_K => super::packed::tile_q4k_scalar(t, nt),
-            QuantType::Q6_K => super::packed::tile_q6k_scalar(t, nt),
+            QuantType::Q4_K => dispatch_nt!(@256 q4k_avx2, nt, (t), VNNI),
+            QuantType::Q6_K => dispatch_nt!(@256 q6k_avx2, nt, (t), VNNI),
             _ => unreachable!(),
         }
     }
@@ -529,11 +528,16 @@ unsafe fn store_partial(p: *mut f32, v: __m256, n: usize) {
     }
 }
 
+/// The frame of the 256-bit token-tile kernels: `block(h, k, b, acc)` adds block column `k`
+/// (its group-block at `b`) of rows `8 h .. 8 h + 8` (the second 32 bytes of every chunk for
+/// `h = 1`) to the f32 accumulators `acc` of the tile's tokens, for each half of the group's
+/// rows in turn, and the accumulators are stored. The first half prefetches the weights ahead.
 #[inline(always)]
-unsafe fn q4_avx2<const NT: usize, const Q41: bool, const VNNI: bool>(t: &Tile) {
+unsafe fn by_row_halves<const NT: usize>(
+    t: &Tile,
+    mut block: impl FnMut(usize, usize, *const u8, &mut [__m256; NT]),
+) {
     unsafe {
-        let m4 = _mm256_set1_epi32(0x000F_000F);
-        // Rows 0..8 then 8..16 (the two 32-byte halves of every chunk).
         for h in 0..2 {
             if 8 * h >= t.nvalid {
                 break;
@@ -544,39 +548,7 @@ unsafe fn q4_avx2<const NT: usize, const Q41: bool, const VNNI: bool>(t: &Tile) 
                 if h == 0 {
                     prefetch_ahead(b, t.gb);
                 }
-                let mut s = [_mm256_setzero_si256(); NT];
-                for c in 0..4 {
-                    let v = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
-                    let vh = _mm256_srli_epi32::<4>(v);
-                    let w = [
-                        _mm256_and_si256(v, m4),
-                        _mm256_and_si256(_mm256_srli_epi32::<8>(v), m4),
-                        _mm256_and_si256(vh, m4),
-                        _mm256_and_si256(_mm256_srli_epi32::<8>(vh), m4),
-                    ];
-                    for ti in 0..NT {
-                        let x = t.xq.add(ti * t.xs + k * 32);
-                        let xs = [2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c]
-                            .map(|m| _mm256_set1_epi32(bcast(x, m)));
-                        s[ti] = add_pair_dots(VNNI, s[ti], w, xs);
-                    }
-                }
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(256 + 16 * h) as *const __m128i));
-                for ti in 0..NT {
-                    let ai = ti * t.anb + k;
-                    let mut s = s[ti];
-                    if !Q41 {
-                        s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * *t.xi.add(ai)));
-                    }
-                    let dx = _mm256_set1_ps(*t.xd.add(ai));
-                    acc[ti] =
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc[ti]);
-                    if Q41 {
-                        let mw =
-                            _mm256_cvtph_ps(_mm_loadu_si128(b.add(288 + 16 * h) as *const __m128i));
-                        acc[ti] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*t.xsd.add(ai)), acc[ti]);
-                    }
-                }
+                block(h, k, b, &mut acc);
             }
             for (ti, a) in acc.iter().enumerate() {
                 store_partial(t.out.add(ti * t.os + 8 * h), *a, t.nvalid - 8 * h);
@@ -586,42 +558,219 @@ unsafe fn q4_avx2<const NT: usize, const Q41: bool, const VNNI: bool>(t: &Tile) 
 }
 
 #[inline(always)]
+unsafe fn q4_avx2<const NT: usize, const Q41: bool, const VNNI: bool>(t: &Tile) {
+    unsafe {
+        let m4 = _mm256_set1_epi32(0x000F_000F);
+        by_row_halves::<NT>(t, |h, k, b, acc| {
+            let mut s = [_mm256_setzero_si256(); NT];
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
+                let vh = _mm256_srli_epi32::<4>(v);
+                let w = [
+                    _mm256_and_si256(v, m4),
+                    _mm256_and_si256(_mm256_srli_epi32::<8>(v), m4),
+                    _mm256_and_si256(vh, m4),
+                    _mm256_and_si256(_mm256_srli_epi32::<8>(vh), m4),
+                ];
+                for ti in 0..NT {
+                    let x = t.xq.add(ti * t.xs + k * 32);
+                    let xs = [2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c]
+                        .map(|m| _mm256_set1_epi32(bcast(x, m)));
+                    s[ti] = add_pair_dots(VNNI, s[ti], w, xs);
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(256 + 16 * h) as *const __m128i));
+            for ti in 0..NT {
+                let ai = ti * t.anb + k;
+                let mut s = s[ti];
+                if !Q41 {
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * *t.xi.add(ai)));
+                }
+                let dx = _mm256_set1_ps(*t.xd.add(ai));
+                acc[ti] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc[ti]);
+                if Q41 {
+                    let mw =
+                        _mm256_cvtph_ps(_mm_loadu_si128(b.add(288 + 16 * h) as *const __m128i));
+                    acc[ti] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*t.xsd.add(ai)), acc[ti]);
+                }
+            }
+        });
+    }
+}
+
+#[inline(always)]
 unsafe fn q8_avx2<const NT: usize, const VNNI: bool>(t: &Tile) {
     unsafe {
-        for h in 0..2 {
-            if 8 * h >= t.nvalid {
-                break;
-            }
-            let mut acc = [_mm256_setzero_ps(); NT];
-            for k in 0..t.nb {
-                let b = t.w.add(k * t.gb);
-                if h == 0 {
-                    prefetch_ahead(b, t.gb);
+        by_row_halves::<NT>(t, |h, k, b, acc| {
+            let mut s = [_mm256_setzero_si256(); NT];
+            for c in 0..8 {
+                let v = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
+                // bytes (0, 2) and (1, 3) of every row word, sign-extended to i16
+                let we = _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(v));
+                let wo = _mm256_srai_epi16::<8>(v);
+                for ti in 0..NT {
+                    let x = t.xq.add(ti * t.xs + k * 32);
+                    let xs = [2 * c, 2 * c + 1].map(|m| _mm256_set1_epi32(bcast(x, m)));
+                    s[ti] = add_pair_dots(VNNI, s[ti], [we, wo], xs);
                 }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(512 + 16 * h) as *const __m128i));
+            for ti in 0..NT {
+                let ai = ti * t.anb + k;
+                let dx = _mm256_set1_ps(*t.xd.add(ai));
+                acc[ti] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[ti]), _mm256_mul_ps(dw, dx), acc[ti]);
+            }
+        });
+    }
+}
+
+/// The f32 values of 8 bytes at `p` (the unpacked 6-bit scales and mins of Q4_K, the signed
+/// sub-block scales of Q6_K), widened as unsigned or signed.
+#[inline(always)]
+unsafe fn bytes_ps<const SIGNED: bool>(p: *const u8) -> __m256 {
+    unsafe {
+        let v = _mm_loadl_epi64(p as *const __m128i);
+        _mm256_cvtepi32_ps(if SIGNED {
+            _mm256_cvtepi8_epi32(v)
+        } else {
+            _mm256_cvtepu8_epi32(v)
+        })
+    }
+}
+
+/// The 32 bytes at `p`, shifted down to their high nibbles if `high`.
+#[inline(always)]
+unsafe fn nibbles_of(p: *const u8, high: bool) -> __m256i {
+    unsafe {
+        let v = _mm256_loadu_si256(p as *const __m256i);
+        if high { _mm256_srli_epi32::<4>(v) } else { v }
+    }
+}
+
+/// Quarter `quarter` of the Q6_K quants of 32 bytes of `ql` and `qh` as i16 pairs (bytes (0, 2)
+/// and (1, 3) of every row word): a nibble of `ql` (the low one in quarters 0 and 1) and bits
+/// `2 quarter .. 2 quarter + 2` of `qh` above it.
+#[inline(always)]
+unsafe fn q6k_quants(ql: *const u8, qh: *const u8, quarter: usize) -> (__m256i, __m256i) {
+    unsafe {
+        let m4 = _mm256_set1_epi32(0x000F_000F);
+        let m30 = _mm256_set1_epi32(0x0030_0030);
+        let lo = nibbles_of(ql, quarter >= 2);
+        let qh = _mm256_loadu_si256(qh as *const __m256i);
+        let hi = match quarter {
+            0 => _mm256_slli_epi32::<4>(qh),
+            1 => _mm256_slli_epi32::<2>(qh),
+            2 => qh,
+            _ => _mm256_srli_epi32::<2>(qh),
+        };
+        (
+            _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(hi, m30)),
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi32::<8>(lo), m4),
+                _mm256_and_si256(_mm256_srli_epi32::<8>(hi), m30),
+            ),
+        )
+    }
+}
+
+/// Q4_K in the frame of [`by_row_halves`]; the operation order per output
+/// is that of `packed::tile_q4k_scalar`.
+#[inline(always)]
+unsafe fn q4k_avx2<const NT: usize, const VNNI: bool>(t: &Tile) {
+    unsafe {
+        let m4 = _mm256_set1_epi32(0x000F_000F);
+        by_row_halves::<NT>(t, |h, k, b, acc| {
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(b.add(Q4K_D + 16 * h) as *const __m128i));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(b.add(Q4K_DMIN + 16 * h) as *const __m128i));
+            // Sub-block j: nibble `j % 2` of chunks 8 (j / 2) .. 8 (j / 2) + 8.
+            for j in 0..8 {
                 let mut s = [_mm256_setzero_si256(); NT];
-                for c in 0..8 {
-                    let v = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
-                    // bytes (0, 2) and (1, 3) of every row word, sign-extended to i16
-                    let we = _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(v));
-                    let wo = _mm256_srai_epi16::<8>(v);
+                for c in (0..8).step_by(2) {
+                    let chunk = |c: usize| b.add(64 * (8 * (j / 2) + c) + 32 * h);
+                    let (v0, v1) = (
+                        nibbles_of(chunk(c), j % 2 == 1),
+                        nibbles_of(chunk(c + 1), j % 2 == 1),
+                    );
+                    let w = [
+                        _mm256_and_si256(v0, m4),
+                        _mm256_and_si256(_mm256_srli_epi32::<8>(v0), m4),
+                        _mm256_and_si256(v1, m4),
+                        _mm256_and_si256(_mm256_srli_epi32::<8>(v1), m4),
+                    ];
                     for ti in 0..NT {
-                        let x = t.xq.add(ti * t.xs + k * 32);
-                        let xs = [2 * c, 2 * c + 1].map(|m| _mm256_set1_epi32(bcast(x, m)));
-                        s[ti] = add_pair_dots(VNNI, s[ti], [we, wo], xs);
+                        let x = t.xq.add(ti * t.xs + k * 256 + 32 * j);
+                        let xs = [2 * c, 2 * c + 1, 2 * c + 2, 2 * c + 3]
+                            .map(|m| _mm256_set1_epi32(bcast(x, m)));
+                        s[ti] = add_pair_dots(VNNI, s[ti], w, xs);
                     }
                 }
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(512 + 16 * h) as *const __m128i));
+                let dsc = _mm256_mul_ps(d, bytes_ps::<false>(b.add(Q4K_SC + 16 * j + 8 * h)));
+                let dm = _mm256_mul_ps(dmin, bytes_ps::<false>(b.add(Q4K_MN + 16 * j + 8 * h)));
                 for ti in 0..NT {
-                    let ai = ti * t.anb + k;
+                    let ai = ti * t.anb + 8 * k + j;
                     let dx = _mm256_set1_ps(*t.xd.add(ai));
                     acc[ti] =
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[ti]), _mm256_mul_ps(dw, dx), acc[ti]);
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[ti]), _mm256_mul_ps(dsc, dx), acc[ti]);
+                    acc[ti] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(*t.xsd.add(ai)), acc[ti]);
                 }
             }
-            for (ti, a) in acc.iter().enumerate() {
-                store_partial(t.out.add(ti * t.os + 8 * h), *a, t.nvalid - 8 * h);
+        });
+    }
+}
+
+/// Q6_K in the frame of [`by_row_halves`]; the operation order per output
+/// is that of `packed::tile_q6k_scalar`.
+#[inline(always)]
+unsafe fn q6k_avx2<const NT: usize, const VNNI: bool>(t: &Tile) {
+    unsafe {
+        by_row_halves::<NT>(t, |h, k, b, acc| {
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(b.add(Q6K_D + 16 * h) as *const __m128i));
+            for n in 0..2 {
+                for quarter in 0..4 {
+                    let lw = 16 * n + 8 * (quarter % 2);
+                    let quants = |cc: usize| {
+                        let ql = b.add(64 * (lw + cc) + 32 * h);
+                        q6k_quants(ql, b.add(Q6K_QH + 64 * (8 * n + cc) + 32 * h), quarter)
+                    };
+                    // s[half]: values 0..16 (scale sb) and 16..32 (scale sb + 1).
+                    let mut s = [[_mm256_setzero_si256(); NT]; 2];
+                    for cc in (0..8).step_by(2) {
+                        let ((w0, w1), (w2, w3)) = (quants(cc), quants(cc + 1));
+                        for ti in 0..NT {
+                            let x = t.xq.add(ti * t.xs + k * 256 + 128 * n + 32 * quarter);
+                            let xs = [2 * cc, 2 * cc + 1, 2 * cc + 2, 2 * cc + 3]
+                                .map(|m| _mm256_set1_epi32(bcast(x, m)));
+                            s[cc / 4][ti] =
+                                add_pair_dots(VNNI, s[cc / 4][ti], [w0, w1, w2, w3], xs);
+                        }
+                    }
+                    let sb = 8 * n + 2 * quarter;
+                    let dsc_lo =
+                        _mm256_mul_ps(d, bytes_ps::<true>(b.add(Q6K_SC + 16 * sb + 8 * h)));
+                    let dsc_hi =
+                        _mm256_mul_ps(d, bytes_ps::<true>(b.add(Q6K_SC + 16 * (sb + 1) + 8 * h)));
+                    for ti in 0..NT {
+                        let ai = ti * t.anb + 8 * k + 4 * n + quarter;
+                        let xlo = *t.xilo.add(ai);
+                        let xhi = *t.xi.add(ai) - xlo;
+                        let s_lo = _mm256_sub_epi32(s[0][ti], _mm256_set1_epi32(32 * xlo));
+                        let s_hi = _mm256_sub_epi32(s[1][ti], _mm256_set1_epi32(32 * xhi));
+                        let dx = _mm256_set1_ps(*t.xd.add(ai));
+                        acc[ti] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(s_lo),
+                            _mm256_mul_ps(dsc_lo, dx),
+                            acc[ti],
+                        );
+                        acc[ti] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(s_hi),
+                            _mm256_mul_ps(dsc_hi, dx),
+                            acc[ti],
+                        );
+                    }
+                }
             }
-        }
+        });
     }
 }
 
