@@ -458,14 +458,16 @@ fn free_ports(n: usize) -> Result<Vec<SocketAddr>> {
 /// the kernel picks.
 pub fn free_port(ip: std::net::IpAddr) -> Result<SocketAddr> {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
-    static START: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let ports = below_ephemeral_ports();
-    let start = *START.get_or_init(|| {
+    // The range and the random start, found once per process.
+    static RANGE: std::sync::OnceLock<(std::ops::Range<u16>, usize)> = std::sync::OnceLock::new();
+    let (ports, start) = RANGE.get_or_init(|| {
         use std::hash::{BuildHasher, Hasher};
-        std::collections::hash_map::RandomState::new()
+        let start = std::collections::hash_map::RandomState::new()
             .build_hasher()
-            .finish() as usize
+            .finish() as usize;
+        (below_ephemeral_ports(), start)
     });
+    let (ports, start) = (ports.clone(), *start);
     for _ in 0..ports.len() {
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let port = ports.start + ((start + n) % ports.len()) as u16;
