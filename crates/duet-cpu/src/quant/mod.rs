@@ -422,11 +422,11 @@ impl QMatrix {
             let outp = SyncPtr(out.as_mut_ptr());
             let w = p.bytes().as_ptr() as usize;
             let (wnb, gb) = (p.nb, p.gb);
-            // The AVX2 path's block types run weight-stationary units of two row groups over
+            // The 256-bit paths' block types run weight-stationary units of two row groups over
             // chunks of up to 48 tokens once a call has enough tokens (`x86::unit_avx2`), all
             // other calls token tiles of one row group.
             #[cfg(target_arch = "x86_64")]
-            let units = path == KernelPath::Avx2
+            let units = matches!(path, KernelPath::Avx2 | KernelPath::Avx2Vnni)
                 && matches!(ty, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0)
                 && n_tokens >= x86::UNIT_MIN_TOKENS;
             #[cfg(not(target_arch = "x86_64"))]
@@ -589,7 +589,7 @@ impl QMatrix {
     }
 }
 
-/// Runs one token tile of one row group on `path`, or with `unit` one unit of the AVX2 path
+/// Runs one token tile of one row group on `path`, or with `unit` one unit of a 256-bit path
 /// (`x86::unit_avx2`).
 ///
 /// # Safety
@@ -599,6 +599,8 @@ unsafe fn run_tile(path: KernelPath, ty: QuantType, t: &Tile, nt: usize, unit: b
         match path {
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx2 if unit => x86::unit_avx2(ty, t, nt),
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2Vnni if unit => x86::unit_avx2_vnni(ty, t, nt),
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx512 => x86::tile_avx512(ty, t, nt),
             #[cfg(target_arch = "x86_64")]
