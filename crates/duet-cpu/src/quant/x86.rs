@@ -1322,7 +1322,7 @@ pub(crate) unsafe fn unit_avx2(ty: QuantType, t: &Tile, nt: usize) {
 /// on a memory operand. An Intel Xeon (family 6 model 207) broadcasts from memory on its load
 /// ports, so the tiles ([`tile_avx2_vnni`]) lose nothing there; sharing each block's widening
 /// among all the call's tokens still made the model's matrices 3-6% faster than tiles at 12-32
-/// tokens and 15-21% at 48-128 (one process alternating the two, median of 16-40 rounds).
+/// tokens and 15-22% at 48-128 (one process alternating the two, median of 16-40 rounds).
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
 pub(crate) unsafe fn unit_avx2_vnni(ty: QuantType, t: &Tile, nt: usize) {
     unsafe { unit_256::<true>(ty, t, nt) }
