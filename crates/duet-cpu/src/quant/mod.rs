@@ -367,6 +367,7 @@ impl QMatrix {
             if tiled {
                 acts.tiled.resize(n_tokens * cols / 2, 0);
             }
+            let kernel = TileKernel::for_call(path, self.ty, n_tokens);
             let nb = acts.nb;
             let qs = SyncPtr(acts.qs.as_mut_ptr());
             let d = SyncPtr(acts.d.as_mut_ptr());
@@ -417,21 +418,22 @@ impl QMatrix {
             } else {
                 quantize(0..n_tiles);
             }
+            #[cfg(target_arch = "x86_64")]
+            if kernel == TileKernel::SplitBytes {
+                acts.hi.resize(cols, 0);
+                acts.lo.resize(cols, 0);
+                acts.hi_corr.resize(nb, 0);
+                // SAFETY: the split-byte paths have AVX2.
+                unsafe {
+                    x86::split_bytes(&acts.qs, &mut acts.hi, &mut acts.lo, &mut acts.hi_corr)
+                };
+            }
             let acts: &QActs = acts;
             let ty = self.ty;
             let outp = SyncPtr(out.as_mut_ptr());
             let w = p.bytes().as_ptr() as usize;
             let (wnb, gb) = (p.nb, p.gb);
-            // The 256-bit paths' block types run weight-stationary units of two row groups over
-            // chunks of up to 48 tokens once a call has enough tokens (`x86::unit_avx2`), all
-            // other calls token tiles of one row group.
-            #[cfg(target_arch = "x86_64")]
-            let units = matches!(path, KernelPath::Avx2 | KernelPath::Avx2Vnni)
-                && matches!(ty, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0)
-                && n_tokens >= x86::UNIT_MIN_TOKENS;
-            #[cfg(not(target_arch = "x86_64"))]
-            let units = false;
-            let (span, token_step) = if units {
+            let (span, token_step) = if kernel == TileKernel::Units {
                 // Even chunks, so that no short chunk is left at the end.
                 let chunks = n_tokens.div_ceil(x86::UNIT_MAX_TOKENS);
                 (x86::UNIT_GROUPS, n_tokens.div_ceil(chunks))
@@ -460,12 +462,15 @@ impl QMatrix {
                                 xsd: acts.sd.as_ptr().add(t0 * nb),
                                 xi: acts.isum.as_ptr().add(t0 * nb),
                                 xilo: acts.isum_lo.as_ptr().add(t0 * nb),
+                                xhi: acts.hi.as_ptr(),
+                                xlo: acts.lo.as_ptr(),
+                                xhc: acts.hi_corr.as_ptr(),
                                 xs: cols,
                                 out: outp.get().add(t0 * rows + g * GROUP),
                                 os: rows,
                                 nvalid: (span * GROUP).min(rows - g * GROUP),
                             };
-                            run_tile(path, ty, &tile, nt, units);
+                            run_tile(path, ty, &tile, nt, kernel);
                         }
                         t0 += nt;
                     }
@@ -589,24 +594,58 @@ impl QMatrix {
     }
 }
 
-/// Runs one token tile of one row group on `path`, or with `unit` one unit of a 256-bit path
-/// (`x86::unit_avx2`).
+/// Which kernels a matrix product runs on its path.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum TileKernel {
+    /// Token tiles of one row group (every path and type).
+    Tiles,
+    /// Weight-stationary units of two row groups over chunks of up to 48 tokens
+    /// (`x86::unit_avx2`): the 256-bit paths' Q4_0, Q4_1 and Q8_0 from 12 tokens on.
+    Units,
+    /// One token by byte dots (`x86::split_bytes`): the VNNI paths' Q4_0, Q4_1 and Q8_0.
+    SplitBytes,
+}
+
+impl TileKernel {
+    fn for_call(path: KernelPath, ty: QuantType, n_tokens: usize) -> Self {
+        let byte_types = matches!(ty, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0);
+        match path {
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx512 | KernelPath::Avx2Vnni if byte_types && n_tokens == 1 => {
+                Self::SplitBytes
+            }
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2 | KernelPath::Avx2Vnni
+                if byte_types && n_tokens >= x86::UNIT_MIN_TOKENS =>
+            {
+                Self::Units
+            }
+            _ => Self::Tiles,
+        }
+    }
+}
+
+/// Runs one token tile of one row group on `path` with `kernel` (a unit: up to two groups).
 ///
 /// # Safety
 /// `t` must describe valid buffers for `nt` tokens (see [`Tile`]), and `path` must be supported.
-unsafe fn run_tile(path: KernelPath, ty: QuantType, t: &Tile, nt: usize, unit: bool) {
+unsafe fn run_tile(path: KernelPath, ty: QuantType, t: &Tile, nt: usize, kernel: TileKernel) {
     unsafe {
-        match path {
+        match (path, kernel) {
             #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx2 if unit => x86::unit_avx2(ty, t, nt),
+            (KernelPath::Avx2, TileKernel::Units) => x86::unit_avx2(ty, t, nt),
             #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx2Vnni if unit => x86::unit_avx2_vnni(ty, t, nt),
+            (KernelPath::Avx2Vnni, TileKernel::Units) => x86::unit_avx2_vnni(ty, t, nt),
             #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx512 => x86::tile_avx512(ty, t, nt),
+            (KernelPath::Avx2Vnni, TileKernel::SplitBytes) => x86::bytes_avx2_vnni(ty, t),
             #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx2 => x86::tile_avx2(ty, t, nt),
+            (KernelPath::Avx512, TileKernel::SplitBytes) => x86::bytes_avx512(ty, t),
             #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx2Vnni => x86::tile_avx2_vnni(ty, t, nt),
+            (KernelPath::Avx512, _) => x86::tile_avx512(ty, t, nt),
+            #[cfg(target_arch = "x86_64")]
+            (KernelPath::Avx2, _) => x86::tile_avx2(ty, t, nt),
+            #[cfg(target_arch = "x86_64")]
+            (KernelPath::Avx2Vnni, _) => x86::tile_avx2_vnni(ty, t, nt),
             _ => packed::tile_scalar(ty, t, nt),
         }
     }

@@ -243,6 +243,11 @@ pub(crate) struct QActs {
     pub nb: usize,
     /// `qs` in the layout of the AVX-512 kernels (`x86::interleave_tiles`), on that path only.
     pub tiled: Vec<i32>,
+    /// One token's `qs` split into high and low bytes, and `32768 * sum(high)` per block, for
+    /// the split-byte kernels (`x86::split_bytes`), on their paths only.
+    pub hi: Vec<i8>,
+    pub lo: Vec<u8>,
+    pub hi_corr: Vec<i32>,
 }
 
 impl QActs {
@@ -336,6 +341,11 @@ pub(crate) struct Tile {
     pub xi: *const i32,
     /// Sums of the first 16 quantized activations of each block.
     pub xilo: *const i32,
+    /// Token t0's activations split into bytes, for the split-byte kernels
+    /// (`x86::split_bytes`; null for other kernels).
+    pub xhi: *const i8,
+    pub xlo: *const u8,
+    pub xhc: *const i32,
     /// Activation values per token (`cols`), between tokens' rows of `xq` (not on the AVX-512
     /// path).
     pub xs: usize,

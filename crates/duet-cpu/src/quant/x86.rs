@@ -8,7 +8,8 @@
 //! tile's activations interleaved by token ([`interleave_tiles`]), the others token by token.
 //! Calls of many tokens on the 256-bit paths run weight-stationary units instead
 //! ([`unit_avx2`], [`unit_avx2_vnni`]): each block of two row groups widened once, then every
-//! token's dots with it.
+//! token's dots with it. One token on the VNNI paths takes the split-byte kernels
+//! ([`bytes_avx512`], [`bytes_avx2_vnni`]): `vpdpbusd` on the activations' high and low bytes.
 
 // Kernels index several parallel arrays with one counter.
 #![allow(clippy::needless_range_loop)]
@@ -249,17 +250,51 @@ unsafe fn q4_avx512<const NT: usize, const Q41: bool>(t: &Tile) {
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(256) as *const __m256i));
             for ti in 0..NT {
-                let ai = ti * t.anb + k;
-                let s = sum_chains(&s, ti);
-                let dx = _mm512_set1_ps(*t.xd.add(ai));
-                acc[ti] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[ti]);
-                if Q41 {
-                    let mw = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(288) as *const __m256i));
-                    acc[ti] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*t.xsd.add(ai)), acc[ti]);
-                }
+                acc[ti] = q4_scale_512::<Q41>(t, k, b, ti, dw, sum_chains(&s, ti), acc[ti]);
             }
         }
         store_rows(t, &acc);
+    }
+}
+
+/// `acc` plus token `ti`'s integer sums `s` of block `k` (group-block at `b`, weight scales
+/// `dw`) scaled, and for Q4_1 the block minimum's share; Q4_0's offset is in `s`.
+#[inline(always)]
+unsafe fn q4_scale_512<const Q41: bool>(
+    t: &Tile,
+    k: usize,
+    b: *const u8,
+    ti: usize,
+    dw: __m512,
+    s: __m512i,
+    acc: __m512,
+) -> __m512 {
+    unsafe {
+        let ai = ti * t.anb + k;
+        let dx = _mm512_set1_ps(*t.xd.add(ai));
+        let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc);
+        if Q41 {
+            let mw = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(288) as *const __m256i));
+            _mm512_fmadd_ps(mw, _mm512_set1_ps(*t.xsd.add(ai)), acc)
+        } else {
+            acc
+        }
+    }
+}
+
+/// `acc` plus token `ti`'s integer sums `s` of Q8_0 block `k` (weight scales `dw`) scaled.
+#[inline(always)]
+unsafe fn q8_scale_512(
+    t: &Tile,
+    k: usize,
+    ti: usize,
+    dw: __m512,
+    s: __m512i,
+    acc: __m512,
+) -> __m512 {
+    unsafe {
+        let dx = _mm512_set1_ps(*t.xd.add(ti * t.anb + k));
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc)
     }
 }
 
@@ -422,13 +457,7 @@ unsafe fn q8_avx512<const NT: usize>(t: &Tile) {
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(512) as *const __m256i));
             for ti in 0..NT {
-                let ai = ti * t.anb + k;
-                let dx = _mm512_set1_ps(*t.xd.add(ai));
-                acc[ti] = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(sum_chains(&s, ti)),
-                    _mm512_mul_ps(dw, dx),
-                    acc[ti],
-                );
+                acc[ti] = q8_scale_512(t, k, ti, dw, sum_chains(&s, ti), acc[ti]);
             }
         }
         store_rows(t, &acc);
@@ -582,20 +611,57 @@ unsafe fn q4_avx2<const NT: usize, const Q41: bool, const VNNI: bool>(t: &Tile) 
             }
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(256 + 16 * h) as *const __m128i));
             for ti in 0..NT {
-                let ai = ti * t.anb + k;
-                let mut s = s[ti];
-                if !Q41 {
-                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * *t.xi.add(ai)));
-                }
-                let dx = _mm256_set1_ps(*t.xd.add(ai));
-                acc[ti] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc[ti]);
-                if Q41 {
-                    let mw =
-                        _mm256_cvtph_ps(_mm_loadu_si128(b.add(288 + 16 * h) as *const __m128i));
-                    acc[ti] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*t.xsd.add(ai)), acc[ti]);
-                }
+                acc[ti] = q4_scale_256::<Q41>(t, h, k, b, ti, dw, s[ti], acc[ti]);
             }
         });
+    }
+}
+
+/// `acc` plus token `ti`'s integer sums `s` of block `k` (rows of half `h`, group-block at
+/// `b`, weight scales `dw`) scaled: for Q4_0 less the offset of its unsigned quants (8 times
+/// the activations' sum), for Q4_1 plus the block minimum's share.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q4_scale_256<const Q41: bool>(
+    t: &Tile,
+    h: usize,
+    k: usize,
+    b: *const u8,
+    ti: usize,
+    dw: __m256,
+    s: __m256i,
+    acc: __m256,
+) -> __m256 {
+    unsafe {
+        let ai = ti * t.anb + k;
+        let mut s = s;
+        if !Q41 {
+            s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * *t.xi.add(ai)));
+        }
+        let dx = _mm256_set1_ps(*t.xd.add(ai));
+        let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc);
+        if Q41 {
+            let mw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(288 + 16 * h) as *const __m128i));
+            _mm256_fmadd_ps(mw, _mm256_set1_ps(*t.xsd.add(ai)), acc)
+        } else {
+            acc
+        }
+    }
+}
+
+/// `acc` plus token `ti`'s integer sums `s` of Q8_0 block `k` (weight scales `dw`) scaled.
+#[inline(always)]
+unsafe fn q8_scale_256(
+    t: &Tile,
+    k: usize,
+    ti: usize,
+    dw: __m256,
+    s: __m256i,
+    acc: __m256,
+) -> __m256 {
+    unsafe {
+        let dx = _mm256_set1_ps(*t.xd.add(ti * t.anb + k));
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc)
     }
 }
 
@@ -617,10 +683,7 @@ unsafe fn q8_avx2<const NT: usize, const VNNI: bool>(t: &Tile) {
             }
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(512 + 16 * h) as *const __m128i));
             for ti in 0..NT {
-                let ai = ti * t.anb + k;
-                let dx = _mm256_set1_ps(*t.xd.add(ai));
-                acc[ti] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[ti]), _mm256_mul_ps(dw, dx), acc[ti]);
+                acc[ti] = q8_scale_256(t, k, ti, dw, s[ti], acc[ti]);
             }
         });
     }
@@ -1371,5 +1434,287 @@ unsafe fn unit_256<const VNNI: bool>(ty: QuantType, t: &Tile, nt: usize) {
                 }
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One token: the split-byte kernels.
+//
+// At one token nothing shares a widened weight register, and widening 4-bit quants to i16
+// pairs took more vector ops than the dots themselves (7 per 64-byte chunk against 4
+// `vpdpwssd`). Split into its high byte `h` (signed) and low byte `l` (unsigned), each i16
+// activation is `256 h + l` exactly, so `sum(q x) = 256 sum(q h) + sum(q l)` with the byte dots
+// of `vpdpbusd` (unsigned x signed bytes, four products per 32-bit lane): a quant byte is then
+// widened by one mask (low nibbles) or a shift and a mask (high ones), and four `vpdpbusd` do
+// what four `vpdpwssd` did. Q8_0's signed quants take the unsigned side of the high-byte dots as
+// `q + 128`, less `128 sum(h)` per block. The integer sums are the same, so are the bits.
+
+/// Splits one token's quantized activations `qs` (its `nb` blocks, [`PAIR_POS`] order) into
+/// their high bytes `hi` and low bytes `lo` in element order, and `hi_corr[b]` = `32768 *
+/// sum(hi)` over block `b` (Q8_0's correction, already shifted by the 8 bits its sums are).
+///
+/// [`PAIR_POS`]: super::packed::PAIR_POS
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn split_bytes(qs: &[i16], hi: &mut [i8], lo: &mut [u8], hi_corr: &mut [i32]) {
+    assert!(qs.len() == hi.len() && qs.len() == lo.len() && qs.len() == hi_corr.len() * 32);
+    // Within each 128-bit lane (two groups of four, stored as elements 0, 2, 1, 3): the low
+    // bytes of elements 0..8 in order, then their high bytes.
+    let order = _mm256_setr_epi8(
+        0, 4, 2, 6, 8, 12, 10, 14, 1, 5, 3, 7, 9, 13, 11, 15, 0, 4, 2, 6, 8, 12, 10, 14, 1, 5, 3,
+        7, 9, 13, 11, 15,
+    );
+    let flip = _mm_set1_epi8(-128);
+    // SAFETY: every block's 32 values are in bounds (asserted above).
+    unsafe {
+        for (b, corr) in hi_corr.iter_mut().enumerate() {
+            let mut biased = _mm_setzero_si128();
+            for half in 0..2 {
+                let at = 32 * b + 16 * half;
+                let v = _mm256_loadu_si256(qs.as_ptr().add(at) as *const __m256i);
+                // qwords: low bytes of elements 0..8, high 0..8, low 8..16, high 8..16
+                let s = _mm256_shuffle_epi8(v, order);
+                let s = _mm256_permute4x64_epi64::<0b11_01_10_00>(s);
+                let h = _mm256_extracti128_si256::<1>(s);
+                _mm_storeu_si128(
+                    lo.as_mut_ptr().add(at) as *mut __m128i,
+                    _mm256_castsi256_si128(s),
+                );
+                _mm_storeu_si128(hi.as_mut_ptr().add(at) as *mut __m128i, h);
+                // The high bytes biased to unsigned, summed by `vpsadbw`.
+                let sums = _mm_sad_epu8(_mm_xor_si128(h, flip), _mm_setzero_si128());
+                biased = _mm_add_epi64(biased, sums);
+            }
+            let sum = _mm_cvtsi128_si64(biased) + _mm_extract_epi64::<1>(biased);
+            *corr = 32768 * (sum as i32 - 128 * 32);
+        }
+    }
+}
+
+/// `vpdpbusd` ymm (AVX-VNNI): `s` plus the products of the unsigned bytes of `u` with the signed
+/// bytes of `i`, four per 32-bit lane.
+#[inline]
+#[target_feature(enable = "avx2,avxvnni")]
+unsafe fn dpbusd_vex(mut s: __m256i, u: __m256i, i: __m256i) -> __m256i {
+    // SAFETY: register operands only.
+    unsafe {
+        std::arch::asm!(
+            "{{vex}} vpdpbusd {s}, {u}, {i}",
+            s = inout(ymm_reg) s,
+            u = in(ymm_reg) u,
+            i = in(ymm_reg) i,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    s
+}
+
+/// `vpdpbusd` zmm with the signed bytes a 32-bit word at `p`, broadcast by the instruction.
+#[inline]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn dpbusd_bcast(mut s: __m512i, u: __m512i, p: *const i8) -> __m512i {
+    // SAFETY: the caller passes 4 readable bytes.
+    unsafe {
+        std::arch::asm!(
+            "vpdpbusd {s}, {u}, dword ptr [{p}]{{1to16}}",
+            s = inout(zmm_reg) s,
+            u = in(zmm_reg) u,
+            p = in(reg) p,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    s
+}
+
+/// `vpdpbusd` zmm on registers.
+#[inline]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn dpbusd_512(mut s: __m512i, u: __m512i, i: __m512i) -> __m512i {
+    // SAFETY: register operands only.
+    unsafe {
+        std::arch::asm!(
+            "vpdpbusd {s}, {u}, {i}",
+            s = inout(zmm_reg) s,
+            u = in(zmm_reg) u,
+            i = in(zmm_reg) i,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    s
+}
+
+/// The 32-bit word of bytes `e..e + 4` at `p`.
+#[inline(always)]
+unsafe fn word_at<T>(p: *const T, e: usize) -> i32 {
+    unsafe { (p as *const u8).add(e).cast::<i32>().read_unaligned() }
+}
+
+/// Element (of its block) of the first of the 4 values in each row word of the split-byte
+/// kernels' weight vector `i`: Q4 blocks as `[low nibbles of chunk 0, high nibbles of chunk 0,
+/// low of chunk 1, ...]`, Q8_0 blocks chunk by chunk.
+const fn q4_element(i: usize) -> usize {
+    4 * (i / 2) + 16 * (i % 2)
+}
+
+/// One token of one group on the AVX2 + AVX-VNNI path, by byte dots (see [`split_bytes`]); `t`
+/// carries the token's split activations.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+pub(crate) unsafe fn bytes_avx2_vnni(ty: QuantType, t: &Tile) {
+    unsafe {
+        match ty {
+            QuantType::Q4_0 => q4_bytes_avx2::<false>(t),
+            QuantType::Q4_1 => q4_bytes_avx2::<true>(t),
+            QuantType::Q8_0 => q8_bytes_avx2(t),
+            _ => unreachable!("no split-byte kernel for {ty:?}"),
+        }
+    }
+}
+
+/// The integer sums of 8 weight vectors `w` (element `elem(i)` first in `w[i]`) with the
+/// token's split activations of block `k`: high-byte dots, shifted by 8 bits, then the low-byte
+/// dots, in four chains (two left the model's matrices at one token 1-7% slower on an Intel Xeon,
+/// family 6 model 207: each chain waits on eight `vpdpbusd`s in a row); `flip` gives the
+/// high-byte dots' unsigned side (Q8_0: `q + 128`).
+#[inline(always)]
+unsafe fn byte_dots_256(
+    t: &Tile,
+    k: usize,
+    w: &[__m256i; 8],
+    elem: impl Fn(usize) -> usize,
+    flip: impl Fn(__m256i) -> __m256i,
+) -> __m256i {
+    unsafe {
+        let (xh, xl) = (t.xhi.add(32 * k), t.xlo.add(32 * k));
+        let mut a = [_mm256_setzero_si256(); 4];
+        for i in 0..8 {
+            let x = _mm256_set1_epi32(word_at(xh, elem(i)));
+            a[i / 2] = dpbusd_vex(a[i / 2], flip(w[i]), x);
+        }
+        for v in &mut a {
+            *v = _mm256_slli_epi32::<8>(*v);
+        }
+        for i in 0..8 {
+            let x = _mm256_set1_epi32(word_at(xl, elem(i)));
+            a[i / 2] = dpbusd_vex(a[i / 2], x, w[i]);
+        }
+        _mm256_add_epi32(_mm256_add_epi32(a[0], a[1]), _mm256_add_epi32(a[2], a[3]))
+    }
+}
+
+#[inline(always)]
+unsafe fn q4_bytes_avx2<const Q41: bool>(t: &Tile) {
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0F);
+        by_row_halves::<1>(t, |h, k, b, acc| {
+            let mut w = [_mm256_setzero_si256(); 8];
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i);
+                w[2 * c] = _mm256_and_si256(v, m4);
+                w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+            }
+            let s = byte_dots_256(t, k, &w, q4_element, |w| w);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(256 + 16 * h) as *const __m128i));
+            acc[0] = q4_scale_256::<Q41>(t, h, k, b, 0, dw, s, acc[0]);
+        });
+    }
+}
+
+#[inline(always)]
+unsafe fn q8_bytes_avx2(t: &Tile) {
+    unsafe {
+        let flip = _mm256_set1_epi8(-128);
+        by_row_halves::<1>(t, |h, k, b, acc| {
+            let w: [__m256i; 8] = std::array::from_fn(|c| {
+                _mm256_loadu_si256(b.add(64 * c + 32 * h) as *const __m256i)
+            });
+            let s = byte_dots_256(t, k, &w, |c| 4 * c, |w| _mm256_xor_si256(w, flip));
+            let s = _mm256_sub_epi32(s, _mm256_set1_epi32(*t.xhc.add(k)));
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(b.add(512 + 16 * h) as *const __m128i));
+            acc[0] = q8_scale_256(t, k, 0, dw, s, acc[0]);
+        });
+    }
+}
+
+/// One token of one group on the AVX-512 path, by byte dots (see [`split_bytes`]); `t` carries
+/// the token's split activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+pub(crate) unsafe fn bytes_avx512(ty: QuantType, t: &Tile) {
+    unsafe {
+        match ty {
+            QuantType::Q4_0 => q4_bytes_avx512::<false>(t),
+            QuantType::Q4_1 => q4_bytes_avx512::<true>(t),
+            QuantType::Q8_0 => q8_bytes_avx512(t),
+            _ => unreachable!("no split-byte kernel for {ty:?}"),
+        }
+    }
+}
+
+/// [`byte_dots_256`] for 16-row vectors; the high bytes are broadcast by the instruction.
+#[inline(always)]
+unsafe fn byte_dots_512(
+    t: &Tile,
+    k: usize,
+    w: &[__m512i; 8],
+    elem: impl Fn(usize) -> usize,
+    flip: impl Fn(__m512i) -> __m512i,
+) -> __m512i {
+    unsafe {
+        let (xh, xl) = (t.xhi.add(32 * k), t.xlo.add(32 * k));
+        let mut a = [_mm512_setzero_si512(); 4];
+        for i in 0..8 {
+            a[i / 2] = dpbusd_bcast(a[i / 2], flip(w[i]), xh.add(elem(i)));
+        }
+        for v in &mut a {
+            *v = _mm512_slli_epi32::<8>(*v);
+        }
+        for i in 0..8 {
+            let x = _mm512_set1_epi32(word_at(xl, elem(i)));
+            a[i / 2] = dpbusd_512(a[i / 2], x, w[i]);
+        }
+        _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]))
+    }
+}
+
+#[inline(always)]
+unsafe fn q4_bytes_avx512<const Q41: bool>(t: &Tile) {
+    unsafe {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps()];
+        for k in 0..t.nb {
+            let b = t.w.add(k * t.gb);
+            prefetch_ahead(b, t.gb);
+            let mut w = [_mm512_setzero_si512(); 8];
+            for c in 0..4 {
+                let v = _mm512_loadu_si512(b.add(64 * c) as *const _);
+                w[2 * c] = _mm512_and_si512(v, m4);
+                w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+            }
+            let mut s = byte_dots_512(t, k, &w, q4_element, |w| w);
+            if !Q41 {
+                // The quants are unsigned here (the token tiles subtract 8 from each).
+                s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * *t.xi.add(k)));
+            }
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(256) as *const __m256i));
+            acc[0] = q4_scale_512::<Q41>(t, k, b, 0, dw, s, acc[0]);
+        }
+        store_rows(t, &acc);
+    }
+}
+
+#[inline(always)]
+unsafe fn q8_bytes_avx512(t: &Tile) {
+    unsafe {
+        let flip = _mm512_set1_epi8(-128);
+        let mut acc = [_mm512_setzero_ps()];
+        for k in 0..t.nb {
+            let b = t.w.add(k * t.gb);
+            prefetch_ahead(b, t.gb);
+            let w: [__m512i; 8] =
+                std::array::from_fn(|c| _mm512_loadu_si512(b.add(64 * c) as *const _));
+            let s = byte_dots_512(t, k, &w, |c| 4 * c, |w| _mm512_xor_si512(w, flip));
+            let s = _mm512_sub_epi32(s, _mm512_set1_epi32(*t.xhc.add(k)));
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(b.add(512) as *const __m256i));
+            acc[0] = q8_scale_512(t, k, 0, dw, s, acc[0]);
+        }
+        store_rows(t, &acc);
     }
 }
