@@ -341,8 +341,8 @@ pub(crate) struct Tile {
     pub xi: *const i32,
     /// Sums of the first 16 quantized activations of each block.
     pub xilo: *const i32,
-    /// Token t0's activations split into bytes, for the split-byte kernels
-    /// (`x86::split_bytes`; null for other kernels).
+    /// Token t0's activations split into bytes (`x86::split_bytes`): read by the split-byte
+    /// kernels only, and written only for their calls.
     pub xhi: *const i8,
     pub xlo: *const u8,
     pub xhc: *const i32,

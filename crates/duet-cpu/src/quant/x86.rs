@@ -1548,9 +1548,9 @@ unsafe fn word_at<T>(p: *const T, e: usize) -> i32 {
     unsafe { (p as *const u8).add(e).cast::<i32>().read_unaligned() }
 }
 
-/// Element (of its block) of the first of the 4 values in each row word of the split-byte
-/// kernels' weight vector `i`: Q4 blocks as `[low nibbles of chunk 0, high nibbles of chunk 0,
-/// low of chunk 1, ...]`, Q8_0 blocks chunk by chunk.
+/// Element (of its block) of the first of the 4 values in each row word of the Q4 split-byte
+/// kernels' weight vector `i`: `[low nibbles of chunk 0, high nibbles of chunk 0, low of chunk
+/// 1, ...]` (Q8_0's vector `c` is chunk `c`, elements `4 c..`).
 const fn q4_element(i: usize) -> usize {
     4 * (i / 2) + 16 * (i % 2)
 }
