@@ -613,7 +613,7 @@ mod tests {
 
     /// Every kernel this CPU can run agrees with a float64 reference (over the values as stored),
     /// for both element types, over head sizes that take each vector chunk width and the portable
-    /// fallback, GQA groups, and spans starting at the context's start or a later block and ending
+    /// fallback, GQA groups, blocks whose chunks of keys are taken in pairs, and spans starting at the context's start or a later block and ending
     /// inside and on block boundaries, through a scattered block table.
     #[test]
     fn kernels_match_a_float64_reference() {
@@ -626,6 +626,7 @@ mod tests {
             (24, 3, 4),
             (8, 2, 5),
             (20, 2, 4),
+            (32, 4, 32),
         ] {
             let values = rng.values(layout(hd, bs, 12, KvDtype::F32).bytes() / 4);
             // Both KV heads of the layout: one head a span, and both in one span.
