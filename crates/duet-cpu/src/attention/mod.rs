@@ -613,8 +613,9 @@ mod tests {
 
     /// Every kernel this CPU can run agrees with a float64 reference (over the values as stored),
     /// for both element types, over head sizes that take each vector chunk width and the portable
-    /// fallback, GQA groups, blocks whose chunks of keys are taken in pairs, and spans starting at the context's start or a later block and ending
-    /// inside and on block boundaries, through a scattered block table.
+    /// fallback, GQA groups, blocks whose chunks of keys are taken in pairs, and spans starting
+    /// at the context's start or a later block and ending inside and on block boundaries, through
+    /// a scattered block table.
     #[test]
     fn kernels_match_a_float64_reference() {
         let mut rng = duet_model::synthetic::Uniform::new(7);

@@ -242,6 +242,10 @@ impl Vector for V256 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn store_first(p: *mut f32, v: Self, n: usize) {
+        if n == Self::LANES {
+            // SAFETY: the caller passes room for `n` values.
+            return unsafe { Self::store_f32(p, v) };
+        }
         let mut lanes = [0f32; 8];
         unsafe {
             _mm256_storeu_ps(lanes.as_mut_ptr(), v.0);
@@ -430,12 +434,8 @@ macro_rules! vector_attention {
                 for (i, a) in acc.iter().enumerate() {
                     for (c, ac) in a.iter().enumerate() {
                         let s = ac[1..chains].iter().fold(ac[0], |s, &x| $v::add(s, x));
-                        let (p, s) = (rows.as_mut_ptr().add(i * n + c * $v::LANES), $v::mul(s, $v::splat(scale)));
-                        if slots(c) == $v::LANES {
-                            $v::store_f32(p, s);
-                        } else {
-                            $v::store_first(p, s, slots(c));
-                        }
+                        let p = rows.as_mut_ptr().add(i * n + c * $v::LANES);
+                        $v::store_first(p, $v::mul(s, $v::splat(scale)), slots(c));
                     }
                 }
             }
