@@ -273,24 +273,6 @@ struct ComputeCeiling {
     prefill_tokens_per_s: f64,
 }
 
-/// Integer multiply-accumulates a second on every kernel thread at once, best of a few rounds:
-/// a round in which the machine took a core away would understate the ceiling and so overstate
-/// every fraction printed against it. `None` for the portable path.
-fn integer_macs_per_s(path: KernelPath, threads: usize) -> Option<f64> {
-    const ROUNDS: usize = 3;
-    let round = || {
-        let per_thread: Vec<Option<f64>> = std::thread::scope(|s| {
-            let runs: Vec<_> = (0..threads)
-                .map(|_| s.spawn(move || path.integer_macs_per_s()))
-                .collect();
-            runs.into_iter().map(|r| r.join().ok().flatten()).collect()
-        });
-        per_thread.into_iter().sum::<Option<f64>>()
-    };
-    let rounds = (0..ROUNDS).map(|_| round()).collect::<Option<Vec<f64>>>()?;
-    Some(rounds.into_iter().fold(0.0, f64::max))
-}
-
 impl ComputeCeiling {
     /// The ceiling from the higher of the rates measured before and after the sweep: a host that
     /// starves one core for minutes would otherwise halve the ceiling for the whole run.
@@ -406,7 +388,7 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
     );
     let on_cpu = options.device == Device::Cpu;
     let macs_before = on_cpu
-        .then(|| integer_macs_per_s(kernels, threads))
+        .then(|| kernels.integer_macs_per_s_on(threads))
         .flatten();
     let mut prompt = prompt_source(engine.config().vocab_size);
     let total = args.prefill_tokens.len() + args.decode_points().len();
@@ -465,7 +447,7 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
                 ComputeCeiling::new(
                     kernels,
                     macs_before,
-                    integer_macs_per_s(kernels, threads),
+                    kernels.integer_macs_per_s_on(threads),
                     engine.config(),
                 ),
             )

@@ -3,7 +3,10 @@
 //! First the cost of one empty pool dispatch. Per-shape numbers repeat one matrix (it stays in
 //! cache after the first call); the "whole model" numbers (1, 32 and 128 tokens) run all 211
 //! distinct matrices of a SmolLM2-135M forward step in order, so decode streams ~96 MB of weights
-//! from memory as it would in the real model.
+//! from memory as it would in the real model. The integer kernels' rates are also given as a share
+//! of their path's compute ceiling on as many threads (`KernelPath::integer_macs_per_s_on`, what
+//! `duet bench engine` divides by; `--bench dot_mix` shows what the AVX-512 kernel's instruction
+//! mix allows of it).
 
 use std::time::{Duration, Instant};
 
@@ -117,11 +120,25 @@ fn main() {
     let dispatch = time(|| pool.run(|_, _| {}), budget);
     println!("pool dispatch (empty job): {:.2} us", dispatch * 1e6);
 
-    for &path in &paths {
+    // Each path's ceiling on this many threads, in GFLOP/s (two per multiply-accumulate).
+    let ceilings: Vec<Option<f64>> = paths
+        .iter()
+        .map(|p| p.integer_macs_per_s_on(threads).map(|m| 2.0 * m / 1e9))
+        .collect();
+    let of_ceiling = |gflops: f64, ceiling: Option<f64>| {
+        ceiling.map_or_else(
+            || "-".to_string(),
+            |c| format!("{:.0}%", 100.0 * gflops / c),
+        )
+    };
+    for (&path, &ceiling) in paths.iter().zip(&ceilings) {
         println!("\n== path {path:?}: per shape (weights hot in cache after the first call) ==");
+        if let Some(c) = ceiling {
+            println!("compute ceiling on {threads} threads: {c:.1} GFLOP/s");
+        }
         println!(
-            "{:<22} {:>6} {:>10} {:>9} {:>9}",
-            "matrix (rows x cols)", "tokens", "us/call", "GB/s", "GFLOP/s"
+            "{:<22} {:>6} {:>10} {:>9} {:>9} {:>8}",
+            "matrix (rows x cols)", "tokens", "us/call", "GB/s", "GFLOP/s", "ceiling"
         );
         let shapes = [
             (QuantType::Q4_1, HIDDEN, FFN),
@@ -143,12 +160,13 @@ fn main() {
                 let gbs = m.size_bytes() as f64 / s / 1e9;
                 let gflops = 2.0 * (rows * cols * n_tokens) as f64 / s / 1e9;
                 println!(
-                    "{:<22} {:>6} {:>10.1} {:>9.2} {:>9.1}",
+                    "{:<22} {:>6} {:>10.1} {:>9.2} {:>9.1} {:>8}",
                     format!("{} {}x{}", ty.name(), rows, cols),
                     n_tokens,
                     s * 1e6,
                     gbs,
-                    gflops
+                    gflops,
+                    of_ceiling(gflops, ceiling)
                 );
                 per_shape.insert((ty, rows, cols, n_tokens), s);
             }
@@ -212,7 +230,7 @@ fn main() {
     mats.push(random_matrix(QuantType::Q8_0, VOCAB, HIDDEN, &mut rng));
     let bytes: usize = mats.iter().map(|m| m.size_bytes()).sum();
     println!("weights: {:.1} MB", bytes as f64 / 1e6);
-    for &path in &paths {
+    for (&path, &ceiling) in paths.iter().zip(&ceilings) {
         for n_tokens in [1usize, 32, 128] {
             let xs: Vec<Vec<f32>> = [HIDDEN, FFN]
                 .iter()
@@ -232,11 +250,12 @@ fn main() {
                 * mats.iter().map(|m| m.rows() * m.cols()).sum::<usize>() as f64
                 * n_tokens as f64;
             println!(
-                "{path:?} n_tokens={n_tokens:>3}: {:.3} ms per step, {:.1} tok/s, {:.2} GB/s weights, {:.1} GFLOP/s",
+                "{path:?} n_tokens={n_tokens:>3}: {:.3} ms per step, {:.1} tok/s, {:.2} GB/s weights, {:.1} GFLOP/s ({} of the ceiling)",
                 s * 1e3,
                 n_tokens as f64 / s,
                 bytes as f64 / s / 1e9,
-                flops / s / 1e9
+                flops / s / 1e9,
+                of_ceiling(flops / s / 1e9, ceiling)
             );
         }
     }

@@ -139,6 +139,24 @@ impl KernelPath {
         Some(macs as f64 / t.elapsed().as_secs_f64())
     }
 
+    /// [`KernelPath::integer_macs_per_s`] on `threads` threads at once, summed, best of a few
+    /// rounds: a round in which the machine took a core away would understate the ceiling and
+    /// so overstate every fraction printed against it. `None` for the portable path.
+    pub fn integer_macs_per_s_on(self, threads: usize) -> Option<f64> {
+        const ROUNDS: usize = 3;
+        let round = || {
+            let per_thread: Vec<Option<f64>> = std::thread::scope(|s| {
+                let runs: Vec<_> = (0..threads)
+                    .map(|_| s.spawn(move || self.integer_macs_per_s()))
+                    .collect();
+                runs.into_iter().map(|r| r.join().ok().flatten()).collect()
+            });
+            per_thread.into_iter().sum::<Option<f64>>()
+        };
+        let rounds = (0..ROUNDS).map(|_| round()).collect::<Option<Vec<f64>>>()?;
+        Some(rounds.into_iter().fold(0.0, f64::max))
+    }
+
     /// The path `choice` asks for: the best this CPU supports for `auto`, else the one named, if
     /// this CPU can run it.
     pub fn choose(choice: CpuKernels) -> Result<KernelPath, EngineError> {
