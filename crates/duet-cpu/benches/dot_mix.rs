@@ -495,6 +495,13 @@ mod mix {
                 pub(super) fn scaled() -> f64 {
                     timed_units!(concat!(unit_dots!(unit_token, $dot), unit_scale!()))
                 }
+
+                // SAFETY: `run` measures them only where the CPU runs the path.
+                pub(super) const LOOPS: [(&str, Loop); 3] = [
+                    ("registers", || unsafe { registers() }),
+                    ("units", || unsafe { units() }),
+                    ("scaled", || unsafe { scaled() }),
+                ];
             }
         };
     }
@@ -541,8 +548,8 @@ mod mix {
 
     /// Measures every path this CPU runs; false when it runs none of them.
     pub(super) fn run(rounds: usize) -> bool {
-        // SAFETY (every loop below): measured only where the CPU runs its path.
         if KernelPath::Avx512.supported() {
+            // SAFETY (all four): measured only where the CPU runs the path.
             let loops: [(&str, Loop); 4] = [
                 ("registers", || unsafe { tile_registers() }),
                 ("broadcast", || unsafe { tile_broadcast() }),
@@ -552,20 +559,10 @@ mod mix {
             measure(KernelPath::Avx512, 256, rounds, &loops);
         }
         if KernelPath::Avx2Vnni.supported() {
-            let loops: [(&str, Loop); 3] = [
-                ("registers", || unsafe { vnni::registers() }),
-                ("units", || unsafe { vnni::units() }),
-                ("scaled", || unsafe { vnni::scaled() }),
-            ];
-            measure(KernelPath::Avx2Vnni, 192, rounds, &loops);
+            measure(KernelPath::Avx2Vnni, 192, rounds, &vnni::LOOPS);
         }
         if KernelPath::Avx2.supported() {
-            let loops: [(&str, Loop); 3] = [
-                ("registers", || unsafe { avx2::registers() }),
-                ("units", || unsafe { avx2::units() }),
-                ("scaled", || unsafe { avx2::scaled() }),
-            ];
-            measure(KernelPath::Avx2, 192, rounds, &loops);
+            measure(KernelPath::Avx2, 192, rounds, &avx2::LOOPS);
         }
         KernelPath::Avx2.supported()
     }
