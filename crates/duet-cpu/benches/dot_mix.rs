@@ -514,10 +514,28 @@ mod mix {
     /// One timed run of a loop: seconds for [`BLOCKS`] blocks.
     type Loop = fn() -> f64;
 
+    /// A block of a loop family: its dot instructions, and the multiply-accumulates each does
+    /// (how the path's ceiling, counted in those, becomes a rate of dots).
+    struct Block {
+        dots: usize,
+        macs_per_dot: usize,
+    }
+
+    /// AVX-512 tiles: 16 rows x 32 values x 16 tokens, `vpdpwssd` zmm (16 lanes x 2).
+    const TILE_BLOCK: Block = Block {
+        dots: 256,
+        macs_per_dot: 32,
+    };
+    /// 256-bit units: 32 rows x 32 values x 3 tokens, a ymm dot (8 lanes x 2).
+    const UNIT_BLOCK: Block = Block {
+        dots: 192,
+        macs_per_dot: 16,
+    };
+
     /// Times `loops` (the first on registers only) round after round, best of `rounds`, and
     /// prints each one's dot rate against the first and the path's own ceiling loop.
-    fn measure(path: KernelPath, dots_per_block: usize, rounds: usize, loops: &[(&str, Loop)]) {
-        let lanes = if path == KernelPath::Avx512 { 32 } else { 16 };
+    fn measure(path: KernelPath, block: Block, rounds: usize, loops: &[(&str, Loop)]) {
+        let dots_per_block = block.dots;
         println!(
             "\n== {}: one core, {BLOCKS} blocks of {dots_per_block} dots, best of {rounds} runs ==",
             path.name()
@@ -530,7 +548,7 @@ mod mix {
                 *b = b.min(f());
             }
             let macs = path.integer_macs_per_s().unwrap_or(0.0);
-            ceiling = ceiling.max(macs / lanes as f64);
+            ceiling = ceiling.max(macs / block.macs_per_dot as f64);
         }
         println!(
             "the compute ceiling's own loop (KernelPath::integer_macs_per_s): {:.2} G dots/s",
@@ -556,13 +574,13 @@ mod mix {
                 ("widened", || unsafe { tile_widened() }),
                 ("scaled", || unsafe { tile_scaled() }),
             ];
-            measure(KernelPath::Avx512, 256, rounds, &loops);
+            measure(KernelPath::Avx512, TILE_BLOCK, rounds, &loops);
         }
         if KernelPath::Avx2Vnni.supported() {
-            measure(KernelPath::Avx2Vnni, 192, rounds, &vnni::LOOPS);
+            measure(KernelPath::Avx2Vnni, UNIT_BLOCK, rounds, &vnni::LOOPS);
         }
         if KernelPath::Avx2.supported() {
-            measure(KernelPath::Avx2, 192, rounds, &avx2::LOOPS);
+            measure(KernelPath::Avx2, UNIT_BLOCK, rounds, &avx2::LOOPS);
         }
         KernelPath::Avx2.supported()
     }

@@ -5,7 +5,7 @@
 //! distinct matrices of a SmolLM2-135M forward step in order, so decode streams ~96 MB of weights
 //! from memory as it would in the real model. The integer kernels' rates are also given as a share
 //! of their path's compute ceiling on as many threads (`KernelPath::integer_macs_per_s_on`, what
-//! `duet bench engine` divides by; `--bench dot_mix` shows what the AVX-512 kernel's instruction
+//! `duet bench engine` divides by; `--bench dot_mix` shows what each batched kernel's instruction
 //! mix allows of it).
 
 use std::time::{Duration, Instant};
