@@ -33,6 +33,7 @@ fn main() {
         .position(|a| a == "--rounds")
         .and_then(|i| args.get(i + 1))
         .map_or(10, |s| s.parse().expect("--rounds N"));
+    assert!(rounds > 0, "--rounds N: at least one round");
     #[cfg(target_arch = "x86_64")]
     if mix::run(rounds) {
         return;
