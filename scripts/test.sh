@@ -5,7 +5,7 @@
 # kernel is compiled, then every kernel file run in a CPU emulation of CUDA against numpy
 # references, then the deployment tests (the Helm chart validated offline, the OCI image built with
 # buildah and run: scripts/test-deploy.sh). Fetches the default model, NVRTC and the `openai` Python
-# client first if missing.
+# client first if missing, and refuses unused dependencies (cargo-machete, installed if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH="$(./scripts/fetch-nvrtc.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -22,6 +22,9 @@ pip_need numpy numpy
 pip_need openai openai==3.54.0
 pip_need grpc grpcio==1.85.1
 pip_need opentelemetry.proto opentelemetry-proto==1.45.2
+# Unused dependencies fail the suite (cargo-machete reads every crate's manifest and sources).
+command -v cargo-machete >/dev/null 2>&1 || cargo install --locked --quiet cargo-machete@0.9.2
+cargo machete
 cargo build --release --locked --workspace --bins --features cuda
 ./target/release/duet model fetch
 cargo test --release --locked --workspace --features cuda

@@ -1,6 +1,7 @@
 //! Shared helpers for the cross-service integration tests: fixture paths, reference generation
 //! with the engine in one process, and gRPC calls against a cluster's router.
 
+pub mod certs;
 pub mod etcd;
 
 use std::net::SocketAddr;
@@ -15,6 +16,7 @@ use duet_prefill_worker::PrefillConfig;
 use duet_proto::v1;
 use duet_router::RouterConfig;
 pub use duet_router::RoutingOptions;
+use duet_worker::WorkerArgs;
 use futures::StreamExt;
 
 pub use duet_cli::cluster::{Cluster, ClusterSpec};
@@ -83,11 +85,17 @@ pub fn spec(model: PathBuf, prefill: usize, decode: usize, routing: RoutingOptio
             ..Default::default()
         },
         prefill: PrefillConfig {
-            engine: engine_options(),
+            worker: WorkerArgs {
+                engine: engine_options(),
+                ..Default::default()
+            },
             ..Default::default()
         },
         decode: DecodeConfig {
-            engine: engine_options(),
+            worker: WorkerArgs {
+                engine: engine_options(),
+                ..Default::default()
+            },
             ..Default::default()
         },
         prefill_workers: prefill,
@@ -279,5 +287,22 @@ impl Process {
 impl Drop for Process {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A ready decode worker's card at 127.0.0.1:`port`, serving model "fp".
+pub fn decode_card(id: &str, port: u16) -> duet_cluster::WorkerCard {
+    duet_cluster::WorkerCard {
+        worker_id: id.into(),
+        role: duet_cluster::Role::Decode,
+        grpc_address: format!("127.0.0.1:{port}"),
+        kv_address: format!("127.0.0.1:{port}"),
+        node: "host".into(),
+        device: "cpu".into(),
+        model_fingerprint: "fp".into(),
+        block_size: 16,
+        kv_capacity_blocks: 64,
+        incarnation: 0,
+        state: duet_cluster::CardState::Ready,
     }
 }

@@ -16,11 +16,13 @@ use duet_proto::v1;
 use duet_router::RouterConfig;
 use duet_tests::etcd::Etcd;
 use duet_tests::*;
+use duet_worker::WorkerArgs;
 
 fn membership(etcd: &Etcd, cluster: &str) -> ClusterArgs {
     ClusterArgs {
         etcd: vec![etcd.url()],
         cluster: cluster.into(),
+        ..Default::default()
     }
 }
 
@@ -38,13 +40,21 @@ fn lease() -> LeaseArgs {
     }
 }
 
-fn decode(etcd: &Etcd, cluster: &str, listen: SocketAddr) -> Process {
-    let config = DecodeConfig {
-        listen,
+/// The flags both workers take: this etcd's cluster, the tiny model.
+fn worker_args(etcd: &Etcd, cluster: &str) -> WorkerArgs {
+    WorkerArgs {
         cluster: membership(etcd, cluster),
         lease: lease(),
         model: tiny(),
         engine: engine_options(),
+        ..Default::default()
+    }
+}
+
+fn decode(etcd: &Etcd, cluster: &str, listen: SocketAddr) -> Process {
+    let config = DecodeConfig {
+        listen,
+        worker: worker_args(etcd, cluster),
         ..Default::default()
     };
     Process::start("duet-decode", config.to_args())
@@ -53,10 +63,7 @@ fn decode(etcd: &Etcd, cluster: &str, listen: SocketAddr) -> Process {
 fn prefill(etcd: &Etcd, cluster: &str, listen: SocketAddr) -> Process {
     let config = PrefillConfig {
         listen,
-        cluster: membership(etcd, cluster),
-        lease: lease(),
-        model: tiny(),
-        engine: engine_options(),
+        worker: worker_args(etcd, cluster),
         ..Default::default()
     };
     Process::start("duet-prefill", config.to_args())

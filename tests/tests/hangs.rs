@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use duet_decode_worker::DecodeConfig;
 use duet_tests::*;
+use duet_worker::WorkerArgs;
 use futures::StreamExt;
 
 /// A prompt of `n` tokens of no particular text (its greedy continuation does not stop early).
@@ -125,8 +126,11 @@ fn a_queued_prompts_reservation_does_not_expire() {
     // Leases far shorter than the prefill queue: every prompt after the first waits longer.
     let c = Cluster::start(&ClusterSpec {
         decode: DecodeConfig {
-            engine: engine_options(),
             reservation_timeout_ms: 200,
+            worker: WorkerArgs {
+                engine: engine_options(),
+                ..Default::default()
+            },
             ..Default::default()
         },
         // Every prompt joins the one prefill worker's queue, however long it grows.

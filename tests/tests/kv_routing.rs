@@ -1,12 +1,15 @@
 //! Cache-aware routing on a whole cluster on loopback (2 prefill + 2 decode workers): the
 //! router's index follows the workers' KV events, a prompt goes where its prefix is cached and
-//! reports it, a burst spreads over idle prefill workers, lost events are repaired by a replay,
-//! and a new router rebuilds its index from the workers' snapshots.
+//! reports it, a follow-up sent at once finds the prefix the router just placed, a burst sharing
+//! a fresh prompt lands where it is computed while unrelated prompts spread over idle prefill
+//! workers, lost events are repaired by a replay, and a new router rebuilds its index from the
+//! workers' snapshots.
 
 use std::time::{Duration, Instant};
 
 use duet_proto::v1;
-use duet_router::routing::{Pools, RoutingPolicy};
+use duet_router::policy::RoutingPolicy;
+use duet_router::routing::Pools;
 use duet_router::{RouterConfig, RoutingOptions};
 use duet_tests::*;
 
@@ -117,6 +120,89 @@ fn a_burst_of_long_prompts_spreads_over_idle_prefill_workers() {
         2,
         "both prefill workers prefilled: {used:?}"
     );
+}
+
+/// The default model: its context holds the long prompts below (the tiny one's holds 256).
+fn long_context_model() -> std::path::PathBuf {
+    default_model()
+        .expect("the default model is needed: `duet model fetch` (scripts/test.sh runs it)")
+}
+
+/// A request sent the moment the previous one with the same prompt returned, before the
+/// prefill worker's KV events can have reached the router, still goes to the worker that holds
+/// the prompt and finds it cached: the router counted the placement at once.
+#[test]
+fn a_follow_up_sent_at_once_finds_the_prefix_it_just_placed() {
+    let c = cluster(long_context_model(), 2, 2, routing());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        for round in 0..3 {
+            let shared = prompt(100 + round, 600);
+            let mut follow_up = shared.clone();
+            follow_up.extend(prompt(200 + round, 8));
+            let (_, _, first) = generate(c.router, greedy_request(&shared, 1))
+                .await
+                .unwrap();
+            let (_, _, second) = generate(c.router, greedy_request(&follow_up, 1))
+                .await
+                .unwrap();
+            let (first_t, second_t) = (first.timings.unwrap(), second.timings.unwrap());
+            assert!(!first_t.prefill_local && !second_t.prefill_local);
+            assert_eq!(
+                second_t.prefill_worker, first_t.prefill_worker,
+                "round {round}: the follow-up went where its prefix was just computed"
+            );
+            assert_eq!(
+                second.usage.unwrap().cached_prompt_tokens as usize,
+                shared.len() / BLOCK * BLOCK,
+                "round {round}: the follow-up found the prefix cached"
+            );
+        }
+    });
+}
+
+/// Agentic fan-out: 8 calls at once sharing a fresh 1,000-token system prompt, each with its
+/// own question, land on one prefill worker (which computes the prompt once), while 4
+/// unrelated prompts of the same length sent at once still spread over both.
+#[test]
+fn a_burst_sharing_a_fresh_prompt_lands_where_it_is_computed() {
+    let c = cluster(long_context_model(), 2, 2, routing());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let prefill_workers = |prompts: Vec<Vec<u32>>| async move {
+        let calls = prompts
+            .iter()
+            .map(|p| generate(c.router, greedy_request(p, 1)))
+            .collect::<Vec<_>>();
+        futures::future::join_all(calls)
+            .await
+            .into_iter()
+            .map(|r| r.unwrap().2.timings.unwrap())
+            .inspect(|t| assert!(!t.prefill_local, "{t:?}"))
+            .map(|t| t.prefill_worker)
+            .collect::<Vec<String>>()
+    };
+    rt.block_on(async {
+        let system = prompt(300, 1000);
+        let burst = (0..8u32)
+            .map(|i| {
+                let mut p = system.clone();
+                p.extend(prompt(400 + i, 12));
+                p
+            })
+            .collect();
+        let used = prefill_workers(burst).await;
+        let most = used
+            .iter()
+            .map(|w| used.iter().filter(|u| *u == w).count())
+            .max()
+            .unwrap();
+        assert!(most >= 7, "at least 7 of 8 on one prefill worker: {used:?}");
+        let unrelated = (0..4u32).map(|i| prompt(500 + i, 1000)).collect();
+        let mut used = prefill_workers(unrelated).await;
+        used.sort();
+        used.dedup();
+        assert_eq!(used.len(), 2, "unrelated prompts spread: {used:?}");
+    });
 }
 
 #[test]

@@ -4,34 +4,18 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use duet_cluster::membership::{Membership, follow, follow_registry};
+use duet_cluster::membership::{CardRules, Membership, follow, follow_registry};
 use duet_cluster::registry::{Changes, LeaseId, Listing, Registry};
-use duet_cluster::{
-    CardState, ClusterArgs, ClusterError, EtcdRegistry, Registration, Role, WorkerCard,
-};
+use duet_cluster::{ClusterArgs, ClusterError, EtcdRegistry, Registration};
+use duet_tests::decode_card;
 use duet_tests::etcd::Etcd;
 use tokio::sync::{Notify, watch};
-
-fn card(id: &str, port: u16) -> WorkerCard {
-    WorkerCard {
-        worker_id: id.into(),
-        role: Role::Decode,
-        grpc_address: format!("127.0.0.1:{port}"),
-        kv_address: format!("127.0.0.1:{port}"),
-        node: "host".into(),
-        device: "cpu".into(),
-        model_fingerprint: "fp".into(),
-        block_size: 16,
-        kv_capacity_blocks: 64,
-        incarnation: 0,
-        state: CardState::Ready,
-    }
-}
 
 fn cluster(etcd: &Etcd, name: &str) -> ClusterArgs {
     ClusterArgs {
         etcd: vec![etcd.url()],
         cluster: name.into(),
+        ..Default::default()
     }
 }
 
@@ -60,7 +44,7 @@ async fn a_lease_revoked_with_etcdctl_is_replaced_by_a_new_incarnation() {
     let r = Registration::start(
         cluster(&etcd, "revoke"),
         Duration::from_secs(10),
-        card("d-1", 1),
+        decode_card("d-1", 1),
     )
     .unwrap();
     let first = until(10, "registration", || r.registered()).await;
@@ -138,18 +122,24 @@ impl Registry for HeldWatch {
 async fn a_watch_compacted_past_its_revision_lists_again_and_stays_right() {
     let etcd = Etcd::start();
     let c = cluster(&etcd, "compact");
-    let a = Registration::start(c.clone(), Duration::from_secs(10), card("a", 1)).unwrap();
+    let a = Registration::start(c.clone(), Duration::from_secs(10), decode_card("a", 1)).unwrap();
     until(10, "a", || a.registered()).await;
     let registry = Arc::new(HeldWatch {
-        etcd: EtcdRegistry::connect(&c.etcd).await.unwrap(),
+        etcd: EtcdRegistry::connect(&c.etcd, Default::default())
+            .await
+            .unwrap(),
         listed: Notify::new(),
         release: Notify::new(),
         first: Mutex::new(true),
     });
     let (tx, rx) = watch::channel(Arc::new(Membership::default()));
+    let rules = CardRules {
+        cluster: "compact".into(),
+        key: None,
+    };
     let follower = tokio::spawn(follow_registry(
         registry.clone(),
-        "compact",
+        rules,
         Duration::from_secs(600),
         tx,
     ));
@@ -157,7 +147,7 @@ async fn a_watch_compacted_past_its_revision_lists_again_and_stays_right() {
     registry.listed.notified().await;
     assert_eq!(ids(&rx.borrow()), ["a"]);
     let listed_at = rx.borrow().revision;
-    let b = Registration::start(c.clone(), Duration::from_secs(10), card("b", 2)).unwrap();
+    let b = Registration::start(c.clone(), Duration::from_secs(10), decode_card("b", 2)).unwrap();
     until(10, "b", || b.registered()).await;
     a.deregister().await;
     let status = etcd.ctl(&["endpoint", "status", "-w", "json"]).unwrap();
@@ -178,7 +168,7 @@ async fn a_watch_compacted_past_its_revision_lists_again_and_stays_right() {
     .await;
     assert_eq!(ids(&m), ["b"], "the re-list sees b joined and a gone");
     // And the new watch works: c joins.
-    let c3 = Registration::start(c, Duration::from_secs(10), card("c", 3)).unwrap();
+    let c3 = Registration::start(c, Duration::from_secs(10), decode_card("c", 3)).unwrap();
     until(10, "c seen", || {
         (ids(&rx.borrow()) == ["b", "c"]).then_some(())
     })
@@ -191,8 +181,8 @@ async fn a_watch_compacted_past_its_revision_lists_again_and_stays_right() {
 async fn etcd_down_keeps_the_last_membership_and_it_converges_when_etcd_returns() {
     let mut etcd = Etcd::start();
     let c = cluster(&etcd, "outage");
-    let a = Registration::start(c.clone(), Duration::from_secs(10), card("a", 1)).unwrap();
-    let b = Registration::start(c.clone(), Duration::from_secs(10), card("b", 2)).unwrap();
+    let a = Registration::start(c.clone(), Duration::from_secs(10), decode_card("a", 1)).unwrap();
+    let b = Registration::start(c.clone(), Duration::from_secs(10), decode_card("b", 2)).unwrap();
     until(10, "a and b", || a.registered().and(b.registered())).await;
     let (rx, follower) = follow(c.clone(), Duration::from_secs(600));
     until(10, "both seen", || {
@@ -212,7 +202,7 @@ async fn etcd_down_keeps_the_last_membership_and_it_converges_when_etcd_returns(
 
     // b leaves and d joins once etcd is back: the follower converges on them.
     b.deregister().await;
-    let d = Registration::start(c, Duration::from_secs(10), card("d", 4)).unwrap();
+    let d = Registration::start(c, Duration::from_secs(10), decode_card("d", 4)).unwrap();
     until(20, "convergence", || {
         (ids(&rx.borrow()) == ["a", "d"]).then_some(())
     })

@@ -4,66 +4,13 @@
 //! certificate, and a worker's internal port refuses a plaintext client, a TLS client without a
 //! certificate and one whose certificate another CA signed, while the cluster's own certificate
 //! is let through. The router's HTTP port serves HTTPS to the official `openai` client trusting
-//! the CA, while a client stalled in its handshake waits alone. Certificates are made here with
-//! rcgen.
-
-use std::path::{Path, PathBuf};
+//! the CA, while a client stalled in its handshake waits alone. Certificates are made with rcgen
+//! ([`duet_tests::certs`]).
 
 use duet_proto::{PeerAuth, TlsArgs, v1};
+use duet_tests::certs::Authority;
 use duet_tests::*;
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
-    ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose,
-};
 use tonic::transport::ClientTlsConfig;
-
-/// A CA: its certificate written to `<dir>/<name>-ca.pem`.
-struct Authority {
-    issuer: CertifiedIssuer<'static, KeyPair>,
-    ca: PathBuf,
-}
-
-impl Authority {
-    fn new(dir: &Path, name: &str) -> Self {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.distinguished_name = common_name(&format!("{name} CA"));
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
-        let ca = dir.join(format!("{name}-ca.pem"));
-        std::fs::write(&ca, issuer.pem()).unwrap();
-        Self { issuer, ca }
-    }
-
-    /// A certificate for 127.0.0.1 and localhost, as server and client, with its key; the TLS
-    /// flags of a service that presents it.
-    fn issue(&self, dir: &Path, name: &str) -> TlsArgs {
-        let mut params =
-            CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
-        // Its own name: OpenSSL (the Python client) takes a certificate whose subject is its
-        // issuer's for a self-signed one.
-        params.distinguished_name = common_name(name);
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let key = KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        let (cert_path, key_path) = (
-            dir.join(format!("{name}-cert.pem")),
-            dir.join(format!("{name}-key.pem")),
-        );
-        std::fs::write(&cert_path, cert.pem()).unwrap();
-        std::fs::write(&key_path, key.serialize_pem()).unwrap();
-        TlsArgs::new(cert_path, key_path, self.ca.clone())
-    }
-}
-
-fn common_name(name: &str) -> DistinguishedName {
-    let mut dn = DistinguishedName::new();
-    dn.push(DnType::CommonName, name);
-    dn
-}
 
 /// The official client against the HTTPS port: argv is the cluster's CA, another CA, the port's
 /// address and the model's name.
@@ -126,8 +73,8 @@ fn a_cluster_with_mutual_tls_serves_and_its_workers_refuse_callers_without_its_c
     spec.router.tls = tls.clone();
     let http = free_addr();
     spec.router.http_listen = Some(http);
-    spec.prefill.tls = tls.clone();
-    spec.decode.tls = tls.clone();
+    spec.prefill.worker.tls = tls.clone();
+    spec.decode.worker.tls = tls.clone();
     let c = Cluster::start(&spec).unwrap();
     let own = tls.load().unwrap().unwrap().client();
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -205,6 +152,29 @@ fn a_cluster_with_mutual_tls_serves_and_its_workers_refuse_callers_without_its_c
             }
         }
     });
+    // (e) `duet health`, the exec probe of a worker whose port requires a client certificate:
+    // SERVING with the cluster's certificate, a failure without one.
+    let health = |worker: std::net::SocketAddr, with_certificate: bool| {
+        let mut probe = std::process::Command::new(bin_dir().join("duet"));
+        probe
+            .args(["health", "--server", &worker.to_string(), "--tls-ca"])
+            .arg(&cluster_ca.ca);
+        if with_certificate {
+            probe
+                .arg("--tls-cert")
+                .arg(tls.tls_cert.as_ref().unwrap())
+                .arg("--tls-key")
+                .arg(tls.tls_key.as_ref().unwrap());
+        }
+        probe.output().unwrap()
+    };
+    for worker in [c.decode[0], c.prefill[0]] {
+        let ok = health(worker, true);
+        assert!(ok.status.success(), "{ok:?}");
+        assert_eq!(String::from_utf8_lossy(&ok.stdout).trim(), "SERVING");
+        let refused = health(worker, false);
+        assert!(!refused.status.success(), "{refused:?}");
+    }
 }
 
 #[test]

@@ -20,8 +20,9 @@ use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
 use duet_proto::v1;
-use duet_router::routing::RoutingPolicy;
+use duet_router::policy::RoutingPolicy;
 use duet_router::{RouterConfig, RoutingOptions};
+use duet_worker::WorkerArgs;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
@@ -419,11 +420,17 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                     ..RouterConfig::default()
                 },
                 prefill: PrefillConfig {
-                    engine: args.engine.clone(),
+                    worker: WorkerArgs {
+                        engine: args.engine.clone(),
+                        ..WorkerArgs::default()
+                    },
                     ..PrefillConfig::default()
                 },
                 decode: DecodeConfig {
-                    engine: args.engine.clone(),
+                    worker: WorkerArgs {
+                        engine: args.engine.clone(),
+                        ..WorkerArgs::default()
+                    },
                     ..DecodeConfig::default()
                 },
                 prefill_workers: prefill,

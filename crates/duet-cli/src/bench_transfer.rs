@@ -133,11 +133,10 @@ pub fn run(args: TransferBenchArgs) -> Result<()> {
         let decode_addr = decode_listener.local_addr()?;
         let decode = duet_decode_worker::DecodeConfig {
             listen: decode_addr,
-            model: ModelArgs {
-                model: Some(path.clone()),
-                ..ModelArgs::default()
+            worker: duet_worker::WorkerArgs {
+                engine: engine.clone(),
+                ..duet_worker::WorkerArgs::for_model(path.clone())
             },
-            engine: engine.clone(),
             ..Default::default()
         };
         tokio::spawn(duet_decode_worker::serve(decode, decode_listener, std::future::pending()));

@@ -21,6 +21,7 @@ use duet_prefill_worker::PrefillConfig;
 use duet_proto::{ClusterAuth, ClusterToken, v1};
 use duet_router::RouterConfig;
 use duet_telemetry::{MetricsArgs, TelemetryArgs};
+use duet_worker::WorkerArgs;
 use tonic::transport::ClientTlsConfig;
 
 /// What to start: a configuration for each kind of service. The launcher fills in what it owns:
@@ -124,8 +125,8 @@ impl Service {
     fn env(&self) -> Option<(&'static str, &str)> {
         match self {
             Service::Router(c) => c.auth.to_env(),
-            Service::Prefill(c) => c.auth.to_env(),
-            Service::Decode(c) => c.auth.to_env(),
+            Service::Prefill(c) => c.worker.auth.to_env(),
+            Service::Decode(c) => c.worker.auth.to_env(),
         }
     }
 
@@ -217,20 +218,27 @@ impl Cluster {
             Service::Prefill(PrefillConfig {
                 listen,
                 decode: listed(&decode),
-                model: model(&spec.prefill.model),
-                cluster: cluster.clone(),
-                auth: auth.clone(),
-                metrics: metrics(i),
+                worker: WorkerArgs {
+                    model: model(&spec.prefill.worker.model),
+                    cluster: cluster.clone(),
+                    auth: auth.clone(),
+                    metrics: metrics(i),
+                    ..spec.prefill.worker.clone()
+                },
                 ..spec.prefill.clone()
             })
         }));
         services.extend(decode.iter().enumerate().map(|(i, &listen)| {
             Service::Decode(DecodeConfig {
                 listen,
-                model: model(&spec.decode.model),
-                cluster: cluster.clone(),
-                auth: auth.clone(),
-                metrics: metrics(prefill.len() + i),
+                prefill: listed(&prefill),
+                worker: WorkerArgs {
+                    model: model(&spec.decode.worker.model),
+                    cluster: cluster.clone(),
+                    auth: auth.clone(),
+                    metrics: metrics(prefill.len() + i),
+                    ..spec.decode.worker.clone()
+                },
                 ..spec.decode.clone()
             })
         }));
@@ -397,6 +405,7 @@ fn in_process_cluster(base: &ClusterArgs) -> ClusterArgs {
         } else {
             format!("{}-{}", base.cluster, n + 1)
         },
+        ..ClusterArgs::default()
     }
 }
 

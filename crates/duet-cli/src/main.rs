@@ -8,6 +8,7 @@ mod bench_transfer;
 mod chaos;
 mod fetch;
 mod generate;
+mod health;
 mod plot;
 mod progress;
 mod shared_prefix;
@@ -37,6 +38,9 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Run a whole cluster on loopback: router + prefill + decode workers.
     Up(Box<up::UpArgs>),
+    /// One gRPC health check of a duet service (exit 0 when SERVING): for exec probes of
+    /// ports that require a client certificate.
+    Health(health::HealthArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -74,6 +78,7 @@ fn main() {
         } => fetch::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Up(args) => up::run(*args),
+        Command::Health(args) => health::run(args),
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => {

@@ -15,6 +15,7 @@ use duet_proto::{ClusterAuth, TlsArgs};
 use duet_router::{RouterConfig, RoutingOptions};
 use duet_telemetry::{MetricsArgs, TelemetryArgs};
 use duet_transfer::choice::TransportChoice;
+use duet_worker::WorkerArgs;
 
 use crate::cluster::{Cluster, ClusterSpec};
 
@@ -89,15 +90,21 @@ pub fn run(args: UpArgs) -> Result<()> {
             ..RouterConfig::default()
         },
         prefill: PrefillConfig {
-            engine: args.engine.clone(),
-            kv_transport: args.kv_transport,
-            tls: args.tls.clone(),
+            worker: WorkerArgs {
+                engine: args.engine.clone(),
+                kv_transport: args.kv_transport,
+                tls: args.tls.clone(),
+                ..WorkerArgs::default()
+            },
             ..PrefillConfig::default()
         },
         decode: DecodeConfig {
-            engine: args.engine.clone(),
-            kv_transport: args.kv_transport,
-            tls: args.tls.clone(),
+            worker: WorkerArgs {
+                engine: args.engine.clone(),
+                kv_transport: args.kv_transport,
+                tls: args.tls.clone(),
+                ..WorkerArgs::default()
+            },
             ..DecodeConfig::default()
         },
         prefill_workers: args.prefill_workers,

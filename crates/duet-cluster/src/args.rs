@@ -1,13 +1,14 @@
 //! The membership flags: which registry and cluster every service uses, and the workers' lease.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
 
 use crate::backoff::Backoff;
-use crate::card::validate_name;
+use crate::card::{CardKey, validate_name};
 use crate::embedded::EmbeddedRegistry;
 use crate::error::ClusterError;
 use crate::etcd::EtcdRegistry;
@@ -28,6 +29,125 @@ pub struct ClusterArgs {
     /// The cluster's name: its workers' cards are kept under `/duet/<cluster>/workers/`.
     #[arg(long, env = "DUET_CLUSTER", default_value_t = ClusterArgs::default().cluster, value_parser = parse_cluster)]
     pub cluster: String,
+    #[command(flatten)]
+    pub etcd_auth: EtcdAuthArgs,
+    /// The key worker cards are signed and checked with: the cluster token's, set by the
+    /// service that has one ([`ClusterArgs::signed_with`]); not a flag of its own.
+    #[arg(skip)]
+    pub card_key: Option<CardKey>,
+}
+
+/// How duet reaches a secured etcd: TLS (the CA, and a client certificate for etcd's
+/// `--client-cert-auth`) and etcd's own authentication (a user and its password).
+#[derive(Args, Clone, Debug, Default, PartialEq)]
+pub struct EtcdAuthArgs {
+    /// CA certificate (PEM) etcd's server certificate is checked against; with it, endpoints
+    /// without a scheme are dialled over https (http:// ones are refused).
+    #[arg(long, value_name = "PEM", env = "DUET_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) presented to etcd; with --etcd-key, and needs --etcd-ca.
+    #[arg(long, value_name = "PEM", env = "DUET_ETCD_CERT", requires_all = ["etcd_key", "etcd_ca"])]
+    pub etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(
+        long,
+        value_name = "PEM",
+        env = "DUET_ETCD_KEY",
+        requires = "etcd_cert"
+    )]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user to authenticate as (etcd's `auth enable`); its password comes from
+    /// --etcd-password-file, or the environment variable DUET_ETCD_PASSWORD (never argv).
+    #[arg(long, value_name = "NAME", env = "DUET_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password (surrounding whitespace ignored).
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "DUET_ETCD_PASSWORD_FILE",
+        requires = "etcd_user"
+    )]
+    pub etcd_password_file: Option<PathBuf>,
+}
+
+/// The environment variable the etcd user's password may come from instead of a file.
+pub const ETCD_PASSWORD_ENV: &str = "DUET_ETCD_PASSWORD";
+
+impl EtcdAuthArgs {
+    /// These flags again: parsed back, they give `self` (the password stays in its file or
+    /// the environment).
+    pub fn to_args(&self) -> Vec<OsString> {
+        let path = |flag: &str, p: &Option<PathBuf>| {
+            p.as_ref().map(|p| {
+                let mut arg = OsString::from(format!("--{flag}="));
+                arg.push(p);
+                arg
+            })
+        };
+        [
+            path("etcd-ca", &self.etcd_ca),
+            path("etcd-cert", &self.etcd_cert),
+            path("etcd-key", &self.etcd_key),
+            self.etcd_user
+                .as_ref()
+                .map(|u| format!("--etcd-user={u}").into()),
+            path("etcd-password-file", &self.etcd_password_file),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
+    /// etcd-client's options for these flags: TLS when a CA is given, a user and its password
+    /// when a user is. A file that cannot be read, or a user without a password, is an error
+    /// naming it.
+    pub fn options(&self) -> Result<EtcdSecurity, ClusterError> {
+        let read = |what: &str, path: &PathBuf| {
+            std::fs::read(path).map_err(|e| {
+                ClusterError::EtcdConfig(format!("reading {what} {}: {e}", path.display()))
+            })
+        };
+        let tls = match &self.etcd_ca {
+            None => None,
+            Some(ca) => {
+                let mut tls = etcd_client::TlsOptions::new()
+                    .ca_certificate(etcd_client::Certificate::from_pem(read("--etcd-ca", ca)?));
+                if let (Some(cert), Some(key)) = (&self.etcd_cert, &self.etcd_key) {
+                    tls = tls.identity(etcd_client::Identity::from_pem(
+                        read("--etcd-cert", cert)?,
+                        read("--etcd-key", key)?,
+                    ));
+                }
+                Some(tls)
+            }
+        };
+        let user = match &self.etcd_user {
+            None => None,
+            Some(user) => {
+                let password = match &self.etcd_password_file {
+                    Some(path) => String::from_utf8(read("--etcd-password-file", path)?)
+                        .map_err(|_| ClusterError::EtcdConfig(format!("{} is not UTF-8", path.display())))?
+                        .trim()
+                        .to_string(),
+                    None => std::env::var(ETCD_PASSWORD_ENV).map_err(|_| {
+                        ClusterError::EtcdConfig(format!(
+                            "--etcd-user {user} needs a password: --etcd-password-file PATH, or {ETCD_PASSWORD_ENV}"
+                        ))
+                    })?,
+                };
+                Some((user.clone(), password))
+            }
+        };
+        Ok(EtcdSecurity { tls, user })
+    }
+}
+
+/// What [`EtcdAuthArgs::options`] makes of the flags.
+#[derive(Clone, Default)]
+pub struct EtcdSecurity {
+    pub tls: Option<etcd_client::TlsOptions>,
+    /// The user and its password.
+    pub user: Option<(String, String)>,
 }
 
 impl Default for ClusterArgs {
@@ -35,6 +155,8 @@ impl Default for ClusterArgs {
         Self {
             etcd: Vec::new(),
             cluster: "default".into(),
+            etcd_auth: EtcdAuthArgs::default(),
+            card_key: None,
         }
     }
 }
@@ -53,7 +175,15 @@ impl ClusterArgs {
             .map(|e| format!("--etcd={e}").into())
             .collect();
         args.push(format!("--cluster={}", self.cluster).into());
+        args.extend(self.etcd_auth.to_args());
         args
+    }
+
+    /// These flags, with worker cards signed and checked with `secret` (the cluster token),
+    /// when there is one.
+    pub fn signed_with(mut self, secret: Option<&[u8]>) -> Self {
+        self.card_key = secret.map(CardKey::new);
+        self
     }
 
     /// The registry: etcd when endpoints are given (it must answer), else this process's
@@ -63,7 +193,9 @@ impl ClusterArgs {
         if self.etcd.is_empty() {
             Ok(EmbeddedRegistry::shared())
         } else {
-            Ok(Arc::new(EtcdRegistry::connect(&self.etcd).await?))
+            Ok(Arc::new(
+                EtcdRegistry::connect(&self.etcd, self.etcd_auth.options()?).await?,
+            ))
         }
     }
 }

@@ -2,8 +2,17 @@
 //!
 //! A card is JSON at `/duet/<cluster>/workers/<role>/<worker-id>`, attached to the worker's
 //! lease, so it disappears when the worker stops keeping the lease alive.
+//!
+//! With a cluster token, every card is signed with it ([`CardKey`]: HMAC-SHA256 of the card's
+//! JSON, stored beside it as `signature`) and a card without a valid signature is not a member:
+//! whoever can write to the registry but holds no token cannot slip a worker of its own into
+//! the cluster and have the router send it prompts (and the token).
 
+use std::sync::Arc;
+
+use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
+use sha2::Sha256;
 
 use crate::error::ClusterError;
 
@@ -60,6 +69,62 @@ pub struct WorkerCard {
     pub state: CardState,
 }
 
+/// The key cards are signed and checked with: the cluster token's bytes.
+#[derive(Clone, PartialEq, Eq)]
+pub struct CardKey(Arc<[u8]>);
+
+impl std::fmt::Debug for CardKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CardKey(..)")
+    }
+}
+
+impl CardKey {
+    pub fn new(secret: &[u8]) -> Self {
+        Self(secret.into())
+    }
+
+    fn mac(&self, card: &WorkerCard) -> Hmac<Sha256> {
+        let mut mac =
+            Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
+        mac.update(&card.to_json());
+        mac
+    }
+
+    /// `card`'s signature, in hex.
+    pub fn sign(&self, card: &WorkerCard) -> String {
+        let tag = self.mac(card).finalize().into_bytes();
+        tag.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Whether `signature` (hex) is `card`'s (compared in constant time).
+    pub fn verify(&self, card: &WorkerCard, signature: &str) -> bool {
+        let Some(tag) = from_hex(signature) else {
+            return false;
+        };
+        self.mac(card).verify_slice(&tag).is_ok()
+    }
+}
+
+fn from_hex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// A card as the registry holds it: with its signature when the cluster has a token.
+#[derive(Serialize, Deserialize)]
+struct StoredCard {
+    #[serde(flatten)]
+    card: WorkerCard,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    signature: Option<String>,
+}
+
 impl WorkerCard {
     /// The card's key in `cluster`.
     pub fn key(&self, cluster: &str) -> String {
@@ -75,13 +140,48 @@ impl WorkerCard {
         serde_json::to_vec(self).expect("a worker card always serializes")
     }
 
-    /// Parses the card stored at `key`; it must be the card of that key (role and id).
-    pub fn parse(cluster: &str, key: &str, value: &[u8]) -> Result<Self, ClusterError> {
+    /// The card as the registry stores it: signed with `key` when there is one.
+    pub fn to_stored(&self, key: Option<&CardKey>) -> Vec<u8> {
+        let stored = StoredCard {
+            card: self.clone(),
+            signature: key.map(|k| k.sign(self)),
+        };
+        serde_json::to_vec(&stored).expect("a worker card always serializes")
+    }
+
+    /// Parses the card stored at `key`; it must be the card of that key (role and id), and,
+    /// with a `card_key`, carry that key's signature.
+    pub fn parse(
+        cluster: &str,
+        key: &str,
+        value: &[u8],
+        card_key: Option<&CardKey>,
+    ) -> Result<Self, ClusterError> {
         let bad = |why: String| ClusterError::BadCard {
             key: key.to_string(),
             why,
         };
-        let card: WorkerCard = serde_json::from_slice(value).map_err(|e| bad(e.to_string()))?;
+        let stored: StoredCard = serde_json::from_slice(value).map_err(|e| bad(e.to_string()))?;
+        let card = stored.card;
+        if let Some(card_key) = card_key {
+            match &stored.signature {
+                None => {
+                    return Err(bad(
+                        "it is not signed, and this cluster has a token: cards are signed by \
+                         workers started with the cluster's token"
+                            .into(),
+                    ));
+                }
+                Some(s) if !card_key.verify(&card, s) => {
+                    return Err(bad(
+                        "its signature does not match: it was written by a worker with another \
+                         cluster token, or forged"
+                            .into(),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
         if card.key(cluster) != key {
             return Err(bad(format!(
                 "the card is for {} worker {:?}, not for this key",
@@ -146,7 +246,10 @@ mod tests {
         let c = card("d-1");
         let key = c.key("prod");
         assert_eq!(key, "/duet/prod/workers/decode/d-1");
-        assert_eq!(WorkerCard::parse("prod", &key, &c.to_json()).unwrap(), c);
+        assert_eq!(
+            WorkerCard::parse("prod", &key, &c.to_stored(None), None).unwrap(),
+            c
+        );
         let json = String::from_utf8(c.to_json()).unwrap();
         assert!(json.contains(r#""state":"ready""#), "{json}");
         assert!(json.contains(r#""role":"decode""#), "{json}");
@@ -155,11 +258,39 @@ mod tests {
     #[test]
     fn bad_cards_name_their_key() {
         let key = "/duet/prod/workers/decode/d-1";
-        let e = WorkerCard::parse("prod", key, b"{not json").unwrap_err();
+        let e = WorkerCard::parse("prod", key, b"{not json", None).unwrap_err();
         assert!(e.to_string().contains(key), "{e}");
         // A valid card under another worker's key.
-        let e = WorkerCard::parse("prod", key, &card("d-2").to_json()).unwrap_err();
+        let e = WorkerCard::parse("prod", key, &card("d-2").to_stored(None), None).unwrap_err();
         assert!(e.to_string().contains("d-2"), "{e}");
+    }
+
+    /// With a cluster token, only cards signed with it are members: an unsigned card, one
+    /// signed with another token, and a signed card changed afterwards (its address pointed
+    /// elsewhere) are refused, each with a message saying which.
+    #[test]
+    fn cards_are_signed_and_checked_with_the_cluster_token() {
+        let key = CardKey::new(b"the-cluster-token-0123456789");
+        let c = card("d-1");
+        let at = c.key("prod");
+        let signed = c.to_stored(Some(&key));
+        assert_eq!(
+            WorkerCard::parse("prod", &at, &signed, Some(&key)).unwrap(),
+            c
+        );
+        // A cluster without a token reads signed cards too.
+        assert_eq!(WorkerCard::parse("prod", &at, &signed, None).unwrap(), c);
+        let unsigned = WorkerCard::parse("prod", &at, &c.to_stored(None), Some(&key)).unwrap_err();
+        assert!(unsigned.to_string().contains("not signed"), "{unsigned}");
+        let other = CardKey::new(b"another-token-0123456789abcdef");
+        let e = WorkerCard::parse("prod", &at, &c.to_stored(Some(&other)), Some(&key)).unwrap_err();
+        assert!(e.to_string().contains("does not match"), "{e}");
+        let tampered = String::from_utf8(signed)
+            .unwrap()
+            .replace("127.0.0.1:7000", "10.6.6.6:7000");
+        let e = WorkerCard::parse("prod", &at, tampered.as_bytes(), Some(&key)).unwrap_err();
+        assert!(e.to_string().contains("does not match"), "{e}");
+        assert!(!key.verify(&c, "zz"));
     }
 
     #[test]

@@ -9,6 +9,10 @@ pub enum ClusterError {
     /// A card that does not parse or does not belong to its key (it is skipped).
     #[error("skipping the worker card at {key}: {why}")]
     BadCard { key: String, why: String },
+    /// The etcd security flags cannot be used (a file that cannot be read, a user without a
+    /// password, TLS with an http:// endpoint).
+    #[error("etcd configuration: {0}")]
+    EtcdConfig(String),
     /// etcd did not answer, or answered with an error.
     #[error("etcd at {endpoints}: {message}")]
     Etcd { endpoints: String, message: String },

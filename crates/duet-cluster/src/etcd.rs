@@ -8,6 +8,7 @@ use etcd_client::{
 };
 use futures::StreamExt;
 
+use crate::args::EtcdSecurity;
 use crate::error::ClusterError;
 use crate::registry::{Change, Changes, Entry, LeaseId, Listing, Registry};
 
@@ -32,18 +33,33 @@ impl std::fmt::Debug for EtcdRegistry {
 }
 
 impl EtcdRegistry {
-    /// Connects to `endpoints` (`host:port` or URLs) and checks that etcd answers.
-    pub async fn connect(endpoints: &[String]) -> Result<Self, ClusterError> {
+    /// Connects to `endpoints` (`host:port` or URLs) with `security` (TLS, a user) and checks
+    /// that etcd answers.
+    pub async fn connect(
+        endpoints: &[String],
+        security: EtcdSecurity,
+    ) -> Result<Self, ClusterError> {
         let named = endpoints.join(",");
         let fail = |message: String| ClusterError::Etcd {
             endpoints: named.clone(),
             message,
         };
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(CALL_TIMEOUT)
             .with_timeout(CALL_TIMEOUT)
             .with_keep_alive(Duration::from_secs(2), CALL_TIMEOUT)
             .with_keep_alive_while_idle(true);
+        if let Some(tls) = security.tls {
+            if let Some(plain) = endpoints.iter().find(|e| e.starts_with("http://")) {
+                return Err(ClusterError::EtcdConfig(format!(
+                    "--etcd-ca is set but {plain} is an http:// endpoint: give https:// or no scheme"
+                )));
+            }
+            options = options.with_tls(tls);
+        }
+        if let Some((user, password)) = security.user {
+            options = options.with_user(user, password);
+        }
         let client = tokio::time::timeout(CALL_TIMEOUT, Client::connect(endpoints, Some(options)))
             .await
             .map_err(|_| fail("no answer (connect timed out)".into()))?

@@ -16,8 +16,8 @@ pub mod membership;
 pub mod registration;
 pub mod registry;
 
-pub use args::{ClusterArgs, LeaseArgs};
-pub use card::{CardState, Role, WorkerCard};
+pub use args::{ClusterArgs, EtcdAuthArgs, LeaseArgs};
+pub use card::{CardKey, CardState, Role, WorkerCard};
 pub use embedded::EmbeddedRegistry;
 pub use error::ClusterError;
 pub use etcd::EtcdRegistry;

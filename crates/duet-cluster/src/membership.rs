@@ -13,7 +13,7 @@ use tokio::sync::watch;
 
 use crate::args::ClusterArgs;
 use crate::backoff::Backoff;
-use crate::card::{WorkerCard, workers_prefix};
+use crate::card::{CardKey, WorkerCard, workers_prefix};
 use crate::error::ClusterError;
 use crate::registry::{Change, Listing, Registry};
 
@@ -38,19 +38,30 @@ pub fn follow(
     let (tx, rx) = watch::channel(Arc::new(Membership::default()));
     let task = tokio::spawn(async move {
         let registry = cluster.connect_retrying().await;
-        follow_registry(registry, &cluster.cluster, resync, tx).await;
+        let cards = CardRules {
+            cluster: cluster.cluster.clone(),
+            key: cluster.card_key.clone(),
+        };
+        follow_registry(registry, cards, resync, tx).await;
     });
     (rx, task)
+}
+
+/// Which stored cards are members: those of `cluster`, signed with `key` when there is one.
+#[derive(Clone, Debug)]
+pub struct CardRules {
+    pub cluster: String,
+    pub key: Option<CardKey>,
 }
 
 /// The loop of [`follow`] on a connected registry.
 pub async fn follow_registry(
     registry: Arc<dyn Registry>,
-    cluster: &str,
+    cards: CardRules,
     resync: Duration,
     tx: watch::Sender<Arc<Membership>>,
 ) {
-    let prefix = workers_prefix(cluster);
+    let prefix = workers_prefix(&cards.cluster);
     let mut backoff = Backoff::new();
     let mut lists = 0;
     loop {
@@ -64,7 +75,7 @@ pub async fn follow_registry(
         };
         lists += 1;
         let mut current = Membership {
-            cards: parse_listing(cluster, &listing),
+            cards: parse_listing(&cards, &listing),
             lists,
             revision: listing.revision,
         };
@@ -90,7 +101,7 @@ pub async fn follow_registry(
                 batch = changes.next() => match batch {
                     Some(Ok(batch)) => {
                         for change in batch {
-                            apply(cluster, &mut current.cards, change);
+                            apply(&cards, &mut current.cards, change);
                         }
                         tx.send_replace(Arc::new(current.clone()));
                     }
@@ -114,23 +125,23 @@ pub async fn follow_registry(
     }
 }
 
-fn parse_listing(cluster: &str, listing: &Listing) -> BTreeMap<String, WorkerCard> {
+fn parse_listing(rules: &CardRules, listing: &Listing) -> BTreeMap<String, WorkerCard> {
     listing
         .entries
         .iter()
-        .filter_map(|e| parse(cluster, &e.key, &e.value).map(|c| (e.key.clone(), c)))
+        .filter_map(|e| parse(rules, &e.key, &e.value).map(|c| (e.key.clone(), c)))
         .collect()
 }
 
-fn parse(cluster: &str, key: &str, value: &[u8]) -> Option<WorkerCard> {
-    WorkerCard::parse(cluster, key, value)
+fn parse(rules: &CardRules, key: &str, value: &[u8]) -> Option<WorkerCard> {
+    WorkerCard::parse(&rules.cluster, key, value, rules.key.as_ref())
         .inspect_err(|e| tracing::warn!(key, error = %e, "skipping a worker card"))
         .ok()
 }
 
-fn apply(cluster: &str, cards: &mut BTreeMap<String, WorkerCard>, change: Change) {
+fn apply(rules: &CardRules, cards: &mut BTreeMap<String, WorkerCard>, change: Change) {
     match change {
-        Change::Put(e) => match parse(cluster, &e.key, &e.value) {
+        Change::Put(e) => match parse(rules, &e.key, &e.value) {
             Some(card) => {
                 cards.insert(e.key, card);
             }

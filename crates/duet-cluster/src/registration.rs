@@ -13,7 +13,7 @@ use tokio::sync::{oneshot, watch};
 
 use crate::args::ClusterArgs;
 use crate::backoff::Backoff;
-use crate::card::{CardState, WorkerCard, validate_name};
+use crate::card::{CardKey, CardState, WorkerCard, validate_name};
 use crate::error::ClusterError;
 use crate::registry::{LeaseId, Registry};
 
@@ -164,12 +164,13 @@ async fn keep_registered(
     lease: &mut Option<(Arc<dyn Registry>, LeaseId)>,
 ) {
     let registry = cluster.connect_retrying().await;
+    let card_key = cluster.card_key.as_ref();
     let mut backoff = Backoff::new();
     let interval = ttl / 3;
     loop {
         card.incarnation = next_incarnation(card.incarnation);
         card.state = *state.borrow_and_update();
-        let id = match register(registry.as_ref(), key, &card, ttl).await {
+        let id = match register(registry.as_ref(), key, &card, card_key, ttl).await {
             Ok(id) => id,
             Err(e) => {
                 tracing::warn!(key, error = %e, "registering failed; retrying");
@@ -179,7 +180,7 @@ async fn keep_registered(
         };
         backoff = Backoff::new();
         *lease = Some((registry.clone(), id));
-        let mut written = card.to_json();
+        let mut written = card.to_stored(card_key);
         registered.send_replace(Some(Registered {
             incarnation: card.incarnation,
             lease: id,
@@ -213,7 +214,7 @@ async fn keep_registered(
             if unwritten {
                 let mut next = card.clone();
                 next.state = *state.borrow_and_update();
-                let value = next.to_json();
+                let value = next.to_stored(card_key);
                 match registry.put_if(key, Some(&written), &value, id).await {
                     Ok(true) => {
                         (card, written, unwritten) = (next, value, false);
@@ -247,10 +248,11 @@ async fn register(
     registry: &dyn Registry,
     key: &str,
     card: &WorkerCard,
+    card_key: Option<&CardKey>,
     ttl: Duration,
 ) -> Result<LeaseId, ClusterError> {
     let id = registry.grant(ttl).await?;
-    let value = card.to_json();
+    let value = card.to_stored(card_key);
     let written = async {
         if registry.put_if(key, None, &value, id).await? {
             return Ok(());
@@ -322,6 +324,7 @@ mod tests {
         ClusterArgs {
             etcd: vec![],
             cluster: name.into(),
+            ..Default::default()
         }
     }
 

@@ -22,7 +22,7 @@ use crate::scheduler::Scheduler;
 use duet_model::chat::{ChatMessage, ChatTemplate};
 use duet_model::config::ModelConfig;
 use duet_model::model_files::ModelFiles;
-use duet_model::params::{FinishReason, Sampled, SamplingParams, StopCriteria};
+use duet_model::params::{FinishReason, PromptLimits, Sampled, SamplingParams, StopCriteria};
 use duet_model::tokenizer::Tokenizer;
 
 /// Sizes of the engine's resources (also the engine flags of every command that loads a model).
@@ -366,29 +366,12 @@ impl<B: Backend> Engine<B> {
 
     /// A prompt the model can take, with room for `max_tokens` more.
     fn check_prompt(&self, prompt: &[u32], max_tokens: usize) -> Result<(), EngineError> {
-        let ctx = self.config().max_position_embeddings;
-        let vocab = self.config().vocab_size;
-        if prompt.is_empty() {
-            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
-        }
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::InvalidRequest(format!(
-                "token id {bad} is outside the vocabulary (0..{vocab})"
-            )));
-        }
-        if prompt.len() >= ctx {
-            return Err(EngineError::InvalidRequest(format!(
-                "the prompt has {} tokens; the model's context is {ctx}, leaving no room to generate",
-                prompt.len()
-            )));
-        }
-        if prompt.len() + max_tokens > ctx {
-            return Err(EngineError::InvalidRequest(format!(
-                "prompt ({} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {ctx}",
-                prompt.len()
-            )));
-        }
-        Ok(())
+        let limits = PromptLimits {
+            context_length: self.config().max_position_embeddings,
+            vocab_size: self.config().vocab_size,
+        };
+        limits.check(prompt)?;
+        Ok(limits.check_max_tokens(prompt.len(), max_tokens)?)
     }
 
     /// Decode side of a transfer: holds blocks for `tokens`' KV, reusing locally cached full

@@ -16,6 +16,9 @@ pub enum EngineError {
     Chat(#[from] ChatError),
     #[error(transparent)]
     Kv(#[from] duet_kv::KvError),
+    /// A prompt the model cannot take.
+    #[error("invalid request: {0}")]
+    Prompt(#[from] duet_model::params::PromptError),
     /// A request the caller can fix (empty prompt, parameter out of range, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -1,11 +1,12 @@
 //! Chat templates: the model's Jinja template (from GGUF `tokenizer.chat_template` or HF
 //! `tokenizer_config.json`), rendered with minijinja the way HF `apply_chat_template` does
-//! (trim_blocks, lstrip_blocks, `raise_exception`, common Python string methods).
+//! (trim_blocks, lstrip_blocks, `raise_exception`, and Python's str, dict and list methods through
+//! minijinja-contrib's `pycompat`).
 
 use std::path::Path;
 
-use minijinja::value::{Value, ValueKind};
-use minijinja::{Environment, Error, ErrorKind, State};
+use minijinja::value::Value;
+use minijinja::{Environment, Error, ErrorKind};
 use serde::Serialize;
 
 use crate::gguf::GgufFile;
@@ -117,123 +118,6 @@ fn tojson(value: Value, indent: Option<usize>) -> Result<Value, Error> {
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))
 }
 
-fn arg_str<'a>(args: &'a [Value], i: usize, method: &str) -> Result<Option<&'a str>, Error> {
-    match args.get(i) {
-        None => Ok(None),
-        Some(v) if v.is_none() || v.is_undefined() => Ok(None),
-        Some(v) => v.as_str().map(Some).ok_or_else(|| {
-            Error::new(
-                ErrorKind::InvalidOperation,
-                format!("{method}: argument {i} is not a string"),
-            )
-        }),
-    }
-}
-
-/// Python `str` / `dict` methods templates commonly call (minijinja implements a few natively;
-/// this covers the rest that HF chat templates use).
-fn python_methods(
-    state: &State,
-    value: &Value,
-    method: &str,
-    args: &[Value],
-) -> Result<Value, Error> {
-    if let Some(s) = value.as_str() {
-        let chars = arg_str(args, 0, method)?;
-        let strip_set = |c: char| chars.is_some_and(|set| set.contains(c));
-        return Ok(match method {
-            "strip" => Value::from(match chars {
-                Some(_) => s.trim_matches(strip_set),
-                None => s.trim(),
-            }),
-            "lstrip" => Value::from(match chars {
-                Some(_) => s.trim_start_matches(strip_set),
-                None => s.trim_start(),
-            }),
-            "rstrip" => Value::from(match chars {
-                Some(_) => s.trim_end_matches(strip_set),
-                None => s.trim_end(),
-            }),
-            "startswith" | "endswith" => {
-                let pats: Vec<String> = match args.first() {
-                    Some(v) if v.kind() == ValueKind::Seq => v
-                        .try_iter()?
-                        .filter_map(|x| x.as_str().map(str::to_string))
-                        .collect(),
-                    _ => vec![chars.unwrap_or_default().to_string()],
-                };
-                let hit = pats.iter().any(|p| {
-                    if method == "startswith" {
-                        s.starts_with(p)
-                    } else {
-                        s.ends_with(p)
-                    }
-                });
-                Value::from(hit)
-            }
-            "upper" => Value::from(s.to_uppercase()),
-            "lower" => Value::from(s.to_lowercase()),
-            "title" => state.apply_filter("title", std::slice::from_ref(value))?,
-            "capitalize" => state.apply_filter("capitalize", std::slice::from_ref(value))?,
-            "replace" => {
-                let from = arg_str(args, 0, method)?.unwrap_or_default();
-                let to = arg_str(args, 1, method)?.unwrap_or_default();
-                Value::from(s.replace(from, to))
-            }
-            "split" => {
-                let parts: Vec<Value> = match chars {
-                    Some(sep) => s.split(sep).map(Value::from).collect(),
-                    None => s.split_whitespace().map(Value::from).collect(),
-                };
-                Value::from(parts)
-            }
-            "find" => {
-                let needle = chars.unwrap_or_default();
-                Value::from(
-                    s.find(needle)
-                        .map(|b| s[..b].chars().count() as i64)
-                        .unwrap_or(-1),
-                )
-            }
-            "count" => Value::from(s.matches(chars.unwrap_or_default()).count()),
-            "isspace" => Value::from(!s.is_empty() && s.chars().all(char::is_whitespace)),
-            "isdigit" => Value::from(!s.is_empty() && s.chars().all(|c| c.is_ascii_digit())),
-            "join" => {
-                let items = args
-                    .first()
-                    .ok_or_else(|| Error::new(ErrorKind::MissingArgument, "join"))?;
-                let parts: Vec<String> = items.try_iter()?.map(|v| v.to_string()).collect();
-                Value::from(parts.join(s))
-            }
-            _ => return Err(Error::from(ErrorKind::UnknownMethod)),
-        });
-    }
-    if value.kind() == ValueKind::Map {
-        return match method {
-            "items" => state.apply_filter("items", std::slice::from_ref(value)),
-            "keys" => Ok(Value::from(value.try_iter()?.collect::<Vec<_>>())),
-            "values" => {
-                let vals: Result<Vec<Value>, Error> =
-                    value.try_iter()?.map(|k| value.get_item(&k)).collect();
-                Ok(Value::from(vals?))
-            }
-            "get" => {
-                let key = args
-                    .first()
-                    .ok_or_else(|| Error::new(ErrorKind::MissingArgument, "get"))?;
-                let v = value.get_item(key)?;
-                Ok(if v.is_undefined() {
-                    args.get(1).cloned().unwrap_or(Value::from(()))
-                } else {
-                    v
-                })
-            }
-            _ => Err(Error::from(ErrorKind::UnknownMethod)),
-        };
-    }
-    Err(Error::from(ErrorKind::UnknownMethod))
-}
-
 impl ChatTemplate {
     /// Compiles `source`.
     pub fn new(source: &str) -> Result<Self, ChatError> {
@@ -253,7 +137,9 @@ impl ChatTemplate {
             let _ = fmt;
             Ok(Value::from("26 Jul 2024"))
         });
-        env.set_unknown_method_callback(python_methods);
+        // Python's str / dict / list methods (`strip`, `startswith`, `items`, ...), which HF chat
+        // templates call as if they ran under Jinja2 in Python.
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| ChatError::Syntax {
                 origin: origin.into(),

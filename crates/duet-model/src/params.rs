@@ -8,6 +8,95 @@
 #[error("{0}")]
 pub struct InvalidParams(pub String);
 
+/// What a model can take: the one place a prompt is checked against the model, by the router,
+/// the engine and both workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PromptLimits {
+    /// Positions in the context: the prompt plus every generated token.
+    pub context_length: usize,
+    pub vocab_size: usize,
+}
+
+/// A prompt the model cannot take.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PromptError {
+    #[error("the prompt is empty")]
+    Empty,
+    #[error("token_ids[{index}] = {id} is outside the vocabulary (valid ids are 0..{vocab_size})")]
+    TokenOutOfVocab {
+        index: usize,
+        id: u32,
+        vocab_size: usize,
+    },
+    #[error(
+        "prompt too long: {len} tokens, but the context holds {context} (the prompt plus at \
+         least one generated token must fit)"
+    )]
+    TooLong { len: usize, context: usize },
+    #[error(
+        "max_tokens {max_tokens} past the context: the prompt has {prompt} tokens and the \
+         context holds {context}, so max_tokens can be at most {room}"
+    )]
+    PastContext {
+        max_tokens: usize,
+        prompt: usize,
+        context: usize,
+        room: usize,
+    },
+}
+
+impl PromptLimits {
+    /// A prompt of known tokens, short enough to leave room for one generated token.
+    pub fn check(&self, prompt: &[u32]) -> Result<(), PromptError> {
+        if prompt.is_empty() {
+            return Err(PromptError::Empty);
+        }
+        if let Some((index, &id)) = prompt
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id as usize >= self.vocab_size)
+        {
+            return Err(PromptError::TokenOutOfVocab {
+                index,
+                id,
+                vocab_size: self.vocab_size,
+            });
+        }
+        self.check_length(prompt.len())
+    }
+
+    /// A prompt length that leaves room for one generated token.
+    pub fn check_length(&self, len: usize) -> Result<(), PromptError> {
+        if len >= self.context_length {
+            return Err(PromptError::TooLong {
+                len,
+                context: self.context_length,
+            });
+        }
+        Ok(())
+    }
+
+    /// Tokens that may be generated after a prompt of `prompt` tokens (which
+    /// [`check_length`](Self::check_length) passed).
+    pub fn room(&self, prompt: usize) -> usize {
+        self.context_length.saturating_sub(prompt)
+    }
+
+    /// `max_tokens` generated after a prompt of `prompt` tokens fit the context.
+    pub fn check_max_tokens(&self, prompt: usize, max_tokens: usize) -> Result<(), PromptError> {
+        let room = self.room(prompt);
+        if max_tokens > room {
+            return Err(PromptError::PastContext {
+                max_tokens,
+                prompt,
+                context: self.context_length,
+                room,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// How to pick each next token.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {

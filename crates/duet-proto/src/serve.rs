@@ -354,6 +354,8 @@ pub struct Edge {
     names: Vec<&'static str>,
     health: HealthReporter,
     drain: Arc<tokio::sync::watch::Sender<bool>>,
+    /// Health follows it (SERVING while true) until the drain begins; `None`: always SERVING.
+    ready: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 /// Resolves when the edge's drain begins, for the calls that would otherwise never end (KV event
@@ -404,7 +406,15 @@ impl Edge {
             names: Vec::new(),
             health: HealthReporter::new(),
             drain: Arc::new(tokio::sync::watch::Sender::new(false)),
+            ready: None,
         }
+    }
+
+    /// Health SERVING only while `ready` holds true (until the drain begins, which turns it
+    /// NOT_SERVING for good): for a worker that cannot do its work yet.
+    pub fn ready_when(mut self, ready: tokio::sync::watch::Receiver<bool>) -> Self {
+        self.ready = Some(ready);
+        self
     }
 
     /// The signal a never-ending call stops on (see [`DrainBegun`]).
@@ -456,9 +466,38 @@ impl Edge {
         listener: tokio::net::TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), tonic::transport::Error> {
-        self.draining()
-            .set(tonic_health::ServingStatus::Serving)
-            .await;
+        let draining = self.draining();
+        match self.ready.take() {
+            None => draining.set(tonic_health::ServingStatus::Serving).await,
+            Some(mut ready) => {
+                let mut drain = self.drain.subscribe();
+                let status = |ready: bool| match ready {
+                    true => tonic_health::ServingStatus::Serving,
+                    false => tonic_health::ServingStatus::NotServing,
+                };
+                let now = *ready.borrow_and_update();
+                draining.set(status(now)).await;
+                // Ends when the drain begins (or whoever says `ready` is gone).
+                tokio::spawn(async move {
+                    loop {
+                        tokio::select! {
+                            changed = ready.changed() => {
+                                let now = *ready.borrow_and_update();
+                                if changed.is_err() || *drain.borrow() {
+                                    return;
+                                }
+                                draining.set(status(now)).await;
+                            }
+                            changed = drain.changed() => {
+                                if changed.is_err() || *drain.borrow() {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        }
         let health = tonic_health::pb::health_server::HealthServer::new(
             HealthService::from_health_reporter(self.health.clone()),
         );

@@ -19,5 +19,6 @@ pub mod transport;
 
 pub use error::TransferError;
 pub use transport::{
-    KvSender, KvSink, KvTransport, KvWire, LayerSource, OpenPush, PushSpec, Pushed, ReservationKey,
+    KvSender, KvSink, KvTransport, KvWire, LayerSource, ModelMismatch, OpenPush, PushSpec, Pushed,
+    ReservationKey,
 };

@@ -21,7 +21,29 @@ pub struct KvWire {
     pub layout: KvLayout,
 }
 
+/// A peer's message for another model than the one this worker serves.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("model fingerprint mismatch: {peer} is for {theirs:?}, this worker serves {ours:?}")]
+pub struct ModelMismatch {
+    /// Who sent it: "the router", "the request", "the sender".
+    pub peer: &'static str,
+    pub theirs: String,
+    pub ours: String,
+}
+
 impl KvWire {
+    /// The one check that what `peer` sent (a request, a push) is for this worker's model.
+    pub fn check_model(&self, peer: &'static str, theirs: &str) -> Result<(), ModelMismatch> {
+        if theirs != self.fingerprint {
+            return Err(ModelMismatch {
+                peer,
+                theirs: theirs.to_string(),
+                ours: self.fingerprint.clone(),
+            });
+        }
+        Ok(())
+    }
+
     /// Bytes of one (layer, block) in the wire layout: K then V, each
     /// `[kv_head][slot][head_dim]`.
     pub fn block_bytes(&self) -> usize {
@@ -53,12 +75,8 @@ impl KvWire {
 
     /// Checks a sender's header against this (receiving) side.
     pub fn check(&self, h: &v1::KvHeader) -> Result<(), TransferError> {
-        if h.model_fingerprint != self.fingerprint {
-            return Err(TransferError::Mismatch(format!(
-                "model fingerprint mismatch: sender {}, receiver {}",
-                h.model_fingerprint, self.fingerprint
-            )));
-        }
+        self.check_model("the sender", &h.model_fingerprint)
+            .map_err(|e| TransferError::Mismatch(e.to_string()))?;
         let l = &self.layout;
         let geometry = (
             h.block_size as usize,

@@ -1,7 +1,8 @@
 //! The workers' errors, mapped once to gRPC statuses.
 
 use duet_engine::EngineError;
-use duet_transfer::TransferError;
+use duet_model::params::PromptError;
+use duet_transfer::{ModelMismatch, TransferError};
 use tonic::{Code, Status};
 
 #[derive(Debug, thiserror::Error)]
@@ -12,6 +13,9 @@ pub enum WorkerError {
     /// The request was made for another model or KV geometry.
     #[error("{0}")]
     FailedPrecondition(String),
+    /// The caller may not ask this (a prefill plan naming a worker outside the cluster).
+    #[error("{0}")]
+    PermissionDenied(String),
     /// A reservation that is gone (cancelled or expired).
     #[error("{0}")]
     NotFound(String),
@@ -32,16 +36,31 @@ pub enum WorkerError {
     EngineStopped,
 }
 
+impl From<ModelMismatch> for WorkerError {
+    fn from(e: ModelMismatch) -> Self {
+        WorkerError::FailedPrecondition(e.to_string())
+    }
+}
+
+impl From<PromptError> for WorkerError {
+    fn from(e: PromptError) -> Self {
+        WorkerError::InvalidArgument(e.to_string())
+    }
+}
+
 impl From<WorkerError> for Status {
     fn from(e: WorkerError) -> Self {
         let code = match &e {
             WorkerError::InvalidArgument(_) => Code::InvalidArgument,
             WorkerError::FailedPrecondition(_) => Code::FailedPrecondition,
             WorkerError::NotFound(_) => Code::NotFound,
+            WorkerError::PermissionDenied(_) => Code::PermissionDenied,
             WorkerError::ResourceExhausted(_) => Code::ResourceExhausted,
             WorkerError::DeadlineExceeded(_) => Code::DeadlineExceeded,
             WorkerError::Internal(_) => Code::Internal,
-            WorkerError::Engine(EngineError::InvalidRequest(_)) => Code::InvalidArgument,
+            WorkerError::Engine(EngineError::InvalidRequest(_) | EngineError::Prompt(_)) => {
+                Code::InvalidArgument
+            }
             WorkerError::Engine(EngineError::Kv(duet_kv::KvError::Exhausted { .. })) => {
                 Code::ResourceExhausted
             }

@@ -11,6 +11,7 @@ use std::time::Duration;
 use duet_device::{LoadedEngine, WithEngine};
 use duet_engine::backend::Backend;
 use duet_engine::engine::{Engine, EngineOptions};
+use duet_model::params::PromptLimits;
 use duet_transfer::{KvSink, KvWire, ReservationKey, TransferError};
 use tokio::sync::oneshot;
 
@@ -30,6 +31,16 @@ pub struct EngineInfo {
     /// decode worker on a GPU: [`duet_transfer::choice::IpcOffer`], encoded), or why there is
     /// none (a CPU engine, a build without CUDA, a failed `cuIpcGetMemHandle`).
     pub kv_ipc_offer: Result<Vec<u8>, String>,
+}
+
+impl EngineInfo {
+    /// What a prompt must fit.
+    pub fn prompt_limits(&self) -> PromptLimits {
+        PromptLimits {
+            context_length: self.context_length,
+            vocab_size: self.vocab_size,
+        }
+    }
 }
 
 /// A handle on the engine thread; cheap to clone. The thread ends once every handle is dropped

@@ -15,16 +15,22 @@
 
 pub mod actor;
 pub mod actor_engine;
+mod args;
 mod error;
 pub mod handle;
 pub mod kv_events;
 pub mod membership;
 pub mod metrics;
+pub mod peers;
 pub mod request;
+mod serve;
 pub mod stats;
 
 pub use actor::{Command, ReservationInfo};
+pub use args::WorkerArgs;
 pub use error::WorkerError;
 pub use handle::{CancelOnDrop, EngineHandle, EngineInfo};
+pub use peers::KnownPeers;
 pub use request::{Event, KvOut, Request, RequestId};
+pub use serve::StartedWorker;
 pub use stats::Identity;

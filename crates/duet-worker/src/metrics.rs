@@ -220,13 +220,14 @@ impl WorkerMetrics {
 }
 
 /// The families the counters keep themselves (histograms, per-transport vectors).
-fn labelled_collectors(c: &Counters) -> [&dyn Collector; 5] {
+fn labelled_collectors(c: &Counters) -> [&dyn Collector; 6] {
     [
         &c.step_tokens,
         &c.step_seconds,
         &c.kv_transfer_bytes,
         &c.kv_transfer_seconds,
         &c.kv_transfer_failures,
+        &c.local_prefill_fallbacks,
     ]
 }
 

@@ -1,6 +1,7 @@
 //! What `WorkerControl/Stats` reports, read without the engine thread: a snapshot the actor
 //! publishes after every turn, and counters either side adds to.
 
+use std::collections::HashSet;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -50,6 +51,78 @@ pub struct Counters {
     /// KV transfers that failed, by `transport`, `direction` and `reason` (the status code's
     /// name).
     pub kv_transfer_failures: IntCounterVec,
+    /// Prompts a decode worker prefilled itself although its plan named prefill workers, by
+    /// `reason` ([`LocalFallback`]).
+    pub local_prefill_fallbacks: IntCounterVec,
+    /// The fallback reasons logged so far (each is logged once, then only counted).
+    fallbacks_logged: Mutex<HashSet<LocalFallback>>,
+}
+
+/// Why a decode worker prefilled a prompt itself instead of on the prefill workers its plan
+/// named.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LocalFallback {
+    /// A prefill worker refused to push to this worker (PERMISSION_DENIED, UNAUTHENTICATED: a
+    /// prefill worker that does not know this decode worker, or another cluster token).
+    RefusedPush,
+    /// No prefill worker of the plan could be reached, or none answered in time.
+    Unreachable,
+    /// The prefill workers were saturated (RESOURCE_EXHAUSTED).
+    Saturated,
+    /// Another failure of the prefill call.
+    Failed,
+    /// This worker had no room to reserve the prompt's KV for a transfer.
+    NoReservation,
+}
+
+impl LocalFallback {
+    pub const ALL: [LocalFallback; 5] = [
+        LocalFallback::RefusedPush,
+        LocalFallback::Unreachable,
+        LocalFallback::Saturated,
+        LocalFallback::Failed,
+        LocalFallback::NoReservation,
+    ];
+
+    /// Why a failed prefill call failed.
+    pub fn of(code: tonic::Code) -> Self {
+        use tonic::Code::*;
+        match code {
+            PermissionDenied | Unauthenticated => LocalFallback::RefusedPush,
+            Unavailable | DeadlineExceeded | Cancelled => LocalFallback::Unreachable,
+            ResourceExhausted => LocalFallback::Saturated,
+            _ => LocalFallback::Failed,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LocalFallback::RefusedPush => "refused_push",
+            LocalFallback::Unreachable => "unreachable",
+            LocalFallback::Saturated => "saturated",
+            LocalFallback::Failed => "failed",
+            LocalFallback::NoReservation => "no_reservation",
+        }
+    }
+
+    /// What an operator should look at.
+    fn advice(self) -> &'static str {
+        match self {
+            LocalFallback::RefusedPush => {
+                "a prefill worker refused to push KV here: give it this worker's --advertise \
+                 address with --decode, or run both in one cluster (--etcd), with one cluster token"
+            }
+            LocalFallback::Unreachable => {
+                "no prefill worker of the plan answered in time: check that they run and are \
+                 reachable from this worker, and --prefill-timeout-ms"
+            }
+            LocalFallback::Saturated => "the prefill workers are saturated: add prefill workers",
+            LocalFallback::Failed => "the prefill call failed (its error is logged above)",
+            LocalFallback::NoReservation => {
+                "this worker's KV cache had no room to reserve the prompt for a transfer"
+            }
+        }
+    }
 }
 
 impl Default for Counters {
@@ -99,6 +172,24 @@ impl Default for Counters {
                 &["transport", "direction", "reason"],
             )
             .expect("valid counter"),
+            local_prefill_fallbacks: {
+                let family = IntCounterVec::new(
+                    Opts::new(
+                        "duet_local_prefill_fallbacks_total",
+                        "Prompts a decode worker prefilled itself although its plan named prefill \
+                         workers, by reason (refused_push, unreachable, saturated, failed, \
+                         no_reservation).",
+                    ),
+                    &["reason"],
+                )
+                .expect("valid counter");
+                // Every reason from the start, at 0, so a rate over it is defined.
+                for r in LocalFallback::ALL {
+                    family.with_label_values(&[r.as_str()]);
+                }
+                family
+            },
+            fallbacks_logged: Mutex::default(),
         }
     }
 }
@@ -133,6 +224,28 @@ impl Counters {
         self.kv_transfer_seconds
             .with_label_values(&labels)
             .observe(seconds);
+    }
+
+    /// A prompt prefilled here instead of on the plan's prefill workers: counted, and logged
+    /// the first time for each reason.
+    pub fn fell_back_to_local_prefill(&self, reason: LocalFallback, detail: &str) {
+        self.local_prefill_fallbacks
+            .with_label_values(&[reason.as_str()])
+            .inc();
+        let first = self
+            .fallbacks_logged
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(reason);
+        if first {
+            tracing::warn!(
+                reason = reason.as_str(),
+                detail,
+                "prefilling here instead of on a prefill worker: {} (logged once per reason; \
+                 counted in duet_local_prefill_fallbacks_total)",
+                reason.advice()
+            );
+        }
     }
 
     /// One request's KV transfer failed.

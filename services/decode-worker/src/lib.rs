@@ -10,9 +10,9 @@ mod service;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
+use duet_cluster::Role;
 use duet_proto::v1;
-use duet_worker::{EngineHandle, Identity};
+use duet_worker::{Identity, StartedWorker};
 use tokio::net::TcpListener;
 
 pub use config::DecodeConfig;
@@ -24,71 +24,38 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    config.kv_transport.for_worker(config.engine.device)?;
-    let token = config.auth.token()?;
-    let tls = config.tls.load()?;
-    let addr = listener.local_addr()?;
-    let model = config.model.resolve()?;
-    let engine = EngineHandle::spawn(
-        "decode-engine",
-        model.clone(),
-        config.engine.clone(),
+    let device = config.worker.engine.device;
+    config.worker.kv_transport.for_worker(device)?;
+    let mut worker = StartedWorker::start(
+        Role::Decode,
+        &config.worker,
+        &listener,
+        config.advertise.as_deref(),
         Duration::from_millis(config.reservation_timeout_ms),
     )
     .await?;
     let (kv_transport, kv_transport_params) = config
+        .worker
         .kv_transport
-        .decode_offer(config.engine.device, engine.info().kv_ipc_offer.clone())?;
+        .decode_offer(device, worker.engine.info().kv_ipc_offer.clone())?;
     tracing::info!(
         transport = duet_transfer::choice::transport_name(kv_transport),
         "KV transport offered to prefill workers"
     );
+    let prefill_workers = worker.peers(Role::Prefill, &config.prefill);
     let state = Arc::new(service::WorkerState {
         kv_transport,
         kv_transport_params,
-        identity: Identity::new(
-            config
-                .worker_id
-                .clone()
-                .unwrap_or_else(|| format!("decode-{}", addr.port())),
-        ),
-        advertise: config.advertise.clone().unwrap_or_else(|| addr.to_string()),
-        engine,
+        identity: Identity::new(worker.worker_id.clone()),
+        advertise: worker.advertise.clone(),
+        engine: worker.engine.clone(),
         prefill_timeout: Duration::from_millis(config.prefill_timeout_ms),
-        channels: duet_proto::Channels::new(duet_proto::PeerAuth {
-            token: token.clone(),
-            tls: tls.as_ref().map(duet_proto::Tls::client),
-        }),
+        channels: duet_proto::Channels::new(worker.peer_auth.clone()),
+        prefill_workers,
     });
-
-    let card = duet_worker::membership::card(
-        duet_cluster::Role::Decode,
-        &state.identity.worker_id,
-        &state.advertise,
-        &state.engine,
-        config.engine.device.to_string(),
-    );
-    let _metrics = duet_worker::metrics::export(
-        &state.engine,
-        "decode",
-        &model,
-        &state.identity.worker_id,
-        config.metrics,
-    )
-    .await
-    .context("cannot serve metrics")?;
-    tracing::info!(%addr, worker = %state.identity.worker_id, "decode worker serving");
-    let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
-        default_deadline: Duration::from_millis(config.request_timeout_ms.max(1)),
-        max_in_flight: config.max_in_flight,
-        cluster_token: token,
-        tls: tls
-            .as_ref()
-            .map(duet_proto::Tls::server_requiring_client_certs),
-    });
-    let drain = edge.drain_begun();
-    let edge = edge
-        .service(
+    let drain = worker.edge.drain_begun();
+    let services = |edge: duet_proto::Edge| {
+        edge.service(
             v1::decode_worker_server::DecodeWorkerServer::new(service::DecodeService {
                 state: state.clone(),
             })
@@ -111,14 +78,7 @@ pub async fn serve(
         ))
         .service(v1::worker_control_server::WorkerControlServer::new(
             service::ControlService { state },
-        ));
-    duet_worker::membership::serve_registered(
-        edge,
-        listener,
-        shutdown,
-        card,
-        &config.cluster,
-        &config.lease,
-    )
-    .await
+        ))
+    };
+    worker.serve(services, listener, shutdown).await
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use duet_proto::v1;
 use duet_transfer::ReservationKey;
-use duet_worker::stats::Counters;
+use duet_worker::stats::{Counters, LocalFallback};
 use duet_worker::{Command, Request, ReservationInfo, WorkerError};
 use tonic::Status;
 use tracing::Instrument;
@@ -55,13 +55,20 @@ pub async fn run(
     deadline: Instant,
 ) -> Result<PrefillReport, WorkerError> {
     let started = Instant::now();
+    let counters = state.engine.counters();
     let Some(mut reservation) = reserve(state, &request).await? else {
+        counters.fell_back_to_local_prefill(LocalFallback::NoReservation, "");
         return prefill_here(state, request, PrefillReport::default());
     };
     let id = request.id;
     let queue_ms = started.elapsed().as_secs_f64() * 1e3;
     let block_size = state.engine.info().wire.layout.block_size;
     let mut retries = 0;
+    // Why the last attempt failed (none made: the deadline left no time for one).
+    let mut failed = (
+        LocalFallback::Unreachable,
+        String::from("no time left for an attempt"),
+    );
     for (n, target) in plan.prefill_workers.iter().enumerate() {
         // This attempt, the ones after it and the local prefill share what is left.
         let shares = (plan.prefill_workers.len() - n + 1) as u32;
@@ -89,6 +96,7 @@ pub async fn run(
                     "the KV reservation was reclaimed; reserving again"
                 );
                 let Some(fresh) = reserve(state, &request).await? else {
+                    failed = (LocalFallback::NoReservation, String::new());
                     break;
                 };
                 reservation = fresh;
@@ -124,9 +132,14 @@ pub async fn run(
             Err(status) => {
                 retries += 1;
                 tracing::warn!(request = id, worker = %target.address, %status, "prefill attempt failed; trying the next");
+                failed = (
+                    LocalFallback::of(status.code()),
+                    format!("{}: {}", target.address, status.message()),
+                );
             }
         }
     }
+    counters.fell_back_to_local_prefill(failed.0, &failed.1);
     // No prefill worker succeeded: the reservation is released and the prompt computed here.
     prefill_here(
         state,

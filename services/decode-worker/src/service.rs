@@ -10,7 +10,7 @@ use duet_model::params::{SamplingParams, StopCriteria};
 use duet_proto::v1;
 use duet_transfer::choice::transport_name;
 use duet_worker::stats::{Counters, Direction};
-use duet_worker::{EngineHandle, Event, Identity, Request, WorkerError};
+use duet_worker::{EngineHandle, EngineInfo, Event, Identity, KnownPeers, Request, WorkerError};
 use futures::Stream;
 use tokio::sync::mpsc;
 use tonic::{Response, Status, Streaming};
@@ -32,6 +32,8 @@ pub struct WorkerState {
     /// in `kv_transport_params`).
     pub kv_transport: v1::TransportKind,
     pub kv_transport_params: Vec<u8>,
+    /// The prefill workers a plan may name.
+    pub prefill_workers: KnownPeers,
 }
 
 #[derive(Clone)]
@@ -53,7 +55,7 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
         let req = request.into_inner();
         let state = self.state.clone();
         let engine = &state.engine;
-        let (params, stop) = check(&req, &engine.info().wire.fingerprint)?;
+        let (params, stop) = check(&req, engine.info())?;
         let id = engine.next_id();
         // Frees whatever the request holds on the engine thread once its stream goes away
         // (finished, failed, or dropped by a cancelling client).
@@ -75,6 +77,7 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
             received: Instant::now(),
         };
         let plan = req.plan.clone().unwrap_or_default();
+        check_plan(&plan, &state.prefill_workers)?;
         // A resumed request (failover) is recomputed here: its prompt includes generated tokens
         // whose sampling state only this worker's engine can rebuild.
         let report = if plan.local || plan.prefill_workers.is_empty() || resumed.generated > 0 {
@@ -100,22 +103,39 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
 /// A request's sampling parameters, once it is checked against this worker.
 fn check(
     req: &v1::DecodeRequest,
-    fingerprint: &str,
+    info: &EngineInfo,
 ) -> Result<(SamplingParams, StopCriteria), WorkerError> {
-    if !req.model_fingerprint.is_empty() && req.model_fingerprint != fingerprint {
-        return Err(WorkerError::FailedPrecondition(format!(
-            "model fingerprint mismatch: the router expects {}, this worker runs {fingerprint}",
-            req.model_fingerprint
-        )));
+    // A router that has not heard from any worker yet sends no fingerprint.
+    if !req.model_fingerprint.is_empty() {
+        info.wire
+            .check_model("the router", &req.model_fingerprint)?;
     }
     let sampling = req
         .sampling
         .as_ref()
         .ok_or_else(|| WorkerError::InvalidArgument("sampling parameters are missing".into()))?;
-    if req.prompt_token_ids.is_empty() {
-        return Err(WorkerError::InvalidArgument("the prompt is empty".into()));
-    }
+    info.prompt_limits().check(&req.prompt_token_ids)?;
     Ok((SamplingParams::from(sampling), StopCriteria::from(sampling)))
+}
+
+/// A plan may name only prefill workers of this cluster: one that names another address would
+/// have this worker send the prompt (and the cluster token) there, and take KV from it.
+fn check_plan(plan: &v1::PrefillPlan, known: &KnownPeers) -> Result<(), WorkerError> {
+    if plan.local {
+        return Ok(());
+    }
+    match plan
+        .prefill_workers
+        .iter()
+        .find(|t| !known.knows(&t.address, Some(&t.worker_id)))
+    {
+        Some(t) => Err(WorkerError::PermissionDenied(format!(
+            "the prefill plan names worker {:?} at {:?}, which is not a prefill worker of this \
+             cluster (a prefill card, or --prefill)",
+            t.worker_id, t.address
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Turns a request's engine events into its response messages.

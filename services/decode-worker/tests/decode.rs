@@ -7,12 +7,12 @@ use std::time::Duration;
 use duet_decode_worker::{DecodeConfig, serve};
 use duet_engine::backend::{KvDtype, KvLayout};
 use duet_engine::engine::EngineOptions;
-use duet_model::model_path::ModelArgs;
 use duet_model::params::SamplingParams;
 use duet_model::params::StopCriteria;
 use duet_proto::v1;
 use duet_transfer::grpc::GrpcTransport;
 use duet_transfer::{KvTransport, PushSpec, ReservationKey};
+use duet_worker::WorkerArgs;
 use futures::StreamExt;
 use std::sync::{Arc, Mutex};
 use tonic::Status;
@@ -31,23 +31,29 @@ fn options() -> EngineOptions {
     }
 }
 
-async fn start() -> String {
+/// A decode worker on the tiny model whose plans may name the prefill workers at `prefill`.
+async fn start(prefill: &[String]) -> String {
+    start_with_metrics(prefill, None).await
+}
+
+/// [`start`], serving Prometheus metrics on `metrics`.
+async fn start_with_metrics(prefill: &[String], metrics: Option<std::net::SocketAddr>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let config = DecodeConfig {
         listen: addr,
-        advertise: None,
-        worker_id: Some("decode-test".into()),
-        model: ModelArgs {
-            model: Some(tiny()),
-            models_dir: "models".into(),
-        },
-        engine: options(),
-        kv_transport: Default::default(),
+        prefill: prefill.to_vec(),
         reservation_timeout_ms: 2_000,
         prefill_timeout_ms: 2_000,
-        request_timeout_ms: 600_000,
-        max_in_flight: 4096,
+        worker: WorkerArgs {
+            // Its own id: the process's one metrics registry tells the tests' workers apart by it.
+            worker_id: Some(format!("decode-test-{}", addr.port())),
+            engine: options(),
+            metrics: duet_telemetry::MetricsArgs {
+                metrics_listen: metrics,
+            },
+            ..WorkerArgs::for_model(tiny())
+        },
         ..Default::default()
     };
     tokio::spawn(serve(config, listener, std::future::pending()));
@@ -127,7 +133,7 @@ async fn collect(url: &str, req: v1::DecodeRequest) -> (Vec<u32>, v1::DecodeResp
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_prefill_streams_the_engines_tokens() {
-    let url = start().await;
+    let url = start(&[]).await;
     let (tokens, last) = collect(
         &url,
         request(
@@ -147,7 +153,12 @@ async fn local_prefill_streams_the_engines_tokens() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_prefill_workers_fall_back_to_local_prefill() {
-    let url = start().await;
+    let metrics = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let url =
+        start_with_metrics(&["127.0.0.1:1".into(), "127.0.0.1:2".into()], Some(metrics)).await;
     let plan = v1::PrefillPlan {
         local: false,
         prefill_workers: vec![
@@ -166,6 +177,30 @@ async fn dead_prefill_workers_fall_back_to_local_prefill() {
     let t = last.timings.unwrap();
     assert!(t.prefill_local);
     assert_eq!(t.prefill_retries, 2);
+    // The fallback is counted by its reason (the registry holds every test's workers).
+    let scraped = scrape(metrics).await;
+    let port = url.rsplit(':').next().unwrap();
+    let line = |reason: &str| {
+        scraped
+            .lines()
+            .find(|l| {
+                l.starts_with("duet_local_prefill_fallbacks_total{")
+                    && l.contains(&format!("engine=\"decode-test-{port}\""))
+                    && l.contains(&format!("reason=\"{reason}\""))
+            })
+            .unwrap_or_else(|| panic!("no {reason} fallbacks in\n{scraped}"))
+            .to_string()
+    };
+    assert!(
+        line("unreachable").ends_with(" 1"),
+        "{}",
+        line("unreachable")
+    );
+    assert!(
+        line("refused_push").ends_with(" 0"),
+        "{}",
+        line("refused_push")
+    );
     // Nothing is left reserved or running.
     let s = stats(&url).await;
     assert_eq!((s.reservations_outstanding, s.kv_blocks_used), (0, 0));
@@ -173,7 +208,7 @@ async fn dead_prefill_workers_fall_back_to_local_prefill() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pushes_that_do_not_fit_are_refused() {
-    let url = start().await;
+    let url = start(&[]).await;
     let mut kv = v1::kv_transfer_client::KvTransferClient::connect(url.clone())
         .await
         .unwrap();
@@ -284,7 +319,10 @@ impl v1::prefill_worker_server::PrefillWorker for Forger {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_pushes_are_refused_and_the_prefix_cache_stays_intact() {
-    let url = start().await;
+    // The forger is a member (listed): its pushes are what is refused.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let forger_addr = listener.local_addr().unwrap();
+    let url = start(&[forger_addr.to_string()]).await;
     let local = || v1::PrefillPlan {
         local: true,
         prefill_workers: vec![],
@@ -308,8 +346,6 @@ async fn forged_pushes_are_refused_and_the_prefix_cache_stays_intact() {
         },
         answers: answers.clone(),
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let forger_addr = listener.local_addr().unwrap();
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(v1::prefill_worker_server::PrefillWorkerServer::new(forger))
@@ -346,7 +382,7 @@ async fn forged_pushes_are_refused_and_the_prefix_cache_stays_intact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_stream_frees_the_blocks() {
-    let url = start().await;
+    let url = start(&[]).await;
     let mut client = v1::decode_worker_client::DecodeWorkerClient::connect(url.clone())
         .await
         .unwrap();
@@ -371,4 +407,72 @@ async fn dropping_the_stream_frees_the_blocks() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("the cancelled request still holds KV blocks");
+}
+
+/// A Decode call whose plan names a prefill worker outside the cluster (neither a card nor
+/// --prefill) is refused before anything is reserved: the named worker is never called, so it
+/// can place no block in any cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_naming_a_worker_outside_the_cluster_is_refused() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let outsider = listener.local_addr().unwrap();
+    let called = Arc::new(Mutex::new(false));
+    let url = start(&["127.0.0.1:1".into()]).await;
+    {
+        let called = called.clone();
+        tokio::spawn(async move {
+            // Any connection at all would mean the decode worker dialled the outsider.
+            if listener.accept().await.is_ok() {
+                *called.lock().unwrap() = true;
+            }
+        });
+    }
+    let mut client = v1::decode_worker_client::DecodeWorkerClient::connect(url.clone())
+        .await
+        .unwrap();
+    for (worker_id, address) in [
+        ("outsider", outsider.to_string()),
+        // A listed address cannot lend a member's standing to another name at another port.
+        ("127.0.0.1:1", outsider.to_string()),
+    ] {
+        let plan = v1::PrefillPlan {
+            local: false,
+            prefill_workers: vec![v1::PrefillTarget {
+                worker_id: worker_id.into(),
+                address,
+            }],
+        };
+        let refused = client.decode(request(plan, 4)).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+        assert!(
+            refused
+                .message()
+                .contains("not a prefill worker of this cluster"),
+            "{refused:?}"
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!*called.lock().unwrap(), "the outsider was never called");
+    let s = stats(&url).await;
+    assert_eq!(
+        (
+            s.reservations_outstanding,
+            s.kv_blocks_used,
+            s.kv_blocks_cached
+        ),
+        (0, 0, 0)
+    );
+}
+
+/// The Prometheus text a worker serves on `addr`.
+async fn scrape(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    stream.read_to_string(&mut body).await.unwrap();
+    body
 }

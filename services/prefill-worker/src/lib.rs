@@ -9,18 +9,18 @@
 //! it, and the KV goes out through the transport seam ([`duet_transfer`]).
 
 pub mod config;
-pub mod decode_workers;
 pub mod service;
 
 use std::future::Future;
+use std::time::Duration;
 
-use anyhow::Context;
+use duet_cluster::Role;
 use duet_proto::v1::kv_events_server::KvEventsServer;
 use duet_proto::v1::prefill_worker_server::PrefillWorkerServer;
 use duet_proto::v1::worker_control_server::WorkerControlServer;
 
 pub use config::PrefillConfig;
-use decode_workers::KnownDecodeWorkers;
+use duet_worker::{KnownPeers, StartedWorker};
 pub use service::PrefillService;
 
 /// Loads the model and serves a prefill worker on `listener`, registered in the cluster, until
@@ -30,87 +30,74 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let token = config.auth.token()?;
-    let tls = config.tls.load()?;
-    let transport = duet_transfer::choice::open_transport(
-        config.kv_transport,
-        config.engine.device,
-        duet_proto::PeerAuth {
-            token: token.clone(),
-            tls: tls.as_ref().map(duet_proto::Tls::client),
-        },
-    )?;
-    let addr = listener
-        .local_addr()
-        .context("reading the listener's address")?;
-    let worker_id = config.worker_id_for(addr.port());
-    let model = config.model.resolve()?;
-    tracing::info!(worker_id, model = %model.display(), "loading the model");
+    let device = config.worker.engine.device;
+    config.worker.kv_transport.for_worker(device)?;
     // A prefill worker holds no KV reservations, so their lease does not matter here.
-    let engine = duet_worker::EngineHandle::spawn(
-        "prefill-engine",
-        model.clone(),
-        config.engine.clone(),
-        std::time::Duration::ZERO,
+    let mut worker = StartedWorker::start(
+        Role::Prefill,
+        &config.worker,
+        &listener,
+        config.advertise.as_deref(),
+        Duration::ZERO,
     )
     .await?;
-    let _metrics =
-        duet_worker::metrics::export(&engine, "prefill", &model, &worker_id, config.metrics)
-            .await
-            .context("cannot serve metrics")?;
-    let advertise = config.advertise.clone().unwrap_or_else(|| addr.to_string());
-    let card = duet_worker::membership::card(
-        duet_cluster::Role::Prefill,
-        &worker_id,
-        &advertise,
-        &engine,
-        config.engine.device.to_string(),
-    );
-    let (membership, follower) =
-        duet_cluster::membership::follow(config.cluster.clone(), decode_workers::MEMBERSHIP_RESYNC);
-    let decode_workers = KnownDecodeWorkers::new(&config.decode, membership);
+    let transport = duet_transfer::choice::open_transport(
+        config.worker.kv_transport,
+        device,
+        worker.peer_auth.clone(),
+    )?;
+    let decode_workers = worker.peers(Role::Decode, &config.decode);
+    let ready = ready_while_a_decode_worker_is_known(decode_workers.clone());
     let service = PrefillService::new(
-        engine,
+        worker.engine.clone(),
         transport,
         decode_workers,
-        worker_id.clone(),
+        worker.worker_id.clone(),
         config.max_queued_tokens,
     );
-    tracing::info!(
-        worker_id,
-        %addr,
-        fingerprint = service.fingerprint(),
-        "prefill worker serving"
-    );
+    let drain = worker.edge.drain_begun();
+    let services = |edge: duet_proto::Edge| {
+        edge.ready_when(ready)
+            .service(
+                PrefillWorkerServer::new(service.clone())
+                    .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+            )
+            .service(KvEventsServer::new(service.kv_events(drain)))
+            .service(WorkerControlServer::new(service))
+    };
+    worker.serve(services, listener, shutdown).await
+}
 
-    let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
-        default_deadline: std::time::Duration::from_millis(config.request_timeout_ms.max(1)),
-        max_in_flight: config.max_in_flight,
-        cluster_token: token,
-        tls: tls
-            .as_ref()
-            .map(duet_proto::Tls::server_requiring_client_certs),
+/// SERVING only while some decode worker is known: a prefill worker that can push KV nowhere
+/// would have every remote prefill refused, and the decode workers fall back to prefilling
+/// themselves, so it takes no work, and says why.
+fn ready_while_a_decode_worker_is_known(
+    mut known: KnownPeers,
+) -> tokio::sync::watch::Receiver<bool> {
+    let (tx, rx) = tokio::sync::watch::channel(known.any());
+    tokio::spawn(async move {
+        let mut said = None;
+        loop {
+            let ready = known.any();
+            if said != Some(ready) {
+                if ready {
+                    tracing::info!("a decode worker is known: serving");
+                } else {
+                    tracing::warn!(
+                        "no decode worker is known to push KV to, so this prefill worker is not \
+                         ready (health NOT_SERVING): name the decode workers with --decode ADDR \
+                         (DUET_DECODE_WORKERS), or follow the cluster's cards with --etcd"
+                    );
+                }
+                said = Some(ready);
+            }
+            tx.send_replace(ready);
+            tokio::select! {
+                () = known.changed() => {}
+                () = tx.closed() => return,
+            }
+        }
     });
-    let drain = edge.drain_begun();
-    let edge = edge
-        .service(
-            PrefillWorkerServer::new(service.clone())
-                .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
-        )
-        .service(KvEventsServer::new(service.kv_events(drain)))
-        .service(WorkerControlServer::new(service));
-    let served = duet_worker::membership::serve_registered(
-        edge,
-        listener,
-        shutdown,
-        card,
-        &config.cluster,
-        &config.lease,
-    )
-    .await;
-    follower.abort();
-    served?;
-    tracing::info!(worker_id, "prefill worker stopped");
-    Ok(())
+    rx
 }

@@ -16,12 +16,12 @@ use duet_transfer::choice::transport_name;
 use duet_transfer::{KvTransport, PushSpec, Pushed, ReservationKey, TransferError};
 use duet_worker::kv_events::{DEFAULT_DIGEST_INTERVAL, KvEventsService};
 use duet_worker::stats::{Counters, Direction};
-use duet_worker::{EngineHandle, EngineInfo, Event, Identity, KvOut, Request, WorkerError};
+use duet_worker::{
+    EngineHandle, EngineInfo, Event, Identity, KnownPeers, KvOut, Request, WorkerError,
+};
 use tokio::sync::mpsc;
 use tonic::{Response, Status};
 use tracing::Instrument;
-
-use crate::decode_workers::KnownDecodeWorkers;
 
 /// Serves `PrefillWorker` and `WorkerControl`; cheap to clone.
 #[derive(Clone)]
@@ -32,7 +32,7 @@ pub struct PrefillService {
 struct Inner {
     engine: EngineHandle,
     transport: Arc<dyn KvTransport>,
-    decode_workers: KnownDecodeWorkers,
+    decode_workers: KnownPeers,
     identity: Identity,
     max_queued_tokens: u64,
 }
@@ -42,7 +42,7 @@ impl PrefillService {
     pub fn new(
         engine: EngineHandle,
         transport: Arc<dyn KvTransport>,
-        decode_workers: KnownDecodeWorkers,
+        decode_workers: KnownPeers,
         worker_id: String,
         max_queued_tokens: u64,
     ) -> Self {
@@ -140,7 +140,7 @@ impl Inner {
     ) -> Result<PrefillResponse, WorkerError> {
         let info = self.engine.info();
         let dest = validate(&req, info)?;
-        if !self.decode_workers.knows(&dest.transfer_address) {
+        if !self.decode_workers.knows(&dest.transfer_address, None) {
             return Err(TransferError::Forbidden(format!(
                 "dest.transfer_address {:?} is not a decode worker this prefill worker knows (--decode, or a decode card of its cluster)",
                 dest.transfer_address
@@ -298,12 +298,8 @@ fn validate<'a>(
 ) -> Result<&'a KvDestination, WorkerError> {
     use WorkerError::{FailedPrecondition, InvalidArgument};
     let layout = &info.wire.layout;
-    if req.model_fingerprint != info.wire.fingerprint {
-        return Err(FailedPrecondition(format!(
-            "model fingerprint mismatch: the request is for {:?}, this prefill worker serves {:?}",
-            req.model_fingerprint, info.wire.fingerprint
-        )));
-    }
+    info.wire
+        .check_model("the request", &req.model_fingerprint)?;
     let dest = req
         .dest
         .as_ref()
@@ -315,25 +311,7 @@ fn validate<'a>(
         )));
     }
     let n = req.token_ids.len();
-    if n == 0 {
-        return Err(InvalidArgument("token_ids is empty".into()));
-    }
-    if let Some(&bad) = req
-        .token_ids
-        .iter()
-        .find(|&&t| t as usize >= info.vocab_size)
-    {
-        return Err(InvalidArgument(format!(
-            "token id {bad} is outside the vocabulary (0..{})",
-            info.vocab_size
-        )));
-    }
-    if n >= info.context_length {
-        return Err(InvalidArgument(format!(
-            "the prompt has {n} tokens; the model's context is {}",
-            info.context_length
-        )));
-    }
+    info.prompt_limits().check(&req.token_ids)?;
     let blocks = n.div_ceil(layout.block_size);
     if dest.block_ids.len() != blocks {
         return Err(InvalidArgument(format!(

@@ -162,8 +162,8 @@ async fn start_worker(decode: &[SocketAddr]) -> Worker {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let mut config = PrefillConfig::for_model(fixture());
-    config.engine = engine_options();
-    config.worker_id = Some("prefill-test".into());
+    config.worker.engine = engine_options();
+    config.worker.worker_id = Some("prefill-test".into());
     config.decode = decode.iter().map(SocketAddr::to_string).collect();
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
@@ -590,27 +590,38 @@ async fn a_missed_deadline_frees_everything() {
     assert_eq!(s.requests_served, 0);
 }
 
+/// Health is served for the worker ("") and each service; SERVING only once a decode worker
+/// is known to push KV to (here by --decode; its cluster has no decode card).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn health_is_served() {
+async fn health_is_served_once_a_decode_worker_is_known() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
-    let worker = start_worker(&[]).await;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", worker.addr))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut health = HealthClient::new(channel);
-    for service in ["", "duet.v1.PrefillWorker", "duet.v1.WorkerControl"] {
-        let status = health
-            .check(HealthCheckRequest {
-                service: service.into(),
-            })
-            .await
+    let (decode, _) = start_fake_decode(Mode::Accept).await;
+    for (known, expected) in [
+        (vec![], ServingStatus::NotServing),
+        (vec![decode], ServingStatus::Serving),
+    ] {
+        let worker = start_worker(&known).await;
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", worker.addr))
             .unwrap()
-            .into_inner()
-            .status;
-        assert_eq!(status, ServingStatus::Serving as i32, "{service:?}");
+            .connect()
+            .await
+            .unwrap();
+        let mut health = HealthClient::new(channel);
+        for service in ["", "duet.v1.PrefillWorker", "duet.v1.WorkerControl"] {
+            let status = health
+                .check(HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .status;
+            assert_eq!(
+                status, expected as i32,
+                "{service:?}, decode workers {known:?}"
+            );
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use clap::Args;
 use duet_cluster::ClusterArgs;
@@ -9,7 +10,9 @@ use duet_model::model_path::ModelArgs;
 use duet_proto::{ClusterAuth, TlsArgs};
 use duet_telemetry::MetricsArgs;
 
-use crate::routing::{HealthPolicy, RoutingParams, RoutingPolicy};
+use crate::policy::{PolicyParams, RoutingPolicy};
+use crate::routing::RoutingParams;
+use crate::worker::HealthPolicy;
 
 /// How the router is run: where it listens, which workers it routes to, the model it serves
 /// (config, tokenizer and chat template only; never the weights) and its limits.
@@ -163,6 +166,12 @@ pub struct RoutingOptions {
     #[arg(long, env = "DUET_PREFILL_SATURATION_FACTOR", default_value_t = RoutingOptions::default().prefill_saturation_factor)]
     pub prefill_saturation_factor: f64,
 
+    /// How long a prompt the router just placed counts as cached on the worker that prefills
+    /// it, before that worker's KV events confirm it, in milliseconds: a follow-up or a burst
+    /// sharing a fresh prompt goes where it is being computed. 0: only the events count.
+    #[arg(long, env = "DUET_PENDING_PREFIX_TTL_MS", default_value_t = RoutingOptions::default().pending_prefix_ttl_ms)]
+    pub pending_prefix_ttl_ms: u64,
+
     /// Bandwidth of the KV transport between prefill and decode workers, in MiB/s: what
     /// moving a prompt's KV to a decode worker is estimated to cost.
     #[arg(long, env = "DUET_KV_LINK_MIB_PER_S", default_value_t = RoutingOptions::default().kv_link_mib_per_s)]
@@ -216,6 +225,7 @@ impl Default for RoutingOptions {
             routing: RoutingPolicy::CacheAware,
             local_prefill_threshold: 32,
             prefill_saturation_factor: 2.0,
+            pending_prefix_ttl_ms: 10_000,
             kv_link_mib_per_s: 1024,
             max_queued_requests: 256,
             max_prompt_bytes: None,
@@ -233,13 +243,16 @@ impl RoutingOptions {
     /// What the pools route by.
     pub fn params(&self) -> RoutingParams {
         RoutingParams {
-            policy: self.routing,
-            local_prefill_threshold: self.local_prefill_threshold,
-            kv_link_bytes_per_s: self.kv_link_mib_per_s as f64 * 1024.0 * 1024.0,
-            prefill_saturation_factor: self.prefill_saturation_factor,
+            policy: PolicyParams {
+                policy: self.routing,
+                local_prefill_threshold: self.local_prefill_threshold,
+                kv_link_bytes_per_s: self.kv_link_mib_per_s as f64 * 1024.0 * 1024.0,
+                prefill_saturation_factor: self.prefill_saturation_factor,
+            },
             health: HealthPolicy {
                 unhealthy_after: self.unhealthy_after_failures,
             },
+            pending_prefix_ttl: Duration::from_millis(self.pending_prefix_ttl_ms),
         }
     }
 
@@ -250,6 +263,7 @@ impl RoutingOptions {
             routing,
             local_prefill_threshold,
             prefill_saturation_factor,
+            pending_prefix_ttl_ms,
             kv_link_mib_per_s,
             max_queued_requests,
             max_prompt_bytes,
@@ -265,6 +279,7 @@ impl RoutingOptions {
             format!("--routing={routing}"),
             format!("--local-prefill-threshold={local_prefill_threshold}"),
             format!("--prefill-saturation-factor={prefill_saturation_factor}"),
+            format!("--pending-prefix-ttl-ms={pending_prefix_ttl_ms}"),
             format!("--kv-link-mib-per-s={kv_link_mib_per_s}"),
             format!("--max-queued-requests={max_queued_requests}"),
             format!("--max-request-bytes={max_request_bytes}"),
@@ -352,6 +367,7 @@ mod tests {
             cluster: ClusterArgs {
                 etcd: vec!["etcd:2379".into()],
                 cluster: "prod".into(),
+                ..Default::default()
             },
             membership_resync_s: 5,
             model: ModelArgs {
@@ -366,6 +382,7 @@ mod tests {
                 routing: RoutingPolicy::Random,
                 local_prefill_threshold: 0,
                 prefill_saturation_factor: 0.5,
+                pending_prefix_ttl_ms: 29,
                 kv_link_mib_per_s: 3,
                 max_queued_requests: 9,
                 max_prompt_bytes: Some(4321),

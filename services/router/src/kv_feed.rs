@@ -12,7 +12,7 @@ use duet_proto::v1::kv_events_client::KvEventsClient;
 use tonic::Code;
 
 use crate::kv_index::{Applied, KvIndex, WorkerSlot};
-use crate::routing::Worker;
+use crate::worker::Worker;
 
 /// Pause before subscribing again after a broken stream.
 const RETRY: Duration = Duration::from_millis(500);

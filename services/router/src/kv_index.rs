@@ -14,10 +14,19 @@
 //!
 //! Workers are named by a [`WorkerSlot`]: the router's number for one worker incarnation as its
 //! pools know it, so a restarted worker on the same address never inherits old entries.
+//!
+//! Beside the exact entries, and apart from them, the index keeps the placements the router just
+//! made ([`KvIndex::record_pending`]): a prompt sent to a worker is counted as cached there at
+//! once, so a follow-up or a burst sharing a fresh prompt finds it before the worker's events
+//! arrive. A pending placement ends when the worker's events confirm every block of it, when its
+//! time to live passes, or when a later request on the same prefix reports a miss
+//! ([`KvIndex::missed`]).
+//! Digests and snapshots compare only the exact entries.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, RwLock};
+use std::time::Instant;
 
 use duet_kv::{BlockHash, KvDigest};
 use duet_proto::v1;
@@ -110,10 +119,21 @@ pub struct IndexCounters {
     pub new_incarnations: AtomicU64,
 }
 
-/// Block hash → workers, per worker as of its last event.
+/// A placement the router made: the prompt's blocks, counted as held by `slots` until `until`.
+#[derive(Debug)]
+struct PendingPrefix {
+    id: u64,
+    slots: Vec<WorkerSlot>,
+    hashes: Vec<BlockHash>,
+    until: Instant,
+}
+
+/// Block hash → workers, per worker as of its last event; and the router's pending placements.
 #[derive(Default)]
 pub struct KvIndex {
     state: RwLock<State>,
+    pending: Mutex<Vec<PendingPrefix>>,
+    next_pending: AtomicU64,
     pub counters: IndexCounters,
     /// Test hook: events still to discard as if lost in transit.
     drop_events: AtomicUsize,
@@ -157,6 +177,12 @@ impl KvIndex {
 
     /// Takes one message of `slot`'s feed.
     pub fn apply(&self, slot: WorkerSlot, msg: &v1::KvEventsMessage) -> Applied {
+        let applied = self.apply_exact(slot, msg);
+        self.confirm_pending(slot);
+        applied
+    }
+
+    fn apply_exact(&self, slot: WorkerSlot, msg: &v1::KvEventsMessage) -> Applied {
         let mut state = self.write();
         let entry = state.workers.entry(slot).or_default();
         if let Some(snapshot) = &msg.snapshot {
@@ -273,11 +299,96 @@ impl KvIndex {
         let mut state = self.write();
         state.clear(slot);
         state.workers.remove(&slot);
+        drop(state);
+        self.pending_mut().retain_mut(|p| {
+            p.slots.retain(|&s| s != slot);
+            !p.slots.is_empty()
+        });
+    }
+
+    fn pending_mut(&self) -> std::sync::MutexGuard<'_, Vec<PendingPrefix>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts `hashes` (a prompt's leading blocks) as held by each of `slots` until `until`,
+    /// or until confirmed or missed; returns the placement's id (for [`Self::missed`]).
+    pub fn record_pending(
+        &self,
+        slots: &[WorkerSlot],
+        hashes: Vec<BlockHash>,
+        until: Instant,
+    ) -> u64 {
+        let id = self.next_pending.fetch_add(1, Ordering::Relaxed);
+        if !hashes.is_empty() && !slots.is_empty() {
+            self.pending_mut().push(PendingPrefix {
+                id,
+                slots: slots.to_vec(),
+                hashes,
+                until,
+            });
+        }
+        id
+    }
+
+    /// A request placed on `slot` (its own placement `id`) found fewer of its blocks cached
+    /// there than predicted: every other pending placement on `slot` of a prompt starting with
+    /// `first_block` was wrong (its request failed, or the worker evicted the blocks) and ends.
+    /// The request's own placement stays: the worker has just computed those blocks.
+    pub fn missed(&self, slot: WorkerSlot, first_block: BlockHash, id: u64) {
+        self.pending_mut().retain_mut(|p| {
+            if p.id != id && p.hashes.first() == Some(&first_block) {
+                p.slots.retain(|&s| s != slot);
+            }
+            !p.slots.is_empty()
+        });
+    }
+
+    /// Pending placements now.
+    pub fn pending_count(&self) -> usize {
+        self.pending_mut().len()
+    }
+
+    /// Ends `slot`'s part of every pending placement whose blocks its events now all show.
+    fn confirm_pending(&self, slot: WorkerSlot) {
+        let state = self.read();
+        let Some(entry) = state.workers.get(&slot) else {
+            return;
+        };
+        self.pending_mut().retain_mut(|p| {
+            if p.slots.contains(&slot) && p.hashes.iter().all(|h| entry.hashes.contains(h)) {
+                p.slots.retain(|&s| s != slot);
+            }
+            !p.slots.is_empty()
+        });
     }
 
     /// For each worker holding at least the first block: how many leading blocks of `hashes`
-    /// (a prompt's chained hashes) it holds.
-    pub fn prefix_matches(&self, hashes: &[BlockHash]) -> HashMap<WorkerSlot, usize> {
+    /// (a prompt's chained hashes) it holds, by its events or by a placement pending at `now`
+    /// (expired placements are dropped here).
+    pub fn prefix_matches(&self, hashes: &[BlockHash], now: Instant) -> HashMap<WorkerSlot, usize> {
+        let mut matches = self.exact_matches(hashes);
+        let mut pending = self.pending_mut();
+        pending.retain(|p| p.until > now);
+        for p in pending.iter() {
+            let common = p
+                .hashes
+                .iter()
+                .zip(hashes)
+                .take_while(|(a, b)| a == b)
+                .count();
+            if common == 0 {
+                continue;
+            }
+            for &slot in &p.slots {
+                let n = matches.entry(slot).or_default();
+                *n = (*n).max(common);
+            }
+        }
+        matches
+    }
+
+    /// [`Self::prefix_matches`] by the workers' events alone.
+    fn exact_matches(&self, hashes: &[BlockHash]) -> HashMap<WorkerSlot, usize> {
         let state = self.read();
         let mut matches: HashMap<WorkerSlot, usize> = HashMap::new();
         for (i, h) in hashes.iter().enumerate() {
@@ -377,7 +488,10 @@ mod tests {
     }
 
     fn matches(index: &KvIndex, hashes: &[u64]) -> Vec<(WorkerSlot, usize)> {
-        let mut m: Vec<_> = index.prefix_matches(hashes).into_iter().collect();
+        let mut m: Vec<_> = index
+            .prefix_matches(hashes, Instant::now())
+            .into_iter()
+            .collect();
         m.sort();
         m
     }
@@ -503,5 +617,33 @@ mod tests {
             Applied::Ok
         );
         assert_eq!(index.apply(1, &digest(INC, 2, &[1, 2])), Applied::Ok);
+    }
+
+    #[test]
+    fn pending_placements_count_until_confirmed_missed_or_expired() {
+        let index = KvIndex::default();
+        let now = Instant::now();
+        let later = now + std::time::Duration::from_secs(10);
+        index.record_pending(&[1], vec![10, 20, 30], later);
+        // Matched as far as the prompt agrees with the placement, on top of the exact index.
+        assert_eq!(index.prefix_matches(&[10, 20, 99], now)[&1], 2);
+        // Worker 1's snapshot shows two of the three blocks: still pending; then its event.
+        index.apply(1, &snapshot(INC, 2, &[10, 20], true));
+        assert_eq!(index.pending_count(), 1);
+        index.apply(1, &events(INC, vec![stored(3, 30)]));
+        assert_eq!(index.pending_count(), 0, "confirmed");
+        // A later request on the prefix reports a miss on worker 2: older placements of that
+        // prefix there end, its own stays.
+        index.record_pending(&[2], vec![10, 20], later);
+        let own = index.record_pending(&[2], vec![10, 20, 40], later);
+        index.missed(2, 10, own);
+        assert_eq!(index.pending_count(), 1);
+        assert_eq!(index.prefix_matches(&[10, 20, 40], now)[&2], 3);
+        // Expired placements match nothing and are dropped; a worker leaving drops its own.
+        assert!(!index.prefix_matches(&[10, 20, 40], later).contains_key(&2));
+        assert_eq!(index.pending_count(), 0);
+        index.record_pending(&[3], vec![10], later);
+        index.remove_worker(3);
+        assert_eq!(index.pending_count(), 0);
     }
 }

@@ -20,10 +20,12 @@ pub mod kv_feed;
 pub mod kv_index;
 pub mod metrics;
 pub mod openai;
+pub mod policy;
 mod relay;
 pub mod routing;
 pub mod service;
 pub mod validate;
+pub mod worker;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -117,8 +119,11 @@ pub async fn serve(
         inner: generation,
         keys: api_keys.clone(),
     };
+    // With a cluster token, only cards signed with it are workers.
+    let cluster =
+        (config.cluster.clone()).signed_with(token.as_ref().map(|t| t.as_str().as_bytes()));
     let (membership, follower) = duet_cluster::membership::follow(
-        config.cluster.clone(),
+        cluster,
         Duration::from_secs(config.membership_resync_s.max(1)),
     );
     let syncer = tokio::spawn(sync_pools(state.clone(), membership));

@@ -13,7 +13,8 @@ use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 use tokio::time::Instant;
 use tonic::Code;
 
-use crate::routing::{Decision, Decisions};
+use crate::policy::Decision;
+use crate::routing::Decisions;
 
 /// The `error_type` label of a request that ended with `code`.
 pub fn error_type(code: Code) -> &'static str {

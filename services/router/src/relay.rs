@@ -21,9 +21,11 @@ use tracing::Instrument;
 
 use crate::error::{RouterError, is_retryable};
 use crate::metrics::{Outcome, RouterMetrics, error_type};
-use crate::routing::{NoRoute, Planned, Pools, RouteRequest, Worker};
+use crate::policy::NoRoute;
+use crate::routing::{Pools, RouteRequest};
 use crate::service::RouterState;
 use crate::validate::ValidRequest;
+use crate::worker::{Planned, Worker};
 
 /// One admitted request.
 pub(crate) struct Job {
@@ -197,6 +199,12 @@ async fn run(
                         route.predicted_cached_tokens,
                         actual,
                     );
+                    if let Some(p) = route
+                        .pending
+                        .filter(|_| actual < route.predicted_cached_tokens)
+                    {
+                        state.pools.index.missed(p.slot, p.first_block, p.id);
+                    }
                 }
                 return Ok(());
             }

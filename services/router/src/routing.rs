@@ -1,485 +1,35 @@
-//! Worker pools and routing decisions.
+//! The worker pools: who the router can route to, kept in line with the cluster, and routing
+//! carried out over them.
 //!
 //! The router knows its workers from flags (static) and from the cluster's worker cards
-//! ([`Pools::sync`] diffs each new membership against the pools). Each one is polled every
-//! stats interval (`grpc.health.v1` check of the service "" and `WorkerControl/Stats`), on a
-//! connection of its own so that polls never queue behind (or reset) request streams. A worker is
-//! routable once it answered stats, its health check says SERVING, its model fingerprint equals
-//! the cluster's (the most common fingerprint among the answering workers), and — for a worker
-//! known from a card — its card is present and `ready`. Health comes from the connection, not
-//! from a slow stats reply: a stats call that fails keeps the last stats, and a worker leaves
-//! rotation only after [`HealthPolicy::unhealthy_after`] consecutive failed health checks, a
-//! refused connection, or a NOT_SERVING answer. A decode worker whose call fails is taken out of
-//! rotation until its next good poll.
+//! ([`Pools::sync`] diffs each new membership against the pools). Each one ([`Worker`]) is polled
+//! every stats interval on a connection of its own, and followed on `KvEvents`
+//! ([`crate::kv_feed`]) into the exact prefix index ([`KvIndex`]).
 //!
-//! Each worker is also followed on `KvEvents` ([`crate::kv_feed`]) into the exact prefix index
-//! ([`KvIndex`]). A route ([`Pools::route`]) hashes the prompt with duet-kv's chained function
-//! (seed: the cluster's fingerprint and the request's cache salt) and, under the cache-aware
-//! policy:
-//! - picks the decode worker with the most KV headroom, less its running batch and the time to
-//!   move the prompt's KV it does not hold ([`decode_score`]);
-//! - ranks prefill workers by estimated time to first token: (queued prefill tokens + tokens
-//!   the router planned there since their last stats + this prompt's tokens not cached there) ÷
-//!   the worker's measured prefill rate ([`estimated_ttft_s`]);
-//! - prefills on the decode worker itself when the prompt's uncached part there is short, or
-//!   when the prefill pool is saturated (its best estimate is worse than
-//!   `--prefill-saturation-factor` times the decode worker's own);
-//! - refuses at once (RESOURCE_EXHAUSTED) when the best estimate passes the request's deadline.
-//!
-//! Every decision is counted by reason with the cached tokens it predicted ([`Decisions`]).
-//! Decisions are pure functions over snapshots ([`pick_decode`], [`rank_prefill`],
-//! [`consensus_fingerprint`]) so they are unit-tested without a network.
+//! A route ([`Pools::route`]) hashes the prompt with duet-kv's chained function (seed: the
+//! cluster's fingerprint, the most common one among healthy workers, and the request's cache
+//! salt), looks up each worker's prefix overlap in the index, takes a [`WorkerSnapshot`] of every
+//! worker, and asks the policy ([`crate::policy::select`]); it then counts the decision by reason
+//! ([`Decisions`]), counts the prompt tokens it planned on the prefilling worker until that
+//! worker reports them, and returns the plan to send.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use duet_cluster::{CardState, Membership, Role, WorkerCard};
+use duet_cluster::{Membership, Role};
+use duet_proto::PeerAuth;
 use duet_proto::v1;
-use duet_proto::v1::worker_control_client::WorkerControlClient;
-use duet_proto::{PeerAuth, PeerChannel};
 use tokio::sync::Notify;
-use tonic_health::pb::HealthCheckRequest;
-use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
 
 use crate::kv_index::{KvIndex, WorkerSlot};
-
-/// Blocks of KV headroom one running sequence (or one request the router sent since the last
-/// stats) is worth when comparing decode workers.
-pub const RUNNING_PENALTY_BLOCKS: i64 = 4;
-
-/// Prefill rate (prompt tokens per second) assumed while no worker has reported a measured one:
-/// the order of a small model on a few CPU cores.
-pub const DEFAULT_PREFILL_RATE: f64 = 1000.0;
-
-/// Tokens the router planned on a worker stay counted this long after a poll started: the
-/// time for the decode worker to ask the prefill worker, so that the stats then include them.
-pub const PLAN_REPORT_GRACE: Duration = Duration::from_millis(250);
-
-/// Blocks of headroom one millisecond of KV movement is worth when comparing decode workers.
-pub const MOVE_PENALTY_BLOCKS_PER_MS: f64 = 1.0;
-
-/// Where workers get their numbers ([`WorkerSlot`]) from.
-static NEXT_SLOT: AtomicU64 = AtomicU64::new(1);
-
-/// Where plans get their numbers from.
-static NEXT_PLAN: AtomicU64 = AtomicU64::new(1);
-
-/// How requests are spread over the workers (`--routing`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum RoutingPolicy {
-    /// Any routable worker, uniformly at random (a baseline).
-    Random,
-    /// Least loaded: KV headroom and running batch for decode, estimated prefill time of the
-    /// whole prompt for prefill; caches ignored.
-    Load,
-    /// Least estimated time to first token, counting the tokens each worker holds in its
-    /// prefix cache (the exact index), and the cost of moving KV.
-    #[default]
-    CacheAware,
-}
-
-impl RoutingPolicy {
-    pub fn name(self) -> &'static str {
-        match self {
-            RoutingPolicy::Random => "random",
-            RoutingPolicy::Load => "load",
-            RoutingPolicy::CacheAware => "cache-aware",
-        }
-    }
-}
-
-impl std::fmt::Display for RoutingPolicy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// When a worker's failed health checks take it out of rotation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HealthPolicy {
-    /// Consecutive failed (timed-out or erroring) health checks that take a worker out of
-    /// rotation; a refused connection or a NOT_SERVING answer takes it out at once.
-    pub unhealthy_after: u32,
-}
-
-/// How one health check ended.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum HealthCheck {
-    /// SERVING.
-    Serving,
-    /// An answer other than SERVING (draining, unknown service), or a refused connection.
-    Refused(String),
-    /// No answer in time, or a failed call.
-    Failed(String),
-}
-
-/// The last poll of a worker.
-#[derive(Clone, Debug, Default)]
-pub struct WorkerStatus {
-    /// In rotation as far as health goes (see [`HealthPolicy`]; cleared when a call fails).
-    pub healthy: bool,
-    /// The last stats received (kept when a later stats call fails).
-    pub stats: Option<v1::StatsResponse>,
-    /// Health checks failed in a row.
-    pub failed_checks: u32,
-    /// What went wrong last (a failed check, or stats that did not answer), when anything did.
-    pub last_error: Option<String>,
-}
-
-impl WorkerStatus {
-    /// Takes in one poll: its health check, and its stats call's answer.
-    pub fn record(
-        &mut self,
-        policy: HealthPolicy,
-        check: HealthCheck,
-        stats: Result<v1::StatsResponse, String>,
-    ) {
-        let mut errors = Vec::new();
-        match check {
-            HealthCheck::Serving => {
-                self.failed_checks = 0;
-                self.healthy = true;
-            }
-            HealthCheck::Refused(why) => {
-                self.failed_checks = self.failed_checks.saturating_add(1);
-                self.healthy = false;
-                errors.push(why);
-            }
-            HealthCheck::Failed(why) => {
-                self.failed_checks = self.failed_checks.saturating_add(1);
-                if self.failed_checks >= policy.unhealthy_after.max(1) {
-                    self.healthy = false;
-                }
-                errors.push(why);
-            }
-        }
-        match stats {
-            Ok(st) => self.stats = Some(st),
-            Err(why) => errors.push(why),
-        }
-        self.last_error = (!errors.is_empty()).then(|| errors.join("; "));
-    }
-
-    /// Out of rotation because its health checks failed (not because one call did).
-    pub fn unresponsive(&self) -> bool {
-        !self.healthy && self.failed_checks > 0
-    }
-}
-
-/// One worker the router routes to.
-#[derive(Debug)]
-pub struct Worker {
-    pub address: String,
-    pub role: Role,
-    /// Request streams.
-    channel: PeerChannel,
-    /// Health checks and stats: a connection of their own.
-    poll_channel: PeerChannel,
-    status: Mutex<WorkerStatus>,
-    /// Requests the router has on this worker right now.
-    in_flight: AtomicU32,
-    /// Prompt tokens the router planned for prefill here (plan number, when, tokens); each is
-    /// dropped when its request's first token arrives, or once a poll that started after it
-    /// (plus [`PLAN_REPORT_GRACE`]) reported the worker's queue, whichever comes first.
-    planned: Mutex<VecDeque<(u64, Instant, u64)>>,
-    /// The card it is known from, and the card's key (`None`: named by a flag).
-    card: Mutex<Option<(String, WorkerCard)>>,
-    /// The router's number for this worker in the KV index.
-    slot: WorkerSlot,
-}
-
-/// Counts a request on a worker while alive.
-pub struct InFlight(Arc<Worker>);
-
-/// Counts prefill tokens the router planned on a worker while alive (until the request's first
-/// token, or the worker's stats reporting them).
-#[derive(Debug)]
-pub struct Planned {
-    worker: Arc<Worker>,
-    id: u64,
-}
-
-impl Drop for Planned {
-    fn drop(&mut self) {
-        let mut planned = self
-            .worker
-            .planned
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        planned.retain(|&(id, _, _)| id != self.id);
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-impl Worker {
-    /// A worker at `address` (host:port, or a URI) whose calls are authenticated by `auth`;
-    /// connects lazily.
-    pub fn new(address: &str, role: Role, auth: &PeerAuth) -> anyhow::Result<Self> {
-        // Each call makes a channel (and so a connection) of its own.
-        let channel = duet_proto::channel(address, auth)?;
-        let poll_channel = duet_proto::channel(address, auth)?;
-        Ok(Self {
-            address: address.to_string(),
-            role,
-            channel,
-            poll_channel,
-            status: Mutex::new(WorkerStatus::default()),
-            in_flight: AtomicU32::new(0),
-            planned: Mutex::new(VecDeque::new()),
-            card: Mutex::new(None),
-            slot: NEXT_SLOT.fetch_add(1, Ordering::Relaxed),
-        })
-    }
-
-    /// The router's number for this worker in the KV index.
-    pub fn slot(&self) -> WorkerSlot {
-        self.slot
-    }
-
-    /// Counts `tokens` of prefill the router just planned here, until the guard drops.
-    pub fn plan(self: &Arc<Self>, tokens: u64) -> Planned {
-        let id = NEXT_PLAN.fetch_add(1, Ordering::Relaxed);
-        self.planned
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back((id, Instant::now(), tokens));
-        Planned {
-            worker: self.clone(),
-            id,
-        }
-    }
-
-    /// Prefill tokens planned here that the worker's stats do not show yet.
-    pub fn planned_tokens(&self) -> u64 {
-        let planned = self.planned.lock().unwrap_or_else(|e| e.into_inner());
-        planned.iter().map(|&(_, _, t)| t).sum()
-    }
-
-    /// The prefill rate measured in the last stats; `None` until the worker has prefilled a
-    /// prompt long enough to measure.
-    pub fn prefill_rate(&self) -> Option<f64> {
-        self.status()
-            .stats
-            .map(|s| s.prefill_tokens_per_s)
-            .filter(|&r| r > 0.0)
-    }
-
-    /// The worker a card describes.
-    pub fn from_card(key: &str, card: &WorkerCard, auth: &PeerAuth) -> anyhow::Result<Self> {
-        let w = Self::new(&card.grpc_address, card.role, auth)?;
-        *w.card.lock().unwrap_or_else(|e| e.into_inner()) = Some((key.to_string(), card.clone()));
-        Ok(w)
-    }
-
-    /// Its card and the card's key, when it is known from one.
-    pub fn card(&self) -> Option<(String, WorkerCard)> {
-        self.card.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// The worker's id (from its card or stats; its address until it answered).
-    pub fn id(&self) -> String {
-        if let Some((_, card)) = self.card() {
-            return card.worker_id;
-        }
-        match &self.status().stats {
-            Some(s) if !s.worker_id.is_empty() => s.worker_id.clone(),
-            _ => self.address.clone(),
-        }
-    }
-
-    pub fn channel(&self) -> PeerChannel {
-        self.channel.clone()
-    }
-
-    pub fn status(&self) -> WorkerStatus {
-        self.status
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    fn set_status(&self, f: impl FnOnce(&mut WorkerStatus)) {
-        f(&mut self.status.lock().unwrap_or_else(|e| e.into_inner()));
-    }
-
-    /// Takes the worker out of rotation until its next good poll.
-    pub fn mark_failed(&self, why: &str) {
-        self.set_status(|s| {
-            s.healthy = false;
-            s.last_error = Some(why.to_string());
-        });
-    }
-
-    /// Counts a request on this worker until the guard drops.
-    pub fn begin(self: &Arc<Self>) -> InFlight {
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(self.clone())
-    }
-
-    pub fn in_flight(&self) -> u32 {
-        self.in_flight.load(Ordering::Relaxed)
-    }
-
-    /// Polls health and stats once on the poll connection, each bounded by `timeout`.
-    pub async fn poll(&self, timeout: Duration, policy: HealthPolicy) {
-        let started = Instant::now();
-        let health = async {
-            let mut req = tonic::Request::new(HealthCheckRequest {
-                service: String::new(),
-            });
-            req.set_timeout(timeout);
-            let answer = tokio::time::timeout(
-                timeout,
-                HealthClient::new(self.poll_channel.clone()).check(req),
-            )
-            .await;
-            match answer {
-                Err(_) => HealthCheck::Failed("health check timed out".into()),
-                Ok(Err(s)) if duet_proto::is_connection_refused(&s) => {
-                    HealthCheck::Refused(format!("connection refused: {}", s.message()))
-                }
-                Ok(Err(s)) => HealthCheck::Failed(format!("health check failed: {}", s.message())),
-                Ok(Ok(r)) => match r.into_inner().status() {
-                    ServingStatus::Serving => HealthCheck::Serving,
-                    other => {
-                        HealthCheck::Refused(format!("health check says {}", other.as_str_name()))
-                    }
-                },
-            }
-        };
-        let stats = async {
-            let mut req = tonic::Request::new(v1::StatsRequest {});
-            req.set_timeout(timeout);
-            tokio::time::timeout(
-                timeout,
-                WorkerControlClient::new(self.poll_channel.clone()).stats(req),
-            )
-            .await
-            .map_err(|_| "stats timed out".to_string())?
-            .map(|r| r.into_inner())
-            .map_err(|s| format!("stats failed: {}", s.message()))
-        };
-        let (health, stats) = tokio::join!(health, stats);
-        let reported = stats.is_ok();
-        self.set_status(|s| s.record(policy, health, stats));
-        if reported {
-            // What was planned before this poll started is counted in the stats now.
-            let reported = started.checked_sub(PLAN_REPORT_GRACE).unwrap_or(started);
-            let mut planned = self.planned.lock().unwrap_or_else(|e| e.into_inner());
-            while planned.front().is_some_and(|&(_, at, _)| at < reported) {
-                planned.pop_front();
-            }
-        }
-    }
-}
-
-/// A decode worker's load, as routing sees it.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct DecodeLoad {
-    /// Blocks available for new work (free plus evictable cached).
-    pub free_blocks: u32,
-    /// Sequences in its running batch.
-    pub running: u32,
-    /// Requests the router has on it.
-    pub in_flight: u32,
-    /// Milliseconds to move the prompt's KV it does not hold there (bytes ÷ link bandwidth).
-    pub move_ms: f64,
-}
-
-/// Score of a decode worker: more is better.
-pub fn decode_score(l: DecodeLoad) -> f64 {
-    l.free_blocks as f64
-        - (RUNNING_PENALTY_BLOCKS * (l.running as i64 + l.in_flight as i64)) as f64
-        - MOVE_PENALTY_BLOCKS_PER_MS * l.move_ms
-}
-
-/// The candidate (by its key) with the best score; ties go to the first.
-pub fn pick_decode<K: Copy>(candidates: &[(K, DecodeLoad)]) -> Option<K> {
-    let mut best: Option<(K, f64)> = None;
-    for &(k, load) in candidates {
-        let s = decode_score(load);
-        if best.is_none_or(|(_, b)| s > b) {
-            best = Some((k, s));
-        }
-    }
-    best.map(|(k, _)| k)
-}
-
-/// A worker's prefill load for one prompt, as routing sees it.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct PrefillLoad {
-    /// Prompt tokens queued there: reported, plus planned by the router since.
-    pub queued_tokens: u64,
-    /// Tokens of this prompt it would compute (not in its prefix cache).
-    pub uncached_tokens: u64,
-    /// Measured prompt tokens per second (> 0; else [`DEFAULT_PREFILL_RATE`]).
-    pub rate: f64,
-}
-
-/// Estimated time to first token on a worker, in seconds:
-/// `(queued + uncached tokens of this prompt) / prefill rate`.
-pub fn estimated_ttft_s(l: PrefillLoad) -> f64 {
-    let rate = if l.rate > 0.0 {
-        l.rate
-    } else {
-        DEFAULT_PREFILL_RATE
-    };
-    (l.queued_tokens + l.uncached_tokens) as f64 / rate
-}
-
-/// Candidates (by key) with their estimated time to first token, best first; ties keep their
-/// order.
-pub fn rank_prefill<K: Copy>(candidates: &[(K, PrefillLoad)]) -> Vec<(K, f64)> {
-    let mut scored: Vec<(K, f64)> = candidates
-        .iter()
-        .map(|&(k, l)| (k, estimated_ttft_s(l)))
-        .collect();
-    scored.sort_by(|a, b| a.1.total_cmp(&b.1));
-    scored
-}
-
-/// Why a request was routed as it was (the label of its count).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Decision {
-    /// Prefilled on a prefill worker, KV moved to the decode worker.
-    Remote,
-    /// Prefilled on the decode worker: the prompt's part not cached there is short.
-    LocalShortSuffix,
-    /// Prefilled on the decode worker: no prefill worker is routable.
-    LocalNoPrefillWorker,
-    /// Prefilled on the decode worker: the prefill pool is saturated.
-    LocalPrefillSaturated,
-    /// Refused: the estimated time to first token passes the deadline.
-    RejectedTtft,
-}
-
-impl Decision {
-    pub const ALL: [Decision; 5] = [
-        Decision::Remote,
-        Decision::LocalShortSuffix,
-        Decision::LocalNoPrefillWorker,
-        Decision::LocalPrefillSaturated,
-        Decision::RejectedTtft,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Decision::Remote => "remote",
-            Decision::LocalShortSuffix => "local_short_suffix",
-            Decision::LocalNoPrefillWorker => "local_no_prefill_worker",
-            Decision::LocalPrefillSaturated => "local_prefill_saturated",
-            Decision::RejectedTtft => "rejected_ttft",
-        }
-    }
-}
+use crate::policy::{
+    self, Decision, NoRoute, PolicyParams, PolicyRequest, RoutingPolicy, WorkerSnapshot,
+    consensus_fingerprint,
+};
+use crate::worker::{HealthPolicy, Planned, Worker};
+use duet_kv::BlockHash;
 
 /// The router's own routing counts since it started.
 #[derive(Debug, Default)]
@@ -515,26 +65,6 @@ impl Decisions {
     }
 }
 
-/// The most common fingerprint; ties go to the one seen first.
-pub fn consensus_fingerprint<'a>(
-    fingerprints: impl IntoIterator<Item = &'a str>,
-) -> Option<String> {
-    let mut counts: Vec<(&str, usize)> = Vec::new();
-    for f in fingerprints {
-        match counts.iter_mut().find(|(g, _)| *g == f) {
-            Some((_, n)) => *n += 1,
-            None => counts.push((f, 1)),
-        }
-    }
-    let mut best: Option<(&str, usize)> = None;
-    for (f, n) in counts {
-        if best.is_none_or(|(_, b)| n > b) {
-            best = Some((f, n));
-        }
-    }
-    best.map(|(f, _)| f.to_string())
-}
-
 /// The decision for one attempt: where to decode, and the prefill plan to send with it.
 #[derive(Debug)]
 pub struct Route {
@@ -549,6 +79,17 @@ pub struct Route {
     pub estimated_ttft: Duration,
     /// The prefill tokens planned on the prefilling worker; drop at the first token.
     pub planned: Planned,
+    /// The prompt's blocks, recorded as held by the prefilling worker.
+    pub pending: Option<PendingPlacement>,
+}
+
+/// A placement recorded in the index as pending (see [`KvIndex::record_pending`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PendingPlacement {
+    pub slot: WorkerSlot,
+    /// The prompt's first block.
+    pub first_block: BlockHash,
+    pub id: u64,
 }
 
 /// What one attempt asks of routing.
@@ -563,32 +104,16 @@ pub struct RouteRequest<'a> {
     pub deadline_left: Duration,
 }
 
-/// Why no route was given.
-#[derive(Clone, Debug, PartialEq)]
-pub enum NoRoute {
-    /// No routable decode worker is left.
-    NoDecodeWorker,
-    /// The best plan's estimated time to first token passes the deadline because of the work
-    /// queued before it.
-    PastDeadline { estimated: Duration, left: Duration },
-    /// The deadline left is shorter than the prompt's own prefill on an idle worker: the
-    /// request's deadline cannot be met, however idle the cluster.
-    DeadlineTooShort { alone: Duration, left: Duration },
-}
-
 /// How routing is tuned (router flags).
 #[derive(Clone, Copy, Debug)]
 pub struct RoutingParams {
-    pub policy: RoutingPolicy,
-    /// Uncached prompt parts of at most this many tokens are prefilled on the decode worker.
-    pub local_prefill_threshold: u32,
-    /// Bytes per second the KV transport moves between a prefill and a decode worker.
-    pub kv_link_bytes_per_s: f64,
-    /// The prefill pool is saturated when its best estimated TTFT is worse than this many
-    /// times the decode worker's own; 0: never.
-    pub prefill_saturation_factor: f64,
+    /// What the policy decides by.
+    pub policy: PolicyParams,
     /// When failed health checks take a worker out of rotation.
     pub health: HealthPolicy,
+    /// How long a placement counts as cached on its worker before the worker's KV events
+    /// confirm it.
+    pub pending_prefix_ttl: Duration,
 }
 
 /// The prefill and decode pools: the workers named by flags, and those known from cards.
@@ -692,8 +217,7 @@ impl Pools {
                         if new.state != old.state {
                             tracing::info!(key, state = ?new.state, "worker state changed");
                         }
-                        *w.card.lock().unwrap_or_else(|e| e.into_inner()) =
-                            Some((key, new.clone()));
+                        w.set_card(&key, new);
                         true
                     }
                     Some(_) => {
@@ -771,16 +295,16 @@ impl Pools {
         });
     }
 
+    /// Every worker as the policy sees it now, with no prefix overlap.
+    fn snapshots(&self) -> (Vec<WorkerSnapshot>, Vec<WorkerSnapshot>) {
+        let take = |pool: Vec<Arc<Worker>>| pool.iter().map(|w| w.snapshot(0)).collect();
+        (take(self.prefill()), take(self.decode()))
+    }
+
     /// The fingerprint shared by most healthy workers.
     pub fn fingerprint(&self) -> Option<String> {
-        let statuses: Vec<WorkerStatus> = self.all().iter().map(|w| w.status()).collect();
-        consensus_fingerprint(
-            statuses
-                .iter()
-                .filter(|s| s.healthy)
-                .filter_map(|s| s.stats.as_ref())
-                .map(|s| s.model_fingerprint.as_str()),
-        )
+        let (prefill, decode) = self.snapshots();
+        fingerprint_of(decode.iter().chain(&prefill))
     }
 
     /// Tokens per KV block as the workers report it.
@@ -792,180 +316,85 @@ impl Pools {
             .find(|&b| b > 0)
     }
 
-    fn routable(w: &Worker, fingerprint: &Option<String>) -> Option<v1::StatsResponse> {
-        if w.card().is_some_and(|(_, c)| c.state != CardState::Ready) {
-            return None;
-        }
-        let s = w.status();
-        let stats = s.stats.filter(|_| s.healthy)?;
-        match fingerprint {
-            Some(f) if *f != stats.model_fingerprint => None,
-            _ => Some(stats),
-        }
-    }
-
-    /// The prefill rate assumed for a worker that has not measured its own: the mean of the
-    /// measured ones, else [`DEFAULT_PREFILL_RATE`]. A decode worker that has only prefilled
-    /// short suffixes has no measurement, and comparing it at a constant prior with the prefill
-    /// workers' measured rates would prefer it (or them) for no reason: the workers run the same
-    /// model.
-    pub fn unmeasured_prefill_rate(&self) -> f64 {
-        let measured: Vec<f64> = self.all().iter().filter_map(|w| w.prefill_rate()).collect();
-        if measured.is_empty() {
-            DEFAULT_PREFILL_RATE
-        } else {
-            measured.iter().sum::<f64>() / measured.len() as f64
-        }
-    }
-
-    /// Chooses a decode worker and builds the prefill plan for one attempt (see the module).
+    /// Chooses a decode worker and builds the prefill plan for one attempt (see the module and
+    /// [`crate::policy`]).
     pub fn route(&self, req: RouteRequest<'_>) -> Result<Route, NoRoute> {
-        let fingerprint = self.fingerprint();
-        let decode = self.decode();
-        let prefill_pool = self.prefill();
-        let policy = self.params.policy;
-        let n = req.tokens.len();
+        let (decode, prefill) = (self.decode(), self.prefill());
+        let (prefill_now, decode_now) = self.snapshots();
+        let fingerprint = fingerprint_of(decode_now.iter().chain(&prefill_now));
         let block_size = self.block_size().unwrap_or(0) as usize;
-        // Cached tokens per worker slot, as the engine would find them: whole blocks, leaving
-        // at least one token to compute.
-        let cached: HashMap<WorkerSlot, usize> = match (&fingerprint, policy) {
-            (Some(fp), RoutingPolicy::CacheAware) if block_size > 0 => {
+        let n = req.tokens.len();
+        let now = Instant::now();
+        // The prompt's full blocks, as the workers hash them.
+        let hashes = match &fingerprint {
+            Some(fp) if block_size > 0 => {
                 let seed = duet_kv::request_hash_seed(fp, req.cache_salt);
-                let hashes = duet_kv::block_hashes(seed, req.tokens, block_size);
-                let usable = n.saturating_sub(1) / block_size;
-                self.index
-                    .prefix_matches(&hashes[..hashes.len().min(usable)])
-                    .into_iter()
-                    .map(|(slot, blocks)| (slot, blocks * block_size))
-                    .collect()
+                duet_kv::block_hashes(seed, req.tokens, block_size)
             }
-            _ => HashMap::new(),
+            _ => Vec::new(),
         };
-        let cached_on = |w: &Worker| cached.get(&w.slot()).copied().unwrap_or(0);
-        let unmeasured_rate = self.unmeasured_prefill_rate();
-        let load_of = |w: &Worker, st: &v1::StatsResponse| PrefillLoad {
-            queued_tokens: st.queued_prefill_tokens + w.planned_tokens(),
-            uncached_tokens: (n - cached_on(w)) as u64,
-            rate: w.prefill_rate().unwrap_or(unmeasured_rate),
+        // Cached tokens per worker, as the engine would find them: whole blocks, leaving at
+        // least one token to compute.
+        let usable = n.saturating_sub(1) / block_size.max(1);
+        let overlap = self
+            .index
+            .prefix_matches(&hashes[..hashes.len().min(usable)], now);
+        let snapshot =
+            |w: &Arc<Worker>| w.snapshot(overlap.get(&w.slot()).copied().unwrap_or(0) * block_size);
+        let decode_now: Vec<WorkerSnapshot> = decode.iter().map(snapshot).collect();
+        let prefill_now: Vec<WorkerSnapshot> = prefill.iter().map(snapshot).collect();
+        let ask = PolicyRequest {
+            tokens: n,
+            block_size,
+            fingerprint: fingerprint.as_deref(),
+            exclude: req.exclude,
+            deadline_left: req.deadline_left,
+            random: crate::validate::random_u64(),
         };
-        let mut candidates: Vec<(usize, DecodeLoad)> = Vec::new();
-        for (i, w) in decode.iter().enumerate() {
-            if req.exclude.contains(&w.address) {
-                continue;
-            }
-            let Some(st) = Self::routable(w, &fingerprint) else {
-                continue;
-            };
-            let moved_blocks = n.div_ceil(block_size.max(1)) - cached_on(w) / block_size.max(1);
-            let move_ms = match policy {
-                RoutingPolicy::CacheAware => {
-                    (moved_blocks as f64 * st.kv_block_bytes as f64)
-                        / self.params.kv_link_bytes_per_s.max(1.0)
-                        * 1e3
+        let placed = policy::select(&self.params.policy, &ask, &decode_now, &prefill_now)
+            .inspect_err(|e| {
+                if !matches!(e, NoRoute::NoDecodeWorker) {
+                    self.decisions.count(Decision::RejectedTtft);
                 }
-                _ => 0.0,
-            };
-            candidates.push((
-                i,
-                DecodeLoad {
-                    free_blocks: st.kv_blocks_free.saturating_add(st.kv_blocks_cached),
-                    running: st.running_sequences,
-                    in_flight: w.in_flight(),
-                    move_ms,
-                },
-            ));
-        }
-        let decode_index = match policy {
-            RoutingPolicy::Random => candidates
-                .get(random_index(candidates.len()))
-                .map(|&(i, _)| i),
-            _ => pick_decode(&candidates),
-        }
-        .ok_or(NoRoute::NoDecodeWorker)?;
-        let d = &decode[decode_index];
-        let d_stats = Self::routable(d, &fingerprint).unwrap_or_default();
-        let local_load = load_of(d, &d_stats);
-        let local_ttft = estimated_ttft_s(local_load);
-        let prefill: Vec<(usize, PrefillLoad)> = prefill_pool
-            .iter()
-            .enumerate()
-            .filter_map(|(i, w)| {
-                let st = Self::routable(w, &fingerprint)?;
-                Some((i, load_of(w, &st)))
-            })
-            .collect();
-        let mut ranked = rank_prefill(&prefill);
-        if policy == RoutingPolicy::Random {
-            let k = random_index(ranked.len());
-            ranked.rotate_left(k);
-        }
-        let decision = match ranked.first() {
-            _ if local_load.uncached_tokens <= self.params.local_prefill_threshold as u64 => {
-                Decision::LocalShortSuffix
-            }
-            None => Decision::LocalNoPrefillWorker,
-            Some(&(_, best))
-                if policy != RoutingPolicy::Random
-                    && self.params.prefill_saturation_factor > 0.0
-                    && best > self.params.prefill_saturation_factor * local_ttft =>
-            {
-                Decision::LocalPrefillSaturated
-            }
-            Some(_) => Decision::Remote,
+            })?;
+        self.decisions.count(placed.decision);
+        let prefilling = match placed.prefill.first() {
+            Some(&first) => &prefill[first],
+            None => &decode[placed.decode],
         };
-        let (plan, estimate, predicted, prefilling, load) = if decision == Decision::Remote {
-            let (first, estimate) = ranked[0];
-            let load = prefill
+        let planned = prefilling.plan((n - placed.predicted_cached_tokens) as u64);
+        // The prefilling worker holds the prompt's blocks from now on, as far as routing goes.
+        let pending = (self.params.policy.policy == RoutingPolicy::CacheAware
+            && !hashes.is_empty())
+        .then(|| PendingPlacement {
+            slot: prefilling.slot(),
+            first_block: hashes[0],
+            id: self.index.record_pending(
+                &[prefilling.slot()],
+                hashes,
+                now + self.params.pending_prefix_ttl,
+            ),
+        });
+        let plan = v1::PrefillPlan {
+            local: placed.prefill.is_empty(),
+            prefill_workers: placed
+                .prefill
                 .iter()
-                .find(|&&(i, _)| i == first)
-                .map(|&(_, l)| l)
-                .expect("ranked from these");
-            let plan = v1::PrefillPlan {
-                local: false,
-                prefill_workers: ranked
-                    .iter()
-                    .map(|&(i, _)| v1::PrefillTarget {
-                        worker_id: prefill_pool[i].id(),
-                        address: prefill_pool[i].address.clone(),
-                    })
-                    .collect(),
-            };
-            let w = &prefill_pool[first];
-            (plan, estimate, cached_on(w), w, load)
-        } else {
-            let plan = v1::PrefillPlan {
-                local: true,
-                prefill_workers: vec![],
-            };
-            (plan, local_ttft, cached_on(d), d, local_load)
+                .map(|&i| v1::PrefillTarget {
+                    worker_id: prefill_now[i].id.clone(),
+                    address: prefill_now[i].address.clone(),
+                })
+                .collect(),
         };
-        let estimated_ttft = Duration::from_secs_f64(estimate.max(0.0));
-        if estimated_ttft > req.deadline_left {
-            self.decisions.count(Decision::RejectedTtft);
-            let alone = estimated_ttft_s(PrefillLoad {
-                queued_tokens: 0,
-                ..load
-            });
-            let (alone, left) = (Duration::from_secs_f64(alone.max(0.0)), req.deadline_left);
-            return Err(if alone >= left {
-                NoRoute::DeadlineTooShort { alone, left }
-            } else {
-                NoRoute::PastDeadline {
-                    estimated: estimated_ttft,
-                    left,
-                }
-            });
-        }
-        self.decisions.count(decision);
-        let planned = prefilling.plan((n - predicted) as u64);
         Ok(Route {
-            decode: d.clone(),
+            decode: decode[placed.decode].clone(),
             plan,
             fingerprint: fingerprint.unwrap_or_default(),
-            decision,
-            predicted_cached_tokens: predicted as u32,
-            estimated_ttft,
+            decision: placed.decision,
+            predicted_cached_tokens: placed.predicted_cached_tokens as u32,
+            estimated_ttft: placed.estimated_ttft,
             planned,
+            pending,
         })
     }
 
@@ -975,7 +404,7 @@ impl Pools {
         let c = &self.index.counters;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         v1::RoutingStats {
-            policy: self.params.policy.name().into(),
+            policy: self.params.policy.policy.name().into(),
             decisions: Decision::ALL
                 .iter()
                 .map(|&r| (r.name().to_string(), d.of(r)))
@@ -1012,21 +441,19 @@ impl Pools {
 
     /// Whether any decode worker is routable now.
     pub fn any_decode_routable(&self) -> bool {
-        let fingerprint = self.fingerprint();
-        self.decode()
-            .iter()
-            .any(|w| Self::routable(w, &fingerprint).is_some())
+        self.routable_counts().1 > 0
     }
 
     /// How many (prefill, decode) workers are routable now.
     pub fn routable_counts(&self) -> (usize, usize) {
-        let fingerprint = self.fingerprint();
-        let count = |pool: &[Arc<Worker>]| {
+        let (prefill, decode) = self.snapshots();
+        let fingerprint = fingerprint_of(decode.iter().chain(&prefill));
+        let count = |pool: &[WorkerSnapshot]| {
             pool.iter()
-                .filter(|w| Self::routable(w, &fingerprint).is_some())
+                .filter(|w| policy::routable(w, fingerprint.as_deref()))
                 .count()
         };
-        (count(&self.prefill()), count(&self.decode()))
+        (count(&prefill), count(&decode))
     }
 
     /// The workers as `Info` describes them.
@@ -1037,7 +464,7 @@ impl Pools {
             v1::WorkerInfo {
                 id: w.id(),
                 address: w.address.clone(),
-                healthy: Self::routable(w, &fingerprint).is_some(),
+                healthy: policy::routable(&w.snapshot(0), fingerprint.as_deref()),
                 kv_blocks_total: st.kv_blocks_total,
                 kv_blocks_free: st.kv_blocks_free.saturating_add(st.kv_blocks_cached),
                 running_sequences: st.running_sequences,
@@ -1068,49 +495,23 @@ impl Pools {
     }
 }
 
-/// A uniformly random index below `n` (0 when `n` is 0).
-fn random_index(n: usize) -> usize {
-    if n == 0 {
-        0
-    } else {
-        (crate::validate::random_u64() % n as u64) as usize
-    }
+/// The fingerprint shared by most healthy workers among `workers`.
+fn fingerprint_of<'a>(workers: impl Iterator<Item = &'a WorkerSnapshot>) -> Option<String> {
+    consensus_fingerprint(
+        workers
+            .filter(|w| w.healthy)
+            .map(|w| w.fingerprint.as_str()),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::RoutingPolicy;
+    use crate::worker::InFlight;
+    use duet_cluster::{CardState, WorkerCard};
 
     const POLICY: HealthPolicy = HealthPolicy { unhealthy_after: 3 };
-
-    #[test]
-    fn health_leaves_rotation_after_consecutive_failures_or_a_refusal() {
-        let mut s = WorkerStatus::default();
-        let stats = || Ok(v1::StatsResponse::default());
-        s.record(POLICY, HealthCheck::Serving, stats());
-        assert!(s.healthy && s.stats.is_some() && s.last_error.is_none());
-        // Slow stats are not ill health: the last stats stay.
-        s.record(POLICY, HealthCheck::Serving, Err("stats timed out".into()));
-        assert!(s.healthy && s.stats.is_some());
-        assert_eq!(s.last_error.as_deref(), Some("stats timed out"));
-        // Two failed checks in a row, then a good one: never out.
-        for _ in 0..2 {
-            s.record(POLICY, HealthCheck::Failed("timed out".into()), stats());
-            assert!(s.healthy && !s.unresponsive());
-        }
-        s.record(POLICY, HealthCheck::Serving, stats());
-        assert_eq!((s.healthy, s.failed_checks), (true, 0));
-        // Three in a row: out, until the next good check.
-        for _ in 0..3 {
-            s.record(POLICY, HealthCheck::Failed("timed out".into()), stats());
-        }
-        assert!(!s.healthy && s.unresponsive());
-        s.record(POLICY, HealthCheck::Serving, stats());
-        assert!(s.healthy);
-        // A refusal takes it out at once.
-        s.record(POLICY, HealthCheck::Refused("NOT_SERVING".into()), stats());
-        assert!(!s.healthy && s.unresponsive());
-    }
 
     #[tokio::test]
     async fn waiting_for_a_worker_ends_when_one_is_routable_or_at_the_bound() {
@@ -1145,80 +546,6 @@ mod tests {
         assert_eq!(found.unwrap().unwrap().as_deref(), Some("127.0.0.1:1"));
     }
 
-    fn load(free_blocks: u32, running: u32, in_flight: u32) -> DecodeLoad {
-        DecodeLoad {
-            free_blocks,
-            running,
-            in_flight,
-            move_ms: 0.0,
-        }
-    }
-
-    #[test]
-    fn decode_prefers_headroom_minus_running() {
-        assert_eq!(pick_decode::<usize>(&[]), None);
-        assert_eq!(
-            pick_decode(&[(0, load(10, 0, 0)), (1, load(20, 0, 0))]),
-            Some(1)
-        );
-        // 20 - 4*3 = 8 < 10.
-        assert_eq!(
-            pick_decode(&[(0, load(10, 0, 0)), (1, load(20, 2, 1))]),
-            Some(0)
-        );
-        // Ties go to the first.
-        assert_eq!(
-            pick_decode(&[(3, load(10, 1, 0)), (5, load(14, 2, 0))]),
-            Some(3)
-        );
-        // Moving the KV costs: 20 - 15 ms of movement < 10.
-        let far = DecodeLoad {
-            move_ms: 15.0,
-            ..load(20, 0, 0)
-        };
-        assert_eq!(pick_decode(&[(0, load(10, 0, 0)), (1, far)]), Some(0));
-    }
-
-    #[test]
-    fn prefill_ranked_by_estimated_ttft() {
-        let l = |q, uncached, rate| PrefillLoad {
-            queued_tokens: q,
-            uncached_tokens: uncached,
-            rate,
-        };
-        let keys = |r: Vec<(usize, f64)>| r.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
-        assert_eq!(
-            keys(rank_prefill(&[
-                (0, l(500, 100, 1.0)),
-                (1, l(0, 100, 1.0)),
-                (2, l(100, 100, 1.0))
-            ])),
-            [1, 2, 0]
-        );
-        // A faster worker wins despite a longer queue; rate 0 is treated as the default.
-        assert_eq!(
-            keys(rank_prefill(&[(0, l(0, 100, 1.0)), (1, l(300, 100, 10.0))])),
-            [1, 0]
-        );
-        assert_eq!(
-            keys(rank_prefill(&[(0, l(5, 10, 0.0)), (1, l(1, 10, 1.0))])),
-            [0, 1]
-        );
-        // The tokens a worker holds cached are not computed again.
-        assert_eq!(
-            keys(rank_prefill(&[(0, l(0, 100, 1.0)), (1, l(50, 10, 1.0))])),
-            [1, 0]
-        );
-        assert_eq!(estimated_ttft_s(l(100, 100, 100.0)), 2.0);
-    }
-
-    #[test]
-    fn fingerprint_consensus() {
-        assert_eq!(consensus_fingerprint([]), None);
-        assert_eq!(consensus_fingerprint(["a", "b", "b"]).as_deref(), Some("b"));
-        assert_eq!(consensus_fingerprint(["a", "b"]).as_deref(), Some("a"));
-    }
-
     fn stats(fp: &str, free: u32, queued: u64) -> v1::StatsResponse {
         v1::StatsResponse {
             worker_id: format!("w-{free}"),
@@ -1233,11 +560,14 @@ mod tests {
 
     fn params(policy: RoutingPolicy) -> RoutingParams {
         RoutingParams {
-            policy,
-            local_prefill_threshold: 32,
-            kv_link_bytes_per_s: 1e9,
-            prefill_saturation_factor: 2.0,
+            policy: PolicyParams {
+                policy,
+                local_prefill_threshold: 32,
+                kv_link_bytes_per_s: 1e9,
+                prefill_saturation_factor: 2.0,
+            },
             health: POLICY,
+            pending_prefix_ttl: Duration::from_secs(10),
         }
     }
 
@@ -1252,6 +582,22 @@ mod tests {
                 deadline_left: Duration::from_secs(600),
             })
             .ok()
+    }
+
+    fn route_tokens(pools: &Pools, tokens: &[u32]) -> Option<Route> {
+        pools
+            .route(RouteRequest {
+                tokens,
+                cache_salt: "",
+                exclude: &[],
+                deadline_left: Duration::from_secs(600),
+            })
+            .ok()
+    }
+
+    /// `n` tokens of a prompt of its own for each `seed`.
+    fn unrelated(seed: u32, n: usize) -> Vec<u32> {
+        (0..n as u32).map(|j| seed * 100_000 + j).collect()
     }
 
     fn set(w: &Worker, healthy: bool, st: v1::StatsResponse) {
@@ -1287,7 +633,13 @@ mod tests {
         assert!(route(&pools, 100, &[]).unwrap().plan.local);
         set(&pools.prefill()[0], true, stats("fp", 1, 500));
         set(&pools.prefill()[1], true, stats("fp", 2, 10));
-        let r = route(&pools, 100, &[]).unwrap();
+        // The same prompt again: the decode worker that just prefilled it holds it.
+        let again = route(&pools, 100, &[]).unwrap();
+        assert_eq!(
+            (again.decision, again.decode.address.as_str()),
+            (Decision::LocalShortSuffix, "127.0.0.1:2")
+        );
+        let r = route_tokens(&pools, &unrelated(3, 100)).unwrap();
         assert!(!r.plan.local);
         let ids: Vec<&str> = r
             .plan
@@ -1429,10 +781,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_burst_spreads_over_idle_prefill_workers() {
+    async fn a_burst_of_unrelated_prompts_spreads_over_idle_prefill_workers() {
         let pools = cluster(RoutingPolicy::CacheAware);
         // Routes held (their prefills not answered yet), as a burst's are.
-        let burst: Vec<Route> = (0..4).map(|_| route(&pools, 900, &[]).unwrap()).collect();
+        let burst: Vec<Route> = (0..4)
+            .map(|i| route_tokens(&pools, &unrelated(i, 900)).unwrap())
+            .collect();
         let firsts: Vec<&str> = burst.iter().map(first_prefill).collect();
         assert_eq!(
             firsts,
@@ -1492,22 +846,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_saturated_prefill_pool_prefills_on_the_decode_worker() {
-        let pools = cluster(RoutingPolicy::CacheAware);
-        for w in pools.prefill() {
-            set(&w, true, stats("fp", 1000, 5000));
-        }
-        let r = route(&pools, 200, &[]).unwrap();
-        assert!(r.plan.local);
-        assert_eq!(r.decision, Decision::LocalPrefillSaturated);
-        assert_eq!(pools.decode()[0].planned_tokens(), 200);
-        // Short prompts stay local whatever the pools.
-        let r = route(&pools, 20, &[]).unwrap();
-        assert_eq!(r.decision, Decision::LocalShortSuffix);
-    }
-
-    #[tokio::test]
-    async fn a_request_whose_estimated_ttft_passes_its_deadline_is_refused() {
+    async fn a_refusal_is_counted_and_plans_nothing() {
         let pools = cluster(RoutingPolicy::CacheAware);
         // 900 tokens at the prior of 1000 tokens/s: 0.9 s.
         let tokens: Vec<u32> = (0..900).collect();
@@ -1522,63 +861,81 @@ mod tests {
         let refused = ask(Duration::from_millis(500)).unwrap_err();
         assert!(
             matches!(refused, NoRoute::DeadlineTooShort { .. }),
-            "shorter than the prompt's own prefill: {refused:?}"
-        );
-        assert_eq!(pools.decisions.of(Decision::RejectedTtft), 1);
-        // Queued work (everywhere) makes a deadline the prompt alone would meet too short:
-        // overload.
-        for w in pools.all() {
-            set(&w, true, stats("fp", 1000, 2000));
-        }
-        let refused = ask(Duration::from_secs(2)).unwrap_err();
-        assert!(
-            matches!(refused, NoRoute::PastDeadline { .. }),
             "{refused:?}"
         );
-        for w in pools.all() {
-            set(&w, true, stats("fp", 1000, 0));
-        }
-        assert_eq!(
-            pools.prefill()[0].planned_tokens(),
-            0,
-            "a refusal plans nothing"
-        );
-        let ok = ask(Duration::from_secs(2)).unwrap();
-        assert!((ok.estimated_ttft.as_secs_f64() - 0.9).abs() < 1e-6);
+        assert_eq!(pools.decisions.of(Decision::RejectedTtft), 1);
+        assert_eq!(pools.prefill()[0].planned_tokens(), 0);
         // A measured rate replaces the prior.
         let mut fast = stats("fp", 1000, 0);
         fast.prefill_tokens_per_s = 9000.0;
         for w in pools.prefill() {
             set(&w, true, fast.clone());
         }
-        drop(ok);
-        assert!(ask(Duration::from_millis(500)).is_ok());
+        let ok = ask(Duration::from_millis(500)).unwrap();
+        assert!((ok.estimated_ttft.as_secs_f64() - 0.1).abs() < 1e-6);
+        assert_eq!(pools.prefill()[0].planned_tokens(), 900);
     }
 
     #[tokio::test]
-    async fn an_unmeasured_worker_prefills_at_the_pools_measured_rate() {
-        let pools = Pools::new(
-            &["127.0.0.1:1".into()],
-            &["127.0.0.1:2".into(), "127.0.0.1:3".into()],
-            PeerAuth::default(),
-            params(RoutingPolicy::CacheAware),
-        )
-        .unwrap();
-        assert_eq!(pools.unmeasured_prefill_rate(), DEFAULT_PREFILL_RATE);
-        set(&pools.decode()[0], true, stats("fp", 100, 0));
-        let mut slow = stats("fp", 100, 0);
-        slow.prefill_tokens_per_s = 100.0;
-        for w in pools.prefill() {
-            set(&w, true, slow.clone());
-        }
-        // A slow pool: the decode worker, never measured, is as slow, so a long prompt still
-        // goes to an idle prefill worker rather than to a decode worker thought 10x faster.
-        slow.prefill_tokens_per_s = 300.0;
-        set(&pools.prefill()[1], true, slow);
-        assert_eq!(pools.unmeasured_prefill_rate(), 200.0);
-        let r = route(&pools, 400, &[]).unwrap();
-        assert_eq!(r.decision, Decision::Remote);
-        assert_eq!(r.plan.prefill_workers[0].address, "127.0.0.1:3");
-        assert!((r.estimated_ttft.as_secs_f64() - 400.0 / 300.0).abs() < 1e-6);
+    async fn a_burst_sharing_a_fresh_prompt_lands_on_the_worker_computing_it() {
+        let pools = cluster(RoutingPolicy::CacheAware);
+        let shared = unrelated(1, 1000);
+        let burst: Vec<Route> = (0..8)
+            .map(|i| {
+                let mut p = shared.clone();
+                p.extend(unrelated(10 + i, 12));
+                route_tokens(&pools, &p).unwrap()
+            })
+            .collect();
+        let firsts: Vec<&str> = burst.iter().map(first_prefill).collect();
+        assert!(firsts.iter().all(|&f| f == firsts[0]), "{firsts:?}");
+        // The first computes the prompt; the others are predicted to find its 62 full blocks
+        // (the 63rd holds each call's own tokens).
+        let predicted: Vec<u32> = burst.iter().map(|r| r.predicted_cached_tokens).collect();
+        assert_eq!(predicted, [0, 992, 992, 992, 992, 992, 992, 992]);
+        assert_eq!(pools.index.pending_count(), 8);
+    }
+
+    #[tokio::test]
+    async fn a_follow_up_finds_the_placement_until_it_expires() {
+        let pools = cluster(RoutingPolicy::CacheAware);
+        let prompt = unrelated(2, 600);
+        let first = route_tokens(&pools, &prompt).unwrap();
+        let holder = first_prefill(&first).to_string();
+        // The first request is done: nothing planned is left, the placement stays.
+        drop(first);
+        let second = route_tokens(&pools, &prompt).unwrap();
+        assert_eq!(
+            (first_prefill(&second), second.predicted_cached_tokens),
+            (holder.as_str(), 592)
+        );
+        // Its events confirm the blocks: the placement ends, the index holds them.
+        let w = pools
+            .prefill()
+            .into_iter()
+            .find(|w| w.address == holder)
+            .unwrap();
+        let hashes = duet_kv::block_hashes(duet_kv::request_hash_seed("fp", ""), &prompt, 16);
+        let snapshot = v1::KvEventsMessage {
+            incarnation: 1,
+            snapshot: Some(v1::KvSnapshot {
+                seq: 0,
+                block_hashes: hashes,
+                last: true,
+            }),
+            ..Default::default()
+        };
+        pools.index.apply(w.slot(), &snapshot);
+        assert_eq!(pools.index.pending_count(), 0);
+        // Without events, a placement lasts its time to live.
+        let mut short = cluster(RoutingPolicy::CacheAware);
+        short.params.pending_prefix_ttl = Duration::ZERO;
+        drop(route_tokens(&short, &prompt).unwrap());
+        assert_eq!(
+            route_tokens(&short, &prompt)
+                .unwrap()
+                .predicted_cached_tokens,
+            0
+        );
     }
 }

@@ -3,8 +3,8 @@
 //! that says what was wrong (answered as INVALID_ARGUMENT).
 
 use duet_model::chat::{ChatError, ChatMessage, ChatTemplate};
-use duet_model::params::StopCriteria;
 use duet_model::params::{MAX_CACHE_SALT_BYTES, SamplingParams as EngineSampling};
+use duet_model::params::{PromptError, PromptLimits, StopCriteria};
 use duet_model::tokenizer::{Tokenizer, TokenizerError};
 use duet_proto::v1;
 
@@ -20,29 +20,12 @@ pub enum ValidationError {
          (--max-prompt-bytes)"
     )]
     PromptTooManyBytes { len: usize, max: usize },
-    #[error(
-        "prompt too long: {len} tokens, but the context holds {context} (the prompt plus at \
-         least one generated token must fit)"
-    )]
-    PromptTooLong { len: usize, context: u32 },
-    #[error("token_ids[{index}] = {id} is outside the vocabulary (valid ids are 0..{vocab_size})")]
-    TokenOutOfVocab {
-        index: usize,
-        id: u32,
-        vocab_size: u32,
-    },
+    /// A prompt of tokens the model cannot take (out of the vocabulary, past the context), or
+    /// `max_tokens` past the context.
+    #[error(transparent)]
+    Prompt(#[from] PromptError),
     #[error("max_tokens must be at least 1, got 0")]
     MaxTokensZero,
-    #[error(
-        "max_tokens {max_tokens} past the context: the prompt has {prompt} tokens and the \
-         context holds {context}, so max_tokens can be at most {room}"
-    )]
-    PastContext {
-        max_tokens: u32,
-        prompt: usize,
-        context: u32,
-        room: usize,
-    },
     #[error("cache_salt must be at most {max} bytes, got {len}")]
     CacheSaltTooLong { len: usize, max: usize },
     #[error("top_k must be >= 0, got {0}")]
@@ -157,19 +140,7 @@ impl PromptModel {
     /// The prompt of a request: `token_ids` if non-empty, else `messages`, else `prompt`.
     pub fn resolve_prompt(&self, req: &v1::GenerateRequest) -> Result<Vec<u32>, ValidationError> {
         let ids = if !req.token_ids.is_empty() {
-            if let Some((index, &id)) = req
-                .token_ids
-                .iter()
-                .enumerate()
-                .find(|&(_, &id)| id >= self.vocab_size)
-            {
-                return Err(ValidationError::TokenOutOfVocab {
-                    index,
-                    id,
-                    vocab_size: self.vocab_size,
-                });
-            }
-            return self.check_length(req.token_ids.clone());
+            req.token_ids.clone()
         } else if !req.messages.is_empty() {
             self.encode_messages(&req.messages)?
         } else if !req.prompt.is_empty() {
@@ -180,17 +151,16 @@ impl PromptModel {
         if ids.is_empty() {
             return Err(ValidationError::EmptyAfterTokenization);
         }
-        self.check_length(ids)
+        self.limits().check(&ids)?;
+        Ok(ids)
     }
 
-    fn check_length(&self, ids: Vec<u32>) -> Result<Vec<u32>, ValidationError> {
-        if ids.len() >= self.context_length as usize {
-            return Err(ValidationError::PromptTooLong {
-                len: ids.len(),
-                context: self.context_length,
-            });
+    /// What a prompt must fit.
+    pub fn limits(&self) -> PromptLimits {
+        PromptLimits {
+            context_length: self.context_length as usize,
+            vocab_size: self.vocab_size as usize,
         }
-        Ok(ids)
     }
 
     /// Validates a request and resolves its prompt and parameters. `random_seed` gives the seed
@@ -201,20 +171,16 @@ impl PromptModel {
         random_seed: impl FnOnce() -> u64,
     ) -> Result<ValidRequest, ValidationError> {
         let prompt = self.resolve_prompt(req)?;
-        let room = self.context_length as usize - prompt.len();
+        let limits = self.limits();
         let max_tokens = match req.max_tokens {
             Some(0) => return Err(ValidationError::MaxTokensZero),
-            Some(n) if n as usize > room => {
-                return Err(ValidationError::PastContext {
-                    max_tokens: n,
-                    prompt: prompt.len(),
-                    context: self.context_length,
-                    room,
-                });
+            Some(n) => {
+                limits.check_max_tokens(prompt.len(), n as usize)?;
+                n
             }
-            Some(n) => n,
-            // `room` >= 1 (check_length); the default may be configured as 0 only by mistake.
-            None => (self.default_max_tokens as usize).clamp(1, room) as u32,
+            // The room is >= 1 (the prompt passed `check`); the default may be configured as 0
+            // only by mistake.
+            None => (self.default_max_tokens as usize).clamp(1, limits.room(prompt.len())) as u32,
         };
         if req.cache_salt.len() > MAX_CACHE_SALT_BYTES {
             return Err(ValidationError::CacheSaltTooLong {
@@ -455,7 +421,10 @@ mod tests {
             ..Default::default()
         };
         let e = m.validate(&at_limit, || 0).unwrap_err();
-        assert!(matches!(e, ValidationError::PromptTooLong { .. }), "{e}");
+        assert!(
+            matches!(e, ValidationError::Prompt(PromptError::TooLong { .. })),
+            "{e}"
+        );
         let over = "a".repeat(m.max_prompt_bytes + 1);
         let words = [
             &format!("{} bytes", m.max_prompt_bytes + 1),
