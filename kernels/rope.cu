@@ -1,28 +1,31 @@
 // rope.cu — rotary position embedding, rotate-half (NeoX / HF Llama) convention.
 //
-// rope_rotate_half(x, positions, num_heads, head_dim, theta)
+// rope_rotate_half(x, positions, inv_freq, num_heads, head_dim, scale)
 //   In place on x [rows][num_heads * head_dim] (f32). Row r is at position
 //   positions[r]. For pair i in [0, head_dim/2):
-//     inv_freq = 1 / theta^(2i/head_dim)   (f32, like HF's inv_freq)
-//     angle    = float(pos) * inv_freq     (f32)
+//     angle    = float(pos) * inv_freq[i]   (f32, like HF; inv_freq carries the model's
+//                                            RoPE scaling: llama3, linear, dynamic, yarn)
+//     cos, sin of angle, each times scale  (YaRN's attention factor; 1 otherwise)
 //     out[i]        = x[i] * cos - x[i+half] * sin
 //     out[i + half] = x[i+half] * cos + x[i] * sin
 //   Launch: grid = (rows, num_heads), block = head_dim / 2 threads (threads
 //   beyond head_dim/2 idle, so a block rounded up to a multiple of 32 is fine).
 //   No shared memory. head_dim must be even.
 
-extern "C" __global__ void rope_rotate_half(float* x, const unsigned* positions, int num_heads,
-                                            int head_dim, float theta) {
+extern "C" __global__ void rope_rotate_half(float* x, const unsigned* positions,
+                                            const float* inv_freq, int num_heads, int head_dim,
+                                            float scale) {
     const int half = head_dim >> 1;
     const int i = threadIdx.x;
     const int h = blockIdx.y;
     if (i >= half || h >= num_heads) return;
     const unsigned r = blockIdx.x;
     const float pos = (float)positions[r];
-    const float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)head_dim);
-    const float angle = pos * inv_freq;
+    const float angle = pos * inv_freq[i];
     float s, c;
     sincosf(angle, &s, &c);
+    c *= scale;
+    s *= scale;
     float* xh = x + ((unsigned long long)r * (unsigned long long)num_heads + (unsigned long long)h) *
                         (unsigned long long)head_dim;
     const float x1 = xh[i];

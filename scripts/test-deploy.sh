@@ -1,21 +1,35 @@
 #!/usr/bin/env bash
 # The deployment tests, all offline (there is no Kubernetes API server or container engine here):
 #  - the Helm chart (deploy/helm/duet): `helm lint --strict`; `helm template` with the default,
-#    CPU, GPU and external-etcd values, each validated by `kubernetes-validate --strict` against
-#    the Kubernetes 1.29 and 1.33 schemas and diffed against the rendering committed under
-#    deploy/helm/rendered/ (so a chart change shows in review); bad values refused by the schema
-#    with a message;
+#    CPU, GPU, external-etcd, secure and cert-manager values, each validated by
+#    `kubernetes-validate --strict` against the Kubernetes 1.29 and 1.33 schemas, checked for its
+#    security wiring (secrets only as read-only mounted files, never in argv or an env value; `duet
+#    health` exec probes with TLS, gRPC probes without; certificates naming what peers dial; the
+#    workers' NetworkPolicies; the autoscalers' metrics exposed by the adapter rules) and diffed
+#    against the rendering committed under deploy/helm/rendered/ (so a chart change shows in
+#    review; the generated cluster token's random value is masked there); the generated token;
+#    the Grafana dashboard's metric names against the ones the sources export; NOTES.txt and the
+#    `helm test` pod with TLS and API keys; extra volumes; bad values refused by the schema with a
+#    message;
 #  - the OCI image (scripts/build-image.sh, buildah): built from the release binaries, then, inside
 #    it, `duet --version`, `duet generate` on the tiny fixture (the same tokens as outside), and the
 #    `helm test` pod's own command against a `duet up --processes` run from the image's binaries
 #    (it must get tokens, and must fail with no router); the GPU variant's CUDA libraries must find
 #    every library they link inside the image.
 # Prints one PASS/FAIL line per check and a closing count; exits non-zero on any failure.
-#   scripts/test-deploy.sh [--update]   --update rewrites deploy/helm/rendered/ instead of diffing
+#   scripts/test-deploy.sh [--update] [--chart-only]
+#     --update       rewrites deploy/helm/rendered/ instead of diffing
+#     --chart-only   the chart's checks only: no image build (no cargo, buildah or binaries needed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-update=false
-[ "${1:-}" = --update ] && update=true
+update=false chart_only=false
+for arg in "$@"; do
+  case $arg in
+    --update) update=true ;;
+    --chart-only) chart_only=true ;;
+    *) echo "usage: $0 [--update] [--chart-only]" >&2; exit 2 ;;
+  esac
+done
 tools=$(./scripts/fetch-chart-tools.sh) || exit 1
 PATH=$tools:$PATH
 chart=deploy/helm/duet
@@ -32,20 +46,122 @@ check() {
   shift
   if out=$("$@" 2>&1); then pass "$name"; else fail "$name" "$out"; fi
 }
+# python3 with the PyYAML that kubernetes-validate brings.
+py() { PYTHONPATH=$tools/../python python3 "$@"; }
 
 # --- the chart -----------------------------------------------------------------------------------
 values_files() { [ "$1" = default ] || echo "--values=$chart/values-$1.yaml"; }
 
-# kubernetes-validate has no schema for the Prometheus Operator's ServiceMonitor (a CRD): that
-# one warning is expected; any other warning or error fails.
+# kubernetes-validate has no schema for custom resources: the Prometheus Operator's ServiceMonitor
+# and cert-manager's Certificate; those warnings are expected, any other warning or error fails.
 validate() {
   local out
   out=$(kubernetes-validate --strict --kubernetes-version "$1" --quiet "$2" 2>&1) || { echo "$out"; return 1; }
-  out=$(grep -v "Couldn't find schema for kind ServiceMonitor with api version monitoring.coreos.com/v1" <<<"$out")
+  out=$(grep -v -e "Couldn't find schema for kind ServiceMonitor with api version monitoring.coreos.com/v1 " \
+    -e "Couldn't find schema for kind Certificate with api version cert-manager.io/v1 " <<<"$out")
   [ -z "$out" ] || { echo "$out"; return 1; }
 }
 
-for values in default cpu gpu external-etcd; do
+# The cluster token the chart generates (unless given a Secret) is random: masked in the committed
+# renderings.
+mask_generated() {
+  sed -E '/# generated once by the chart/{n;s/^(  [^:]+: ).*/\1<48 random characters, base64>/}' "$1"
+}
+
+# wiring RENDERING: what the rendered objects must wire together, whatever the values.
+wiring() {
+  py - "$1" <<'PY'
+import re, sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+kinds = {}
+for d in docs:
+    kinds.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
+errors = []
+def check(ok, message):
+    if not ok:
+        errors.append(message)
+deployments = kinds.get("Deployment", {})
+certificates = kinds.get("Certificate", {})
+def container(d):
+    return d["spec"]["template"]["spec"]["containers"][0]
+tls_on = any(a.startswith("--tls-cert=") for d in deployments.values() for a in container(d)["args"])
+secret_flags = r"--(cluster-token-file|api-keys-file|api-key-file|tls-cert|tls-key|tls-ca|etcd-ca|etcd-cert|etcd-key|etcd-password-file)=(.*)"
+def files_in_secrets(name, spec, c, argv):
+    mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for a in argv:
+        m = re.match(secret_flags, a)
+        if m:
+            mount = [p for p in mounts if m.group(2).startswith(p + "/")]
+            check(mount and mounts[mount[0]].get("readOnly") and "secret" in volumes[mounts[mount[0]]["name"]],
+                  f"{name}: {a} is not in a read-only Secret mount")
+        check(not re.match(r"--(cluster-token|api-key|api-keys|etcd-password)=", a), f"{name}: a secret in argv: {a}")
+    for e in c.get("env", []):
+        check("value" not in e or not re.search(r"TOKEN|KEY|PASSWORD", e["name"]), f"{name}: a secret in env {e['name']}")
+for name, d in deployments.items():
+    spec, c = d["spec"]["template"]["spec"], container(d)
+    args, command = c["args"], c["command"]
+    component = d["metadata"]["labels"]["app.kubernetes.io/component"]
+    files_in_secrets(name, spec, c, command + args)
+    check(tls_on == any(a.startswith("--tls-cert=") for a in args), f"{name}: TLS on some services only")
+    cert = certificates.get(f"{name}-tls")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        p = c[probe]
+        if tls_on:
+            cmd = p.get("exec", {}).get("command", [])
+            check(cmd[:2] == ["/usr/local/bin/duet", "health"] and any(x.startswith("--tls-cert=") for x in cmd),
+                  f"{name}: {probe} is not `duet health` with the pod's certificate")
+            files_in_secrets(f"{name} {probe}", spec, c, cmd)
+            server_name = next((x.split("=", 1)[1] for x in cmd if x.startswith("--tls-server-name=")), "")
+            check(not cert or server_name in cert["spec"]["dnsNames"], f"{name}: probe's name {server_name} not on its certificate")
+        else:
+            check("grpc" in p, f"{name}: {probe} is not a gRPC probe")
+    if component in ("prefill", "decode"):
+        line = " ".join(command + args)
+        if tls_on:
+            m = re.search(r'--advertise="\$\(busybox echo "\$POD_IP" \| busybox tr \.: --\)\.([^:"]+):', line)
+            check(m, f"{name}: with TLS on the worker does not advertise its pod's DNS name")
+            check(not (m and cert) or "*." + m.group(1) in cert["spec"]["dnsNames"],
+                  f"{name}: the advertised <ip>.{m and m.group(1)} is not on its certificate")
+        else:
+            check("--advertise=$(POD_IP):" in line, f"{name}: does not advertise its pod IP")
+for name, cert in certificates.items():
+    check({"server auth", "client auth"} <= set(cert["spec"]["usages"]), f"{name}: not usable as server and client")
+for name, s in kinds.get("StatefulSet", {}).items():
+    command = container(s)["command"]
+    if tls_on:
+        for flag in ("--client-cert-auth=true", "--peer-client-cert-auth=true", "--listen-client-urls=https://0.0.0.0:2379",
+                     "--listen-peer-urls=https://0.0.0.0:2380", "--trusted-ca-file=/etc/etcd/tls/ca.crt"):
+            check(flag in command, f"{name}: {flag} missing with TLS on")
+        member = re.search(r"--advertise-client-urls=https://\$\(POD_NAME\)\.(\S+):2379", " ".join(command))
+        check(not (member and f"{name}-tls" in certificates) or "*." + member.group(1) in certificates[f"{name}-tls"]["spec"]["dnsNames"],
+              f"{name}: the members' names are not on its certificate")
+    else:
+        check(not any("https" in a for a in command), f"{name}: TLS off but https")
+for d in deployments.values():
+    for a in container(d)["args"]:
+        if a.startswith("--etcd="):
+            check(not kinds.get("StatefulSet") or a.startswith("--etcd=https://") == tls_on, f"--etcd endpoints vs TLS: {a}")
+for name, np in kinds.get("NetworkPolicy", {}).items():
+    component = np["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+    if component in ("prefill", "decode"):
+        rule = np["spec"]["ingress"][0]
+        sources = {f.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for f in rule.get("from", [])}
+        check({"router", "decode" if component == "prefill" else "prefill"} <= sources,
+              f"{name}: the worker's port is not limited to the router and the other pool")
+adapter = [c["data"]["config.yaml"] for c in kinds.get("ConfigMap", {}).values() if "config.yaml" in c.get("data", {})]
+for hpa in kinds.get("HorizontalPodAutoscaler", {}).values():
+    for m in hpa["spec"]["metrics"]:
+        if m["type"] in ("Pods", "External"):
+            metric = m[m["type"].lower()]["metric"]["name"]
+            check(not adapter or f'as: "{metric}"' in adapter[0], f"{hpa['metadata']['name']}: {metric} not in the adapter's rules")
+if errors:
+    print("\n".join(errors))
+    sys.exit(1)
+PY
+}
+
+for values in default cpu gpu external-etcd secure cert-manager; do
   check "helm lint --strict ($values values)" helm lint --strict $(values_files $values) "$chart"
   out="$work/$values.yaml"
   if ! helm template duet "$chart" --namespace duet $(values_files $values) >"$out" 2>"$work/err"; then
@@ -55,21 +171,111 @@ for values in default cpu gpu external-etcd; do
   for version in 1.29.0 1.33.0; do
     check "kubernetes-validate --strict $version ($values values)" validate "$version" "$out"
   done
+  check "secrets as read-only files, probes, certificate names, NetworkPolicies, autoscalers ($values values)" \
+    wiring "$out"
+  mask_generated "$out" >"$out.masked"
   if $update; then
-    mkdir -p "$rendered" && cp "$out" "$rendered/$values.yaml"
+    mkdir -p "$rendered" && cp "$out.masked" "$rendered/$values.yaml"
   else
     check "$rendered/$values.yaml is the chart's rendering (scripts/test-deploy.sh --update)" \
-      diff -u "$rendered/$values.yaml" "$out"
+      diff -u "$rendered/$values.yaml" "$out.masked"
   fi
 done
 
-# NOTES.txt (rendered only by install): how to call the release, with grpcurl and ghz.
+# The generated cluster token: 48 random characters, another on each install.
+tokens=$(for i in 1 2; do
+  helm template duet "$chart" --show-only templates/cluster-token.yaml |
+    sed -n '/# generated once by the chart/{n;s/^  token: //p}' | base64 -d
+  echo
+done)
+if [ "$(sort -u <<<"$tokens" | grep -cE '^[A-Za-z0-9]{48}$')" = 2 ]; then
+  pass "the generated cluster token is 48 random characters"
+else
+  fail "the generated cluster token is 48 random characters" "$tokens"
+fi
+
+# The Grafana dashboard: the datasource a variable, every metric name in its queries one the
+# sources export (a histogram as _bucket, _sum, _count), and shipped in the ConfigMap.
+dashboard() {
+  local sources=(crates/duet-worker/src/metrics.rs crates/duet-worker/src/stats.rs services/router/src/metrics.rs)
+  py - "$chart/dashboards/duet.json" "${sources[@]}" <<'PY'
+import json, re, sys
+d = json.load(open(sys.argv[1]))
+text = "".join(open(f).read() for f in sys.argv[2:])
+families = set(re.findall(r'"(duet_[a-z0-9_]+)"', text))
+histograms = set(re.findall(r'(?:histogram|HistogramOpts::new)\(\s*"(duet_[a-z0-9_]+)"', text))
+assert histograms, "no histogram found in the sources"
+known = (families - histograms) | {h + s for h in histograms for s in ("_bucket", "_sum", "_count")}
+assert any(v["type"] == "datasource" and v["name"] == "datasource" for v in d["templating"]["list"]), "no datasource variable"
+used = set()
+for p in d["panels"]:
+    if p["type"] != "row":
+        assert p["datasource"]["uid"] == "${datasource}", f"{p['title']}: datasource is not the variable"
+        assert p["targets"], f"{p['title']}: no query"
+    for t in p.get("targets", []):
+        used |= set(re.findall(r"\bduet_[a-z0-9_]+\b", t["expr"]))
+unknown = sorted(used - known)
+assert not unknown, f"not exported by duet: {unknown}"
+print(f"{len(used)} metric names, all exported ({len(histograms)} histograms in the sources)")
+PY
+}
+if out=$(dashboard 2>&1) &&
+  helm template duet "$chart" --set grafana.dashboards.enabled=true --show-only templates/grafana-dashboard.yaml |
+  py -c 'import json, sys, yaml; d = yaml.safe_load(sys.stdin); assert d["metadata"]["labels"]["grafana_dashboard"] == "1"; json.loads(d["data"]["duet.json"])' 2>"$work/err"; then
+  pass "dashboards/duet.json, in its ConfigMap for Grafana's sidecar: $out"
+else
+  fail "dashboards/duet.json uses only metric names duet exports, in its ConfigMap" "$out $(cat "$work/err")"
+fi
+
+# NOTES.txt (rendered only by install): how to call the release, with grpcurl and ghz; with TLS
+# and API keys on, with the CA and a key read from their Secrets.
 notes=$(helm install duet "$chart" --namespace duet --dry-run=client 2>&1)
 if grep -q 'duet-router.duet.svc.cluster.local:50051 duet.v1.Generation/Generate' <<<"$notes" &&
   grep -q -- '--call duet.v1.Generation.Generate' <<<"$notes"; then
   pass "NOTES.txt renders the grpcurl and ghz lines for the release"
 else
   fail "NOTES.txt renders the grpcurl and ghz lines for the release" "$notes"
+fi
+notes=$(helm install duet "$chart" --namespace duet --dry-run=client --values="$chart/values-secure.yaml" 2>&1)
+if grep -qF 'grpcurl -cacert ca.crt -servername duet-router -H "authorization: Bearer $KEY"' <<<"$notes" &&
+  grep -qF "get secret -n duet duet-api-keys -o jsonpath='{.data.api-keys}'" <<<"$notes" &&
+  grep -qF "get secret -n duet duet-tls -o jsonpath='{.data.ca\.crt}'" <<<"$notes" &&
+  grep -qF 'ghz --cacert ca.crt --cname duet-router -m "{\"authorization\":\"Bearer $KEY\"}"' <<<"$notes"; then
+  pass "NOTES.txt (secure values) calls with the CA and an API key from their Secrets"
+else
+  fail "NOTES.txt (secure values) calls with the CA and an API key from their Secrets" "$notes"
+fi
+# The helm test pod with the secure values: the CA and the API keys mounted from their Secrets.
+test_pod=$(sed -n '/helm.sh\/hook: test/,$p' "$work/secure.yaml")
+if grep -qF -- '- --tls-ca=/etc/duet/tls/ca.crt' <<<"$test_pod" &&
+  grep -qF -- '- --api-key-file=/etc/duet/api-keys/keys' <<<"$test_pod" &&
+  grep -qF 'secretName: duet-api-keys' <<<"$test_pod" && grep -qF 'secretName: duet-tls' <<<"$test_pod"; then
+  pass "the helm test pod calls with the CA and an API key (secure values)"
+else
+  fail "the helm test pod calls with the CA and an API key (secure values)" "$test_pod"
+fi
+
+# Extra volumes per pool: accepted, mounted, valid Kubernetes.
+extra=(--set-json 'router.extraVolumes=[{"name":"ca-bundle","configMap":{"name":"ca-bundle"}}]'
+  --set-json 'router.extraVolumeMounts=[{"name":"ca-bundle","mountPath":"/etc/ssl/extra","readOnly":true}]'
+  --set-json 'decode.extraVolumes=[{"name":"shm","emptyDir":{"medium":"Memory"}}]'
+  --set-json 'decode.extraVolumeMounts=[{"name":"shm","mountPath":"/dev/shm"}]')
+if helm template duet "$chart" --namespace duet "${extra[@]}" >"$work/extra.yaml" 2>"$work/err" &&
+  validate 1.33.0 "$work/extra.yaml" >"$work/err" 2>&1 &&
+  py - "$work/extra.yaml" <<'PY' 2>"$work/err"
+import sys, yaml
+pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "Deployment"}
+def has(name, volume, path):
+    spec = pods[name]
+    return any(v["name"] == volume for v in spec["volumes"]) and \
+        any(m["name"] == volume and m["mountPath"] == path for m in spec["containers"][0]["volumeMounts"])
+assert has("duet-router", "ca-bundle", "/etc/ssl/extra") and has("duet-decode", "shm", "/dev/shm")
+assert not has("duet-prefill", "shm", "/dev/shm")
+PY
+then
+  pass "extraVolumes / extraVolumeMounts per pool are mounted in that pool"
+else
+  fail "extraVolumes / extraVolumeMounts per pool are mounted in that pool" "$(cat "$work/err")"
 fi
 
 # rejected NAME EXPECTED-MESSAGE HELM-ARGS...: the schema refuses the values with that message.
@@ -89,6 +295,37 @@ rejected "an unknown etcd.mode" "at '/etcd/mode': value must be one of 'bundled'
 rejected "a GPU count with device cpu" "at '/prefill/gpu/count': value must be 0" --set prefill.device=cpu
 rejected "external etcd without endpoints" "at '/etcd/external/endpoints': minItems: got 0, want 1" --set etcd.mode=external
 rejected "a misspelt key" "at '/router': additional properties 'replica' not allowed" --set router.replica=3
+rejected "mTLS without certificates" "at '/tls': missing property 'tls.enabled needs certificates" --set tls.enabled=true
+rejected "certificates from both a Secret and cert-manager" \
+  "at '/tls': missing property 'tls.existingSecret and tls.certManager.issuer.name both set" \
+  --set tls.enabled=true --set tls.existingSecret=duet-tls --set tls.certManager.issuer.name=duet-ca
+rejected "certificates with TLS off" "at '/tls': missing property 'certificates are configured but tls.enabled is false" \
+  --set tls.certManager.issuer.name=duet-ca
+rejected "API keys without a Secret" \
+  "at '/security/apiKeys': missing property 'security.apiKeys.enabled needs security.apiKeys.existingSecret" \
+  --set security.apiKeys.enabled=true
+rejected "an etcd user without a password Secret" \
+  "at '/etcd/external/auth': missing property 'etcd.external.auth.user needs etcd.external.auth.existingSecret" \
+  --set etcd.mode=external --set 'etcd.external.endpoints[0]=http://etcd:2379' --set etcd.external.auth.user=duet
+rejected "a plaintext etcd endpoint with etcd TLS" \
+  "at '/etcd/external/endpoints/0': 'http://etcd:2379' does not match pattern '^https://'" \
+  --values="$chart/values-external-etcd.yaml" --set-json 'etcd.external.endpoints=["http://etcd:2379"]'
+rejected "a prefill signal for the decode autoscaler" \
+  "at '/decode/autoscaling/metric': value must be one of 'kvCacheUsage', 'runningRequests', 'cpu'" \
+  --set decode.autoscaling.metric=ttft
+rejected "a NetworkPolicy peer typo" "at '/networkPolicy/router/from/0': additional properties 'podselector' not allowed" \
+  --set-json 'networkPolicy.router.from=[{"podselector":{}}]'
+rejected "an extra volume without a name" "at '/decode/extraVolumes/0': missing property 'name'" \
+  --set-json 'decode.extraVolumes=[{"emptyDir":{}}]'
+rejected "a serving signal without metrics" \
+  "at '/decode/autoscaling': missing property 'decode.autoscaling.metric other than cpu needs metrics.enabled" \
+  --set metrics.enabled=false --set decode.autoscaling.enabled=true
+
+if $chart_only; then
+  echo "$passed passed, $failed failed (chart only)"
+  [ "$failed" = 0 ]
+  exit
+fi
 
 # --- the image -----------------------------------------------------------------------------------
 buildah=(buildah --storage-driver vfs)

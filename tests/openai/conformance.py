@@ -4,7 +4,8 @@ Run by tests/tests/openai.rs against routers it starts on loopback; exits non-ze
 AssertionError or the client's own exception) on the first thing that is not as a user of the
 client expects. Arguments (JSON on stdin):
   url, limited_url (no request admitted), deadline_url (1 ms deadline), down_url (no worker up),
-  model, completion_prompt, completion_text, chat_messages, chat_text, max_tokens,
+  model, alias (a second served name of url's router), completion_prompt, completion_text,
+  chat_messages, chat_text, max_tokens,
   max_request_bytes (the router's body limit)
 where completion_text / chat_text are the gRPC `Complete` answers for the same greedy requests.
 """
@@ -37,9 +38,14 @@ def check_usage(usage, completion_tokens):
     return usage
 
 
-# Models.
+# Models: every served name, and a request by the alias answered under that name.
 models = main.models.list()
-assert [m.id for m in models.data] == [model], models
+assert [m.id for m in models.data] == [model, args["alias"]], models
+by_alias = main.completions.create(
+    model=args["alias"], prompt=args["completion_prompt"], max_tokens=max_tokens, temperature=0
+)
+assert by_alias.model == args["alias"], by_alias
+assert by_alias.choices[0].text == args["completion_text"], by_alias
 
 # Completions, whole: greedy text equals gRPC Complete.
 whole = main.completions.create(

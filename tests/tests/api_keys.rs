@@ -1,6 +1,6 @@
 //! API keys on the public APIs (`--api-keys-file`): a gRPC `Generation` call and an OpenAI HTTP
 //! call without a listed key are refused (UNAUTHENTICATED / 401 in OpenAI's error envelope),
-//! with one they are served, and health stays open on both.
+//! with one they are served (`duet generate --api-key-file` too), and health stays open on both.
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
@@ -141,4 +141,30 @@ fn calls_without_a_listed_key_are_refused_on_both_apis_and_health_stays_open() {
     );
     let (status, answer) = http(http_addr, "GET", "/health", None, "");
     assert_eq!(status, 200, "{answer}");
+
+    // `duet generate --api-key-file` (what the chart's `helm test` pod runs) calls with the
+    // file's first key; without it, the call is refused.
+    let generate = |with_keys: bool| {
+        let mut command = std::process::Command::new(bin_dir().join("duet"));
+        command.args([
+            "generate",
+            "--server",
+            &c.router.to_string(),
+            "--prompt",
+            "hello",
+        ]);
+        command.args(["--max-tokens", "4", "--temperature", "0"]);
+        if with_keys {
+            command.arg("--api-key-file").arg(dir.path().join("keys"));
+        }
+        command.output().unwrap()
+    };
+    let served = generate(true);
+    assert!(served.status.success(), "{served:?}");
+    let refused = generate(false);
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("API key"),
+        "{refused:?}"
+    );
 }

@@ -1,6 +1,7 @@
 //! Hung workers and long queues cost bounded time: a SIGSTOPped decode worker's stream goes on
-//! elsewhere, a SIGSTOPped prefill worker costs one attempt, and a prompt queued behind others
-//! keeps its KV reservation. The faults need separate processes (SIGSTOP), except the queue.
+//! elsewhere, a SIGSTOPped prefill worker costs one attempt and, resumed, takes its share of
+//! later work again, and a prompt queued behind others keeps its KV reservation. The faults need
+//! separate processes (SIGSTOP), except the queue.
 
 use std::time::{Duration, Instant};
 
@@ -165,4 +166,63 @@ fn a_queued_prompts_reservation_does_not_expire() {
             "prompt {i} was prefilled remotely at the first try: {t:?}"
         );
     }
+}
+
+/// A prefill worker stopped in the middle of its first prefill measures its prefill rate from
+/// that stall. Resumed, it is sent work again (its rate is held to a share of the pool's and
+/// decays toward it while nothing renews it), measures itself afresh, and takes its share of a
+/// later burst of long prompts.
+#[test]
+fn a_prefill_worker_stalled_in_its_first_prefill_takes_its_share_of_a_later_burst() {
+    let model =
+        default_model().expect("the default model: `duet model fetch` (scripts/test.sh runs it)");
+    let c = in_processes(spec(
+        model,
+        2,
+        1,
+        RoutingOptions {
+            prefill_saturation_factor: 0.0,
+            ..local_prefill_threshold(0)
+        },
+    ));
+    let stalled = format!("prefill-{}", c.prefill[0].port());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let router = c.router;
+    // Idle prefill workers rank in their order: the first prompt goes to the first worker.
+    let first = rt.spawn(async move {
+        let mut client = client(router).await;
+        let mut req = tonic::Request::new(greedy_request(&prompt(1000, 900), 2));
+        req.set_timeout(Duration::from_secs(15));
+        client.complete(req).await
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    c.signal_process(0, "STOP").unwrap();
+    std::thread::sleep(Duration::from_secs(8));
+    c.signal_process(0, "CONT").unwrap();
+    let first = rt
+        .block_on(first)
+        .unwrap()
+        .expect("the first prompt is served");
+    assert_eq!(first.into_inner().token_ids.len(), 2);
+    let mut taken = Vec::new();
+    for burst in 0..3u32 {
+        let used: Vec<String> = rt.block_on(async {
+            let calls = (0..6u32).map(|i| {
+                generate(
+                    router,
+                    greedy_request(&prompt(1000, 1000 + burst * 10 + i), 2),
+                )
+            });
+            futures::future::join_all(calls)
+                .await
+                .into_iter()
+                .map(|r| r.unwrap().2.timings.unwrap().prefill_worker)
+                .collect()
+        });
+        taken.push(used.iter().filter(|w| **w == stalled).count());
+    }
+    assert!(
+        *taken.last().unwrap() >= 2,
+        "the resumed worker took {taken:?} of each burst of 6"
+    );
 }

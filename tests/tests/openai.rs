@@ -17,6 +17,9 @@ use duet_tests::*;
 const MAX_REQUEST_BYTES: usize = 64 << 10;
 
 /// A cluster of the default model whose router serves HTTP too; prompts always prefill remotely.
+/// A second name the main cluster's router answers to (`--served-model-name`).
+const ALIAS: &str = "SmolLM2-135M-Instruct";
+
 fn http_cluster(model: std::path::PathBuf) -> (Cluster, SocketAddr) {
     let mut spec = spec(
         model,
@@ -30,6 +33,8 @@ fn http_cluster(model: std::path::PathBuf) -> (Cluster, SocketAddr) {
     );
     let http = free_addr();
     spec.router.http_listen = Some(http);
+    // The file's stem first, and the name clients written for the model use.
+    spec.router.served_model_name = vec![duet_router::model_name(&spec.model), ALIAS.to_string()];
     (Cluster::start(&spec).expect("starting the cluster"), http)
 }
 
@@ -177,10 +182,11 @@ fn the_openai_python_client_gets_what_grpc_gives_and_every_error_as_its_exceptio
     let json_str = |s: &str| format!("{s:?}");
     let args = format!(
         r#"{{"url":"http://{http}","limited_url":"http://{limited}","deadline_url":"http://{deadline}",
-            "down_url":"http://{down}","model":{model},"completion_prompt":{prompt},
+            "down_url":"http://{down}","model":{model},"alias":{alias},"completion_prompt":{prompt},
             "completion_text":{completion},"chat_messages":[{messages}],"chat_text":{chat},
             "max_tokens":{max_tokens},"max_request_bytes":{MAX_REQUEST_BYTES}}}"#,
         model = json_str(&duet_router::model_name(&model)),
+        alias = json_str(ALIAS),
         prompt = json_str(completion_prompt),
         completion = json_str(&completion_text),
         messages = chat_messages.join(","),

@@ -1,6 +1,9 @@
 //! Prometheus metrics against a real Prometheus (Debian's `prometheus`, installed by `.ci/run`):
 //! `duet up --metrics-listen` on the tiny model, scraped every second by a Prometheus on
-//! loopback; after a few requests its HTTP API answers the dashboards' queries.
+//! loopback; after a few requests (and one refused KV push) its HTTP API answers the dashboards'
+//! queries, and every metric the chart's Grafana dashboard
+//! (`deploy/helm/duet/dashboards/duet.json`) queries is one Prometheus has scraped, so the
+//! dashboard cannot drift from the code.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -23,11 +26,15 @@ impl Drop for Killed {
     }
 }
 
+/// The cluster token `duet up` runs with (given in its environment).
+const TOKEN: &str = "prometheus-test-cluster-token";
+
 /// `duet up` in one process, prompts prefilled on the prefill worker (their KV transferred);
 /// returns once it printed its ready line.
 fn duet_up(router: SocketAddr, metrics: SocketAddr) -> Killed {
     let mut child = Killed(
         Command::new(bin_dir().join("duet"))
+            .env(duet_proto::auth::CLUSTER_TOKEN_ENV, TOKEN)
             .arg("up")
             .arg(format!("--listen={router}"))
             .arg(format!("--metrics-listen={metrics}"))
@@ -235,4 +242,114 @@ fn prometheus_scrapes_duet_up_and_answers_the_dashboards_queries() {
         transfers,
         [probe_transfers.unwrap_or(0.0) + REQUESTS as f64]
     );
+
+    // A KV push the decode worker refuses (another model's header) is counted as a failed
+    // transfer, the one family only a failure brings.
+    rt.block_on(refused_push(router));
+    wait_for(
+        web,
+        "sum(duet_kv_transfer_failures_total{direction=\"in\"})",
+        |v| v == [1.0],
+    );
+    dashboard_queries_only_scraped_metrics(web);
+}
+
+/// Pushes a header for another model to the cluster's decode worker (found through the
+/// router's `Info`); the push is refused.
+async fn refused_push(router: SocketAddr) {
+    use duet_proto::v1;
+    let info = client(router)
+        .await
+        .info(v1::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let decode = &info.decode_workers[0].address;
+    let auth = duet_proto::PeerAuth {
+        token: Some(TOKEN.parse().unwrap()),
+        tls: None,
+    };
+    let channel = duet_proto::channel(decode, &auth).unwrap();
+    let header = v1::KvChunk {
+        kind: Some(v1::kv_chunk::Kind::Header(v1::KvHeader {
+            model_fingerprint: "another model".into(),
+            ..Default::default()
+        })),
+    };
+    let refused = v1::kv_transfer_client::KvTransferClient::new(channel)
+        .push(futures::stream::iter(vec![header]))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused}");
+}
+
+/// Every `duet_*` metric named in the Grafana dashboard's queries is one Prometheus scraped.
+fn dashboard_queries_only_scraped_metrics(prometheus: SocketAddr) {
+    let path = repo().join("deploy/helm/duet/dashboards/duet.json");
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut exprs = Vec::new();
+    collect_exprs(&dashboard, &mut exprs);
+    assert!(
+        exprs.len() >= 10,
+        "{} queries in {}",
+        exprs.len(),
+        path.display()
+    );
+    let mut used: Vec<String> = exprs.iter().flat_map(|e| metric_names(e)).collect();
+    used.sort();
+    used.dedup();
+    let body = http_get(prometheus, "/api/v1/label/__name__/values").unwrap();
+    let scraped: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let scraped: Vec<&str> = scraped["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|n| n.as_str())
+        .collect();
+    let missing: Vec<&String> = used
+        .iter()
+        .filter(|n| !scraped.contains(&n.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "the dashboard queries metrics no scrape has: {missing:?} (scraped: {scraped:?})"
+    );
+}
+
+/// Every `expr` string anywhere in a dashboard.
+fn collect_exprs(v: &serde_json::Value, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(map) => {
+            for (k, v) in map {
+                match (k.as_str(), v) {
+                    ("expr", serde_json::Value::String(e)) => out.push(e.clone()),
+                    _ => collect_exprs(v, out),
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|v| collect_exprs(v, out)),
+        _ => {}
+    }
+}
+
+/// The `duet_…` identifiers in a PromQL expression.
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let bytes = expr.as_bytes();
+    let mut i = 0;
+    while let Some(at) = expr[i..].find("duet_") {
+        let start = i + at;
+        let word_start =
+            start == 0 || !(bytes[start - 1].is_ascii_alphanumeric() || bytes[start - 1] == b'_');
+        let end = start
+            + expr[start..]
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(expr.len() - start);
+        if word_start {
+            names.push(expr[start..end].to_string());
+        }
+        i = end;
+    }
+    names
 }

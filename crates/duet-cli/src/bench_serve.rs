@@ -283,9 +283,19 @@ pub struct RunReport {
     pub prefix_hit_rate: f64,
     /// The same, had one worker held every prefix computed before (token prompts only).
     pub ideal_prefix_hit_rate: f64,
+    /// TTFT of the cold requests: those even that ideal cache holds nothing of (a prompt whose
+    /// first block no earlier request had), which no routing can help. `None` without token
+    /// prompts.
+    pub cold_ttft_ms: Option<ColdTtft>,
     pub first_error: Option<String>,
     /// With --chaos: the faults, failures by status, differing streams and held blocks.
     pub chaos: Option<ChaosReport>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ColdTtft {
+    pub requests: usize,
+    pub ttft_ms: Percentiles,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -1016,9 +1026,14 @@ fn summarize(
             output: &s.token_ids,
         })
         .collect();
-    let ideal: usize = shared_prefix::ideal_cached_tokens(&seen, block_size)
-        .into_iter()
-        .sum();
+    let ideal_each = shared_prefix::ideal_cached_tokens(&seen, block_size);
+    let ideal: usize = ideal_each.iter().sum();
+    let cold: Vec<f64> = in_order
+        .iter()
+        .zip(&ideal_each)
+        .filter(|&(_, &cached)| cached == 0)
+        .map(|(s, _)| s.ttft_ms)
+        .collect();
     let token_prompts: usize = in_order.iter().map(|s| s.prompt.len()).sum();
     let rate = |part: f64, whole: f64| if whole > 0.0 { part / whole } else { 0.0 };
     let attained = ok
@@ -1056,6 +1071,10 @@ fn summarize(
             .count(),
         prefix_hit_rate: rate(cached_tokens as f64, prompt_tokens as f64),
         ideal_prefix_hit_rate: rate(ideal as f64, token_prompts as f64),
+        cold_ttft_ms: (!cold.is_empty()).then(|| ColdTtft {
+            requests: cold.len(),
+            ttft_ms: percentiles(cold.iter().copied()),
+        }),
         first_error: samples.iter().find_map(|s| s.error.clone()),
         chaos: None,
     }
@@ -1126,6 +1145,12 @@ fn print_table(runs: &[RunReport], args: &ServeBenchArgs) {
             r.prefix_hit_rate * 100.0,
             r.ideal_prefix_hit_rate * 100.0
         );
+        if let (Some(c), WorkloadShape::SharedPrefix) = (&r.cold_ttft_ms, &args.workload) {
+            println!(
+                "{:<27} TTFT of the {} cold requests (no earlier request had their first block): p50 {:.1}, p90 {:.1} ms",
+                r.design, c.requests, c.ttft_ms.p50, c.ttft_ms.p90
+            );
+        }
         if let Some(e) = &r.first_error {
             println!("  first error: {e}");
         }

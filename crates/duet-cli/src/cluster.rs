@@ -306,6 +306,7 @@ impl Cluster {
                     router,
                     key.as_deref(),
                     tls.as_ref(),
+                    (spec.prefill_workers, spec.decode_workers),
                     Duration::from_secs(300),
                     || cluster.exited_process(),
                 ) => r,
@@ -499,12 +500,15 @@ fn below_ephemeral_ports() -> std::ops::Range<u16> {
     low.saturating_sub(16384).max(1024)..low.max(1024)
 }
 
-/// Polls with a one-token `Generate` until one succeeds: only then would a user's call succeed.
-/// Stops at the first error of `services_alive`, checked before each try.
+/// Polls with a one-token `Generate` until one succeeds (only then would a user's call succeed)
+/// and the router's `Info` shows the `(prefill, decode)` workers launched all routable (a
+/// prefill worker is ready once it knows a decode worker to push to, and the router sees that
+/// at its next poll). Stops at the first error of `services_alive`, checked before each try.
 async fn wait_until_serving(
     router: SocketAddr,
     key: Option<&str>,
     tls: Option<&ClientTlsConfig>,
+    workers: (usize, usize),
     limit: Duration,
     mut services_alive: impl FnMut() -> Result<()>,
 ) -> Result<()> {
@@ -512,7 +516,7 @@ async fn wait_until_serving(
     let mut last_error = String::from("not started");
     while Instant::now() < deadline {
         services_alive()?;
-        match probe(router, key, tls).await {
+        match probe(router, key, tls, workers).await {
             Ok(()) => return Ok(()),
             // The configuration refuses every call (a prompt limit below the probe's, say):
             // waiting would not change that.
@@ -535,23 +539,52 @@ async fn wait_until_serving(
     bail!("the cluster did not become ready within {limit:?}: {last_error}")
 }
 
-async fn probe(router: SocketAddr, key: Option<&str>, tls: Option<&ClientTlsConfig>) -> Result<()> {
+/// `message` as a call to a router carrying `key` (`authorization: Bearer KEY`) when there is
+/// one.
+pub fn with_api_key<T>(message: T, key: Option<&str>) -> Result<tonic::Request<T>> {
+    let mut request = tonic::Request::new(message);
+    if let Some(key) = key {
+        let value = format!("Bearer {key}")
+            .parse()
+            .context("the API key is not a valid header value")?;
+        request.metadata_mut().insert("authorization", value);
+    }
+    Ok(request)
+}
+
+async fn probe(
+    router: SocketAddr,
+    key: Option<&str>,
+    tls: Option<&ClientTlsConfig>,
+    (prefill, decode): (usize, usize),
+) -> Result<()> {
     let channel = duet_proto::channels::endpoint(&router.to_string(), tls)?
         .connect()
         .await?;
     let mut client = v1::generation_client::GenerationClient::new(channel);
-    let mut req = tonic::Request::new(v1::GenerateRequest {
-        prompt: "ready?".into(),
-        max_tokens: Some(1),
-        temperature: Some(0.0),
-        ..Default::default()
-    });
+    let mut req = with_api_key(
+        v1::GenerateRequest {
+            prompt: "ready?".into(),
+            max_tokens: Some(1),
+            temperature: Some(0.0),
+            ..Default::default()
+        },
+        key,
+    )?;
     req.set_timeout(Duration::from_secs(30));
-    if let Some(key) = key {
-        req.metadata_mut()
-            .insert("authorization", format!("Bearer {key}").parse()?);
-    }
     client.complete(req).await?;
+    let info = client
+        .info(with_api_key(v1::InfoRequest {}, key)?)
+        .await?
+        .into_inner();
+    let routable = |w: &[v1::WorkerInfo]| w.iter().filter(|w| w.healthy).count();
+    let (p, d) = (
+        routable(&info.prefill_workers),
+        routable(&info.decode_workers),
+    );
+    if p < prefill || d < decode {
+        bail!("{p} of {prefill} prefill and {d} of {decode} decode workers routable");
+    }
     Ok(())
 }
 

@@ -71,6 +71,10 @@ pub struct GenerateArgs {
     /// TLS (the router runs with --tls-cert).
     #[arg(long, env = "DUET_TLS_CA", requires = "server")]
     pub tls_ca: Option<std::path::PathBuf>,
+    /// A router API keys file (one key a line, as --api-keys-file takes it): --server is called
+    /// with its first key (`authorization: Bearer KEY`).
+    #[arg(long, env = "DUET_API_KEY_FILE", requires = "server")]
+    pub api_key_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -249,6 +253,15 @@ async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
     use futures::StreamExt;
     let channel = router_channel(&server, args.tls_ca.as_deref()).await?;
     let mut client = v1::generation_client::GenerationClient::new(channel);
+    let key = match &args.api_key_file {
+        Some(path) => Some(
+            duet_router::api_keys::ApiKeys::load(path)?
+                .first()
+                .to_string(),
+        ),
+        None => None,
+    };
+
     let mut request = v1::GenerateRequest {
         max_tokens: Some(args.max_tokens as u32),
         temperature: Some(args.temperature),
@@ -272,15 +285,21 @@ async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
         request.prompt = args.prompt.clone();
     }
     let prompt = client
-        .tokenize(v1::TokenizeRequest {
-            text: request.prompt.clone(),
-            messages: request.messages.clone(),
-        })
+        .tokenize(duet_cli::cluster::with_api_key(
+            v1::TokenizeRequest {
+                text: request.prompt.clone(),
+                messages: request.messages.clone(),
+            },
+            key.as_deref(),
+        )?)
         .await?
         .into_inner()
         .token_ids;
     let start = Instant::now();
-    let mut stream = client.generate(request).await?.into_inner();
+    let mut stream = client
+        .generate(duet_cli::cluster::with_api_key(request, key.as_deref())?)
+        .await?
+        .into_inner();
     let mut stdout = std::io::stdout().lock();
     let (mut token_ids, mut text, mut first_at, mut finish) =
         (Vec::new(), String::new(), None, String::from("length"));

@@ -32,6 +32,16 @@ pub struct UpArgs {
     /// Unset: no key needed.
     #[arg(long, value_name = "PATH", env = "DUET_API_KEYS_FILE")]
     pub api_keys_file: Option<std::path::PathBuf>,
+    /// A name the router's OpenAI API answers to (`duet-router --served-model-name`); repeat
+    /// the flag for aliases. Unset: the model file's stem.
+    #[arg(
+        long = "served-model-name",
+        value_name = "NAME",
+        env = "DUET_SERVED_MODEL_NAME",
+        value_delimiter = ',',
+        value_parser = duet_router::config::parse_served_name
+    )]
+    pub served_model_name: Vec<String>,
     /// Number of prefill workers.
     #[arg(long, env = "DUET_PREFILL_WORKERS_COUNT", default_value_t = 1)]
     pub prefill_workers: usize,
@@ -83,6 +93,7 @@ pub fn run(args: UpArgs) -> Result<()> {
             listen: args.listen,
             http_listen: args.http_listen,
             api_keys_file: args.api_keys_file.clone(),
+            served_model_name: args.served_model_name.clone(),
             cluster: args.cluster.clone(),
             metrics: args.metrics,
             routing: args.routing.clone(),

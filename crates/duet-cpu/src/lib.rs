@@ -263,15 +263,20 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rope(&self, x: &mut CpuTensor, head_dim: usize, theta: f32, batch: &CpuBatch<'_>) {
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        head_dim: usize,
+        inv_freq: &Vec<f32>,
+        attention_factor: f32,
+        batch: &CpuBatch<'_>,
+    ) {
         let computed;
-        let table = match batch
-            .rope
-            .get_or_init(|| RopeTable::new(batch.forward, head_dim, theta))
-        {
-            t if t.head_dim == head_dim && t.theta == theta => t,
+        let new = || RopeTable::new(batch.forward, head_dim, inv_freq, attention_factor);
+        let table = match batch.rope.get_or_init(new) {
+            t if t.head_dim == head_dim && t.inv_freq == inv_freq.as_ptr() => t,
             _ => {
-                computed = RopeTable::new(batch.forward, head_dim, theta);
+                computed = new();
                 &computed
             }
         };
@@ -377,29 +382,31 @@ pub struct CpuBatch<'a> {
 /// `cos` and `sin` of every row's position times each rotary frequency, `[row][head_dim / 2]`.
 struct RopeTable {
     head_dim: usize,
-    theta: f32,
+    /// Which frequencies it was made from (the model's one vector).
+    inv_freq: *const f32,
     cos: Vec<f32>,
     sin: Vec<f32>,
 }
 
+// The pointer only identifies the frequencies the table was made from; it is never read.
+unsafe impl Send for RopeTable {}
+unsafe impl Sync for RopeTable {}
+
 impl RopeTable {
-    fn new(batch: &ForwardBatch, head_dim: usize, theta: f32) -> Self {
+    fn new(batch: &ForwardBatch, head_dim: usize, inv_freq: &[f32], scale: f32) -> Self {
         let half = head_dim / 2;
-        let inv_freq: Vec<f64> = (0..half)
-            .map(|i| (theta as f64).powf(-((2 * i) as f64) / head_dim as f64))
-            .collect();
         let n = batch.positions.len() * half;
         let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for &pos in &batch.positions {
-            for f in &inv_freq {
-                let (s, c) = (pos as f64 * f).sin_cos();
-                cos.push(c as f32);
-                sin.push(s as f32);
+            for &f in &inv_freq[..half] {
+                let (s, c) = (pos as f64 * f as f64).sin_cos();
+                cos.push((c * scale as f64) as f32);
+                sin.push((s * scale as f64) as f32);
             }
         }
         Self {
             head_dim,
-            theta,
+            inv_freq: inv_freq.as_ptr(),
             cos,
             sin,
         }

@@ -723,7 +723,8 @@ impl Backend for CudaBackend {
         &self,
         x: &mut CudaActivations,
         head_dim: usize,
-        theta: f32,
+        inv_freq: &CudaSlice<f32>,
+        attention_factor: f32,
         batch: &Option<CudaBatch>,
     ) {
         let Some(b) = batch else {
@@ -739,9 +740,10 @@ impl Backend for CudaBackend {
         self.launch("rope_rotate_half", cfg, |a| {
             a.arg(&mut x.data)
                 .arg(&b.positions)
+                .arg(inv_freq)
                 .arg(&heads)
                 .arg(&hd)
-                .arg(&theta);
+                .arg(&attention_factor);
         });
     }
 

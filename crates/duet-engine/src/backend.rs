@@ -218,8 +218,17 @@ pub trait Backend: Send + Sync {
     fn split_cols(&self, x: &Self::Activations, parts: &mut [&mut Self::Activations]);
     /// `x += bias`, row-wise.
     fn add_bias(&self, x: &mut Self::Activations, bias: &Self::Vector);
-    /// Rotary embedding (rotate-half convention) of each head of each row at its position.
-    fn rope(&self, x: &mut Self::Activations, head_dim: usize, theta: f32, batch: &Self::Batch<'_>);
+    /// Rotary embedding (rotate-half convention) of each head of each row at its position:
+    /// pair `i` turns by `position × inv_freq[i]` (`head_dim / 2` frequencies, the model's
+    /// scaling applied), cos and sin scaled by `attention_factor`.
+    fn rope(
+        &self,
+        x: &mut Self::Activations,
+        head_dim: usize,
+        inv_freq: &Self::Vector,
+        attention_factor: f32,
+        batch: &Self::Batch<'_>,
+    );
     /// Stores each row's K and V into its cache slot for `layer`.
     fn write_kv(
         &self,

@@ -620,8 +620,13 @@ fn model_fingerprint(
     block_size: usize,
 ) -> String {
     let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    // The same weights with another RoPE scaling (a config edited) compute other KV.
+    let rope = match &c.rope_scaling {
+        duet_model::rope::RopeScaling::None => String::new(),
+        scaling => format!("/rope-{}", scaling.tag()),
+    };
     format!(
-        "{:?}/L{}/H{}/KV{}/D{}/V{}/kv-{}/bs{}/{}",
+        "{:?}/L{}/H{}/KV{}/D{}/V{}/kv-{}/bs{}/{}{rope}",
         c.architecture,
         c.num_layers,
         c.num_heads,

@@ -37,6 +37,14 @@ pub struct Llama<B: Backend> {
     output: Option<B::Matrix>,
     output_norm: B::Vector,
     layers: Vec<Layer<B>>,
+    /// The rotary embeddings' inverse frequencies (with the config's scaling), and the factor
+    /// cos and sin are scaled by.
+    rope: Rope<B>,
+}
+
+struct Rope<B: Backend> {
+    inv_freq: B::Vector,
+    attention_factor: f32,
 }
 
 /// Logits for the rows a step asked for.
@@ -159,6 +167,13 @@ impl<B: Backend> Llama<B> {
             None => None,
         };
         let output_norm = vector("output_norm.weight")?;
+        let frequencies = cfg
+            .rope_frequencies()
+            .map_err(|e| EngineError::Config(e.0))?;
+        let rope = Rope {
+            inv_freq: backend.load_vector(frequencies.inv_freq)?,
+            attention_factor: frequencies.attention_factor,
+        };
         Ok(Self {
             backend,
             config: cfg,
@@ -166,6 +181,7 @@ impl<B: Backend> Llama<B> {
             output,
             output_norm,
             layers,
+            rope,
         })
     }
 
@@ -232,8 +248,21 @@ impl<B: Backend> Llama<B> {
                 b.add_bias(&mut k, bk);
                 b.add_bias(&mut v, bv);
             }
-            b.rope(&mut q, c.head_dim, c.rope_theta, batch_on_device);
-            b.rope(&mut k, c.head_dim, c.rope_theta, batch_on_device);
+            let rope = &self.rope;
+            b.rope(
+                &mut q,
+                c.head_dim,
+                &rope.inv_freq,
+                rope.attention_factor,
+                batch_on_device,
+            );
+            b.rope(
+                &mut k,
+                c.head_dim,
+                &rope.inv_freq,
+                rope.attention_factor,
+                batch_on_device,
+            );
             b.write_kv(kv, li, &k, &v, batch_on_device);
             on_layer(li, kv);
             b.attention(&q, kv, li, shape, batch_on_device, &mut attn);

@@ -9,25 +9,6 @@ use duet_engine::batch::{LogitsWanted, SeqInput};
 
 const TOL: f32 = 1e-4;
 
-struct Case {
-    name: String,
-    tokens: Vec<u32>,
-    logits: Vec<Vec<f32>>,
-}
-
-fn cases(file: &str) -> Vec<Case> {
-    read_json(file)["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| Case {
-            name: c["name"].as_str().unwrap().to_string(),
-            tokens: ids(&c["token_ids"]),
-            logits: c["logits"].as_array().unwrap().iter().map(floats).collect(),
-        })
-        .collect()
-}
-
 fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], tol: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: number of positions");
     for (pos, (g, w)) in got.iter().zip(want).enumerate() {

@@ -5,6 +5,8 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::gguf::{GgufError, GgufFile};
+use crate::quant_type::QuantType;
+use crate::rope::{RopeError, RopeFrequencies, RopeScaling};
 
 /// The decoder families we run. SmolLM and Llama 2/3 are `Llama`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -41,6 +43,8 @@ pub struct ModelConfig {
     pub head_dim: usize,
     pub vocab_size: usize,
     pub rope_theta: f32,
+    /// How the rotary embeddings are scaled (Llama 3.1+, YaRN, ...).
+    pub rope_scaling: RopeScaling,
     pub rms_norm_eps: f32,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
@@ -96,6 +100,12 @@ impl ModelConfig {
     /// Width of the concatenated key (or value) heads.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+
+    /// The rotary embeddings' inverse frequencies and attention factor, computed once at load.
+    pub fn rope_frequencies(&self) -> Result<RopeFrequencies, RopeError> {
+        self.rope_scaling
+            .frequencies(self.rope_theta as f64, self.head_dim)
     }
 
     /// Weights of the matrix products one token goes through (every layer's projections and the
@@ -198,15 +208,13 @@ impl ModelConfig {
                 .ok_or_else(|| bad(field, v, "expected a token id"))
         };
 
-        match obj.get("rope_scaling") {
-            None | Some(Value::Null) => {}
-            Some(v) => {
-                return Err(ConfigError::Unsupported {
-                    origin: o(),
-                    what: format!("rope_scaling {v} (only plain RoPE is implemented)"),
-                });
-            }
-        }
+        let max_position_embeddings = opt_usize("max_position_embeddings")?.unwrap_or(2048);
+        let rope_scaling = match obj.get("rope_scaling") {
+            None | Some(Value::Null) => RopeScaling::None,
+            Some(Value::Object(scaling)) => RopeScaling::from_hf(scaling, max_position_embeddings)
+                .map_err(|e| bad("rope_scaling", &Value::Object(scaling.clone()), &e.0))?,
+            Some(v) => return Err(bad("rope_scaling", v, "expected an object")),
+        };
 
         let hidden_size = req_usize("hidden_size")?;
         let num_heads = req_usize("num_attention_heads")?;
@@ -238,8 +246,9 @@ impl ModelConfig {
             head_dim,
             vocab_size: req_usize("vocab_size")?,
             rope_theta: opt_f32("rope_theta")?.unwrap_or(10_000.0),
+            rope_scaling,
             rms_norm_eps: opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
-            max_position_embeddings: opt_usize("max_position_embeddings")?.unwrap_or(2048),
+            max_position_embeddings,
             tie_word_embeddings: opt_bool("tie_word_embeddings")?.unwrap_or(false),
             attention_bias: match architecture {
                 // Qwen2 always has q/k/v biases (its config has no switch for it).
@@ -284,25 +293,7 @@ impl ModelConfig {
             })
         };
 
-        if let Some(t) = file.get_str(&key("rope.scaling.type"))? {
-            let factor = file.get_f32(&key("rope.scaling.factor"))?.unwrap_or(1.0);
-            if t != "none" && factor != 1.0 {
-                return Err(ConfigError::Unsupported {
-                    origin: o(),
-                    what: format!(
-                        "RoPE scaling {t:?} with factor {factor} (only plain RoPE is implemented)"
-                    ),
-                });
-            }
-        }
-
-        if file.tensor("rope_freqs.weight").is_some() {
-            return Err(ConfigError::Unsupported {
-                origin: o(),
-                what: "per-dimension RoPE frequency factors (rope_freqs.weight, Llama 3.1-style RoPE scaling)"
-                    .into(),
-            });
-        }
+        let rope_scaling = gguf_rope_scaling(file, arch_name, usize_of("context_length")?)?;
         let hidden_size = req("embedding_length")?;
         let num_heads = req("attention.head_count")?;
         let num_kv_heads = usize_of("attention.head_count_kv")?.unwrap_or(num_heads);
@@ -364,6 +355,7 @@ impl ModelConfig {
             head_dim,
             vocab_size,
             rope_theta: file.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+            rope_scaling,
             rms_norm_eps: file
                 .get_f32(&key("attention.layer_norm_rms_epsilon"))?
                 .ok_or_else(|| ConfigError::Missing {
@@ -434,6 +426,9 @@ impl ModelConfig {
                 self.rope_theta
             ));
         }
+        if let Err(e) = self.rope_frequencies() {
+            return invalid(e.0);
+        }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
             return invalid(format!(
                 "rms norm epsilon {} is not a non-negative number",
@@ -450,6 +445,81 @@ impl ModelConfig {
         }
         Ok(())
     }
+}
+
+/// The RoPE scaling of a GGUF file: `<arch>.rope.scaling.type` (`none`, `linear` or `yarn`, with
+/// `.factor`, `.original_context_length`, `.attn_factor`, `.yarn_beta_fast`, `.yarn_beta_slow`),
+/// or the per-frequency factors of a `rope_freqs.weight` tensor (llama.cpp writes Llama 3.1's
+/// `llama3` scaling so). Anything else is refused naming the key.
+fn gguf_rope_scaling(
+    file: &GgufFile,
+    arch: &str,
+    context_length: Option<usize>,
+) -> Result<RopeScaling, ConfigError> {
+    let origin = file.path().display().to_string();
+    let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+    if let Some(info) = file.tensor("rope_freqs.weight") {
+        if info.ty != QuantType::F32 {
+            return Err(ConfigError::Unsupported {
+                origin,
+                what: format!("rope_freqs.weight of type {:?} (F32 expected)", info.ty),
+            });
+        }
+        let bytes = file.info_bytes(info);
+        let factors = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        return Ok(RopeScaling::Factors(factors));
+    }
+    let Some(kind) = file.get_str(&key("type"))? else {
+        return Ok(RopeScaling::None);
+    };
+    let factor = file.get_f32(&key("factor"))?.map(f64::from);
+    let original = file
+        .get_u64(&key("original_context_length"))?
+        .map(|n| n as usize)
+        .or(context_length)
+        .unwrap_or(2048);
+    let unsupported = |what: String| ConfigError::Unsupported {
+        origin: origin.clone(),
+        what,
+    };
+    let factor = |kind: &str| {
+        factor.filter(|f| *f >= 1.0).ok_or_else(|| {
+            unsupported(format!(
+                "{} {kind:?} without a factor of at least 1",
+                key("type")
+            ))
+        })
+    };
+    Ok(match kind {
+        "none" => RopeScaling::None,
+        "linear" => RopeScaling::Linear {
+            factor: factor(kind)?,
+        },
+        "yarn" => {
+            let factor = factor(kind)?;
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: original,
+                beta_fast: file
+                    .get_f32(&key("yarn_beta_fast"))?
+                    .map_or(32.0, f64::from),
+                beta_slow: file.get_f32(&key("yarn_beta_slow"))?.map_or(1.0, f64::from),
+                attention_factor: file
+                    .get_f32(&key("attn_factor"))?
+                    .map_or(0.1 * factor.ln() + 1.0, f64::from),
+                truncate: true,
+            }
+        }
+        other => {
+            return Err(unsupported(format!(
+                "{} {other:?} (supported: none, linear, yarn, and rope_freqs.weight)",
+                key("type")
+            )));
+        }
+    })
 }
 
 #[cfg(test)]
@@ -512,15 +582,32 @@ mod tests {
                 .unwrap_err()
                 .to_string()
         };
-        let e = err(&SMOL.replace(
+        for (scaling, says) in [
+            (r#"{"type": "yarn"}"#, "has no factor"),
+            (
+                r#"{"rope_type": "longrope", "factor": 2}"#,
+                "\"longrope\" is not supported",
+            ),
+            ("8", "expected an object"),
+        ] {
+            let e = err(&SMOL.replace(
+                "\"rope_scaling\": null",
+                &format!("\"rope_scaling\": {scaling}"),
+            ));
+            assert!(
+                e.contains("rope_scaling") && e.contains(says) && e.contains("dir/config.json"),
+                "{e}"
+            );
+        }
+        let llama3 = SMOL.replace(
             "\"rope_scaling\": null",
-            "\"rope_scaling\": {\"type\": \"yarn\"}",
-        ));
+            r#""rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 1024}"#,
+        );
+        let c = ModelConfig::from_hf_json(&llama3, "x").unwrap();
         assert!(
-            e.contains("rope_scaling")
-                && e.contains("unsupported")
-                && e.contains("dir/config.json"),
-            "{e}"
+            matches!(c.rope_scaling, RopeScaling::Llama3 { factor: 8.0, .. }),
+            "{:?}",
+            c.rope_scaling
         );
         let e = err(&SMOL.replace("\"llama\"", "\"gpt_neox\""));
         assert!(e.contains("gpt_neox"), "{e}");
@@ -584,14 +671,42 @@ mod tests {
         assert!(!c.tie_word_embeddings);
         assert_eq!(c.rope_theta, 5e5);
 
+        // Llama 3.1's scaling as llama.cpp writes it: one factor per frequency.
+        let factors: Vec<u8> = [1.0f32, 1.0, 1.0, 1.5, 3.0, 8.0, 8.0, 8.0]
+            .iter()
+            .flat_map(|f| f.to_le_bytes())
+            .collect();
+        let p = gguf_meta(GgufWriter::new())
+            .tensor("rope_freqs.weight", &[8], 0, factors)
+            .write(dir.path(), "r.gguf");
+        let c = ModelConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+        let RopeScaling::Factors(f) = &c.rope_scaling else {
+            panic!("{:?}", c.rope_scaling)
+        };
+        assert_eq!(f[5], 8.0);
+        // A factor of 0 (the writer's 0, 1, 2, ...) is refused, naming the tensor.
         let p = gguf_meta(GgufWriter::new())
             .f32_tensor("rope_freqs.weight", &[8])
-            .write(dir.path(), "r.gguf");
+            .write(dir.path(), "r0.gguf");
         let e = ModelConfig::from_gguf(&GgufFile::open(&p).unwrap())
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("rope_freqs.weight") && e.contains("unsupported"),
+            e.contains("rope_freqs.weight") && e.contains("positive"),
+            "{e}"
+        );
+        let p = gguf_meta(GgufWriter::new())
+            .kv(
+                "llama.rope.scaling.type",
+                GgufValue::String("longrope".into()),
+            )
+            .kv("llama.rope.scaling.factor", GgufValue::F32(4.0))
+            .write(dir.path(), "s.gguf");
+        let e = ModelConfig::from_gguf(&GgufFile::open(&p).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("llama.rope.scaling.type") && e.contains("longrope"),
             "{e}"
         );
 

@@ -10,6 +10,7 @@ pub mod model_files;
 pub mod model_path;
 pub mod params;
 pub mod quant_type;
+pub mod rope;
 pub mod safetensors;
 pub mod storage;
 pub mod synthetic;

@@ -222,6 +222,26 @@ fn certificates(
     Ok(chain)
 }
 
+/// Whether `certificate` (a peer's leaf certificate, DER) is valid for the host of `address`
+/// (`host:port`, or a URI): its subject alternative names include that DNS name or IP address.
+/// Only names are compared here; the chain was checked against the CA in the handshake.
+pub fn certificate_names(certificate: &CertificateDer<'_>, address: &str) -> bool {
+    let authority = address.split_once("://").map_or(address, |(_, rest)| rest);
+    let authority = authority.split('/').next().unwrap_or(authority);
+    let host = match authority.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => authority,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let (Ok(name), Ok(cert)) = (
+        rustls::pki_types::ServerName::try_from(host),
+        webpki::EndEntityCert::try_from(certificate),
+    ) else {
+        return false;
+    };
+    cert.verify_is_valid_for_subject_name(&name).is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,5 +294,33 @@ mod tests {
             ["--tls-cert=a b/c.pem", "--tls-key=k.pem", "--tls-ca=ca.pem"]
         );
         assert!(TlsArgs::default().to_args().is_empty());
+    }
+
+    #[test]
+    fn a_certificate_names_the_hosts_of_its_subject_alternative_names() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let params = rcgen::CertificateParams::new(vec![
+            "prefill-0.duet.svc".to_string(),
+            "10.0.0.7".to_string(),
+        ])
+        .unwrap();
+        let cert = params.self_signed(&key).unwrap();
+        let der = cert.der();
+        for named in [
+            "prefill-0.duet.svc:50061",
+            "10.0.0.7:50061",
+            "https://10.0.0.7:1/x",
+            "10.0.0.7",
+        ] {
+            assert!(certificate_names(der, named), "{named}");
+        }
+        for other in [
+            "prefill-1.duet.svc:50061",
+            "10.0.0.8:50061",
+            "",
+            "not a host:x",
+        ] {
+            assert!(!certificate_names(der, other), "{other}");
+        }
     }
 }

@@ -205,7 +205,7 @@ pub async fn receive<S, K>(
     mut chunks: S,
     wire: &KvWire,
     sink: &K,
-    on_header: impl FnOnce(&v1::KvHeader),
+    on_header: impl FnOnce(&v1::KvHeader) -> Result<(), TransferError>,
 ) -> Result<PushAck, TransferError>
 where
     S: Stream<Item = Result<KvChunk, Status>> + Unpin,
@@ -227,7 +227,7 @@ where
         }
     };
     wire.check(&header)?;
-    on_header(&header);
+    on_header(&header)?;
     let key = ReservationKey::from_wire(&header.reservation_id)?;
     let Some(writable) = sink.writable_blocks(key, &header.sender_worker_id).await? else {
         return Ok(rejected(
@@ -516,7 +516,7 @@ mod tests {
 
     fn receive_all(chunks: Vec<KvChunk>, sink: &MemorySink) -> Result<PushAck, TransferError> {
         let stream = futures::stream::iter(chunks.into_iter().map(Ok));
-        futures::executor::block_on(receive(stream, &wire(), sink, |_| {}))
+        futures::executor::block_on(receive(stream, &wire(), sink, |_| Ok(())))
     }
 
     #[test]
@@ -652,9 +652,11 @@ mod tests {
         let s = sink(Some(1..4));
         let mut seen = None;
         let stream = futures::stream::iter(landed(1..4).into_iter().map(Ok));
-        let ack =
-            futures::executor::block_on(receive(stream, &w, &s, |h| seen = Some(h.transport())))
-                .unwrap();
+        let ack = futures::executor::block_on(receive(stream, &w, &s, |h| {
+            seen = Some(h.transport());
+            Ok(())
+        }))
+        .unwrap();
         assert_eq!(seen, Some(v1::TransportKind::CudaIpc));
         assert!(ack.accepted, "{}", ack.message);
         assert_eq!(ack.bytes_received, (2 * 3 * w.block_bytes()) as u64);

@@ -54,6 +54,23 @@ impl KnownPeers {
             })
     }
 
+    /// The addresses `worker_id` may be at: its card's gRPC and KV addresses, or, for a worker
+    /// without a card, the listed addresses (a flag names no worker id).
+    pub fn addresses_of(&self, worker_id: &str) -> Vec<String> {
+        let membership = self.membership.borrow();
+        let carded: Vec<String> = membership
+            .cards
+            .values()
+            .filter(|c| c.role == self.role && c.worker_id == worker_id)
+            .flat_map(|c| [c.grpc_address.clone(), c.kv_address.clone()])
+            .collect();
+        if carded.is_empty() {
+            self.listed.iter().cloned().collect()
+        } else {
+            carded
+        }
+    }
+
     /// Whether any peer is known now.
     pub fn any(&self) -> bool {
         !self.listed.is_empty()

@@ -118,6 +118,26 @@ fn check(
     Ok((SamplingParams::from(sampling), StopCriteria::from(sampling)))
 }
 
+/// A push over mutual TLS comes from the prefill worker it names: its certificate names one of
+/// the addresses that worker is known at.
+fn check_sender(
+    leaf: &tonic::transport::CertificateDer<'_>,
+    known: &KnownPeers,
+    sender: &str,
+) -> Result<(), duet_transfer::TransferError> {
+    let addresses = known.addresses_of(sender);
+    if addresses
+        .iter()
+        .any(|a| duet_proto::tls::certificate_names(leaf, a))
+    {
+        return Ok(());
+    }
+    Err(duet_transfer::TransferError::Forbidden(format!(
+        "the push names prefill worker {sender:?}, but the sender's certificate names none of \
+         the addresses it is known at ({addresses:?})"
+    )))
+}
+
 /// A plan may name only prefill workers of this cluster: one that names another address would
 /// have this worker send the prompt (and the cluster token) there, and take KV from it.
 fn check_plan(plan: &v1::PrefillPlan, known: &KnownPeers) -> Result<(), WorkerError> {
@@ -255,11 +275,22 @@ impl v1::kv_transfer_server::KvTransfer for TransferService {
         let engine = &self.state.engine;
         let mut transport = transport_name(v1::TransportKind::Grpc);
         let started = Instant::now();
+        // With mutual TLS, the sender's certificate must name the address of the prefill worker
+        // the header says sent it (and whose reservation key it must hold).
+        let peer_certs = request.peer_certs();
         let ack = duet_transfer::grpc::receive(
             request.into_inner(),
             &engine.info().wire,
             engine,
-            |header| transport = transport_name(header.transport()),
+            |header| {
+                transport = transport_name(header.transport());
+                match peer_certs.as_ref().and_then(|c| c.first()) {
+                    Some(leaf) => {
+                        check_sender(leaf, &self.state.prefill_workers, &header.sender_worker_id)
+                    }
+                    None => Ok(()),
+                }
+            },
         )
         .await
         .inspect_err(|e| {

@@ -61,6 +61,18 @@ pub struct RouterConfig {
     #[command(flatten)]
     pub model: ModelArgs,
 
+    /// A name the OpenAI API answers to (`model` in requests; `/v1/models` lists them all; the
+    /// first also names the model in metrics, traces and `Info`). Repeat the flag for aliases,
+    /// or give a comma-separated list in the environment variable. Unset: the model file's stem.
+    #[arg(
+        long = "served-model-name",
+        value_name = "NAME",
+        env = "DUET_SERVED_MODEL_NAME",
+        value_delimiter = ',',
+        value_parser = parse_served_name
+    )]
+    pub served_model_name: Vec<String>,
+
     #[command(flatten)]
     pub metrics: MetricsArgs,
 
@@ -94,6 +106,7 @@ impl Default for RouterConfig {
             cluster: ClusterArgs::default(),
             membership_resync_s: 30,
             model: ModelArgs::default(),
+            served_model_name: Vec::new(),
             metrics: MetricsArgs::default(),
             routing: RoutingOptions::default(),
             api_keys_file: None,
@@ -115,6 +128,7 @@ impl RouterConfig {
             cluster,
             membership_resync_s,
             model,
+            served_model_name,
             metrics,
             routing,
             api_keys_file,
@@ -128,6 +142,11 @@ impl RouterConfig {
         args.extend(cluster.to_args());
         args.push(format!("--membership-resync-s={membership_resync_s}").into());
         args.extend(model.to_args());
+        args.extend(
+            served_model_name
+                .iter()
+                .map(|n| format!("--served-model-name={n}").into()),
+        );
         args.extend(metrics.to_args());
         args.extend(routing.to_args());
         args.extend(api_keys_file.iter().map(|p| {
@@ -139,6 +158,18 @@ impl RouterConfig {
         args.extend(tls.to_args());
         args
     }
+}
+
+/// A served model name: what clients put in `model`, so printable and without commas (the
+/// environment variable lists names comma-separated).
+pub fn parse_served_name(name: &str) -> Result<String, String> {
+    let name = name.trim();
+    if name.is_empty() || name.len() > 256 || name.chars().any(|c| c.is_control() || c == ',') {
+        return Err(format!(
+            "{name:?} cannot be a model name: 1 to 256 printable characters, no commas"
+        ));
+    }
+    Ok(name.to_string())
 }
 
 /// How requests are routed and limited: the router flags that name no address and no model
@@ -374,6 +405,7 @@ mod tests {
                 model: Some("some dir/m.gguf".into()),
                 models_dir: "elsewhere".into(),
             },
+            served_model_name: vec!["SmolLM2-135M-Instruct".into(), "smol/alias v2".into()],
             metrics: MetricsArgs {
                 metrics_listen: Some("0.0.0.0:7003".parse().unwrap()),
             },

@@ -186,8 +186,9 @@ async fn completions(
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Response, HttpError> {
     let Json(body) = body?;
-    let (req, answer) = body.to_generate(&front.state.model_name)?;
-    generate(front, &headers, req, Endpoint::Completions, answer).await
+    let (req, answer) = body.to_generate(&front.state.served_names)?;
+    let model = body.common.model.clone();
+    generate(front, &headers, req, Endpoint::Completions, answer, &model).await
 }
 
 async fn chat_completions(
@@ -196,19 +197,22 @@ async fn chat_completions(
     body: Result<Json<ChatRequest>, JsonRejection>,
 ) -> Result<Response, HttpError> {
     let Json(body) = body?;
-    let (req, answer) = body.to_generate(&front.state.model_name)?;
-    generate(front, &headers, req, Endpoint::Chat, answer).await
+    let (req, answer) = body.to_generate(&front.state.served_names)?;
+    let model = body.common.model.clone();
+    generate(front, &headers, req, Endpoint::Chat, answer, &model).await
 }
 
-/// Admits, starts and answers one generation, whole or streamed.
+/// Admits, starts and answers one generation, whole or streamed; the answer names the model as
+/// the request did (any of the served names).
 async fn generate(
     front: Arc<HttpFront>,
     headers: &HeaderMap,
     mut req: v1::GenerateRequest,
     endpoint: Endpoint,
     answer: Answer,
+    model: &str,
 ) -> Result<Response, HttpError> {
-    let mut reply = Reply::new(endpoint, answer, &front.state.model_name);
+    let mut reply = Reply::new(endpoint, answer, model);
     let permit = front.limit.try_admit().map_err(RouterError::from)?;
     if let Some(id) = headers.get("x-request-id").and_then(|v| v.to_str().ok()) {
         req.request_id = id.to_string();
@@ -488,12 +492,17 @@ impl Reply {
 async fn models(State(front): State<Arc<HttpFront>>) -> Json<ModelList> {
     Json(ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: front.state.model_name.clone(),
-            object: "model",
-            created: 0,
-            owned_by: "duet",
-        }],
+        data: front
+            .state
+            .served_names
+            .iter()
+            .map(|name| ModelCard {
+                id: name.clone(),
+                object: "model",
+                created: 0,
+                owned_by: "duet",
+            })
+            .collect(),
     })
 }
 

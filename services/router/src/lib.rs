@@ -102,9 +102,13 @@ pub async fn serve(
     pools.start_polling(Duration::from_millis(
         config.routing.stats_interval_ms.max(1),
     ));
+    let served_names = match config.served_model_name.as_slice() {
+        [] => vec![model_name(&path)],
+        names => names.to_vec(),
+    };
     let state = Arc::new(RouterState::new(
         model,
-        model_name(&path),
+        served_names,
         pools,
         &config.routing,
     ));

@@ -17,7 +17,11 @@ pub enum OpenAiError {
         message: String,
     },
     #[error("the model `{asked}` does not exist; this server serves `{served}`")]
-    UnknownModel { asked: String, served: String },
+    UnknownModel {
+        asked: String,
+        /// The served names, joined.
+        served: String,
+    },
 }
 
 fn invalid(param: &'static str, message: impl Into<String>) -> OpenAiError {
@@ -193,11 +197,11 @@ pub struct Answer {
 impl Common {
     /// Checks what the core does not know about (model, `n`) and fills the shared fields of
     /// `req`.
-    fn apply(&self, served: &str, req: &mut v1::GenerateRequest) -> Result<(), OpenAiError> {
-        if self.model != served {
+    fn apply(&self, served: &[String], req: &mut v1::GenerateRequest) -> Result<(), OpenAiError> {
+        if !served.contains(&self.model) {
             return Err(OpenAiError::UnknownModel {
                 asked: self.model.clone(),
-                served: served.to_string(),
+                served: served.join("`, `"),
             });
         }
         if let Some(n) = self.n.filter(|&n| n != 1) {
@@ -243,7 +247,10 @@ impl Common {
 
 impl CompletionRequest {
     /// The request as the router core takes it.
-    pub fn to_generate(&self, served: &str) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
+    pub fn to_generate(
+        &self,
+        served: &[String],
+    ) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
         let mut req = v1::GenerateRequest::default();
         self.common.apply(served, &mut req)?;
         if self.echo {
@@ -280,7 +287,10 @@ impl CompletionRequest {
 
 impl ChatRequest {
     /// The request as the router core takes it.
-    pub fn to_generate(&self, served: &str) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
+    pub fn to_generate(
+        &self,
+        served: &[String],
+    ) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
         let mut req = v1::GenerateRequest::default();
         self.common.apply(served, &mut req)?;
         if self.messages.is_empty() {
@@ -530,13 +540,13 @@ mod tests {
     fn chat(json: &str) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
         serde_json::from_str::<ChatRequest>(json)
             .unwrap()
-            .to_generate("m")
+            .to_generate(&["m".to_string(), "alias".to_string()])
     }
 
     fn completion(json: &str) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
         serde_json::from_str::<CompletionRequest>(json)
             .unwrap()
-            .to_generate("m")
+            .to_generate(&["m".to_string(), "alias".to_string()])
     }
 
     #[test]
@@ -608,10 +618,14 @@ mod tests {
             )),
             "stream_options"
         );
-        assert!(matches!(
-            completion(r#"{"model":"other","prompt":"a"}"#),
-            Err(OpenAiError::UnknownModel { .. })
-        ));
+        let unknown = completion(r#"{"model":"other","prompt":"a"}"#).unwrap_err();
+        assert!(
+            matches!(unknown, OpenAiError::UnknownModel { .. })
+                && unknown.to_string().contains("`m`, `alias`"),
+            "{unknown}"
+        );
+        // Every served name (an alias too) is the model.
+        assert!(completion(r#"{"model":"alias","prompt":"a"}"#).is_ok());
     }
 
     /// Fields duet does not serve are refused when they ask for something, and accepted at

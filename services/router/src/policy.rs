@@ -54,6 +54,12 @@ pub const COMPUTE_WEIGHT: f64 = 0.5;
 /// again; a worker this slow on a real measurement still ranks last.
 pub const RATE_FLOOR_OF_MEDIAN: f64 = 0.25;
 
+/// A measured prefill rate that has not changed for this long counts half-way toward the median
+/// of the measured rates (a quarter after twice as long, ...). A worker the router sends nothing
+/// measures nothing new, so a low measurement (its worst moment) would otherwise keep it unused
+/// for good; decayed, it is sent work again now and then, and that work measures it afresh.
+pub const RATE_HALF_LIFE: Duration = Duration::from_secs(10);
+
 /// How requests are spread over the workers (`--routing`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum RoutingPolicy {
@@ -120,6 +126,8 @@ pub struct WorkerSnapshot {
     pub queued_tokens: u64,
     /// Prompt tokens per second it measured; `None` until it has prefilled enough to measure.
     pub prefill_rate: Option<f64>,
+    /// How long its measured rate has stayed the same (no prompt measured since).
+    pub prefill_rate_age: Duration,
     /// Bytes one KV block takes (every layer, K and V).
     pub kv_block_bytes: u64,
     /// Tokens of this request's prompt in its prefix cache, as its engine would find them.
@@ -311,9 +319,10 @@ pub fn rank_prefill<K: Copy>(candidates: &[(K, PrefillLoad)]) -> Vec<(K, f64)> {
 }
 
 /// The prefill rate each worker is estimated at: its measured one, raised to at least
-/// [`RATE_FLOOR_OF_MEDIAN`] of the median measured rate; the mean of those for a worker that
-/// has measured none (its measurement would compare it with the prefill workers' at a constant
-/// prior for no reason: the workers run the same model).
+/// [`RATE_FLOOR_OF_MEDIAN`] of the median measured rate and decayed toward that median as the
+/// measurement ages ([`RATE_HALF_LIFE`]); the mean of the (raised) measured rates for a worker
+/// that has measured none (comparing it with the others at a constant prior would prefer it, or
+/// them, for no reason: the workers run the same model).
 pub fn prefill_rates<'a>(workers: impl IntoIterator<Item = &'a WorkerSnapshot>) -> RateEstimates {
     let mut measured: Vec<f64> = workers
         .into_iter()
@@ -321,22 +330,29 @@ pub fn prefill_rates<'a>(workers: impl IntoIterator<Item = &'a WorkerSnapshot>) 
         .filter(|&r| r > 0.0)
         .collect();
     measured.sort_by(f64::total_cmp);
-    let floor = match measured.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => measured[n / 2] * RATE_FLOOR_OF_MEDIAN,
-        n => (measured[n / 2 - 1] + measured[n / 2]) / 2.0 * RATE_FLOOR_OF_MEDIAN,
+    let median = match measured.len() {
+        0 => DEFAULT_PREFILL_RATE,
+        n if n % 2 == 1 => measured[n / 2],
+        n => (measured[n / 2 - 1] + measured[n / 2]) / 2.0,
     };
+    let floor = median * RATE_FLOOR_OF_MEDIAN;
     let unmeasured = if measured.is_empty() {
         DEFAULT_PREFILL_RATE
     } else {
         measured.iter().map(|r| r.max(floor)).sum::<f64>() / measured.len() as f64
     };
-    RateEstimates { floor, unmeasured }
+    RateEstimates {
+        median,
+        floor,
+        unmeasured,
+    }
 }
 
 /// See [`prefill_rates`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RateEstimates {
+    /// The median measured rate, what old measurements decay toward.
+    pub median: f64,
     /// No measured rate counts as lower than this.
     pub floor: f64,
     /// The rate of a worker that has measured none.
@@ -347,7 +363,11 @@ impl RateEstimates {
     /// The rate `w` is estimated at.
     pub fn of(&self, w: &WorkerSnapshot) -> f64 {
         match w.prefill_rate {
-            Some(r) if r > 0.0 => r.max(self.floor),
+            Some(r) if r > 0.0 => {
+                let kept =
+                    0.5f64.powf(w.prefill_rate_age.as_secs_f64() / RATE_HALF_LIFE.as_secs_f64());
+                self.median + (r.max(self.floor) - self.median) * kept
+            }
             _ => self.unmeasured,
         }
     }
@@ -776,6 +796,28 @@ mod tests {
         // compute); the peer scores better up to a 6,276-token queue.
         assert_eq!(first(6000), "p-peer");
         assert_eq!(first(7000), "p-stalled");
+    }
+
+    /// A measurement that nothing renews (the worker was sent no prompt since) decays toward the
+    /// median: half-way after the half-life, and the worker is sent work again.
+    #[test]
+    fn an_old_measurement_decays_toward_the_median() {
+        let aged = |rate: f64, secs: u64| WorkerSnapshot {
+            prefill_rate_age: Duration::from_secs(secs),
+            ..measured("p", rate)
+        };
+        // Median of (200, 1000, 1000) = 1000.
+        let pool = [aged(200.0, 0), measured("b", 1000.0), measured("c", 1000.0)];
+        let rates = prefill_rates(&pool);
+        assert_eq!(rates.median, 1000.0);
+        assert_eq!(rates.of(&aged(200.0, 0)), 250.0, "raised to the floor");
+        assert_eq!(
+            rates.of(&aged(600.0, 10)),
+            800.0,
+            "half-way after the half-life"
+        );
+        assert_eq!(rates.of(&aged(600.0, 20)), 900.0);
+        assert_eq!(rates.of(&aged(1400.0, 10)), 1200.0, "fast ones decay too");
     }
 
     #[test]

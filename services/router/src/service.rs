@@ -37,7 +37,10 @@ const RELAY_BUFFER: usize = 32;
 pub struct RouterState {
     pub model: PromptModel,
     /// Shown by Info (the model path's file stem).
+    /// The model's name: the first of `served_names` (metrics and traces carry it).
     pub model_name: String,
+    /// Every name the OpenAI API answers to (`--served-model-name`, else the model file's stem).
+    pub served_names: Vec<String>,
     pub pools: Pools,
     /// How long a request waits for a routable decode worker (within its deadline).
     pub wait_for_worker: Duration,
@@ -134,16 +137,20 @@ impl RouterState {
         Ok(rx)
     }
 
+    /// The router's state serving `model` under `served_names` (at least one; the first is the
+    /// model's name in metrics and traces).
     pub fn new(
         model: PromptModel,
-        model_name: String,
+        served_names: Vec<String>,
         pools: Pools,
         routing: &RoutingOptions,
     ) -> Self {
+        let model_name = served_names.first().cloned().unwrap_or_default();
         Self {
             metrics: RouterMetrics::new(&model_name, pools.decisions.clone()),
             model,
             model_name,
+            served_names,
             pools,
             wait_for_worker: Duration::from_millis(routing.wait_for_worker_ms),
             decode_idle_timeout: Duration::from_millis(routing.decode_idle_timeout_ms.max(1)),
@@ -274,6 +281,7 @@ impl Generation for GenerationService {
         let (prefill_workers, decode_workers) = s.pools.infos();
         Ok(Response::new(v1::InfoResponse {
             model: s.model_name.clone(),
+            served_model_names: s.served_names.clone(),
             model_fingerprint: s.pools.fingerprint().unwrap_or_default(),
             context_length: s.model.context_length,
             vocab_size: s.model.vocab_size,

@@ -128,6 +128,8 @@ pub struct Worker {
     card: Mutex<Option<(String, WorkerCard)>>,
     /// The router's number for this worker in the KV index.
     slot: WorkerSlot,
+    /// The prefill rate its stats report, and since when it has been that.
+    rate_seen: Mutex<(f64, Instant)>,
 }
 
 /// Counts a request on a worker while alive.
@@ -175,6 +177,7 @@ impl Worker {
             planned: Mutex::new(VecDeque::new()),
             card: Mutex::new(None),
             slot: NEXT_SLOT.fetch_add(1, Ordering::Relaxed),
+            rate_seen: Mutex::new((0.0, Instant::now())),
         })
     }
 
@@ -230,6 +233,7 @@ impl Worker {
             in_flight: self.in_flight(),
             queued_tokens: stats.queued_prefill_tokens + self.planned_tokens(),
             prefill_rate: Some(stats.prefill_tokens_per_s).filter(|&r| r > 0.0),
+            prefill_rate_age: self.rate_seen().1.elapsed(),
             kv_block_bytes: stats.kv_block_bytes,
             cached_tokens,
         }
@@ -272,6 +276,11 @@ impl Worker {
             s.healthy = false;
             s.last_error = Some(why.to_string());
         });
+    }
+
+    /// The prefill rate its stats last reported, and when that rate was first reported.
+    fn rate_seen(&self) -> (f64, Instant) {
+        *self.rate_seen.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Counts a request on this worker until the guard drops.
@@ -324,6 +333,12 @@ impl Worker {
             .map_err(|s| format!("stats failed: {}", s.message()))
         };
         let (health, stats) = tokio::join!(health, stats);
+        if let Ok(st) = &stats {
+            let mut seen = self.rate_seen.lock().unwrap_or_else(|e| e.into_inner());
+            if seen.0 != st.prefill_tokens_per_s {
+                *seen = (st.prefill_tokens_per_s, Instant::now());
+            }
+        }
         let reported = stats.is_ok();
         self.set_status(|s| s.record(policy, health, stats));
         if reported {

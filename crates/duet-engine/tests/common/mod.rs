@@ -129,3 +129,34 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// One prompt's reference logits (the fixtures' `cases`): at every position, or at the listed
+/// `positions` of a long prompt.
+pub struct Case {
+    pub name: String,
+    pub tokens: Vec<u32>,
+    pub positions: Vec<usize>,
+    pub logits: Vec<Vec<f32>>,
+}
+
+/// The cases of a reference logits file.
+pub fn cases(file: &str) -> Vec<Case> {
+    read_json(file)["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let tokens = ids(&c["token_ids"]);
+            let positions = match c.get("positions") {
+                Some(p) => ids(p).into_iter().map(|p| p as usize).collect(),
+                None => (0..tokens.len()).collect(),
+            };
+            Case {
+                name: c["name"].as_str().unwrap().to_string(),
+                tokens,
+                positions,
+                logits: c["logits"].as_array().unwrap().iter().map(floats).collect(),
+            }
+        })
+        .collect()
+}

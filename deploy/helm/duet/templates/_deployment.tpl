@@ -1,6 +1,6 @@
 {{/*
 One duet Deployment (router, prefill or decode pool). Takes (dict "root" $ "component" NAME
-"pool" VALUES "cuda" BOOL "command" BINARY "args" LIST "ports" LIST-OF-{name,port} "grpcPort" PORT
+"pool" VALUES "cuda" BOOL "command" LIST "args" LIST "ports" LIST-OF-{name,port} "grpcPort" PORT
 "env" LIST).
 */}}
 {{- define "duet.deployment" -}}
@@ -14,6 +14,9 @@ kind: Deployment
 metadata:
   name: {{ include "duet.fullname" $root }}-{{ .component }}
   labels: {{- include "duet.labels" $labels | nindent 4 }}
+  {{- with $values.workloadAnnotations }}
+  annotations: {{- toYaml . | nindent 4 }}
+  {{- end }}
 spec:
   {{- if not $pool.autoscaling.enabled }}
   replicas: {{ $pool.replicas }}
@@ -26,6 +29,9 @@ spec:
   template:
     metadata:
       labels: {{- include "duet.labels" $labels | nindent 8 }}
+      {{- with $values.podAnnotations }}
+      annotations: {{- toYaml . | nindent 8 }}
+      {{- end }}
     spec:
       automountServiceAccountToken: false
       {{- with $values.imagePullSecrets }}
@@ -43,11 +49,21 @@ spec:
       containers:
         - name: {{ .component }}
           {{- $image | nindent 10 }}
-          command: [{{ .command }}]
+          {{- if eq (len .command) 1 }}
+          command: [{{ first .command }}]
+          {{- else }}
+          command:
+            {{- range .command }}
+            - {{ if regexMatch "^[-/A-Za-z0-9._=]+$" . }}{{ . }}{{ else }}{{ squote . }}{{ end }}
+            {{- end }}
+          {{- end }}
           args:
             {{- toYaml .args | nindent 12 }}
             {{- include "duet.clusterArgs" $root | nindent 12 }}
             {{- include "duet.modelArgs" $root | nindent 12 }}
+            {{- with include "duet.securityArgs" (dict "root" $root "component" .component) | trim }}
+            {{- . | nindent 12 }}
+            {{- end }}
             {{- if $values.metrics.enabled }}
             - --metrics-listen=0.0.0.0:{{ $values.metrics.port }}
             {{- end }}
@@ -65,13 +81,26 @@ spec:
             {{- if $values.metrics.enabled }}
             - {name: metrics, containerPort: {{ $values.metrics.port }}, protocol: TCP}
             {{- end }}
-          {{- include "duet.probes" (dict "root" $root "port" .grpcPort) | nindent 10 }}
+          {{- include "duet.probes" (dict "root" $root "port" .grpcPort "component" .component) | nindent 10 }}
           resources: {{- include "duet.resources" $pool | nindent 12 }}
           securityContext: {{- toYaml $values.securityContext | nindent 12 }}
           volumeMounts:
             - {name: models, mountPath: /models, readOnly: true}
             - {name: tmp, mountPath: /tmp}
-      volumes: {{- include "duet.modelVolume" $root | nindent 8 }}
+            {{- with include "duet.securityMounts" (dict "root" $root "component" .component) | trim }}
+            {{- . | nindent 12 }}
+            {{- end }}
+            {{- with $pool.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+      volumes:
+        {{- include "duet.modelVolume" $root | nindent 8 }}
+        {{- with include "duet.securityVolumes" (dict "root" $root "component" .component) | trim }}
+        {{- . | nindent 8 }}
+        {{- end }}
+        {{- with $pool.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
 {{- end -}}
 
 {{/* A pool's Service; takes (dict "root" $ "component" NAME "ports" LIST "spec" EXTRA-SPEC-DICT). */}}
