@@ -234,6 +234,14 @@ impl Backend for CpuBackend {
         });
     }
 
+    fn head_rms_norm(&self, x: &mut CpuTensor, w: &Vec<f32>, head_dim: usize, eps: f32) {
+        let mut normed = vec![0.0f32; head_dim];
+        for head in x.data.chunks_exact_mut(head_dim) {
+            vector::rms_norm(head, w, eps, &mut normed);
+            head.copy_from_slice(&normed);
+        }
+    }
+
     fn matmul(&self, w: &QMatrix, x: &CpuTensor, out: &mut CpuTensor) {
         debug_assert_eq!(x.cols, w.cols());
         if out.rows != x.rows || out.cols != w.rows() {

@@ -672,6 +672,27 @@ impl Backend for CudaBackend {
         });
     }
 
+    fn head_rms_norm(
+        &self,
+        x: &mut CudaActivations,
+        w: &CudaSlice<f32>,
+        head_dim: usize,
+        eps: f32,
+    ) {
+        // The row kernel over `rows × heads` rows of `head_dim`, into a buffer taken in x's place.
+        let heads = x.cols / head_dim;
+        let mut normed = self.alloc(x.rows, x.cols);
+        let cols = head_dim as i32;
+        self.launch("rms_norm", per_row(x.rows * heads, 256), |a| {
+            a.arg(&x.data)
+                .arg(w)
+                .arg(&mut normed.data)
+                .arg(&cols)
+                .arg(&eps);
+        });
+        std::mem::swap(x, &mut normed);
+    }
+
     fn add_rms_norm(
         &self,
         x: &mut CudaActivations,

@@ -218,6 +218,9 @@ pub trait Backend: Send + Sync {
     fn split_cols(&self, x: &Self::Activations, parts: &mut [&mut Self::Activations]);
     /// `x += bias`, row-wise.
     fn add_bias(&self, x: &mut Self::Activations, bias: &Self::Vector);
+    /// `x = rms_norm(head) * w` for each `head_dim`-wide head of each row, in place (Qwen3's
+    /// q/k norm).
+    fn head_rms_norm(&self, x: &mut Self::Activations, w: &Self::Vector, head_dim: usize, eps: f32);
     /// Rotary embedding (rotate-half convention) of each head of each row at its position:
     /// pair `i` turns by `position × inv_freq[i]` (`head_dim / 2` frequencies, the model's
     /// scaling applied), cos and sin scaled by `attention_factor`.

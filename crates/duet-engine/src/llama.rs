@@ -17,6 +17,8 @@ struct Layer<B: Backend> {
     /// Q, K and V stacked into one matrix when the backend can, else separately.
     qkv: Projection<B>,
     qkv_bias: Option<[B::Vector; 3]>,
+    /// Per-head RMSNorm weights of q and k (Qwen3).
+    qk_norm: Option<[B::Vector; 2]>,
     attn_output: B::Matrix,
     ffn_norm: B::Vector,
     /// Gate and up stacked when possible.
@@ -151,10 +153,19 @@ impl<B: Backend> Llama<B> {
                 weights(&p("ffn_gate.weight"), None)?,
                 weights(&p("ffn_up.weight"), None)?,
             ])?;
+            let qk_norm = if cfg.qk_norm {
+                Some([
+                    vector(&p("attn_q_norm.weight"))?,
+                    vector(&p("attn_k_norm.weight"))?,
+                ])
+            } else {
+                None
+            };
             layers.push(Layer {
                 attn_norm: vector(&p("attn_norm.weight"))?,
                 qkv,
                 qkv_bias,
+                qk_norm,
                 attn_output: matrix(&p("attn_output.weight"), None)?,
                 ffn_norm: vector(&p("ffn_norm.weight"))?,
                 gate_up,
@@ -247,6 +258,10 @@ impl<B: Backend> Llama<B> {
                 b.add_bias(&mut q, bq);
                 b.add_bias(&mut k, bk);
                 b.add_bias(&mut v, bv);
+            }
+            if let Some([nq, nk]) = &layer.qk_norm {
+                b.head_rms_norm(&mut q, nq, c.head_dim, c.rms_norm_eps);
+                b.head_rms_norm(&mut k, nk, c.head_dim, c.rms_norm_eps);
             }
             let rope = &self.rope;
             b.rope(

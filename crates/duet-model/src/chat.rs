@@ -456,4 +456,47 @@ mod tests {
             SMOL_EXPECTED
         );
     }
+
+    /// The constructs Qwen3's template is made of (written here, not copied): a `namespace`
+    /// found by walking the conversation backwards (`messages[::-1]`), an earlier assistant
+    /// turn's reasoning dropped by splitting on `</think>` and stripping newlines, and the
+    /// generation prompt's empty think block when `enable_thinking` is false (undefined: none).
+    #[test]
+    fn qwen3_style_templates_render_their_think_handling() {
+        let src = concat!(
+            "{%- set ns = namespace(searching=true, last_query_index=messages|length - 1) %}",
+            "{%- for message in messages[::-1] %}",
+            "{%- set index = (messages|length - 1) - loop.index0 %}",
+            "{%- if ns.searching and message.role == 'user' %}",
+            "{%- set ns.searching = false %}{%- set ns.last_query_index = index %}",
+            "{%- endif %}{%- endfor %}",
+            "{%- for message in messages %}",
+            "{%- set content = message.content %}",
+            "{%- if message.role == 'assistant' and '</think>' in content %}",
+            "{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}",
+            "{{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}",
+            "{%- endfor %}",
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}",
+            "{%- if enable_thinking is defined and enable_thinking is false %}",
+            "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}",
+            "{{- '[last query ' ~ ns.last_query_index ~ ']' }}"
+        );
+        let t = ChatTemplate::new(src).unwrap();
+        let out = t
+            .apply(
+                &msgs(&[
+                    ("user", "2+2?"),
+                    ("assistant", "<think>\nadd them\n</think>\n\n4"),
+                    ("user", "and 3+3?"),
+                ]),
+                true,
+                &[],
+            )
+            .unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n\
+             <|im_start|>user\nand 3+3?<|im_end|>\n<|im_start|>assistant\n[last query 2]"
+        );
+    }
 }

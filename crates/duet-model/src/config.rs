@@ -14,6 +14,8 @@ pub enum Architecture {
     Llama,
     Mistral,
     Qwen2,
+    /// Qwen3 dense: per-head q/k RMSNorm, an explicit head dim.
+    Qwen3,
 }
 
 impl Architecture {
@@ -22,6 +24,7 @@ impl Architecture {
             Self::Llama => "llama",
             Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
         }
     }
 }
@@ -50,6 +53,8 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry a bias (Qwen2).
     pub attention_bias: bool,
+    /// Each head of q and k goes through an RMSNorm of its own weights before RoPE (Qwen3).
+    pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -154,11 +159,12 @@ impl ModelConfig {
             "llama" => Architecture::Llama,
             "mistral" => Architecture::Mistral,
             "qwen2" => Architecture::Qwen2,
+            "qwen3" => Architecture::Qwen3,
             other => {
                 return Err(ConfigError::UnsupportedArchitecture {
                     origin: o(),
                     found: other.into(),
-                    supported: "llama, mistral, qwen2",
+                    supported: "llama, mistral, qwen2, qwen3",
                 });
             }
         };
@@ -255,6 +261,7 @@ impl ModelConfig {
                 Architecture::Qwen2 => true,
                 _ => opt_bool("attention_bias")?.unwrap_or(false),
             },
+            qk_norm: architecture == Architecture::Qwen3,
             bos_token_id,
             eos_token_ids,
         };
@@ -271,11 +278,12 @@ impl ModelConfig {
         let architecture = match arch_name {
             "llama" => Architecture::Llama,
             "qwen2" => Architecture::Qwen2,
+            "qwen3" => Architecture::Qwen3,
             other => {
                 return Err(ConfigError::UnsupportedArchitecture {
                     origin: o(),
                     found: other.into(),
-                    supported: "llama, qwen2",
+                    supported: "llama, qwen2, qwen3",
                 });
             }
         };
@@ -365,6 +373,7 @@ impl ModelConfig {
             max_position_embeddings: usize_of("context_length")?.unwrap_or(2048),
             tie_word_embeddings: file.tensor("output.weight").is_none(),
             attention_bias: file.tensor("blk.0.attn_q.bias").is_some(),
+            qk_norm: file.tensor("blk.0.attn_q_norm.weight").is_some(),
             bos_token_id,
             eos_token_ids,
         };

@@ -223,6 +223,8 @@ pub fn canonical_hf_name(name: &str) -> Option<String> {
         "self_attn.k_proj.bias" => "attn_k.bias",
         "self_attn.v_proj.bias" => "attn_v.bias",
         "self_attn.o_proj.bias" => "attn_output.bias",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
         "mlp.gate_proj.weight" => "ffn_gate.weight",
         "mlp.up_proj.weight" => "ffn_up.weight",
         "mlp.down_proj.weight" => "ffn_down.weight",
@@ -478,6 +480,10 @@ pub fn validate_llama_tensors(files: &ModelFiles) -> Result<(), LoadError> {
             check(b("attn_q.bias"), 1, q)?;
             check(b("attn_k.bias"), 1, kv)?;
             check(b("attn_v.bias"), 1, kv)?;
+        }
+        if c.qk_norm {
+            check(b("attn_q_norm.weight"), 1, c.head_dim)?;
+            check(b("attn_k_norm.weight"), 1, c.head_dim)?;
         }
         check(b("ffn_norm.weight"), 1, h)?;
         check(b("ffn_gate.weight"), ffn, h)?;

@@ -28,6 +28,7 @@ pub fn tensor(config: &ModelConfig, name: &str, seed: u64) -> Option<RawTensor> 
         (_, Some("ffn_down.weight")) => (h, ffn),
         (_, Some("attn_q.bias")) if c.attention_bias => (1, q),
         (_, Some("attn_k.bias" | "attn_v.bias")) if c.attention_bias => (1, kv),
+        (_, Some("attn_q_norm.weight" | "attn_k_norm.weight")) if c.qk_norm => (1, c.head_dim),
         _ => return None,
     };
     let is_norm = name.ends_with("norm.weight");
