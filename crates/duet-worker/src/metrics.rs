@@ -128,7 +128,7 @@ const READS: &[Read] = &[
     ),
     gauge(
         "duet_prefill_tokens_per_second",
-        "Measured prefill rate (a moving average over prompt-heavy steps; 0 until measured): what the router's TTFT estimate divides by.",
+        "Measured prefill rate (the median of the latest prompt-heavy steps; 0 until measured): what the router's TTFT estimate divides by.",
         |s, _| s.prefill_tokens_per_s,
     ),
     counter(

@@ -280,13 +280,19 @@ impl Counters {
 /// decode tokens and the fixed cost of a step.
 const MIN_MEASURED_PROMPT_TOKENS: usize = 16;
 
-/// Weight of the newest step in the prefill rate's moving average.
-const PREFILL_RATE_WEIGHT: f64 = 0.3;
+/// How many of the latest prompt-heavy steps the prefill rate is the median of.
+const PREFILL_RATE_SAMPLES: usize = 5;
 
-/// The measured prefill speed: an exponential moving average of prompt tokens per second over
-/// the steps that computed prompt tokens.
+/// The measured prefill speed: the median prompt tokens per second of the latest
+/// [`PREFILL_RATE_SAMPLES`] steps that computed prompt tokens. A median, not a moving average:
+/// one step that stalled (the process stopped, the machine swapping) is outvoted by the next
+/// two, where an average would keep the worker looking slow, and so unused, for many prompts.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct PrefillRate(Option<f64>);
+pub struct PrefillRate {
+    samples: [f64; PREFILL_RATE_SAMPLES],
+    /// Steps measured so far (the ring holds the latest of them).
+    measured: usize,
+}
 
 impl PrefillRate {
     /// Takes in one step that computed `prompt_tokens` in `took`.
@@ -294,16 +300,21 @@ impl PrefillRate {
         if prompt_tokens < MIN_MEASURED_PROMPT_TOKENS || took.is_zero() {
             return;
         }
-        let sample = prompt_tokens as f64 / took.as_secs_f64();
-        self.0 = Some(match self.0 {
-            Some(avg) => avg + PREFILL_RATE_WEIGHT * (sample - avg),
-            None => sample,
-        });
+        self.samples[self.measured % PREFILL_RATE_SAMPLES] =
+            prompt_tokens as f64 / took.as_secs_f64();
+        self.measured += 1;
     }
 
     /// Tokens per second; 0 until measured.
     pub fn tokens_per_s(&self) -> f64 {
-        self.0.unwrap_or(0.0)
+        let mut latest = self.samples;
+        let latest = &mut latest[..self.measured.min(PREFILL_RATE_SAMPLES)];
+        latest.sort_by(f64::total_cmp);
+        match latest.len() {
+            0 => 0.0,
+            n if n % 2 == 1 => latest[n / 2],
+            n => (latest[n / 2 - 1] + latest[n / 2]) / 2.0,
+        }
     }
 }
 
@@ -381,7 +392,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn prefill_rate_averages_prompt_heavy_steps() {
+    fn prefill_rate_is_the_median_of_the_latest_prompt_heavy_steps() {
         let mut r = PrefillRate::default();
         assert_eq!(r.tokens_per_s(), 0.0, "unmeasured");
         r.measured(4, Duration::from_millis(1));
@@ -390,9 +401,22 @@ mod tests {
             0.0,
             "a decode step is not a prefill measurement"
         );
+        // A first prefill stalled for 8 s.
+        r.measured(1000, Duration::from_secs(8));
+        assert_eq!(r.tokens_per_s(), 125.0);
         r.measured(1000, Duration::from_secs(1));
-        assert_eq!(r.tokens_per_s(), 1000.0);
-        r.measured(2000, Duration::from_secs(1));
-        assert!((r.tokens_per_s() - 1300.0).abs() < 1e-9);
+        assert_eq!(r.tokens_per_s(), 562.5, "two samples: their mean");
+        r.measured(2000, Duration::from_secs(2));
+        assert_eq!(r.tokens_per_s(), 1000.0, "the stall is outvoted");
+        for _ in 0..3 {
+            r.measured(1000, Duration::from_secs(1));
+        }
+        // The worker really slows down: the rate follows once most of the window says so.
+        for _ in 0..2 {
+            r.measured(500, Duration::from_secs(1));
+            assert_eq!(r.tokens_per_s(), 1000.0);
+        }
+        r.measured(500, Duration::from_secs(1));
+        assert_eq!(r.tokens_per_s(), 500.0);
     }
 }
