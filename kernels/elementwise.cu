@@ -19,6 +19,11 @@
 // gather_rows(x, rows, out, cols)       out[i][c] = x[rows[i]][c]
 //                                       Launch: grid.x = number of output rows
 //                                       (exact), block = 256 (any).
+// scatter_add_rows(out, y, rows, weights, cols)
+//                                       out[rows[i]][c] += weights[i] * y[i][c]; the rows
+//                                       are distinct (no two blocks write one row).
+//                                       Launch: grid.x = number of rows of y (exact),
+//                                       block = 256 (any).
 //
 // silu(v) = v / (1 + expf(-v)).
 
@@ -100,4 +105,13 @@ extern "C" __global__ void gather_rows(const float* x, const unsigned* rows, flo
     const float* src = x + (unsigned long long)rows[i] * (unsigned long long)cols;
     float* dst = out + i * (unsigned long long)cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
+}
+
+extern "C" __global__ void scatter_add_rows(float* out, const float* y, const unsigned* rows,
+                                            const float* weights, int cols) {
+    const unsigned long long i = blockIdx.x;
+    float* dst = out + (unsigned long long)rows[i] * (unsigned long long)cols;
+    const float* src = y + i * (unsigned long long)cols;
+    const float w = weights[i];
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] += w * src[c];
 }

@@ -371,6 +371,22 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn scatter_add_rows(
+        &self,
+        out: &mut CpuTensor,
+        y: &CpuTensor,
+        rows: &[usize],
+        weights: &[f32],
+    ) {
+        let cols = out.cols;
+        for (i, (&r, &w)) in rows.iter().zip(weights).enumerate() {
+            let src = &y.data[i * cols..(i + 1) * cols];
+            for (o, v) in out.data[r * cols..(r + 1) * cols].iter_mut().zip(src) {
+                *o += w * v;
+            }
+        }
+    }
+
     fn to_host(&self, x: CpuTensor) -> Vec<f32> {
         x.data
     }

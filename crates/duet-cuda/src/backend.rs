@@ -18,6 +18,7 @@ use cudarc::driver::{
 use duet_engine::EngineError;
 use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
 use duet_engine::batch::ForwardBatch;
+use duet_model::config::ModelConfig;
 use duet_model::dequant::dequantize_row;
 use duet_model::model_files::RawTensor;
 use duet_model::quant_type::QuantType;
@@ -437,6 +438,18 @@ pub fn bf16_bits(values: &[f32]) -> Vec<u16> {
         .collect()
 }
 
+/// The part of `config`'s family whose kernels have been checked in the CPU emulator only (per-head
+/// q/k norms, mixtures of experts): refused on this backend until they have run on a GPU.
+fn not_run_on_a_gpu(config: &ModelConfig) -> Option<&'static str> {
+    if config.moe.is_some() {
+        Some("mixture-of-experts FFNs")
+    } else if config.qk_norm {
+        Some("per-head q/k RMSNorm")
+    } else {
+        None
+    }
+}
+
 impl Backend for CudaBackend {
     type Matrix = CudaMatrix;
     type Vector = CudaSlice<f32>;
@@ -451,6 +464,17 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn check_model(&self, config: &ModelConfig) -> Result<(), EngineError> {
+        match not_run_on_a_gpu(config) {
+            None => Ok(()),
+            Some(part) => Err(EngineError::Config(format!(
+                "{} models need {part}, which the CUDA backend has not run on a GPU yet: \
+                 serve this model with --device cpu",
+                config.architecture
+            ))),
+        }
     }
 
     fn kv_dtype(&self, choice: KvDtypeChoice, _f32_weights: bool) -> Result<KvDtype, EngineError> {
@@ -949,6 +973,30 @@ impl Backend for CudaBackend {
         });
     }
 
+    fn scatter_add_rows(
+        &self,
+        out: &mut CudaActivations,
+        y: &CudaActivations,
+        rows: &[usize],
+        weights: &[f32],
+    ) {
+        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let (Some(ids), Some(weights)) = (
+            self.upload("uploading rows", &ids),
+            self.upload("uploading weights", weights),
+        ) else {
+            return;
+        };
+        let cols = out.cols as i32;
+        self.launch("scatter_add_rows", per_row(rows.len(), 256), |a| {
+            a.arg(&mut out.data)
+                .arg(&y.data)
+                .arg(&ids)
+                .arg(&weights)
+                .arg(&cols);
+        });
+    }
+
     fn to_host(&self, x: CudaActivations) -> Vec<f32> {
         let n = x.rows * x.cols;
         let mut host = vec![0f32; n];
@@ -1031,5 +1079,33 @@ impl CudaBackend {
 
     fn report_missing_batch(&self) {
         self.check::<(), _>("batch", Err("the step's metadata could not be uploaded"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn fixture(name: &str) -> ModelConfig {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+        ModelConfig::from_hf_config_file(&dir.join(name).join("config.json")).unwrap()
+    }
+
+    #[test]
+    fn families_not_run_on_a_gpu_are_named() {
+        assert_eq!(not_run_on_a_gpu(&fixture("tiny-llama")), None);
+        assert_eq!(not_run_on_a_gpu(&fixture("tiny-rope-llama3")), None);
+        assert_eq!(
+            not_run_on_a_gpu(&fixture("tiny-qwen3")),
+            Some("per-head q/k RMSNorm")
+        );
+        for moe in ["tiny-mixtral", "tiny-qwen3-moe"] {
+            assert_eq!(
+                not_run_on_a_gpu(&fixture(moe)),
+                Some("mixture-of-experts FFNs")
+            );
+        }
     }
 }

@@ -42,6 +42,7 @@ pub const FILES: &[KernelFile] = &[
             "f32_to_bf16_n",
             "copy_cols",
             "gather_rows",
+            "scatter_add_rows",
         ],
     },
     KernelFile {

@@ -157,6 +157,12 @@ pub trait Backend: Send + Sync {
     type Batch<'a>;
 
     fn name(&self) -> &'static str;
+    /// An error when this backend cannot run a model of `config`'s family (one whose path on it
+    /// is not built, or has not run on its hardware yet).
+    fn check_model(&self, config: &duet_model::config::ModelConfig) -> Result<(), EngineError> {
+        let _ = config;
+        Ok(())
+    }
     /// The KV element type for `choice`, given whether every weight matrix is stored in f32
     /// (part of the model fingerprint: KV only moves between equal types). An error when this
     /// backend cannot store the type asked for.
@@ -273,6 +279,15 @@ pub trait Backend: Send + Sync {
     }
     /// `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Activations, rows: &[usize], out: &mut Self::Activations);
+    /// `out[rows[i]] += weights[i] · y[i]` (`rows` distinct): an expert's outputs added back to
+    /// the tokens it was picked for.
+    fn scatter_add_rows(
+        &self,
+        out: &mut Self::Activations,
+        y: &Self::Activations,
+        rows: &[usize],
+        weights: &[f32],
+    );
     fn to_host(&self, x: Self::Activations) -> Vec<f32>;
     /// Waits for queued work and reports a device failure. Ops do not return errors themselves:
     /// as in a CUDA context, a failure is sticky (the backend is unusable afterwards) and every

@@ -11,6 +11,7 @@ pub mod error;
 pub mod generation;
 pub mod llama;
 pub mod model_runner;
+pub mod moe;
 pub mod sampling;
 pub mod scheduler;
 

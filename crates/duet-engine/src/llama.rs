@@ -7,9 +7,9 @@
 use crate::EngineError;
 use crate::backend::{AttentionShape, Backend, KvDtype, KvLayout};
 use crate::batch::ForwardBatch;
-use duet_model::config::ModelConfig;
+use duet_model::config::{ModelConfig, MoeConfig};
 use duet_model::dequant::dequantize_row;
-use duet_model::model_files::{ModelFiles, RawTensor};
+use duet_model::model_files::{ModelFiles, RawTensor, expert_tensor_name};
 use duet_model::quant_type::QuantType;
 
 struct Layer<B: Backend> {
@@ -21,9 +21,27 @@ struct Layer<B: Backend> {
     qk_norm: Option<[B::Vector; 2]>,
     attn_output: B::Matrix,
     ffn_norm: B::Vector,
+    ffn: Ffn<B>,
+}
+
+/// A layer's feed-forward network.
+enum Ffn<B: Backend> {
+    /// One SwiGLU MLP.
+    Dense(Mlp<B>),
+    /// A router and its experts (Mixtral, Qwen3-MoE): each token through the experts the router
+    /// picks for it, their outputs weighted (see [`crate::moe`]).
+    Mixture {
+        router: B::Matrix,
+        experts: Vec<Mlp<B>>,
+        config: MoeConfig,
+    },
+}
+
+/// A SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+struct Mlp<B: Backend> {
     /// Gate and up stacked when possible.
     gate_up: Projection<B>,
-    ffn_down: B::Matrix,
+    down: B::Matrix,
 }
 
 enum Projection<B: Backend> {
@@ -105,6 +123,7 @@ impl<B: Backend> Llama<B> {
         interleaved: bool,
         tensors: &dyn Fn(&str) -> Result<Option<RawTensor>, EngineError>,
     ) -> Result<Self, EngineError> {
+        backend.check_model(&cfg)?;
         let tensor = |name: &str| {
             tensors(name)?.ok_or_else(|| EngineError::Weights(format!("missing tensor {name}")))
         };
@@ -149,10 +168,32 @@ impl<B: Backend> Llama<B> {
             } else {
                 None
             };
-            let gate_up = stack(vec![
-                weights(&p("ffn_gate.weight"), None)?,
-                weights(&p("ffn_up.weight"), None)?,
-            ])?;
+            let mlp = |gate: &str, up: &str, down: &str| -> Result<Mlp<B>, EngineError> {
+                Ok(Mlp {
+                    gate_up: stack(vec![weights(gate, None)?, weights(up, None)?])?,
+                    down: matrix(down, None)?,
+                })
+            };
+            let ffn = match cfg.moe {
+                None => Ffn::Dense(mlp(
+                    &p("ffn_gate.weight"),
+                    &p("ffn_up.weight"),
+                    &p("ffn_down.weight"),
+                )?),
+                Some(config) => Ffn::Mixture {
+                    router: matrix(&p("ffn_gate_inp.weight"), None)?,
+                    experts: (0..config.num_experts)
+                        .map(|e| {
+                            mlp(
+                                &expert_tensor_name(i, "gate", e),
+                                &expert_tensor_name(i, "up", e),
+                                &expert_tensor_name(i, "down", e),
+                            )
+                        })
+                        .collect::<Result<_, _>>()?,
+                    config,
+                },
+            };
             let qk_norm = if cfg.qk_norm {
                 Some([
                     vector(&p("attn_q_norm.weight"))?,
@@ -168,8 +209,7 @@ impl<B: Backend> Llama<B> {
                 qk_norm,
                 attn_output: matrix(&p("attn_output.weight"), None)?,
                 ffn_norm: vector(&p("ffn_norm.weight"))?,
-                gate_up,
-                ffn_down: matrix(&p("ffn_down.weight"), None)?,
+                ffn,
             });
         }
         let embedding = matrix("token_embd.weight", None)?;
@@ -284,8 +324,17 @@ impl<B: Backend> Llama<B> {
             b.matmul(&layer.attn_output, &attn, &mut o);
             b.add_rms_norm(&mut x, &o, &layer.ffn_norm, c.rms_norm_eps, &mut h);
 
-            self.feed_forward_activation(&layer.gate_up, &h, n, &mut ffn_scratch, &mut act);
-            b.matmul(&layer.ffn_down, &act, &mut o);
+            match &layer.ffn {
+                Ffn::Dense(mlp) => {
+                    self.feed_forward_activation(&mlp.gate_up, &h, n, &mut ffn_scratch, &mut act);
+                    b.matmul(&mlp.down, &act, &mut o);
+                }
+                Ffn::Mixture {
+                    router,
+                    experts,
+                    config,
+                } => self.mixture(router, experts, config, &h, n, &mut o),
+            }
             // The residual add and the next layer's attention norm, as one op.
             match self.layers.get(li + 1) {
                 Some(next) => b.add_rms_norm(&mut x, &o, &next.attn_norm, c.rms_norm_eps, &mut h),
@@ -319,6 +368,43 @@ impl<B: Backend> Llama<B> {
             vocab_size: c.vocab_size,
             rows: batch.logit_rows.clone(),
         })
+    }
+
+    /// `out[r] = Σ weight · expert(x[r])` over the experts the router picks for row `r`: the
+    /// router's logits come to the host, each chosen expert runs once over the rows it was
+    /// picked for (gathered), and its outputs are added back weighted.
+    fn mixture(
+        &self,
+        router: &B::Matrix,
+        experts: &[Mlp<B>],
+        config: &MoeConfig,
+        x: &B::Activations,
+        rows: usize,
+        out: &mut B::Activations,
+    ) {
+        let b = &self.backend;
+        let hidden = self.config.hidden_size;
+        let mut logits = b.alloc(rows, config.num_experts);
+        b.matmul(router, x, &mut logits);
+        let logits = b.to_host(logits);
+        *out = b.alloc(rows, hidden);
+        for (expert, group) in experts
+            .iter()
+            .zip(crate::moe::group_tokens(&logits, rows, config))
+        {
+            let m = group.rows.len();
+            if m == 0 {
+                continue;
+            }
+            let mut picked = b.alloc(m, hidden);
+            b.gather_rows(x, &group.rows, &mut picked);
+            let mut act = b.alloc(m, config.expert_intermediate_size);
+            let mut scratch = FfnScratch::default();
+            self.feed_forward_activation(&expert.gate_up, &picked, m, &mut scratch, &mut act);
+            let mut y = b.alloc(m, hidden);
+            b.matmul(&expert.down, &act, &mut y);
+            b.scatter_add_rows(out, &y, &group.rows, &group.weights);
+        }
     }
 
     /// `out = silu(x·gateᵀ) * (x·upᵀ)` for `rows` rows of `x`.

@@ -16,6 +16,10 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3 dense: per-head q/k RMSNorm, an explicit head dim.
     Qwen3,
+    /// Llama with a sparse mixture-of-experts FFN.
+    Mixtral,
+    /// Qwen3 with a sparse mixture-of-experts FFN.
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -25,6 +29,8 @@ impl Architecture {
             Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Mixtral => "mixtral",
+            Self::Qwen3Moe => "qwen3_moe",
         }
     }
 }
@@ -55,8 +61,24 @@ pub struct ModelConfig {
     pub attention_bias: bool,
     /// Each head of q and k goes through an RMSNorm of its own weights before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// A sparse mixture-of-experts FFN in every layer instead of the dense one.
+    pub moe: Option<MoeConfig>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+}
+
+/// A sparse mixture-of-experts FFN (Mixtral, Qwen3-MoE): a token's FFN output is the weighted
+/// sum of `experts_per_token` of `num_experts` SwiGLU experts, picked by a router (a linear layer,
+/// softmax, top-k).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    /// Each expert's intermediate size.
+    pub expert_intermediate_size: usize,
+    /// The picked experts' probabilities are renormalized to sum to 1 (Mixtral always;
+    /// Qwen3-MoE when `norm_topk_prob`), else used as the softmax gave them.
+    pub normalize_top_k: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -114,15 +136,16 @@ impl ModelConfig {
     }
 
     /// Weights of the matrix products one token goes through (every layer's projections and the
-    /// LM head): its multiply-accumulates outside attention, and the elements a step reads.
+    /// LM head): its multiply-accumulates outside attention, and the elements a step of one
+    /// token reads. With a mixture of experts, the active ones: the router and the experts a
+    /// token goes to, not the others.
     pub fn matmul_params(&self) -> usize {
-        let (h, q, kv, ffn) = (
-            self.hidden_size,
-            self.q_dim(),
-            self.kv_dim(),
-            self.intermediate_size,
-        );
-        self.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * ffn) + self.vocab_size * h
+        let (h, q, kv) = (self.hidden_size, self.q_dim(), self.kv_dim());
+        let ffn = match &self.moe {
+            None => 3 * h * self.intermediate_size,
+            Some(m) => m.experts_per_token * 3 * h * m.expert_intermediate_size + m.num_experts * h,
+        };
+        self.num_layers * (h * (q + 2 * kv) + q * h + ffn) + self.vocab_size * h
     }
 
     /// Reads a HF `config.json`.
@@ -160,11 +183,13 @@ impl ModelConfig {
             "mistral" => Architecture::Mistral,
             "qwen2" => Architecture::Qwen2,
             "qwen3" => Architecture::Qwen3,
+            "mixtral" => Architecture::Mixtral,
+            "qwen3_moe" => Architecture::Qwen3Moe,
             other => {
                 return Err(ConfigError::UnsupportedArchitecture {
                     origin: o(),
                     found: other.into(),
-                    supported: "llama, mistral, qwen2, qwen3",
+                    supported: "llama, mistral, qwen2, qwen3, mixtral, qwen3_moe",
                 });
             }
         };
@@ -261,7 +286,46 @@ impl ModelConfig {
                 Architecture::Qwen2 => true,
                 _ => opt_bool("attention_bias")?.unwrap_or(false),
             },
-            qk_norm: architecture == Architecture::Qwen3,
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
+            moe: match architecture {
+                Architecture::Mixtral => Some(MoeConfig {
+                    num_experts: req_usize("num_local_experts")?,
+                    experts_per_token: req_usize("num_experts_per_tok")?,
+                    expert_intermediate_size: req_usize("intermediate_size")?,
+                    normalize_top_k: true,
+                }),
+                Architecture::Qwen3Moe => {
+                    if let Some(step) = opt_usize("decoder_sparse_step")?
+                        && step != 1
+                    {
+                        return Err(ConfigError::Unsupported {
+                            origin: o(),
+                            what: format!(
+                                "decoder_sparse_step {step} (dense layers between MoE layers; only 1 is supported)"
+                            ),
+                        });
+                    }
+                    match obj.get("mlp_only_layers") {
+                        None | Some(Value::Null) => {}
+                        Some(Value::Array(a)) if a.is_empty() => {}
+                        Some(v) => {
+                            return Err(ConfigError::Unsupported {
+                                origin: o(),
+                                what: format!(
+                                    "mlp_only_layers {v} (dense layers among MoE layers)"
+                                ),
+                            });
+                        }
+                    }
+                    Some(MoeConfig {
+                        num_experts: req_usize("num_experts")?,
+                        experts_per_token: req_usize("num_experts_per_tok")?,
+                        expert_intermediate_size: req_usize("moe_intermediate_size")?,
+                        normalize_top_k: opt_bool("norm_topk_prob")?.unwrap_or(false),
+                    })
+                }
+                _ => None,
+            },
             bos_token_id,
             eos_token_ids,
         };
@@ -276,14 +340,19 @@ impl ModelConfig {
         let arch_name =
             file.require("general.architecture", file.get_str("general.architecture"))?;
         let architecture = match arch_name {
+            // llama.cpp writes Mixtral as `llama` with experts.
+            "llama" if file.get_u64("llama.expert_count")?.is_some_and(|n| n > 0) => {
+                Architecture::Mixtral
+            }
             "llama" => Architecture::Llama,
             "qwen2" => Architecture::Qwen2,
             "qwen3" => Architecture::Qwen3,
+            "qwen3moe" => Architecture::Qwen3Moe,
             other => {
                 return Err(ConfigError::UnsupportedArchitecture {
                     origin: o(),
                     found: other.into(),
-                    supported: "llama, qwen2, qwen3",
+                    supported: "llama (and Mixtral as llama with experts), qwen2, qwen3, qwen3moe",
                 });
             }
         };
@@ -374,6 +443,19 @@ impl ModelConfig {
             tie_word_embeddings: file.tensor("output.weight").is_none(),
             attention_bias: file.tensor("blk.0.attn_q.bias").is_some(),
             qk_norm: file.tensor("blk.0.attn_q_norm.weight").is_some(),
+            moe: match usize_of("expert_count")? {
+                None | Some(0) => None,
+                Some(num_experts) => Some(MoeConfig {
+                    num_experts,
+                    experts_per_token: req("expert_used_count")?,
+                    expert_intermediate_size: match usize_of("expert_feed_forward_length")? {
+                        Some(n) => n,
+                        None => req("feed_forward_length")?,
+                    },
+                    // llama.cpp renormalizes Mixtral's and Qwen3-MoE's top-k weights.
+                    normalize_top_k: file.get_bool(&key("expert_weights_norm"))?.unwrap_or(true),
+                }),
+            },
             bos_token_id,
             eos_token_ids,
         };
@@ -422,6 +504,20 @@ impl ModelConfig {
                 "{} attention heads are not a multiple of {} key/value heads",
                 self.num_heads, self.num_kv_heads
             ));
+        }
+        if let Some(m) = &self.moe {
+            if m.num_experts == 0 || m.expert_intermediate_size == 0 {
+                return invalid(format!(
+                    "a mixture of {} experts of intermediate size {}",
+                    m.num_experts, m.expert_intermediate_size
+                ));
+            }
+            if m.experts_per_token == 0 || m.experts_per_token > m.num_experts {
+                return invalid(format!(
+                    "{} experts per token (num_experts_per_tok) of {} experts: top-k must be 1 to the expert count",
+                    m.experts_per_token, m.num_experts
+                ));
+            }
         }
         if !self.head_dim.is_multiple_of(2) {
             return invalid(format!(

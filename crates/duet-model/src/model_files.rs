@@ -197,7 +197,11 @@ impl ModelFiles {
     /// llama.cpp's converter does for the `llama` GGUF architecture (Llama, Mistral, SmolLM) but
     /// not for `qwen2`. The model builder must undo the permutation to use rotate-half RoPE.
     pub fn qk_rows_interleaved(&self) -> bool {
-        self.format == ModelFormat::Gguf && self.config.architecture == Architecture::Llama
+        self.format == ModelFormat::Gguf
+            && matches!(
+                self.config.architecture,
+                Architecture::Llama | Architecture::Mixtral
+            )
     }
 }
 
@@ -228,9 +232,33 @@ pub fn canonical_hf_name(name: &str) -> Option<String> {
         "mlp.gate_proj.weight" => "ffn_gate.weight",
         "mlp.up_proj.weight" => "ffn_up.weight",
         "mlp.down_proj.weight" => "ffn_down.weight",
-        _ => return None,
+        // A mixture of experts' router (Mixtral, Qwen3-MoE).
+        "block_sparse_moe.gate.weight" | "mlp.gate.weight" => "ffn_gate_inp.weight",
+        _ => return canonical_expert_name(layer, tail),
     };
     Some(format!("blk.{layer}.{mapped}"))
+}
+
+/// An expert's matrix: `blk.{layer}.ffn_{gate,up,down}_exps.{e}.weight` (GGUF stacks the experts
+/// in one tensor, `ffn_gate_exps.weight`; the loader splits it into these).
+fn canonical_expert_name(layer: usize, tail: &str) -> Option<String> {
+    let (expert, part) = tail
+        .strip_prefix("block_sparse_moe.experts.")
+        .or_else(|| tail.strip_prefix("mlp.experts."))?
+        .split_once('.')?;
+    let expert: usize = expert.parse().ok()?;
+    let kind = match part {
+        "w1.weight" | "gate_proj.weight" => "gate",
+        "w3.weight" | "up_proj.weight" => "up",
+        "w2.weight" | "down_proj.weight" => "down",
+        _ => return None,
+    };
+    Some(expert_tensor_name(layer, kind, expert))
+}
+
+/// The canonical name of expert `expert`'s `kind` (`gate`, `up`, `down`) matrix in `layer`.
+pub fn expert_tensor_name(layer: usize, kind: &str, expert: usize) -> String {
+    format!("blk.{layer}.ffn_{kind}_exps.{expert}.weight")
 }
 
 fn digest(tensors: &TensorStore, format: ModelFormat, files: &[&[u8]]) -> [u8; 32] {
@@ -303,12 +331,33 @@ fn open_gguf(path: &Path) -> Result<ModelFiles, LoadError> {
         path: path.to_path_buf(),
     };
     for info in file.tensors() {
+        let bytes = file.info_bytes(info);
+        // Stacked experts ([experts][rows][cols], each expert's matrix contiguous): one entry per
+        // expert, sharing the mapping.
+        if let (Some(stem), [cols, rows, experts]) =
+            (info.name.strip_suffix("_exps.weight"), info.dims.as_slice())
+        {
+            let (experts, rows, cols) = (*experts as usize, *rows as usize, *cols as usize);
+            let per_expert = bytes.len() / experts.max(1);
+            for e in 0..experts {
+                let name = format!("{stem}_exps.{e}.weight");
+                let tensor = RawTensor {
+                    name: name.clone(),
+                    ty: info.ty,
+                    rows,
+                    cols,
+                    bytes: bytes.slice(e * per_expert..(e + 1) * per_expert),
+                };
+                tensors.insert(name, info.name.clone(), path.to_path_buf(), tensor)?;
+            }
+            continue;
+        }
         let tensor = RawTensor {
             name: info.name.clone(),
             ty: info.ty,
             rows: info.rows(),
             cols: info.cols(),
-            bytes: file.info_bytes(info),
+            bytes,
         };
         tensors.insert(
             info.name.clone(),
@@ -486,9 +535,22 @@ pub fn validate_llama_tensors(files: &ModelFiles) -> Result<(), LoadError> {
             check(b("attn_k_norm.weight"), 1, c.head_dim)?;
         }
         check(b("ffn_norm.weight"), 1, h)?;
-        check(b("ffn_gate.weight"), ffn, h)?;
-        check(b("ffn_up.weight"), ffn, h)?;
-        check(b("ffn_down.weight"), h, ffn)?;
+        match &c.moe {
+            None => {
+                check(b("ffn_gate.weight"), ffn, h)?;
+                check(b("ffn_up.weight"), ffn, h)?;
+                check(b("ffn_down.weight"), h, ffn)?;
+            }
+            Some(m) => {
+                let f = m.expert_intermediate_size;
+                check(b("ffn_gate_inp.weight"), m.num_experts, h)?;
+                for e in 0..m.num_experts {
+                    check(expert_tensor_name(i, "gate", e), f, h)?;
+                    check(expert_tensor_name(i, "up", e), f, h)?;
+                    check(expert_tensor_name(i, "down", e), h, f)?;
+                }
+            }
+        }
     }
     // Norms and biases are read as plain floats.
     for name in store.names() {

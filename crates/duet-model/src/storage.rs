@@ -23,6 +23,18 @@ impl WeightBytes {
         Self { owner, range }
     }
 
+    /// Bytes `range` of these bytes, sharing their buffer.
+    pub fn slice(&self, range: Range<usize>) -> Self {
+        assert!(
+            range.end <= self.range.len(),
+            "slice past the end of the weight bytes"
+        );
+        Self {
+            owner: self.owner.clone(),
+            range: self.range.start + range.start..self.range.start + range.end,
+        }
+    }
+
     pub fn from_vec(bytes: Vec<u8>) -> Self {
         let len = bytes.len();
         Self {
