@@ -25,7 +25,7 @@ use duet_engine::backend::Backend;
 use duet_engine::device::Device;
 use duet_engine::engine::{Engine, EngineOptions, KvReservation, SeqId};
 use duet_model::config::ModelConfig;
-use duet_model::model_files::{ModelFiles, open_model};
+use duet_model::model_files::{ModelFiles, expert_tensor_name, open_model};
 use duet_model::model_path::ModelArgs;
 use duet_model::params::{Sampled, SamplingParams, StopCriteria};
 use serde::{Deserialize, Serialize};
@@ -300,23 +300,26 @@ impl ComputeCeiling {
 
 /// Bytes of weights one decode token reads: every matrix a forward step multiplies (each
 /// layer's q, k, v, o, gate, up and down projections, and the output head: `output.weight`, or
-/// the embedding when tied) plus the one embedding row the lookup reads. The sizes are the
-/// file's (GGML layout), which is what the CPU backend streams: it keeps that size when it
-/// repacks (`QMatrix::size_bytes`). Norm weights (a few KiB per layer) are left out.
+/// the embedding when tied) plus the one embedding row the lookup reads. With a mixture of
+/// experts, the router and the experts one token goes to (all experts of a layer are the same
+/// size). The sizes are the file's (GGML layout), which is what the CPU backend streams: it
+/// keeps that size when it repacks (`QMatrix::size_bytes`). Norm weights (a few KiB per layer)
+/// are left out.
 fn weight_bytes_per_token(files: &ModelFiles) -> Result<u64> {
     let bytes = |name: &str| -> Result<u64> { Ok(files.tensors.get(name)?.bytes.len() as u64) };
     let mut total = 0;
     for i in 0..files.config.num_layers {
-        for m in [
-            "attn_q",
-            "attn_k",
-            "attn_v",
-            "attn_output",
-            "ffn_gate",
-            "ffn_up",
-            "ffn_down",
-        ] {
+        for m in ["attn_q", "attn_k", "attn_v", "attn_output"] {
             total += bytes(&format!("blk.{i}.{m}.weight"))?;
+        }
+        for part in ["gate", "up", "down"] {
+            total += match &files.config.moe {
+                None => bytes(&format!("blk.{i}.ffn_{part}.weight"))?,
+                Some(moe) => bytes(&expert_tensor_name(i, part, 0))? * moe.experts_per_token as u64,
+            };
+        }
+        if files.config.moe.is_some() {
+            total += bytes(&format!("blk.{i}.ffn_gate_inp.weight"))?;
         }
     }
     let embedding = files.tensors.get("token_embd.weight")?;
@@ -1045,6 +1048,22 @@ fn mib(b: u64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A token of the tiny Mixtral (f32; 2 layers, 4 experts, top 2) reads each layer's
+    /// attention (49,152 bytes), two of the four experts' gate, up and down (8,192 bytes each),
+    /// the router (1,024), one embedding row (256) and the output head (98,304): sizes read from
+    /// the file with the `gguf` package.
+    #[test]
+    fn a_mixture_reads_the_router_and_the_experts_a_token_goes_to() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tiny-mixtral.gguf");
+        let files = open_model(&path).unwrap();
+        let layer = 49_152 + 2 * 3 * 8_192 + 1_024;
+        assert_eq!(
+            weight_bytes_per_token(&files).unwrap(),
+            2 * layer + 256 + 98_304
+        );
+    }
 
     #[test]
     fn a_llamacpp_build_for_another_instruction_set_is_named() {
