@@ -181,6 +181,17 @@ fn prometheus_scrapes_duet_up_and_answers_the_dashboards_queries() {
     // then; count the transfers from here on.
     let transfers_out = "sum(duet_kv_transfer_seconds_count{direction=\"out\"})";
     let probe_transfers = query(web, transfers_out).unwrap().first().copied();
+    // duet up's readiness probe sends a Generate until the router lists every worker
+    // routable, so once or more: count the requests from here on too.
+    let router_requests = "sum(duet_requests_total{role=\"router\"})";
+    let succeeded = "duet_requests_total{role=\"router\",status=\"success\",error_type=\"none\"}";
+    let at_first_scrape = |promql| query(web, promql).unwrap().first().copied().unwrap_or(0.0);
+    let (probe_requests, probe_successes) =
+        (at_first_scrape(router_requests), at_first_scrape(succeeded));
+    assert!(
+        probe_successes >= 1.0,
+        "the readiness probe succeeded once at least"
+    );
     let rt = tokio::runtime::Runtime::new().unwrap();
     let prompt: Vec<u32> = (1..=40).collect();
     for i in 0..REQUESTS {
@@ -190,16 +201,11 @@ fn prometheus_scrapes_duet_up_and_answers_the_dashboards_queries() {
         assert!(!ids.is_empty());
     }
 
-    let sent = REQUESTS + 1; // and duet up's readiness probe
-    wait_for(web, "sum(duet_requests_total{role=\"router\"})", |v| {
-        v == [sent as f64]
+    wait_for(web, router_requests, |v| {
+        v == [probe_requests + REQUESTS as f64]
     });
-    let by_status = query(
-        web,
-        "duet_requests_total{role=\"router\",status=\"success\",error_type=\"none\"}",
-    )
-    .unwrap();
-    assert_eq!(by_status, [sent as f64]);
+    let by_status = query(web, succeeded).unwrap();
+    assert_eq!(by_status, [probe_successes + REQUESTS as f64]);
     let p90 = wait_for(
         web,
         "histogram_quantile(0.9, rate(duet_time_to_first_token_seconds_bucket[1m]))",

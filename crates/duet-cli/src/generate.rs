@@ -289,6 +289,7 @@ async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
             v1::TokenizeRequest {
                 text: request.prompt.clone(),
                 messages: request.messages.clone(),
+                chat_template_kwargs: request.chat_template_kwargs.clone(),
             },
             key.as_deref(),
         )?)

@@ -49,6 +49,52 @@ pub enum ChatError {
     UnknownRole { role: String },
     #[error("{origin}: cannot read chat template: {why}")]
     Load { origin: String, why: String },
+    /// `chat_template_kwargs` that are not a JSON object, or set a variable the server sets.
+    #[error("chat_template_kwargs: {0}")]
+    Variables(String),
+}
+
+/// Variables the server gives every chat template; extra variables cannot replace them.
+const SERVER_VARIABLES: [&str; 4] = [
+    "messages",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
+
+/// Extra chat-template variables (`chat_template_kwargs`), parsed from a JSON object's text.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TemplateVariables(serde_json::Map<String, serde_json::Value>);
+
+impl TemplateVariables {
+    /// `text`: a JSON object, or empty for none.
+    pub fn parse(text: &str) -> Result<Self, ChatError> {
+        if text.trim().is_empty() {
+            return Ok(Self::default());
+        }
+        let value: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| ChatError::Variables(format!("not valid JSON: {e}")))?;
+        Self::from_value(value)
+    }
+
+    /// `value` must be a JSON object.
+    pub fn from_value(value: serde_json::Value) -> Result<Self, ChatError> {
+        let serde_json::Value::Object(map) = value else {
+            return Err(ChatError::Variables(format!(
+                "must be a JSON object, got {value}"
+            )));
+        };
+        if let Some(name) = SERVER_VARIABLES.iter().find(|n| map.contains_key(**n)) {
+            return Err(ChatError::Variables(format!(
+                "`{name}` is set by the server and cannot be given"
+            )));
+        }
+        Ok(Self(map))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// `content` with every occurrence of a special token wrapped in a text span (see
@@ -269,6 +315,23 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         special_tokens: &[String],
     ) -> Result<String, ChatError> {
+        self.apply_with(
+            messages,
+            add_generation_prompt,
+            special_tokens,
+            &TemplateVariables::default(),
+        )
+    }
+
+    /// [`Self::apply`] with extra template variables (`chat_template_kwargs`), for example
+    /// Qwen3's `enable_thinking`.
+    pub fn apply_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        special_tokens: &[String],
+        variables: &TemplateVariables,
+    ) -> Result<String, ChatError> {
         if let Some(m) = messages.iter().find(|m| !ROLES.contains(&m.role.as_str())) {
             return Err(ChatError::UnknownRole {
                 role: m.role.clone(),
@@ -293,6 +356,7 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone(),
             eos_token => self.eos_token.clone(),
+            ..Value::from_serialize(&variables.0)
         };
         tmpl.render(ctx).map_err(|e| {
             let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
@@ -455,6 +519,48 @@ mod tests {
             t.apply(&msgs(&[("user", "Hi there")]), true, &[]).unwrap(),
             SMOL_EXPECTED
         );
+    }
+
+    /// `chat_template_kwargs` reach the template as variables (Qwen3's `enable_thinking`);
+    /// anything but a JSON object, or a variable the server sets, is refused by name.
+    #[test]
+    fn extra_variables_reach_the_template() {
+        let t = ChatTemplate::new(concat!(
+            "{%- for message in messages %}{{- message.role + ':' + message.content + ';' }}",
+            "{%- endfor %}{%- if add_generation_prompt %}{{- 'assistant:' }}",
+            "{%- if enable_thinking is defined and enable_thinking is false %}",
+            "{{- '<think></think>' }}{%- endif %}{%- endif %}"
+        ))
+        .unwrap();
+        let m = msgs(&[("user", "hi")]);
+        let with = |json: &str| {
+            let vars = TemplateVariables::parse(json).unwrap();
+            t.apply_with(&m, true, &[], &vars).unwrap()
+        };
+        assert_eq!(with(""), "user:hi;assistant:");
+        assert_eq!(with(r#"{"enable_thinking": true}"#), "user:hi;assistant:");
+        assert_eq!(
+            with(r#"{"enable_thinking": false}"#),
+            "user:hi;assistant:<think></think>"
+        );
+        for (bad, why) in [
+            ("[1]", "must be a JSON object, got [1]"),
+            ("{", "not valid JSON"),
+            (
+                r#"{"messages": []}"#,
+                "`messages` is set by the server and cannot be given",
+            ),
+            (
+                r#"{"add_generation_prompt": false}"#,
+                "`add_generation_prompt` is set by the server",
+            ),
+        ] {
+            let e = TemplateVariables::parse(bad).unwrap_err().to_string();
+            assert!(
+                e.starts_with("chat_template_kwargs: ") && e.contains(why),
+                "{bad}: {e}"
+            );
+        }
     }
 
     /// The constructs Qwen3's template is made of (written here, not copied): a `namespace`

@@ -181,6 +181,8 @@ pub struct ChatRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<u32>,
+    /// Extra variables for the chat template (vLLM's field; e.g. `{"enable_thinking": false}`).
+    pub chat_template_kwargs: Option<serde_json::Value>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -306,6 +308,9 @@ impl ChatRequest {
                 })
             })
             .collect::<Result<_, OpenAiError>>()?;
+        if let Some(vars) = self.chat_template_kwargs.as_ref().filter(|v| !v.is_null()) {
+            req.chat_template_kwargs = vars.to_string();
+        }
         req.max_tokens = self.max_completion_tokens.or(self.common.max_tokens);
         let top = match (self.logprobs, self.top_logprobs) {
             (false, Some(_)) => {
@@ -569,6 +574,18 @@ mod tests {
         assert_eq!(r.logprobs, 1);
         assert!(a.stream && a.include_usage);
         assert_eq!(a.top_logprobs, Some(0));
+    }
+
+    #[test]
+    fn chat_template_kwargs_travel_as_json_text() {
+        let (r, _) = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"Hi"}],
+                "chat_template_kwargs":{"enable_thinking":false}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.chat_template_kwargs, r#"{"enable_thinking":false}"#);
+        let (r, _) = chat(r#"{"model":"m","messages":[{"role":"user","content":"Hi"}]}"#).unwrap();
+        assert_eq!(r.chat_template_kwargs, "");
     }
 
     #[test]

@@ -261,7 +261,7 @@ impl Generation for GenerationService {
                 let token_ids = if r.messages.is_empty() {
                     model.encode_text(&r.text)
                 } else {
-                    model.encode_messages(&r.messages)
+                    model.encode_messages(&r.messages, &r.chat_template_kwargs)
                 }?;
                 let tokens = token_ids
                     .iter()

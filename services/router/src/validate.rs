@@ -2,7 +2,7 @@
 //! worker-protocol `SamplingParams` with every field resolved, or a typed [`ValidationError`]
 //! that says what was wrong (answered as INVALID_ARGUMENT).
 
-use duet_model::chat::{ChatError, ChatMessage, ChatTemplate};
+use duet_model::chat::{ChatError, ChatMessage, ChatTemplate, TemplateVariables};
 use duet_model::params::{MAX_CACHE_SALT_BYTES, SamplingParams as EngineSampling};
 use duet_model::params::{PromptError, PromptLimits, StopCriteria};
 use duet_model::tokenizer::{Tokenizer, TokenizerError};
@@ -47,6 +47,10 @@ pub enum ValidationError {
     /// The chat template refused the conversation (unknown role, template's own check).
     #[error("messages: {0}")]
     Chat(#[from] ChatError),
+    /// `chat_template_kwargs` that are not a JSON object, set a variable the server sets, or
+    /// come without `messages`.
+    #[error("{0}")]
+    TemplateVariables(ChatError),
     #[error("prompt: {0}")]
     Tokenize(#[from] TokenizerError),
 }
@@ -123,6 +127,7 @@ impl PromptModel {
     pub fn encode_messages(
         &self,
         messages: &[v1::ChatMessage],
+        chat_template_kwargs: &str,
     ) -> Result<Vec<u32>, ValidationError> {
         // The contents bound the rendered text's tokens (the markup only adds some), so they
         // are checked before rendering, which copies them.
@@ -131,18 +136,27 @@ impl PromptModel {
             .iter()
             .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
             .collect();
-        let text = self
-            .chat
-            .apply(&msgs, true, &self.tokenizer.special_tokens())?;
+        let variables = TemplateVariables::parse(chat_template_kwargs)
+            .map_err(ValidationError::TemplateVariables)?;
+        let text =
+            self.chat
+                .apply_with(&msgs, true, &self.tokenizer.special_tokens(), &variables)?;
         Ok(self.tokenizer.encode(&text)?)
     }
 
     /// The prompt of a request: `token_ids` if non-empty, else `messages`, else `prompt`.
     pub fn resolve_prompt(&self, req: &v1::GenerateRequest) -> Result<Vec<u32>, ValidationError> {
+        if !req.chat_template_kwargs.is_empty()
+            && (req.messages.is_empty() || !req.token_ids.is_empty())
+        {
+            return Err(ValidationError::TemplateVariables(ChatError::Variables(
+                "given without messages to render (token_ids or prompt need no template)".into(),
+            )));
+        }
         let ids = if !req.token_ids.is_empty() {
             req.token_ids.clone()
         } else if !req.messages.is_empty() {
-            self.encode_messages(&req.messages)?
+            self.encode_messages(&req.messages, &req.chat_template_kwargs)?
         } else if !req.prompt.is_empty() {
             self.encode_text(&req.prompt)?
         } else {
@@ -671,6 +685,69 @@ mod tests {
             e.to_string().contains("unknown chat role \"wizard\""),
             "{e}"
         );
+    }
+
+    #[test]
+    fn chat_template_kwargs_are_refused_when_they_cannot_apply() {
+        let m = model();
+        let user = vec![v1::ChatMessage {
+            role: "user".into(),
+            content: "hi".into(),
+        }];
+        let plain = m
+            .validate(
+                &v1::GenerateRequest {
+                    messages: user.clone(),
+                    ..Default::default()
+                },
+                || 0,
+            )
+            .unwrap();
+        // A variable the template does not read changes nothing.
+        let with = m
+            .validate(
+                &v1::GenerateRequest {
+                    messages: user.clone(),
+                    chat_template_kwargs: r#"{"enable_thinking": false}"#.into(),
+                    ..Default::default()
+                },
+                || 0,
+            )
+            .unwrap();
+        assert_eq!(with.prompt, plain.prompt);
+        for (r, why) in [
+            (
+                v1::GenerateRequest {
+                    messages: user.clone(),
+                    chat_template_kwargs: "[true]".into(),
+                    ..Default::default()
+                },
+                "chat_template_kwargs: must be a JSON object",
+            ),
+            (
+                v1::GenerateRequest {
+                    messages: user.clone(),
+                    chat_template_kwargs: r#"{"bos_token": "x"}"#.into(),
+                    ..Default::default()
+                },
+                "chat_template_kwargs: `bos_token` is set by the server",
+            ),
+            (
+                v1::GenerateRequest {
+                    prompt: "hi".into(),
+                    chat_template_kwargs: "{}".into(),
+                    ..Default::default()
+                },
+                "chat_template_kwargs: given without messages",
+            ),
+        ] {
+            let e = m.validate(&r, || 0).unwrap_err();
+            assert!(
+                matches!(e, ValidationError::TemplateVariables(_))
+                    && e.to_string().starts_with(why),
+                "{e}"
+            );
+        }
     }
 
     #[test]
