@@ -95,6 +95,10 @@ fn the_same_prefix_lands_where_it_is_cached_and_reports_it() {
                 .then_some(())
         })
         .await;
+        // The router counts the first request on its decode worker until its relay ends, just
+        // after the client's last message (a penalty of a running sequence); and the stats poll
+        // after that shows the worker's blocks released.
+        tokio::time::sleep(Duration::from_millis(600)).await;
         let (_, _, second) = generate(c.router, greedy_request(&second_prompt, 4))
             .await
             .unwrap();
