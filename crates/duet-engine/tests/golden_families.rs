@@ -9,25 +9,6 @@ use common::*;
 use duet_engine::batch::{LogitsWanted, SeqInput};
 use duet_model::config::Architecture;
 
-const TOL: f32 = 1e-4;
-
-/// The model at `path` against `file`'s cases, whole prompts at once.
-fn check(path: &std::path::Path, file: &str) {
-    let mut h = Harness::load(path, 2);
-    for case in cases(file) {
-        let got = h.prompt_logits(&case.tokens);
-        for (&pos, want) in case.positions.iter().zip(&case.logits) {
-            let d = max_abs_diff(&got[pos], want);
-            assert!(
-                d <= TOL,
-                "{} {}: position {pos} differs from the reference by {d} (tolerance {TOL})",
-                path.display(),
-                case.name
-            );
-        }
-    }
-}
-
 #[test]
 fn qwen3_matches_the_reference() {
     let dir = fixtures().join("tiny-qwen3");

@@ -160,3 +160,23 @@ pub fn cases(file: &str) -> Vec<Case> {
         })
         .collect()
 }
+
+/// Largest logit difference from a float64 reference the family and RoPE-scaling checks allow.
+pub const TOL: f32 = 1e-4;
+
+/// The model at `path` against `file`'s cases, whole prompts at once.
+pub fn check(path: &std::path::Path, file: &str) {
+    let mut h = Harness::load(path, 2);
+    for case in cases(file) {
+        let got = h.prompt_logits(&case.tokens);
+        for (&pos, want) in case.positions.iter().zip(&case.logits) {
+            let d = max_abs_diff(&got[pos], want);
+            assert!(
+                d <= TOL,
+                "{} {}: position {pos} differs from the reference by {d} (tolerance {TOL})",
+                path.display(),
+                case.name
+            );
+        }
+    }
+}
