@@ -93,6 +93,9 @@ from safetensors.numpy import load_file, save_file
 
 import gguf
 
+# llama.cpp's q/k row permutation, as the tiny Llama fixture writes it.
+from make_tiny_llama import permute, unpermute
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FIX = os.path.join(REPO, "tests", "fixtures")
 TOKENIZER_SRC = os.path.join(FIX, "tiny-llama", "tokenizer.json")
@@ -558,16 +561,6 @@ def write_hf_dir(name, config, weights, tok_raw):
 # ---------------------------------------------------------------------------
 # GGUF
 # ---------------------------------------------------------------------------
-def permute(w, n_head):
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-             .swapaxes(1, 2).reshape(w.shape))
-
-
-def unpermute(w, n_head):
-    return (w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
-             .swapaxes(1, 2).reshape(w.shape))
-
-
 HF_TO_GGUF = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
