@@ -369,8 +369,11 @@ def rope_interleaved(x, cos, sin):
     return out
 
 
-def forward(w, ids, interleaved=False):
-    """Full-sequence causal forward; returns float64 logits [T, vocab]."""
+def forward(w, ids, interleaved=False, kv_cache=None):
+    """Full-sequence causal forward; returns float64 logits [T, vocab].
+
+    kv_cache, when given, maps each layer's keys (after RoPE) and values, each
+    [T, kv_head, head_dim], to what a KV cache holds of them."""
     H = CFG["hidden_size"]
     nh, nkv, hd = CFG["num_attention_heads"], CFG["num_key_value_heads"], CFG["head_dim"]
     eps = CFG["rms_norm_eps"]
@@ -388,6 +391,8 @@ def forward(w, ids, interleaved=False):
         k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd)
         v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache(k), kv_cache(v)
         att = np.empty((T, nh, hd))
         for hh in range(nh):
             kv = hh // group

@@ -141,14 +141,14 @@ struct DecodePoint {
 }
 
 #[derive(Serialize)]
-struct Cpu {
+pub(crate) struct Cpu {
     /// `model name` in /proc/cpuinfo.
-    model: String,
+    pub(crate) model: String,
     /// `cpu family` in /proc/cpuinfo.
-    family: String,
+    pub(crate) family: String,
     /// `model` in /proc/cpuinfo: with the family, tells apart CPUs of one name (AMD EPYC Zen 3
     /// is family 25 model 1, Zen 4 family 25 model 17).
-    model_number: String,
+    pub(crate) model_number: String,
 }
 
 #[derive(Serialize)]
@@ -442,8 +442,7 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
             let roofline = MemoryRoofline {
                 bandwidth: probe.measure(),
                 weight_bytes_per_token: weight_bytes,
-                kv_bytes_per_context_token: (layout.values_per_token() * layout.dtype.bytes())
-                    as u64,
+                kv_bytes_per_context_token: layout.bytes_per_token() as u64,
             };
             (
                 Some(roofline),
@@ -643,7 +642,7 @@ fn print_report(r: &Report) {
 
 /// `model name`, `cpu family` and `model` of the first processor in /proc/cpuinfo ("unknown"
 /// where there is none).
-fn cpu_info() -> Cpu {
+pub(crate) fn cpu_info() -> Cpu {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let field = |key: &str| {
         info.lines()
@@ -693,7 +692,7 @@ fn fit_kv_cache(options: &mut EngineOptions, needed: usize, given: bool) -> Resu
 }
 
 /// Fresh random prompts (never cached), skipping the low ids where special tokens live.
-fn prompt_source(vocab: usize) -> impl FnMut(usize) -> Vec<u32> {
+pub(crate) fn prompt_source(vocab: usize) -> impl FnMut(usize) -> Vec<u32> {
     let mut seed = 1u64;
     move |len| {
         seed += 1;
@@ -739,14 +738,14 @@ fn prefill_rate(engine: &mut Engine<impl Backend>, prompt: Vec<u32>) -> Result<f
 
 /// A prompt's KV, prefilled once and kept in a reservation (not a sequence, so no step touches
 /// it), with the token its prefill sampled: what decode batches at its context are copied from.
-struct PrefilledPrompt {
+pub(crate) struct PrefilledPrompt {
     prompt: Vec<u32>,
     kv: KvReservation,
     first: Sampled,
 }
 
 impl PrefilledPrompt {
-    fn new(engine: &mut Engine<impl Backend>, prompt: Vec<u32>) -> Result<Self> {
+    pub(crate) fn new(engine: &mut Engine<impl Backend>, prompt: Vec<u32>) -> Result<Self> {
         let (id, first, _) = prefill(engine, prompt.clone())?;
         let kv = engine.reserve(&prompt, "duet-bench-source")?;
         let blocks = engine
@@ -758,7 +757,7 @@ impl PrefilledPrompt {
         Ok(Self { prompt, kv, first })
     }
 
-    fn release(self, engine: &mut Engine<impl Backend>) -> Result<()> {
+    pub(crate) fn release(self, engine: &mut Engine<impl Backend>) -> Result<()> {
         Ok(engine.release(self.kv)?)
     }
 
@@ -811,9 +810,9 @@ fn copy_kv(engine: &mut Engine<impl Backend>, from: &[u32], to: &[u32]) -> Resul
     Ok(())
 }
 
-struct DecodeMeasured {
+pub(crate) struct DecodeMeasured {
     /// The best of the repeats.
-    tokens_per_s: f64,
+    pub(crate) tokens_per_s: f64,
     kv_blocks: usize,
     kv_blocks_distinct: usize,
 }
@@ -823,7 +822,7 @@ struct DecodeMeasured {
 /// times `steps` steps and counts the tokens they produced. No sequence may finish inside the
 /// timed window (a shrinking batch would be timed as a full one), so the count must be
 /// `batch × steps`.
-fn decode_point(
+pub(crate) fn decode_point(
     engine: &mut Engine<impl Backend>,
     source: &PrefilledPrompt,
     batch: usize,

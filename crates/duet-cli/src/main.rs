@@ -3,6 +3,7 @@
 mod bandwidth;
 mod bench_engine;
 mod bench_gpu;
+mod bench_kv_dtype;
 mod bench_serve;
 mod bench_transfer;
 mod chaos;
@@ -66,6 +67,9 @@ enum BenchCommand {
     /// The GPU checks and timings: CUDA vs CPU, paged attention vs a reference, a
     /// Llama-3-8B-shaped model against the bandwidth and matrix-rate rooflines.
     Gpu(bench_gpu::GpuBenchArgs),
+    /// A KV cache type (int8) against a reference (f16) on one model, on the CPU: logits and
+    /// greedy tokens over long generations, and decode speed at a long context.
+    KvDtype(Box<bench_kv_dtype::KvDtypeBenchArgs>),
 }
 
 fn main() {
@@ -94,6 +98,9 @@ fn main() {
         Command::Bench {
             command: BenchCommand::Gpu(args),
         } => bench_gpu::run(args),
+        Command::Bench {
+            command: BenchCommand::KvDtype(args),
+        } => bench_kv_dtype::run(*args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

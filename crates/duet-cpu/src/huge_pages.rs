@@ -45,6 +45,7 @@ pub(crate) unsafe trait ZeroBits: Copy {}
 unsafe impl ZeroBits for f32 {}
 unsafe impl ZeroBits for half::f16 {}
 unsafe impl ZeroBits for u8 {}
+unsafe impl ZeroBits for i8 {}
 
 /// `len` zeroed values of `T` on transparent huge pages, page aligned.
 pub(crate) struct HugeBuffer<T> {

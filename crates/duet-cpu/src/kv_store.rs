@@ -6,8 +6,15 @@
 //! transposed: one dimension of a block's keys is a run of slots, so a query's scores for a run of
 //! slots are one multiply-add per dimension across vector lanes, with no sums across lanes. The
 //! bytes a transfer moves are in the wire order of [`CpuKvStore::read_layer_block`] (keys
-//! `[slot][head_dim]` too), converted here. Values are f32 or f16 ([`KvElement`]); the kernels
-//! widen them to f32 as they read.
+//! `[slot][head_dim]` too), converted here. Values are f32, f16 or int8 ([`KvElement`]); the
+//! kernels widen them to f32 as they read.
+//!
+//! An int8 cache keeps one f32 scale per token, KV head and K or V, in a buffer of its own laid
+//! out `[layer][block][K|V][kv_head][slot]`: a token's values are quantized alone (absolute
+//! maximum to 127), so what a token stores never depends on the tokens written before it in its
+//! block, nor on how a prompt was cut into chunks, and a block reused from the prefix cache holds
+//! what a fresh prefill would. The kernels fold a key's scale into its score and a value's into
+//! its softmax weight, so they read one scale per `head_dim` values.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -25,23 +32,41 @@ pub struct CpuKvStore {
 pub(crate) enum KvData {
     F32(HugeBuffer<f32>),
     F16(HugeBuffer<f16>),
+    Int8 {
+        values: HugeBuffer<i8>,
+        /// `[layer][block][K|V][kv_head][slot]`.
+        scales: HugeBuffer<f32>,
+    },
+}
+
+/// How the vector kernels widen an element to f32.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Widening {
+    None,
+    /// `vcvtph2ps`.
+    F16,
+    /// Sign extension to 32 bits, then `vcvtdq2ps`.
+    I8,
 }
 
 /// An element type the CPU cache stores: values are rounded to it when written and widened to
 /// f32 when read.
 pub(crate) trait KvElement: Copy + Send + Sync + 'static {
-    /// The element is an IEEE half (the vector kernels widen it with `vcvtph2ps`).
-    const IS_F16: bool;
+    const WIDENING: Widening;
+    /// Each token's K (and V) of a head carries a scale: its values are `element * scale`.
+    const SCALED: bool;
     const ZERO: Self;
     fn to_f32(self) -> f32;
-    /// `dst[i] = src[i]`, rounded to nearest even.
-    fn store(dst: &mut [Self], src: &[f32]);
+    /// `dst[i] = src[i] / scale`, rounded to nearest even; returns the scale (1 for the float
+    /// types).
+    fn store(dst: &mut [Self], src: &[f32]) -> f32;
     fn write_le(src: &[Self], out: &mut [u8]);
     fn read_le(dst: &mut [Self], data: &[u8]);
 }
 
 impl KvElement for f32 {
-    const IS_F16: bool = false;
+    const WIDENING: Widening = Widening::None;
+    const SCALED: bool = false;
     const ZERO: f32 = 0.0;
 
     #[inline(always)]
@@ -49,8 +74,9 @@ impl KvElement for f32 {
         self
     }
 
-    fn store(dst: &mut [f32], src: &[f32]) {
+    fn store(dst: &mut [f32], src: &[f32]) -> f32 {
         dst.copy_from_slice(src);
+        1.0
     }
 
     fn write_le(src: &[f32], out: &mut [u8]) {
@@ -67,7 +93,8 @@ impl KvElement for f32 {
 }
 
 impl KvElement for f16 {
-    const IS_F16: bool = true;
+    const WIDENING: Widening = Widening::F16;
+    const SCALED: bool = false;
     const ZERO: f16 = f16::ZERO;
 
     /// Branch-free so that the portable kernels vectorise: the magnitude bits shifted into f32
@@ -86,8 +113,9 @@ impl KvElement for f16 {
         f32::from_bits(bits | ((h & 0x8000) << 16))
     }
 
-    fn store(dst: &mut [f16], src: &[f32]) {
+    fn store(dst: &mut [f16], src: &[f32]) -> f32 {
         dst.convert_from_f32_slice(src);
+        1.0
     }
 
     fn write_le(src: &[f16], out: &mut [u8]) {
@@ -99,6 +127,40 @@ impl KvElement for f16 {
     fn read_le(dst: &mut [f16], data: &[u8]) {
         for (v, b) in dst.iter_mut().zip(data.chunks_exact(2)) {
             *v = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+        }
+    }
+}
+
+impl KvElement for i8 {
+    const WIDENING: Widening = Widening::I8;
+    const SCALED: bool = true;
+    const ZERO: i8 = 0;
+
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+
+    /// Symmetric: the largest magnitude becomes 127 (-128 is never stored), all zeros a zero
+    /// scale.
+    fn store(dst: &mut [i8], src: &[f32]) -> f32 {
+        let max = src.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let inv = if max > 0.0 { 127.0 / max } else { 0.0 };
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = (x * inv).round_ties_even() as i8;
+        }
+        max / 127.0
+    }
+
+    fn write_le(src: &[i8], out: &mut [u8]) {
+        for (o, &v) in out.iter_mut().zip(src) {
+            *o = v as u8;
+        }
+    }
+
+    fn read_le(dst: &mut [i8], data: &[u8]) {
+        for (v, &b) in dst.iter_mut().zip(data) {
+            *v = b as i8;
         }
     }
 }
@@ -115,9 +177,15 @@ impl CpuKvStore {
         let data = match layout.dtype {
             KvDtype::F32 => HugeBuffer::zeroed(len).map(KvData::F32),
             KvDtype::F16 => HugeBuffer::zeroed(len).map(KvData::F16),
+            KvDtype::Int8 => HugeBuffer::zeroed(len).and_then(|values| {
+                Ok(KvData::Int8 {
+                    values,
+                    scales: HugeBuffer::zeroed(len / layout.head_dim)?,
+                })
+            }),
             KvDtype::Bf16 => {
                 return Err(EngineError::Config(
-                    "the CPU KV cache stores f32 or f16, not bf16".into(),
+                    "the CPU KV cache stores f32, f16 or int8, not bf16".into(),
                 ));
             }
         };
@@ -137,16 +205,22 @@ impl CpuKvStore {
 
     /// Bytes of one (layer, block) pair as stored and transferred.
     pub fn layer_block_bytes(&self) -> usize {
-        block_len(&self.layout) * self.layout.dtype.bytes()
+        self.layout.layer_block_bytes()
     }
 
     /// The KV of one layer of one block, little-endian, in wire order: K then V, each
-    /// `[kv_head][slot][head_dim]`.
+    /// `[kv_head][slot][head_dim]`, then an int8 cache's scales, K then V, each
+    /// `[kv_head][slot]`.
     pub fn read_layer_block(&self, layer: usize, block: usize, out: &mut [u8]) {
         let range = layer_block_range(&self.layout, layer, block);
         match &self.data {
             KvData::F32(d) => f32::write_le(&to_wire(&self.layout, &d[range]), out),
             KvData::F16(d) => f16::write_le(&to_wire(&self.layout, &d[range]), out),
+            KvData::Int8 { values, scales } => {
+                let (v, s) = out.split_at_mut(range.len());
+                i8::write_le(&to_wire(&self.layout, &values[range]), v);
+                f32::write_le(&scales[scale_range(&self.layout, layer, block)], s);
+            }
         }
     }
 
@@ -156,42 +230,57 @@ impl CpuKvStore {
         match &mut self.data {
             KvData::F32(d) => from_wire(&self.layout, data, &mut d[range]),
             KvData::F16(d) => from_wire(&self.layout, data, &mut d[range]),
+            KvData::Int8 { values, scales } => {
+                let (v, s) = data.split_at(range.len());
+                from_wire(&self.layout, v, &mut values[range]);
+                f32::read_le(&mut scales[scale_range(&self.layout, layer, block)], s);
+            }
         }
     }
 
     /// Writes rows of K and V (`[row][kv_head * head_dim]`) into their slots.
     pub fn write(&mut self, layer: usize, k: &[f32], v: &[f32], slots: &[u32]) {
+        let rows = Rows { k, v, slots };
         match &mut self.data {
-            KvData::F32(d) => write_rows(&self.layout, d, layer, k, v, slots),
-            KvData::F16(d) => write_rows(&self.layout, d, layer, k, v, slots),
+            KvData::F32(d) => rows.write(&self.layout, d, &mut [], layer),
+            KvData::F16(d) => rows.write(&self.layout, d, &mut [], layer),
+            KvData::Int8 { values, scales } => rows.write(&self.layout, values, scales, layer),
         }
     }
 }
 
-fn write_rows<E: KvElement>(
-    l: &KvLayout,
-    data: &mut [E],
-    layer: usize,
-    k: &[f32],
-    v: &[f32],
-    slots: &[u32],
-) {
-    let (hd, bs) = (l.head_dim, l.block_size);
-    let width = l.num_kv_heads * hd;
-    let mut key = vec![E::ZERO; hd];
-    for (row, &slot) in slots.iter().enumerate() {
-        let (block, offset) = (slot as usize / bs, slot as usize % bs);
-        let base = layer_block_range(l, layer, block).start;
-        for h in 0..l.num_kv_heads {
-            let src = row * width + h * hd;
-            // Keys `[head_dim][slot]`: the token's dimensions are `block_size` apart.
-            E::store(&mut key, &k[src..src + hd]);
-            let keys = base + h * bs * hd;
-            for (d, &x) in key.iter().enumerate() {
-                data[keys + d * bs + offset] = x;
+/// Rows of K and V (`[row][kv_head * head_dim]`) and the slot each goes to.
+struct Rows<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+    slots: &'a [u32],
+}
+
+impl Rows<'_> {
+    /// Into `data` and, for a scaled element type, each token's scales into `scales`.
+    fn write<E: KvElement>(&self, l: &KvLayout, data: &mut [E], scales: &mut [f32], layer: usize) {
+        let (hd, bs, kvh) = (l.head_dim, l.block_size, l.num_kv_heads);
+        let width = kvh * hd;
+        let mut key = vec![E::ZERO; hd];
+        for (row, &slot) in self.slots.iter().enumerate() {
+            let (block, offset) = (slot as usize / bs, slot as usize % bs);
+            let base = layer_block_range(l, layer, block).start;
+            let scale_base = scale_range(l, layer, block).start;
+            for h in 0..kvh {
+                let src = row * width + h * hd;
+                // Keys `[head_dim][slot]`: the token's dimensions are `block_size` apart.
+                let key_scale = E::store(&mut key, &self.k[src..src + hd]);
+                let keys = base + h * bs * hd;
+                for (d, &x) in key.iter().enumerate() {
+                    data[keys + d * bs + offset] = x;
+                }
+                let dst = base + ((kvh + h) * bs + offset) * hd;
+                let value_scale = E::store(&mut data[dst..dst + hd], &self.v[src..src + hd]);
+                if E::SCALED {
+                    scales[scale_base + h * bs + offset] = key_scale;
+                    scales[scale_base + (kvh + h) * bs + offset] = value_scale;
+                }
             }
-            let dst = base + ((l.num_kv_heads + h) * bs + offset) * hd;
-            E::store(&mut data[dst..dst + hd], &v[src..src + hd]);
         }
     }
 }
@@ -236,11 +325,20 @@ fn layer_block_range(l: &KvLayout, layer: usize, block: usize) -> std::ops::Rang
     start..start + block_len(l)
 }
 
+/// The scales of one (layer, block) pair in an int8 cache: K then V, each `kv_head` × `slot`.
+fn scale_range(l: &KvLayout, layer: usize, block: usize) -> std::ops::Range<usize> {
+    let per_block = block_len(l) / l.head_dim;
+    let start = (layer * l.num_blocks + block) * per_block;
+    start..start + per_block
+}
+
 /// The cache's values seen as one element type.
 #[derive(Clone, Copy)]
 pub(crate) struct KvView<'a, E> {
     pub(crate) layout: KvLayout,
     pub(crate) data: &'a [E],
+    /// The tokens' scales (`[layer][block][K|V][kv_head][slot]`) when `E` is scaled, else empty.
+    pub(crate) scales: &'a [f32],
 }
 
 impl<'a, E> KvView<'a, E> {
@@ -252,6 +350,24 @@ impl<'a, E> KvView<'a, E> {
         let start =
             layer_block_range(&l, layer, block).start + (kv * l.num_kv_heads + head) * per_head;
         &self.data[start..start + per_head]
+    }
+
+    /// The slots' scales of [`Self::head_block`] (`block_size` values), empty when `E` is not
+    /// scaled.
+    pub(crate) fn head_block_scales(
+        &self,
+        layer: usize,
+        block: usize,
+        kv: usize,
+        head: usize,
+    ) -> &'a [f32] {
+        if self.scales.is_empty() {
+            return &[];
+        }
+        let l = self.layout;
+        let start =
+            scale_range(&l, layer, block).start + (kv * l.num_kv_heads + head) * l.block_size;
+        &self.scales[start..start + l.block_size]
     }
 }
 
@@ -272,10 +388,12 @@ mod tests {
         }
     }
 
-    /// A layer block read as bytes and written back is unchanged, in both element types.
+    /// A layer block read as bytes and written back is unchanged, in every element type, and
+    /// holds the values written in wire order (keys `[slot][head_dim]`) and as stored (keys
+    /// `[head_dim][slot]`).
     #[test]
     fn layer_blocks_round_trip_through_bytes() {
-        for dtype in [KvDtype::F32, KvDtype::F16] {
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
             let layout = KvLayout {
                 num_layers: 2,
                 num_kv_heads: 2,
@@ -285,11 +403,19 @@ mod tests {
                 dtype,
             };
             let mut kv = CpuKvStore::new(layout).unwrap();
-            let k: Vec<f32> = (0..16).map(|i| i as f32 * 0.25 - 1.0).collect();
+            // Multiples of 1/32 up to 127/32 in magnitude, each head's largest exactly that: f16
+            // and int8 (scale 1/32) hold them exactly.
+            let mut k: Vec<f32> = (0..16).map(|i| i as f32 * 0.25 - 1.0).collect();
+            (k[7], k[15]) = (-127.0 / 32.0, 127.0 / 32.0);
             let v: Vec<f32> = k.iter().map(|x| -x).collect();
             kv.write(1, &k, &v, &[9]);
+            let (bs, hd, kvh) = (4, 8, 2);
             let mut bytes = vec![0u8; kv.layer_block_bytes()];
-            assert_eq!(bytes.len(), 2 * 2 * 4 * 8 * dtype.bytes());
+            let values = 2 * kvh * bs * hd;
+            assert_eq!(
+                bytes.len(),
+                values * dtype.bytes() + 2 * kvh * bs * dtype.scale_bytes()
+            );
             kv.read_layer_block(1, 2, &mut bytes);
             let mut copy = CpuKvStore::new(layout).unwrap();
             copy.write_layer_block(1, 2, &bytes);
@@ -297,28 +423,67 @@ mod tests {
             copy.read_layer_block(1, 2, &mut again);
             assert_eq!(bytes, again, "{dtype}");
             // slot 9 = block 2, offset 1: in wire order, K of head 1 holds k[8..16] at slot 1 and
-            // V of head 0 holds v[0..8] (both exactly representable); as stored, the key's
-            // dimensions are a block size apart.
+            // V of head 0 holds v[0..8]; an int8 value's scale is its (K|V, head, slot)'s.
+            let f32_at = |at: usize| f32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
             let wire = |i: usize| match dtype {
-                KvDtype::F32 => f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap()),
-                _ => f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+                KvDtype::F32 => f32_at(4 * i),
+                KvDtype::F16 => f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+                _ => bytes[i] as i8 as f32 * f32_at(values + 4 * (i / hd)),
             };
-            let (bs, hd) = (4, 8);
             let key: Vec<f32> = (0..hd).map(|d| wire((bs + 1) * hd + d)).collect();
             assert_eq!(key, &k[8..16], "{dtype}");
             let value: Vec<f32> = (0..hd).map(|d| wire((2 * bs + 1) * hd + d)).collect();
             assert_eq!(value, &v[0..8], "{dtype}");
-            let stored: Vec<f32> = match &copy.data {
-                KvData::F32(d) => d.iter().map(|x| x.to_f32()).collect(),
-                KvData::F16(d) => d.iter().map(|x| KvElement::to_f32(*x)).collect(),
-            };
-            let keys = KvView {
-                layout,
-                data: &stored[..],
+            // Key of head 1 at offset 1 of block 2 in layer 1, as stored.
+            fn stored_key<E: KvElement>(kv: KvView<'_, E>) -> Vec<f32> {
+                let (keys, scales) = (kv.head_block(1, 2, 0, 1), kv.head_block_scales(1, 2, 0, 1));
+                let (hd, bs) = (kv.layout.head_dim, kv.layout.block_size);
+                (0..hd)
+                    .map(|d| keys[d * bs + 1].to_f32() * scales.get(1).unwrap_or(&1.0))
+                    .collect()
             }
-            .head_block(1, 2, 0, 1);
-            let key: Vec<f32> = (0..hd).map(|d| keys[d * bs + 1]).collect();
+            let key = match &copy.data {
+                KvData::F32(data) => stored_key(KvView {
+                    layout,
+                    data,
+                    scales: &[],
+                }),
+                KvData::F16(data) => stored_key(KvView {
+                    layout,
+                    data,
+                    scales: &[],
+                }),
+                KvData::Int8 { values, scales } => stored_key(KvView {
+                    layout,
+                    data: &values[..],
+                    scales,
+                }),
+            };
             assert_eq!(key, &k[8..16], "{dtype}");
         }
+    }
+
+    /// An int8 token keeps every value within half a step of its scale (its largest magnitude
+    /// over 127), whatever its magnitude; an all-zero token stores zeros.
+    #[test]
+    fn int8_rounds_each_value_within_half_a_step() {
+        let mut rng = duet_model::synthetic::Uniform::new(3);
+        for magnitude in [1e-6f32, 0.1, 3.0, 1e4] {
+            let x: Vec<f32> = rng.values(64).iter().map(|v| v * magnitude).collect();
+            let mut q = vec![0i8; 64];
+            let scale = i8::store(&mut q, &x);
+            let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert_eq!(scale, max / 127.0);
+            assert!(q.iter().all(|&v| v != -128));
+            for (&v, &xi) in q.iter().zip(&x) {
+                assert!(
+                    (v as f32 * scale - xi).abs() <= 0.5001 * scale,
+                    "{xi} -> {v} * {scale}"
+                );
+            }
+        }
+        let mut q = vec![5i8; 8];
+        assert_eq!(i8::store(&mut q, &[0.0; 8]), 0.0);
+        assert_eq!(q, [0; 8]);
     }
 }

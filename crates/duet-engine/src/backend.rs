@@ -17,6 +17,8 @@ pub enum KvDtype {
     F32,
     F16,
     Bf16,
+    /// 8-bit integers, each token's K and V of each KV head with an f32 scale of its own.
+    Int8,
 }
 
 impl KvDtype {
@@ -25,13 +27,25 @@ impl KvDtype {
             KvDtype::F32 => "f32",
             KvDtype::F16 => "f16",
             KvDtype::Bf16 => "bf16",
+            KvDtype::Int8 => "int8",
         }
     }
 
+    /// Bytes of one value.
     pub fn bytes(self) -> usize {
         match self {
             KvDtype::F32 => 4,
             KvDtype::F16 | KvDtype::Bf16 => 2,
+            KvDtype::Int8 => 1,
+        }
+    }
+
+    /// Bytes of the scale each token's K (or V) of one KV head carries: `head_dim` values share
+    /// it.
+    pub fn scale_bytes(self) -> usize {
+        match self {
+            KvDtype::Int8 => 4,
+            KvDtype::F32 | KvDtype::F16 | KvDtype::Bf16 => 0,
         }
     }
 }
@@ -52,6 +66,7 @@ pub enum KvDtypeChoice {
     F32,
     F16,
     Bf16,
+    Int8,
 }
 
 impl KvDtypeChoice {
@@ -62,6 +77,7 @@ impl KvDtypeChoice {
             KvDtypeChoice::F32 => Some(KvDtype::F32),
             KvDtypeChoice::F16 => Some(KvDtype::F16),
             KvDtypeChoice::Bf16 => Some(KvDtype::Bf16),
+            KvDtypeChoice::Int8 => Some(KvDtype::Int8),
         }
     }
 }
@@ -129,9 +145,18 @@ impl KvLayout {
 
     /// Bytes of one block, every layer, K and V (what moving it costs).
     pub fn block_bytes(&self) -> usize {
-        self.block_size
-            .saturating_mul(self.values_per_token())
-            .saturating_mul(self.dtype.bytes())
+        self.num_layers.saturating_mul(self.layer_block_bytes())
+    }
+
+    /// Bytes of one layer of one block, K and V, scales included: the unit a KV transfer moves.
+    pub fn layer_block_bytes(&self) -> usize {
+        let per_head_token = self.head_dim * self.dtype.bytes() + self.dtype.scale_bytes();
+        (2 * self.num_kv_heads * self.block_size).saturating_mul(per_head_token)
+    }
+
+    /// Bytes one token takes in the cache, every layer, K and V, scales included.
+    pub fn bytes_per_token(&self) -> usize {
+        self.block_bytes() / self.block_size.max(1)
     }
 }
 

@@ -6,16 +6,22 @@ mod common;
 
 use common::fixtures;
 use duet_cpu::CpuBackend;
+use duet_engine::backend::KvDtypeChoice;
 use duet_engine::engine::{Engine, EngineOptions, Resumed, SeqId};
 use duet_model::params::SamplingParams;
 use duet_model::params::StopCriteria;
 
 fn tiny(kv_cache_tokens: usize) -> Engine<CpuBackend> {
+    tiny_with(kv_cache_tokens, KvDtypeChoice::Auto)
+}
+
+fn tiny_with(kv_cache_tokens: usize, kv_dtype: KvDtypeChoice) -> Engine<CpuBackend> {
     let options = EngineOptions {
         threads: 2,
         block_size: 4,
         kv_cache_tokens,
         max_step_tokens: 64,
+        kv_dtype,
         ..Default::default()
     };
     duet_cpu::load_engine(&fixtures().join("tiny-llama"), options).unwrap()
@@ -55,13 +61,25 @@ fn finish_all(
 }
 
 fn solo(p: &[u32], n: usize, params: SamplingParams) -> Vec<u32> {
-    let mut e = tiny(1024);
+    solo_with(p, n, params, KvDtypeChoice::Auto)
+}
+
+fn solo_with(p: &[u32], n: usize, params: SamplingParams, kv: KvDtypeChoice) -> Vec<u32> {
+    let mut e = tiny_with(1024, kv);
     let id = e.add_sequence(p.to_vec(), params, stop(n)).unwrap();
     finish_all(&mut e, &[id], &[p.len()]).remove(0)
 }
 
+/// For the default KV type (f32 for the f32 fixture) and an int8 cache, whose blocks carry their
+/// tokens' scales.
 #[test]
 fn kv_moved_between_engines_continues_exactly() {
+    for kv in [KvDtypeChoice::Auto, KvDtypeChoice::Int8] {
+        kv_moved_between_engines_continues_exactly_with(kv);
+    }
+}
+
+fn kv_moved_between_engines_continues_exactly_with(kv: KvDtypeChoice) {
     for params in [
         SamplingParams::greedy(),
         SamplingParams {
@@ -71,11 +89,11 @@ fn kv_moved_between_engines_continues_exactly() {
         },
     ] {
         let p = prompt(1, 27);
-        let want = solo(&p, 10, params.clone());
+        let want = solo_with(&p, 10, params.clone(), kv);
 
         // Prefill engine: compute the prompt and its first token (max_tokens 2 keeps the
         // sequence, and so its blocks, alive after this step).
-        let mut prefill = tiny(1024);
+        let mut prefill = tiny_with(1024, kv);
         let pid = prefill
             .add_sequence(p.clone(), params.clone(), stop(2))
             .unwrap();
@@ -83,7 +101,12 @@ fn kv_moved_between_engines_continues_exactly() {
         let src_blocks = prefill.block_table(pid).unwrap().to_vec();
 
         // Decode engine: reserve, receive every (layer, block), continue.
-        let mut decode = tiny(1024);
+        let mut decode = tiny_with(1024, kv);
+        assert!(
+            prefill
+                .fingerprint()
+                .contains(&format!("kv-{}", decode.kv_layout().dtype))
+        );
         let r = decode.reserve(&p, "").unwrap();
         assert_eq!(r.blocks.len(), src_blocks.len());
         assert_eq!(r.cached_blocks, 0);
@@ -101,7 +124,7 @@ fn kv_moved_between_engines_continues_exactly() {
         let got = finish_all(&mut decode, &[id], &[p.len()]).remove(0);
         assert_eq!(
             got, want,
-            "disaggregated continuation differs (params {params:?})"
+            "disaggregated continuation differs (KV {kv}, params {params:?})"
         );
     }
 }

@@ -45,10 +45,10 @@ impl KvWire {
     }
 
     /// Bytes of one (layer, block) in the wire layout: K then V, each
-    /// `[kv_head][slot][head_dim]`.
+    /// `[kv_head][slot][head_dim]`, then the scales of a scaled type, K then V, each
+    /// `[kv_head][slot]`.
     pub fn block_bytes(&self) -> usize {
-        let l = &self.layout;
-        2 * l.block_size * l.num_kv_heads * l.head_dim * l.dtype.bytes()
+        self.layout.layer_block_bytes()
     }
 
     /// The header that opens a push of `spec`'s blocks from this (sending) side.

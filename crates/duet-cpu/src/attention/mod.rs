@@ -55,24 +55,30 @@ pub(super) fn paged_attention(
 ) {
     let layout = kv.layout;
     match &kv.data {
-        KvData::F32(data) => attention_over(
-            backend,
-            q,
-            KvView { layout, data },
-            layer,
-            shape,
-            batch,
-            out,
-        ),
-        KvData::F16(data) => attention_over(
-            backend,
-            q,
-            KvView { layout, data },
-            layer,
-            shape,
-            batch,
-            out,
-        ),
+        KvData::F32(data) => {
+            let kv = KvView {
+                layout,
+                data,
+                scales: &[],
+            };
+            attention_over(backend, q, kv, layer, shape, batch, out)
+        }
+        KvData::F16(data) => {
+            let kv = KvView {
+                layout,
+                data,
+                scales: &[],
+            };
+            attention_over(backend, q, kv, layer, shape, batch, out)
+        }
+        KvData::Int8 { values, scales } => {
+            let kv = KvView {
+                layout,
+                data: &values[..],
+                scales,
+            };
+            attention_over(backend, q, kv, layer, shape, batch, out)
+        }
     }
 }
 
@@ -496,6 +502,7 @@ fn attend<E: KvElement>(
         let cnt = bs.min(u.end - first);
         for head in 0..u.heads {
             let keys = u.kv.head_block(u.layer, block, 0, u.kvh + head);
+            let key_scales = u.kv.head_block_scales(u.layer, block, 0, u.kvh + head);
             for r in 0..u.rows {
                 let q = u.q_row(r);
                 for h in head * g..(head + 1) * g {
@@ -504,8 +511,8 @@ fn attend<E: KvElement>(
                     for (d, &qd) in q[h * hd..(h + 1) * hd].iter().enumerate() {
                         axpy(qd, &keys[d * bs..d * bs + cnt], row);
                     }
-                    for x in row.iter_mut() {
-                        *x *= scale;
+                    for (s, x) in row.iter_mut().enumerate() {
+                        *x *= slot_scale::<E>(scale, key_scales, s);
                     }
                 }
             }
@@ -518,13 +525,15 @@ fn attend<E: KvElement>(
     for (first, block) in u.blocks() {
         for head in 0..u.heads {
             let values = u.kv.head_block(u.layer, block, 1, u.kvh + head);
+            let value_scales = u.kv.head_block_scales(u.layer, block, 1, u.kvh + head);
             for s in 0..bs.min(u.end - first) {
                 let v = &values[s * hd..(s + 1) * hd];
                 for h in
                     (0..u.rows).flat_map(|r| (head * g..(head + 1) * g).map(move |h| r * qh + h))
                 {
+                    let weight = scores[h * n + first - u.start + s];
                     axpy(
-                        scores[h * n + first - u.start + s],
+                        slot_scale::<E>(weight, value_scales, s),
                         v,
                         &mut out[h * hd..(h + 1) * hd],
                     );
@@ -532,6 +541,13 @@ fn attend<E: KvElement>(
             }
         }
     }
+}
+
+/// `x` times slot `s`'s scale, for an element type whose tokens carry one (`scales` is the
+/// block's), else `x`: what folds a key's scale into its score and a value's into its weight.
+#[inline(always)]
+fn slot_scale<E: KvElement>(x: f32, scales: &[f32], s: usize) -> f32 {
+    if E::SCALED { x * scales[s] } else { x }
 }
 
 #[inline(always)]
@@ -612,7 +628,7 @@ mod tests {
     }
 
     /// Every kernel this CPU can run agrees with a float64 reference (over the values as stored),
-    /// for both element types, over head sizes that take each vector chunk width and the portable
+    /// for every element type (int8 with each token's own scales), over head sizes that take each vector chunk width and the portable
     /// fallback, GQA groups, blocks whose chunks of keys are taken in pairs, and spans starting
     /// at the context's start or a later block and ending inside and on block boundaries, through
     /// a scattered block table.
@@ -635,14 +651,25 @@ mod tests {
             let q2: Vec<f32> = rng.values(2 * group * hd).iter().map(|x| 2.0 * x).collect();
             let mut f16_data = vec![f16::ZERO; values.len()];
             KvElement::store(&mut f16_data, &values);
-            check_kernels(layout(hd, bs, 12, KvDtype::F32), &values, &q, &q2, group);
-            check_kernels(layout(hd, bs, 12, KvDtype::F16), &f16_data, &q, &q2, group);
+            let int8_data: Vec<i8> = values.iter().map(|x| (x * 127.0) as i8).collect();
+            let scales: Vec<f32> = rng
+                .values(values.len() / hd)
+                .iter()
+                .map(|x| 0.02 + 0.01 * x)
+                .collect();
+            let f32_layout = layout(hd, bs, 12, KvDtype::F32);
+            check_kernels(f32_layout, &values, &[], &q, &q2, group);
+            let f16_layout = layout(hd, bs, 12, KvDtype::F16);
+            check_kernels(f16_layout, &f16_data, &[], &q, &q2, group);
+            let int8_layout = layout(hd, bs, 12, KvDtype::Int8);
+            check_kernels(int8_layout, &int8_data, &scales, &q, &q2, group);
         }
     }
 
     fn check_kernels<E: KvElement>(
         layout: KvLayout,
         data: &[E],
+        scales: &[f32],
         q: &[f32],
         q2: &[f32],
         group: usize,
@@ -658,7 +685,11 @@ mod tests {
         for ((start, end), (kvh, heads)) in spans.flat_map(|s| [(s, (1, 1)), (s, (0, 2))]) {
             let q_heads = heads * group;
             let span = Span {
-                kv: KvView { layout, data },
+                kv: KvView {
+                    layout,
+                    data,
+                    scales,
+                },
                 layer: 1,
                 kvh,
                 heads,
@@ -738,8 +769,12 @@ mod tests {
             let block = u.block_table[pos / bs] as usize;
             let s = pos % bs;
             let data = u.kv.head_block(u.layer, block, kv, u.kvh + head);
+            let scale = u.kv.head_block_scales(u.layer, block, kv, u.kvh + head);
+            let scale = scale.get(s).map_or(1.0, |&x| x as f64);
             (0..hd)
-                .map(|d| data[if kv == 0 { d * bs + s } else { s * hd + d }].to_f32() as f64)
+                .map(|d| {
+                    data[if kv == 0 { d * bs + s } else { s * hd + d }].to_f32() as f64 * scale
+                })
                 .collect::<Vec<f64>>()
         };
         let qh = u.q_heads();
@@ -771,16 +806,17 @@ mod tests {
         (out, lse)
     }
 
-    /// A cache of `blocks` 16-token f16 blocks whose layer 1 holds random keys and values, for
-    /// 2 KV heads of 64 serving 3 query heads each, and that attention shape.
+    /// A cache of `blocks` 16-token blocks of `dtype` whose layer 1 holds random keys and
+    /// values, for 2 KV heads of 64 serving 3 query heads each, and that attention shape.
     fn random_cache(
         rng: &mut duet_model::synthetic::Uniform,
         blocks: usize,
+        dtype: KvDtype,
     ) -> (CpuKvStore, AttentionShape) {
         let (hd, group, bs, kv_heads) = (64, 3, 16, 2);
         let layout = KvLayout {
             num_kv_heads: kv_heads,
-            ..layout(hd, bs, blocks, KvDtype::F16)
+            ..layout(hd, bs, blocks, dtype)
         };
         let mut store = CpuKvStore::new(layout).unwrap();
         let slots: Vec<u32> = (0..(blocks * bs) as u32).collect();
@@ -807,17 +843,47 @@ mod tests {
         ctx: usize,
         q: &[f32],
     ) -> Vec<f64> {
-        let KvData::F16(data) = &store.data else {
-            unreachable!()
-        };
+        let layout = store.layout;
+        match &store.data {
+            KvData::F32(data) => {
+                let kv = KvView {
+                    layout,
+                    data,
+                    scales: &[],
+                };
+                context_reference(kv, shape, block_table, ctx, q)
+            }
+            KvData::F16(data) => {
+                let kv = KvView {
+                    layout,
+                    data,
+                    scales: &[],
+                };
+                context_reference(kv, shape, block_table, ctx, q)
+            }
+            KvData::Int8 { values, scales } => {
+                let kv = KvView {
+                    layout,
+                    data: &values[..],
+                    scales,
+                };
+                context_reference(kv, shape, block_table, ctx, q)
+            }
+        }
+    }
+
+    fn context_reference<E: KvElement>(
+        kv: KvView<'_, E>,
+        shape: AttentionShape,
+        block_table: &[u32],
+        ctx: usize,
+        q: &[f32],
+    ) -> Vec<f64> {
         let (hd, group) = (shape.head_dim, shape.num_heads / shape.num_kv_heads);
         (0..shape.num_kv_heads)
             .flat_map(|kvh| {
                 reference(&Span {
-                    kv: KvView {
-                        layout: store.layout,
-                        data,
-                    },
+                    kv,
                     layer: 1,
                     kvh,
                     heads: 1,
@@ -856,11 +922,17 @@ mod tests {
     /// path and thread count: a long single sequence (every span a piece of its own), with two
     /// short companions (still split), and in a batch of 32 rows (a row's spans merged by one
     /// thread). The long row's outputs are the same bits in every batch and on every thread count:
-    /// what a sequence generates does not depend on its companions.
+    /// what a sequence generates does not depend on its companions. For an f16 and an int8 cache.
     #[test]
     fn a_step_equals_whole_contexts_and_a_row_is_independent_of_its_batch() {
+        for dtype in [KvDtype::F16, KvDtype::Int8] {
+            step_equals_whole_contexts(dtype);
+        }
+    }
+
+    fn step_equals_whole_contexts(dtype: KvDtype) {
         let mut rng = duet_model::synthetic::Uniform::new(11);
-        let (store, shape) = random_cache(&mut rng, 64);
+        let (store, shape) = random_cache(&mut rng, 64, dtype);
         let (bs, cols) = (store.layout.block_size, shape.num_heads * shape.head_dim);
         // Sequence A: 700 tokens over blocks 63, 62, ... (scattered, decreasing), always row 0
         // with the same query; B spans two cuts, C and the rest are short.
@@ -909,7 +981,7 @@ mod tests {
                 for path in paths() {
                     let backend = CpuBackend::with_kernels(threads, path);
                     let out = step_attention(&backend, &q, &store, shape, &batch);
-                    let what = format!("{path:?}, {rows} rows, {threads} threads");
+                    let what = format!("{path:?} {dtype}, {rows} rows, {threads} threads");
                     assert_close(&out.data, &want, &what);
                     let got_a = out.data[..cols].to_vec();
                     match row_a.iter().find(|(p, _)| *p == path) {
@@ -933,8 +1005,14 @@ mod tests {
     /// and tiles that do not start at a multiple of the tile size.
     #[test]
     fn a_prompt_row_is_the_same_bits_as_the_row_alone() {
+        for dtype in [KvDtype::F16, KvDtype::Int8] {
+            prompt_row_is_the_row_alone(dtype);
+        }
+    }
+
+    fn prompt_row_is_the_row_alone(dtype: KvDtype) {
         let mut rng = duet_model::synthetic::Uniform::new(12);
-        let (store, shape) = random_cache(&mut rng, 40);
+        let (store, shape) = random_cache(&mut rng, 40, dtype);
         let (bs, cols) = (store.layout.block_size, shape.num_heads * shape.head_dim);
         // A 3-row chunk of another sequence first, then positions 100..300 of a prompt.
         let (table_b, table_a): (Vec<u32>, Vec<u32>) =
@@ -982,7 +1060,7 @@ mod tests {
                         cols,
                     };
                     let out_row = step_attention(&backend, &q_row, &store, shape, &alone);
-                    let what = format!("{path:?}, {threads} threads, position {pos}");
+                    let what = format!("{path:?} {dtype}, {threads} threads, position {pos}");
                     assert_eq!(
                         bits(&out.data[row * cols..][..cols]),
                         bits(&out_row.data),

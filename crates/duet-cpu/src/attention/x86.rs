@@ -15,8 +15,8 @@
 
 use std::arch::x86_64::*;
 
-use super::{KernelScratch, Span, TILE_SLOTS, row_max, softmax_from};
-use crate::kv_store::KvElement;
+use super::{KernelScratch, Span, TILE_SLOTS, row_max, slot_scale, softmax_from};
+use crate::kv_store::{KvElement, Widening};
 
 /// Query heads whose accumulators a kernel call keeps in registers; larger GQA groups are taken
 /// in batches of this many.
@@ -35,8 +35,9 @@ macro_rules! dispatch_heads {
     };
 }
 
-/// Calls `f(KV head of the span, offset in the span, slots in use, that head's block)` for every
-/// block of the span's keys (`kv = 0`) or values (`kv = 1`), block by block and, within a block,
+/// Calls `f(KV head of the span, offset in the span, slots in use, that head's block, its slots'
+/// scales)` for every block of the span's keys (`kv = 0`) or values (`kv = 1`), block by block
+/// and, within a block,
 /// head by head: the span's heads of one block are one contiguous run of the cache, read in
 /// order. Blocks are scattered, so the hardware prefetcher stops at each one: the next block is
 /// fetched while this one is used, and the keys' pass also fetches each block's values for the
@@ -49,7 +50,7 @@ macro_rules! dispatch_heads {
 fn for_each_block<E: KvElement>(
     u: &Span<'_, E>,
     kv: usize,
-    mut f: impl FnMut(usize, usize, usize, &[E]),
+    mut f: impl FnMut(usize, usize, usize, &[E], &[f32]),
 ) {
     let bs = u.kv.layout.block_size;
     let fetch = |block: usize, kv: usize, head: usize| {
@@ -71,7 +72,8 @@ fn for_each_block<E: KvElement>(
                 fetch(block, 1, head);
             }
             let data = u.kv.head_block(u.layer, block, kv, u.kvh + head);
-            f(head, first - u.start, in_block, data);
+            let scales = u.kv.head_block_scales(u.layer, block, kv, u.kvh + head);
+            f(head, first - u.start, in_block, data, scales);
         }
     }
 }
@@ -188,10 +190,13 @@ impl Vector for V512 {
         // SAFETY: the caller passes `n` readable values; masked-off lanes are never accessed.
         unsafe {
             let mask = lanes16(n);
-            V512(if E::IS_F16 {
-                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16))
-            } else {
-                _mm512_maskz_loadu_ps(mask, p as *const f32)
+            V512(match E::WIDENING {
+                Widening::F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16)),
+                Widening::I8 => _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(
+                    mask,
+                    p as *const i8,
+                ))),
+                Widening::None => _mm512_maskz_loadu_ps(mask, p as *const f32),
             })
         }
     }
@@ -232,10 +237,12 @@ impl Vector for V256 {
     unsafe fn load<E: KvElement>(p: *const E, _n: usize) -> Self {
         // SAFETY: the caller passes 8 readable values.
         unsafe {
-            V256(if E::IS_F16 {
-                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
-            } else {
-                _mm256_loadu_ps(p as *const f32)
+            V256(match E::WIDENING {
+                Widening::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                Widening::I8 => {
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+                }
+                Widening::None => _mm256_loadu_ps(p as *const f32),
             })
         }
     }
@@ -255,19 +262,21 @@ impl Vector for V256 {
 }
 
 /// `slots` slots of a block's keys from slot 0 of `keys` on: dimension `d` is
-/// `keys[d * stride..][..slots]`.
+/// `keys[d * stride..][..slots]`; slot `s`'s scale is `scales[s]` when `E` is scaled.
 struct KeyChunk<'a, E> {
     keys: &'a [E],
     stride: usize,
     slots: usize,
+    scales: &'a [f32],
 }
 
 /// `slots` slots of a block's values from dimension 0 of `values` on: slot `s` is
-/// `values[s * head_dim..]`.
+/// `values[s * head_dim..]`, its scale `scales[s]` when `E` is scaled.
 struct ValueChunk<'a, E> {
     values: &'a [E],
     head_dim: usize,
     slots: usize,
+    scales: &'a [f32],
 }
 
 /// The attention kernel of one vector type: `$attend` with its scores and values kernels, each
@@ -288,20 +297,23 @@ macro_rules! vector_attention {
             let scale = 1.0 / (hd as f32).sqrt();
             let KernelScratch { scores, tile: buf } = work;
             let scores = &mut scores[..u.rows * qh * n];
-            for_each_block(u, 0, |head, at, in_block, keys| {
+            for_each_block(u, 0, |head, at, in_block, keys, key_scales| {
                 let mut c = 0;
                 while c < in_block {
                     let cnt = $v::LANES.min(in_block - c);
                     // Two whole chunks at once: each query value broadcast serves both.
                     let pair = in_block - c >= 2 * $v::LANES;
-                    // Without partial loads, a short chunk is first widened into a tile of
-                    // `LANES` slots (zero past its own), so that no load reads past the block.
+                    // Without partial loads, a short chunk is first widened (and scaled) into a
+                    // tile of `LANES` slots (zero past its own), so that no load reads past the
+                    // block.
                     let tile = (cnt < $v::LANES && !$v::PARTIAL_LOADS).then(|| {
                         let tile = &mut buf[..TILE_SLOTS * hd];
                         tile.fill(0.0);
                         for (d, t) in tile.chunks_exact_mut(TILE_SLOTS).enumerate() {
-                            for (x, k) in t.iter_mut().zip(&keys[d * bs + c..][..cnt]) {
-                                *x = k.to_f32();
+                            for (s, (x, k)) in
+                                t.iter_mut().zip(&keys[d * bs + c..][..cnt]).enumerate()
+                            {
+                                *x = slot_scale::<E>(k.to_f32(), key_scales, c + s);
                             }
                         }
                         &*tile
@@ -324,6 +336,7 @@ macro_rules! vector_attention {
                                         keys: t,
                                         stride: TILE_SLOTS,
                                         slots: cnt,
+                                        scales: &[],
                                     };
                                     unsafe {
                                         dispatch_heads!($scores, f32, heads, 1; &chunk, q, scale, rows, n)
@@ -334,6 +347,7 @@ macro_rules! vector_attention {
                                         keys: &keys[c..],
                                         stride: bs,
                                         slots: if pair { 2 * $v::LANES } else { cnt },
+                                        scales: key_scales.get(c..).unwrap_or_default(),
                                     };
                                     unsafe {
                                         if pair {
@@ -354,7 +368,7 @@ macro_rules! vector_attention {
             }
             out.fill(0.0);
             let pass = $v::LANES * $v::VALUE_VECTORS;
-            for_each_block(u, 1, |head, at, in_block, values| {
+            for_each_block(u, 1, |head, at, in_block, values, value_scales| {
                 for r in 0..u.rows {
                     for h0 in (head * g..(head + 1) * g).step_by(HEADS_AT_ONCE) {
                         let heads = HEADS_AT_ONCE.min((head + 1) * g - h0);
@@ -364,6 +378,7 @@ macro_rules! vector_attention {
                                 values: &values[d0..],
                                 head_dim: hd,
                                 slots: in_block,
+                                scales: value_scales,
                             };
                             let o = &mut out[(r * qh + h0) * hd + d0..];
                             // SAFETY (all): `V`'s features are enabled by the caller.
@@ -389,9 +404,9 @@ macro_rules! vector_attention {
             });
         }
 
-        /// `rows[i * n + s]` = `scale * q_i · key_s` for the chunk's slots `s` (`C` chunks of
-        /// `$v::LANES`, the last one possibly partial) and the `G` query heads
-        /// `q_i = q[i * head_dim..]`.
+        /// `rows[i * n + s]` = `scale * q_i · key_s` (times the slot's own scale for a scaled
+        /// `E`) for the chunk's slots `s` (`C` chunks of `$v::LANES`, the last one possibly
+        /// partial) and the `G` query heads `q_i = q[i * head_dim..]`.
         ///
         /// # Safety
         /// the chunk's keys are readable as `$v::load` reads them.
@@ -412,6 +427,7 @@ macro_rules! vector_attention {
             assert!(cnt > (C - 1) * $v::LANES && cnt <= C * $v::LANES);
             assert!(chunk.keys.len() >= (hd - 1) * stride + (C - 1) * $v::LANES + loaded);
             assert!(rows.len() >= (G - 1) * n + cnt);
+            assert!(!E::SCALED || chunk.scales.len() >= (C - 1) * $v::LANES + loaded);
             let chains = score_chains(G, $v::LANES);
             let (kp, qp) = (chunk.keys.as_ptr(), q.as_ptr());
             // SAFETY (all): loads within the chunk (asserted above), `q` holds `G * hd` values,
@@ -431,11 +447,19 @@ macro_rules! vector_attention {
                         }
                     }
                 }
+                let scales: [$v; C] = std::array::from_fn(|c| {
+                    if E::SCALED {
+                        let own = chunk.scales.as_ptr().add(c * $v::LANES);
+                        $v::mul($v::splat(scale), $v::load(own, slots(c)))
+                    } else {
+                        $v::splat(scale)
+                    }
+                });
                 for (i, a) in acc.iter().enumerate() {
                     for (c, ac) in a.iter().enumerate() {
                         let s = ac[1..chains].iter().fold(ac[0], |s, &x| $v::add(s, x));
                         let p = rows.as_mut_ptr().add(i * n + c * $v::LANES);
-                        $v::store_first(p, $v::mul(s, $v::splat(scale)), slots(c));
+                        $v::store_first(p, $v::mul(s, scales[c]), slots(c));
                     }
                 }
             }
@@ -456,7 +480,9 @@ macro_rules! vector_attention {
             assert!(cnt == 0 || chunk.values.len() >= (cnt - 1) * hd + width);
             assert!(cnt == 0 || weights.len() >= (G - 1) * n + cnt);
             assert!(out.len() >= (G - 1) * hd + width);
+            assert!(!E::SCALED || chunk.scales.len() >= cnt);
             let (vp, wp, op) = (chunk.values.as_ptr(), weights.as_ptr(), out.as_mut_ptr());
+            let sp = chunk.scales.as_ptr();
             let at = |i: usize, j: usize| i * hd + j * $v::LANES;
             // SAFETY (all): loads and stores inside `values`, `weights` and `out` (asserted above).
             unsafe {
@@ -474,7 +500,8 @@ macro_rules! vector_attention {
                     let v: [$v; W] =
                         std::array::from_fn(|j| $v::load(slot.add(j * $v::LANES), $v::LANES));
                     for (i, a) in acc.iter_mut().enumerate() {
-                        let w = $v::splat(*wp.add(i * n + s));
+                        let w = *wp.add(i * n + s);
+                        let w = $v::splat(if E::SCALED { w * *sp.add(s) } else { w });
                         for (aj, &vj) in a.iter_mut().zip(&v) {
                             *aj = $v::fmadd(w, vj, *aj);
                         }

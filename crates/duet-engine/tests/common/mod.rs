@@ -63,13 +63,17 @@ pub struct Harness {
 pub const BLOCK_SIZE: usize = 4;
 
 impl Harness {
+    /// With the KV type the engine picks for this model (f16 for quantized weights).
     pub fn load(path: &std::path::Path, threads: usize) -> Self {
+        Self::load_with_kv(path, threads, KvDtypeChoice::Auto)
+    }
+
+    pub fn load_with_kv(path: &std::path::Path, threads: usize, kv: KvDtypeChoice) -> Self {
         let files = open_model(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
         let model = Llama::load(CpuBackend::new(threads), &files).unwrap();
-        // The KV type the engine picks for this model (f16 for quantized weights).
         let dtype = model
             .backend()
-            .kv_dtype(KvDtypeChoice::Auto, files.tensors.matrices_all_f32())
+            .kv_dtype(kv, files.tensors.matrices_all_f32())
             .unwrap();
         let kv = model
             .backend()
