@@ -372,8 +372,8 @@ def rope_interleaved(x, cos, sin):
 def forward(w, ids, interleaved=False, kv_cache=None):
     """Full-sequence causal forward; returns float64 logits [T, vocab].
 
-    kv_cache, when given, maps each layer's keys (after RoPE) and values, each
-    [T, kv_head, head_dim], to what a KV cache holds of them."""
+    kv_cache(x, is_key), when given, maps each layer's keys (after RoPE) and
+    values, each [T, kv_head, head_dim], to what a KV cache holds of them."""
     H = CFG["hidden_size"]
     nh, nkv, hd = CFG["num_attention_heads"], CFG["num_key_value_heads"], CFG["head_dim"]
     eps = CFG["rms_norm_eps"]
@@ -392,7 +392,7 @@ def forward(w, ids, interleaved=False, kv_cache=None):
         v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if kv_cache is not None:
-            k, v = kv_cache(k), kv_cache(v)
+            k, v = kv_cache(k, True), kv_cache(v, False)
         att = np.empty((T, nh, hd))
         for hh in range(nh):
             kv = hh // group

@@ -9,12 +9,14 @@
 //! `[slot][head_dim]` too), converted here. Values are f32, f16 or int8 ([`KvElement`]); the
 //! kernels widen them to f32 as they read.
 //!
-//! An int8 cache keeps one f32 scale per token, KV head and K or V, in a buffer of its own laid
-//! out `[layer][block][K|V][kv_head][slot]`: a token's values are quantized alone (absolute
-//! maximum to 127), so what a token stores never depends on the tokens written before it in its
-//! block, nor on how a prompt was cut into chunks, and a block reused from the prefix cache holds
-//! what a fresh prefill would. The kernels fold a key's scale into its score and a value's into
-//! its softmax weight, so they read one scale per `head_dim` values.
+//! An int8 cache keeps f32 scales in a buffer of its own, per (layer, block) keys'
+//! `[kv_head][key group][slot]` then values' `[kv_head][slot]`: each token's key has one scale per
+//! group of [`KvLayout::key_scale_group`] dimensions (a key's few large channels, which RoPE'd keys
+//! have, then coarsen only their own group), its value one. A token is quantized alone (absolute
+//! maximum to 127), so what it stores never depends on the tokens written before it in its block,
+//! nor on how a prompt was cut into chunks, and a block reused from the prefix cache holds what a
+//! fresh prefill would. The kernels fold a key group's scale into its part of the score and a
+//! value's into its softmax weight.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -180,7 +182,9 @@ impl CpuKvStore {
             KvDtype::Int8 => HugeBuffer::zeroed(len).and_then(|values| {
                 Ok(KvData::Int8 {
                     values,
-                    scales: HugeBuffer::zeroed(len / layout.head_dim)?,
+                    scales: HugeBuffer::zeroed(
+                        layout.num_layers * layout.num_blocks * layout.layer_block_scales(),
+                    )?,
                 })
             }),
             KvDtype::Bf16 => {
@@ -209,8 +213,8 @@ impl CpuKvStore {
     }
 
     /// The KV of one layer of one block, little-endian, in wire order: K then V, each
-    /// `[kv_head][slot][head_dim]`, then an int8 cache's scales, K then V, each
-    /// `[kv_head][slot]`.
+    /// `[kv_head][slot][head_dim]`, then an int8 cache's scales as stored: K
+    /// `[kv_head][key group][slot]`, V `[kv_head][slot]`.
     pub fn read_layer_block(&self, layer: usize, block: usize, out: &mut [u8]) {
         let range = layer_block_range(&self.layout, layer, block);
         match &self.data {
@@ -260,7 +264,8 @@ impl Rows<'_> {
     /// Into `data` and, for a scaled element type, each token's scales into `scales`.
     fn write<E: KvElement>(&self, l: &KvLayout, data: &mut [E], scales: &mut [f32], layer: usize) {
         let (hd, bs, kvh) = (l.head_dim, l.block_size, l.num_kv_heads);
-        let width = kvh * hd;
+        let (width, group) = (kvh * hd, l.key_scale_group());
+        let groups = hd / group;
         let mut key = vec![E::ZERO; hd];
         for (row, &slot) in self.slots.iter().enumerate() {
             let (block, offset) = (slot as usize / bs, slot as usize % bs);
@@ -269,7 +274,13 @@ impl Rows<'_> {
             for h in 0..kvh {
                 let src = row * width + h * hd;
                 // Keys `[head_dim][slot]`: the token's dimensions are `block_size` apart.
-                let key_scale = E::store(&mut key, &self.k[src..src + hd]);
+                let key_src = &self.k[src..src + hd];
+                for (g, (q, x)) in key.chunks_mut(group).zip(key_src.chunks(group)).enumerate() {
+                    let key_scale = E::store(q, x);
+                    if E::SCALED {
+                        scales[scale_base + (h * groups + g) * bs + offset] = key_scale;
+                    }
+                }
                 let keys = base + h * bs * hd;
                 for (d, &x) in key.iter().enumerate() {
                     data[keys + d * bs + offset] = x;
@@ -277,8 +288,7 @@ impl Rows<'_> {
                 let dst = base + ((kvh + h) * bs + offset) * hd;
                 let value_scale = E::store(&mut data[dst..dst + hd], &self.v[src..src + hd]);
                 if E::SCALED {
-                    scales[scale_base + h * bs + offset] = key_scale;
-                    scales[scale_base + (kvh + h) * bs + offset] = value_scale;
+                    scales[scale_base + (kvh * groups + h) * bs + offset] = value_scale;
                 }
             }
         }
@@ -325,9 +335,10 @@ fn layer_block_range(l: &KvLayout, layer: usize, block: usize) -> std::ops::Rang
     start..start + block_len(l)
 }
 
-/// The scales of one (layer, block) pair in an int8 cache: K then V, each `kv_head` × `slot`.
+/// The scales of one (layer, block) pair in an int8 cache: K `[kv_head][key group][slot]`, then
+/// V `[kv_head][slot]`.
 fn scale_range(l: &KvLayout, layer: usize, block: usize) -> std::ops::Range<usize> {
-    let per_block = block_len(l) / l.head_dim;
+    let per_block = l.layer_block_scales();
     let start = (layer * l.num_blocks + block) * per_block;
     start..start + per_block
 }
@@ -337,7 +348,8 @@ fn scale_range(l: &KvLayout, layer: usize, block: usize) -> std::ops::Range<usiz
 pub(crate) struct KvView<'a, E> {
     pub(crate) layout: KvLayout,
     pub(crate) data: &'a [E],
-    /// The tokens' scales (`[layer][block][K|V][kv_head][slot]`) when `E` is scaled, else empty.
+    /// The tokens' scales (per layer and block, see [`scale_range`]) when `E` is scaled, else
+    /// empty.
     pub(crate) scales: &'a [f32],
 }
 
@@ -352,8 +364,8 @@ impl<'a, E> KvView<'a, E> {
         &self.data[start..start + per_head]
     }
 
-    /// The slots' scales of [`Self::head_block`] (`block_size` values), empty when `E` is not
-    /// scaled.
+    /// The slots' scales of [`Self::head_block`], empty when `E` is not scaled: for keys
+    /// `[key group][slot]`, for values `[slot]`.
     pub(crate) fn head_block_scales(
         &self,
         layer: usize,
@@ -365,9 +377,13 @@ impl<'a, E> KvView<'a, E> {
             return &[];
         }
         let l = self.layout;
-        let start =
-            scale_range(&l, layer, block).start + (kv * l.num_kv_heads + head) * l.block_size;
-        &self.scales[start..start + l.block_size]
+        let groups = l.head_dim / l.key_scale_group();
+        let (first, len) = match kv {
+            0 => (head * groups, groups),
+            _ => (l.num_kv_heads * groups + head, 1),
+        };
+        let start = scale_range(&l, layer, block).start + first * l.block_size;
+        &self.scales[start..start + len * l.block_size]
     }
 }
 
@@ -414,7 +430,7 @@ mod tests {
             let values = 2 * kvh * bs * hd;
             assert_eq!(
                 bytes.len(),
-                values * dtype.bytes() + 2 * kvh * bs * dtype.scale_bytes()
+                values * dtype.bytes() + 4 * layout.layer_block_scales()
             );
             kv.read_layer_block(1, 2, &mut bytes);
             let mut copy = CpuKvStore::new(layout).unwrap();
@@ -460,6 +476,56 @@ mod tests {
                 }),
             };
             assert_eq!(key, &k[8..16], "{dtype}");
+        }
+    }
+
+    /// An int8 key keeps a scale per group of 32 dimensions: a group of small values keeps its
+    /// precision beside a group of large ones (what one scale per key would lose), read back in
+    /// wire order; a value has one scale.
+    #[test]
+    fn int8_keys_have_a_scale_per_group_of_32_dimensions() {
+        let layout = KvLayout {
+            num_layers: 1,
+            num_kv_heads: 2,
+            head_dim: 64,
+            block_size: 4,
+            num_blocks: 2,
+            dtype: KvDtype::Int8,
+        };
+        assert_eq!(layout.key_scale_group(), 32);
+        let mut rng = duet_model::synthetic::Uniform::new(5);
+        // Head 0: dims 0..32 small, 32..64 large; head 1 the other way round.
+        let k: Vec<f32> = rng
+            .values(128)
+            .iter()
+            .enumerate()
+            .map(|(i, x)| x * if (i / 32) % 3 == 0 { 0.01 } else { 10.0 })
+            .collect();
+        let v = k.clone();
+        let mut kv = CpuKvStore::new(layout).unwrap();
+        kv.write(0, &k, &v, &[6]);
+        let mut bytes = vec![0u8; kv.layer_block_bytes()];
+        kv.read_layer_block(0, 1, &mut bytes);
+        let values = 2 * 2 * 4 * 64;
+        assert_eq!(bytes.len(), values + 4 * (2 * 4 * (2 + 1)));
+        let scale = |i: usize| f32::from_le_bytes(bytes[values + 4 * i..][..4].try_into().unwrap());
+        let (bs, hd, slot) = (4, 64, 2);
+        for h in 0..2 {
+            for d in 0..hd {
+                let want = k[h * hd + d];
+                let group_scale = scale((h * 2 + d / 32) * bs + slot);
+                let got = bytes[(h * bs + slot) * hd + d] as i8 as f32 * group_scale;
+                let group = &k[h * hd + d / 32 * 32..][..32];
+                let max = group.iter().fold(0f32, |m, x| m.max(x.abs()));
+                assert_eq!(group_scale, max / 127.0, "head {h} dim {d}");
+                assert!(
+                    (got - want).abs() <= 0.5001 * group_scale,
+                    "head {h} dim {d}"
+                );
+            }
+            let value_scale = scale(2 * 2 * bs + h * bs + slot);
+            let max = k[h * hd..][..hd].iter().fold(0f32, |m, x| m.max(x.abs()));
+            assert_eq!(value_scale, max / 127.0, "head {h}");
         }
     }
 

@@ -17,7 +17,8 @@ pub enum KvDtype {
     F32,
     F16,
     Bf16,
-    /// 8-bit integers, each token's K and V of each KV head with an f32 scale of its own.
+    /// 8-bit integers with f32 scales: each token's key, per KV head, one per group of
+    /// [`KvLayout::key_scale_group`] dimensions; its value one per KV head.
     Int8,
 }
 
@@ -37,15 +38,6 @@ impl KvDtype {
             KvDtype::F32 => 4,
             KvDtype::F16 | KvDtype::Bf16 => 2,
             KvDtype::Int8 => 1,
-        }
-    }
-
-    /// Bytes of the scale each token's K (or V) of one KV head carries: `head_dim` values share
-    /// it.
-    pub fn scale_bytes(self) -> usize {
-        match self {
-            KvDtype::Int8 => 4,
-            KvDtype::F32 | KvDtype::F16 | KvDtype::Bf16 => 0,
         }
     }
 }
@@ -150,8 +142,29 @@ impl KvLayout {
 
     /// Bytes of one layer of one block, K and V, scales included: the unit a KV transfer moves.
     pub fn layer_block_bytes(&self) -> usize {
-        let per_head_token = self.head_dim * self.dtype.bytes() + self.dtype.scale_bytes();
-        (2 * self.num_kv_heads * self.block_size).saturating_mul(per_head_token)
+        let values = 2 * self.num_kv_heads * self.block_size * self.head_dim;
+        values
+            .saturating_mul(self.dtype.bytes())
+            .saturating_add(4 * self.layer_block_scales())
+    }
+
+    /// Dimensions of a key that share a scale in an int8 cache: 32, as in llama.cpp's q8_0 (the
+    /// keys' few large channels then cost precision only to their own group), or the largest
+    /// power of two dividing a head size that 32 does not divide.
+    pub fn key_scale_group(&self) -> usize {
+        1 << self.head_dim.trailing_zeros().min(5)
+    }
+
+    /// f32 scales one layer of one block holds: in an int8 cache, per KV head and slot, one per
+    /// key group and one for the value; none in the float types.
+    pub fn layer_block_scales(&self) -> usize {
+        match self.dtype {
+            KvDtype::Int8 => {
+                let per_slot = self.head_dim / self.key_scale_group() + 1;
+                self.num_kv_heads * self.block_size * per_slot
+            }
+            KvDtype::F32 | KvDtype::F16 | KvDtype::Bf16 => 0,
+        }
     }
 
     /// Bytes one token takes in the cache, every layer, K and V, scales included.

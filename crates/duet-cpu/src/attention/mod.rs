@@ -493,7 +493,7 @@ fn attend<E: KvElement>(
     lse: &mut [f32],
 ) {
     let (hd, n, g, qh) = (u.head_dim, u.len(), u.group, u.q_heads());
-    let bs = u.kv.layout.block_size;
+    let (bs, key_group) = (u.kv.layout.block_size, u.kv.layout.key_scale_group());
     let scale = 1.0 / (hd as f32).sqrt();
     let scores = &mut work.scores[..u.rows * qh * n];
     // Scores: a block's keys (`[head_dim][slot]`) taken one dimension at a time across its
@@ -509,10 +509,18 @@ fn attend<E: KvElement>(
                     let row = &mut scores[(r * qh + h) * n + first - u.start..][..cnt];
                     row.fill(0.0);
                     for (d, &qd) in q[h * hd..(h + 1) * hd].iter().enumerate() {
-                        axpy(qd, &keys[d * bs..d * bs + cnt], row);
+                        let k = &keys[d * bs..d * bs + cnt];
+                        if E::SCALED {
+                            let ks = &key_scales[d / key_group * bs..][..cnt];
+                            for ((x, ki), si) in row.iter_mut().zip(k).zip(ks) {
+                                *x += qd * si * ki.to_f32();
+                            }
+                        } else {
+                            axpy(qd, k, row);
+                        }
                     }
-                    for (s, x) in row.iter_mut().enumerate() {
-                        *x *= slot_scale::<E>(scale, key_scales, s);
+                    for x in row.iter_mut() {
+                        *x *= scale;
                     }
                 }
             }
@@ -544,7 +552,7 @@ fn attend<E: KvElement>(
 }
 
 /// `x` times slot `s`'s scale, for an element type whose tokens carry one (`scales` is the
-/// block's), else `x`: what folds a key's scale into its score and a value's into its weight.
+/// block's, of one key group or of the values), else `x`.
 #[inline(always)]
 fn slot_scale<E: KvElement>(x: f32, scales: &[f32], s: usize) -> f32 {
     if E::SCALED { x * scales[s] } else { x }
@@ -652,8 +660,9 @@ mod tests {
             let mut f16_data = vec![f16::ZERO; values.len()];
             KvElement::store(&mut f16_data, &values);
             let int8_data: Vec<i8> = values.iter().map(|x| (x * 127.0) as i8).collect();
+            let int8_layout = layout(hd, bs, 12, KvDtype::Int8);
             let scales: Vec<f32> = rng
-                .values(values.len() / hd)
+                .values(2 * 12 * int8_layout.layer_block_scales())
                 .iter()
                 .map(|x| 0.02 + 0.01 * x)
                 .collect();
@@ -661,7 +670,6 @@ mod tests {
             check_kernels(f32_layout, &values, &[], &q, &q2, group);
             let f16_layout = layout(hd, bs, 12, KvDtype::F16);
             check_kernels(f16_layout, &f16_data, &[], &q, &q2, group);
-            let int8_layout = layout(hd, bs, 12, KvDtype::Int8);
             check_kernels(int8_layout, &int8_data, &scales, &q, &q2, group);
         }
     }
@@ -769,11 +777,18 @@ mod tests {
             let block = u.block_table[pos / bs] as usize;
             let s = pos % bs;
             let data = u.kv.head_block(u.layer, block, kv, u.kvh + head);
-            let scale = u.kv.head_block_scales(u.layer, block, kv, u.kvh + head);
-            let scale = scale.get(s).map_or(1.0, |&x| x as f64);
+            let scales = u.kv.head_block_scales(u.layer, block, kv, u.kvh + head);
+            // Keys' scales are `[key group][slot]`, values' `[slot]`.
+            let group = if kv == 0 {
+                u.kv.layout.key_scale_group()
+            } else {
+                hd
+            };
+            let scale = |d: usize| scales.get(d / group * bs + s).map_or(1.0, |&x| x as f64);
             (0..hd)
                 .map(|d| {
-                    data[if kv == 0 { d * bs + s } else { s * hd + d }].to_f32() as f64 * scale
+                    let x = data[if kv == 0 { d * bs + s } else { s * hd + d }];
+                    x.to_f32() as f64 * scale(d)
                 })
                 .collect::<Vec<f64>>()
         };

@@ -262,11 +262,13 @@ impl Vector for V256 {
 }
 
 /// `slots` slots of a block's keys from slot 0 of `keys` on: dimension `d` is
-/// `keys[d * stride..][..slots]`; slot `s`'s scale is `scales[s]` when `E` is scaled.
+/// `keys[d * stride..][..slots]`. When `E` is scaled, dimensions come in groups of `group`, and
+/// slot `s`'s scale for group `g` is `scales[g * stride + s]`.
 struct KeyChunk<'a, E> {
     keys: &'a [E],
     stride: usize,
     slots: usize,
+    group: usize,
     scales: &'a [f32],
 }
 
@@ -292,7 +294,7 @@ macro_rules! vector_attention {
             lse: &mut [f32],
         ) {
             let (hd, n, g, bs) = (u.head_dim, u.len(), u.group, u.kv.layout.block_size);
-            let qh = u.q_heads();
+            let (qh, key_group) = (u.q_heads(), u.kv.layout.key_scale_group());
             debug_assert!(hd.is_multiple_of($v::LANES));
             let scale = 1.0 / (hd as f32).sqrt();
             let KernelScratch { scores, tile: buf } = work;
@@ -310,10 +312,11 @@ macro_rules! vector_attention {
                         let tile = &mut buf[..TILE_SLOTS * hd];
                         tile.fill(0.0);
                         for (d, t) in tile.chunks_exact_mut(TILE_SLOTS).enumerate() {
+                            let group_scales = key_scales.get(d / key_group * bs..).unwrap_or_default();
                             for (s, (x, k)) in
                                 t.iter_mut().zip(&keys[d * bs + c..][..cnt]).enumerate()
                             {
-                                *x = slot_scale::<E>(k.to_f32(), key_scales, c + s);
+                                *x = slot_scale::<E>(k.to_f32(), group_scales, c + s);
                             }
                         }
                         &*tile
@@ -336,6 +339,7 @@ macro_rules! vector_attention {
                                         keys: t,
                                         stride: TILE_SLOTS,
                                         slots: cnt,
+                                        group: hd,
                                         scales: &[],
                                     };
                                     unsafe {
@@ -347,6 +351,7 @@ macro_rules! vector_attention {
                                         keys: &keys[c..],
                                         stride: bs,
                                         slots: if pair { 2 * $v::LANES } else { cnt },
+                                        group: key_group,
                                         scales: key_scales.get(c..).unwrap_or_default(),
                                     };
                                     unsafe {
@@ -404,9 +409,10 @@ macro_rules! vector_attention {
             });
         }
 
-        /// `rows[i * n + s]` = `scale * q_i · key_s` (times the slot's own scale for a scaled
-        /// `E`) for the chunk's slots `s` (`C` chunks of `$v::LANES`, the last one possibly
-        /// partial) and the `G` query heads `q_i = q[i * head_dim..]`.
+        /// `rows[i * n + s]` = `scale * q_i · key_s` for the chunk's slots `s` (`C` chunks of
+        /// `$v::LANES`, the last one possibly partial) and the `G` query heads
+        /// `q_i = q[i * head_dim..]`. For a scaled `E`, each key group's part of the dot product
+        /// is multiplied by the slot's scale of that group.
         ///
         /// # Safety
         /// the chunk's keys are readable as `$v::load` reads them.
@@ -427,39 +433,50 @@ macro_rules! vector_attention {
             assert!(cnt > (C - 1) * $v::LANES && cnt <= C * $v::LANES);
             assert!(chunk.keys.len() >= (hd - 1) * stride + (C - 1) * $v::LANES + loaded);
             assert!(rows.len() >= (G - 1) * n + cnt);
-            assert!(!E::SCALED || chunk.scales.len() >= (C - 1) * $v::LANES + loaded);
+            let group = if E::SCALED { chunk.group } else { hd };
+            assert!(hd.is_multiple_of(group) && group.is_multiple_of(4));
+            let last_group = (hd / group - 1) * stride;
+            assert!(!E::SCALED || chunk.scales.len() >= last_group + (C - 1) * $v::LANES + loaded);
             let chains = score_chains(G, $v::LANES);
             let (kp, qp) = (chunk.keys.as_ptr(), q.as_ptr());
             // SAFETY (all): loads within the chunk (asserted above), `q` holds `G * hd` values,
             // row `i` holds `cnt` values at `i * n`.
             unsafe {
-                let mut acc = [[[$v::zero(); 8]; C]; G];
-                for d in (0..hd).step_by(chains) {
-                    for j in 0..chains {
-                        let k: [$v; C] = std::array::from_fn(|c| {
-                            $v::load(kp.add((d + j) * stride + c * $v::LANES), slots(c))
-                        });
-                        for (i, a) in acc.iter_mut().enumerate() {
-                            let qd = $v::splat(*qp.add(i * hd + d + j));
-                            for (ac, &kc) in a.iter_mut().zip(&k) {
-                                ac[j] = $v::fmadd(qd, kc, ac[j]);
+                // The dot products of a group, then added up weighted by the group's scales (one
+                // group, unweighted, for the float types).
+                let mut dots = [[$v::zero(); C]; G];
+                for g0 in (0..hd).step_by(group) {
+                    let mut acc = [[[$v::zero(); 8]; C]; G];
+                    for d in (g0..g0 + group).step_by(chains) {
+                        for j in 0..chains {
+                            let k: [$v; C] = std::array::from_fn(|c| {
+                                $v::load(kp.add((d + j) * stride + c * $v::LANES), slots(c))
+                            });
+                            for (i, a) in acc.iter_mut().enumerate() {
+                                let qd = $v::splat(*qp.add(i * hd + d + j));
+                                for (ac, &kc) in a.iter_mut().zip(&k) {
+                                    ac[j] = $v::fmadd(qd, kc, ac[j]);
+                                }
                             }
                         }
                     }
-                }
-                let scales: [$v; C] = std::array::from_fn(|c| {
-                    if E::SCALED {
-                        let own = chunk.scales.as_ptr().add(c * $v::LANES);
-                        $v::mul($v::splat(scale), $v::load(own, slots(c)))
-                    } else {
-                        $v::splat(scale)
+                    let at = g0 / group * stride;
+                    for (i, a) in acc.iter().enumerate() {
+                        for (c, ac) in a.iter().enumerate() {
+                            let s = ac[1..chains].iter().fold(ac[0], |s, &x| $v::add(s, x));
+                            dots[i][c] = if E::SCALED {
+                                let own = chunk.scales.as_ptr().add(at + c * $v::LANES);
+                                $v::fmadd(s, $v::load(own, slots(c)), dots[i][c])
+                            } else {
+                                s
+                            };
+                        }
                     }
-                });
-                for (i, a) in acc.iter().enumerate() {
-                    for (c, ac) in a.iter().enumerate() {
-                        let s = ac[1..chains].iter().fold(ac[0], |s, &x| $v::add(s, x));
+                }
+                for (i, d) in dots.iter().enumerate() {
+                    for (c, &s) in d.iter().enumerate() {
                         let p = rows.as_mut_ptr().add(i * n + c * $v::LANES);
-                        $v::store_first(p, $v::mul(s, scales[c]), slots(c));
+                        $v::store_first(p, $v::mul(s, $v::splat(scale)), slots(c));
                     }
                 }
             }
