@@ -1,8 +1,10 @@
 //! Decode attention benchmark: `cargo bench -p duet-cpu --bench attention [-- --threads N]
-//! [--points B:C,...] [--kernels portable|avx2|avx2-vnni|avx512] [--scattered] [--hot]`.
+//! [--points B:C,...] [--kernels portable|avx2|avx2-vnni|avx512] [--kv-dtype f16|int8|f32]
+//! [--scattered] [--hot]`.
 //!
 //! One decode step's attention over all 30 layers of a SmolLM2-135M-shaped model (9 query heads,
-//! 3 KV heads of 64, f16 cache, 16-token blocks), for `batch` sequences of `context` tokens each,
+//! 3 KV heads of 64, f16 cache unless told, 16-token blocks), for `batch` sequences of `context`
+//! tokens each,
 //! every sequence on its own blocks of a pool much larger than the last-level cache: consecutive
 //! blocks, as a fresh server's allocator hands them out, or with `--scattered` drawn at random
 //! (a server that has run a while). Between layers a 3 MiB slice of a "weights" buffer is read, as
@@ -34,6 +36,7 @@ struct Options {
     kernels: KernelPath,
     hot: bool,
     scattered: bool,
+    dtype: KvDtype,
 }
 
 fn options() -> Options {
@@ -64,6 +67,12 @@ fn options() -> Options {
             path
         }),
         hot: args.iter().any(|a| a == "--hot"),
+        dtype: match value("--kv-dtype").as_deref() {
+            None | Some("f16") => KvDtype::F16,
+            Some("int8") => KvDtype::Int8,
+            Some("f32") => KvDtype::F32,
+            Some(other) => panic!("--kv-dtype f16|int8|f32, not {other}"),
+        },
         scattered: args.iter().any(|a| a == "--scattered"),
     }
 }
@@ -77,8 +86,9 @@ fn main() {
         head_dim: HEAD_DIM,
     };
     println!(
-        "decode attention, {LAYERS} layers, {HEADS} heads / {KV_HEADS} KV heads of {HEAD_DIM}, f16 \
+        "decode attention, {LAYERS} layers, {HEADS} heads / {KV_HEADS} KV heads of {HEAD_DIM}, {} \
          KV, {} threads, {:?} kernels, {} blocks{}",
+        o.dtype,
         backend.threads(),
         backend.kernels(),
         if o.scattered {
@@ -99,7 +109,7 @@ fn main() {
             head_dim: HEAD_DIM,
             block_size: BLOCK,
             num_blocks: 0,
-            dtype: KvDtype::F16,
+            dtype: o.dtype,
         };
         let num_blocks = (4 * batch * per_seq).max((1 << 30) / layout.block_bytes());
         let layout = KvLayout {
@@ -188,7 +198,7 @@ fn main() {
             rounds += 1;
         }
         std::hint::black_box((sink.load(Ordering::Relaxed), &out));
-        let kv_bytes = (batch * context * LAYERS * 2 * width * 2) as f64;
+        let kv_bytes = (batch * context * layout.bytes_per_token()) as f64;
         println!(
             "batch {batch:>3} context {context:>5}: {:7.3} ms per step, KV read at {:5.1} GB/s \
              (best of {rounds})",
