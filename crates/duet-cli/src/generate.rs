@@ -9,8 +9,8 @@ use duet_device::{LoadedEngine, WithEngine};
 use duet_engine::backend::Backend;
 use duet_engine::engine::{Engine, EngineOptions};
 use duet_model::chat::ChatMessage;
-use duet_model::params::SamplingParams;
 use duet_model::params::StopCriteria;
+use duet_model::params::{Constraint, SamplingParams};
 use serde::Serialize;
 
 use duet_model::model_path::ModelArgs;
@@ -60,6 +60,18 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Structured output: the text is JSON valid against the JSON Schema in this file.
+    #[arg(long, value_name = "FILE", group = "constraint")]
+    pub json_schema: Option<std::path::PathBuf>,
+    /// Structured output: the text is a JSON object.
+    #[arg(long, group = "constraint")]
+    pub json_object: bool,
+    /// Structured output: the whole text matches this regular expression.
+    #[arg(long, value_name = "REGEX", group = "constraint")]
+    pub regex: Option<String>,
+    /// Structured output: the text follows the Lark grammar in this file (llguidance's dialect).
+    #[arg(long, value_name = "FILE", group = "constraint")]
+    pub grammar: Option<std::path::PathBuf>,
     /// Print one JSON object (ids, text, finish reason, timings) instead of streaming text.
     #[arg(long)]
     pub json: bool,
@@ -128,7 +140,7 @@ fn generate_local<B: Backend>(args: GenerateArgs, mut engine: Engine<B>) -> Resu
         args.prompt.clone()
     };
     let prompt = engine.encode(&prompt_text)?;
-    let params = sampling_params(&args);
+    let params = sampling_params(&args)?;
     let stop = StopCriteria {
         max_tokens: args.max_tokens,
         stop_token_ids: Vec::new(),
@@ -168,8 +180,24 @@ fn generate_local<B: Backend>(args: GenerateArgs, mut engine: Engine<B>) -> Resu
     )
 }
 
-fn sampling_params(args: &GenerateArgs) -> SamplingParams {
-    SamplingParams {
+/// The grammar the flags ask for, if any.
+fn constraint(args: &GenerateArgs) -> Result<Option<Constraint>> {
+    let read = |path: &std::path::Path| {
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+    };
+    Ok(if let Some(path) = &args.json_schema {
+        Some(Constraint::JsonSchema(read(path)?))
+    } else if let Some(path) = &args.grammar {
+        Some(Constraint::Lark(read(path)?))
+    } else if let Some(rx) = &args.regex {
+        Some(Constraint::Regex(rx.clone()))
+    } else {
+        args.json_object.then_some(Constraint::JsonObject)
+    })
+}
+
+fn sampling_params(args: &GenerateArgs) -> Result<SamplingParams> {
+    Ok(SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
@@ -179,7 +207,8 @@ fn sampling_params(args: &GenerateArgs) -> SamplingParams {
         frequency_penalty: args.frequency_penalty,
         seed: args.seed,
         logprobs: 0,
-    }
+        constraint: constraint(args)?,
+    })
 }
 
 fn emit(args: &GenerateArgs, out: &mut impl Write, text: &mut String, piece: &str) -> Result<()> {
@@ -274,6 +303,7 @@ async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
         seed: args.seed,
         stop: args.stop.clone(),
         ignore_eos: args.ignore_eos,
+        constraint: constraint(&args)?.as_ref().map(v1::Constraint::from),
         ..Default::default()
     };
     if args.chat {

@@ -21,6 +21,7 @@ use crate::sampling::Sampler;
 use crate::scheduler::Scheduler;
 use duet_model::chat::{ChatMessage, ChatTemplate};
 use duet_model::config::ModelConfig;
+use duet_model::grammar::GrammarCompiler;
 use duet_model::model_files::ModelFiles;
 use duet_model::params::{FinishReason, PromptLimits, Sampled, SamplingParams, StopCriteria};
 use duet_model::tokenizer::Tokenizer;
@@ -168,6 +169,8 @@ pub struct Engine<B: Backend> {
     options: EngineOptions,
     fingerprint: String,
     next_id: SeqId,
+    /// Built on the first constrained request (a token trie over the vocabulary).
+    grammars: Option<GrammarCompiler>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -222,6 +225,7 @@ impl<B: Backend> Engine<B> {
             options,
             fingerprint,
             next_id: 0,
+            grammars: None,
         };
         // Loading builds and drops large temporaries (tokenizer tables, repacked-weight staging).
         release_freed_heap();
@@ -343,7 +347,7 @@ impl<B: Backend> Engine<B> {
         let prompt_len = tokens.len() - resumed.generated;
         let id = self.next_id;
         self.next_id += 1;
-        let mut sampler = Sampler::new(params, &tokens[..prompt_len]);
+        let mut sampler = self.sampler(params, &tokens[..prompt_len])?;
         sampler.record(&tokens[prompt_len..]);
         let text = TextStream::resumed(
             &self.tokenizer,
@@ -363,6 +367,22 @@ impl<B: Backend> Engine<B> {
             },
         );
         Ok(id)
+    }
+
+    /// A request's sampler; a constrained one starts at the beginning of its grammar.
+    fn sampler(&mut self, params: SamplingParams, prompt: &[u32]) -> Result<Sampler, EngineError> {
+        let Some(constraint) = params.constraint.clone() else {
+            return Ok(Sampler::new(params, prompt));
+        };
+        let compiler = match &mut self.grammars {
+            Some(c) => c,
+            slot => slot.insert(GrammarCompiler::new(
+                &self.tokenizer,
+                self.runner.model().config().vocab_size,
+            )?),
+        };
+        let grammar = compiler.compile(&constraint)?;
+        Ok(Sampler::new(params, prompt).with_grammar(grammar))
     }
 
     /// A prompt the model can take, with room for `max_tokens` more.
@@ -419,9 +439,15 @@ impl<B: Backend> Engine<B> {
                 "the reservation was made for another prompt".into(),
             ));
         }
+        let mut sampler = match self.sampler(params, &prompt) {
+            Ok(s) => s,
+            Err(e) => {
+                self.release(reservation)?;
+                return Err(e);
+            }
+        };
         let id = self.next_id;
         self.next_id += 1;
-        let mut sampler = Sampler::new(params, &prompt);
         sampler.record(&[first.token]);
         let mut generation = OutputState {
             prompt_len: prompt.len(),
@@ -591,6 +617,10 @@ fn advance(
         let num_tokens = scheduler.append_token(id, sampled.token)?;
         let (mut text, hit_stop_string) = generation.text.push(tokenizer, sampled.token)?;
         let finish = if hit_stop_string {
+            Some(FinishReason::Stop)
+        } else if generation.sampler.grammar_complete() {
+            // The text is a whole sentence of the request's grammar: nothing may follow.
+            text.push_str(&generation.text.finish(tokenizer)?);
             Some(FinishReason::Stop)
         } else if num_tokens - generation.prompt_len >= stop.max_tokens
             || num_tokens >= max_positions

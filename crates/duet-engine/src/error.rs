@@ -38,6 +38,13 @@ pub enum EngineError {
     UnknownSequence(u64),
 }
 
+/// A constraint the request cannot use is the caller's to fix.
+impl From<duet_model::grammar::GrammarError> for EngineError {
+    fn from(e: duet_model::grammar::GrammarError) -> Self {
+        EngineError::InvalidRequest(e.to_string())
+    }
+}
+
 impl From<InvalidParams> for EngineError {
     fn from(e: InvalidParams) -> Self {
         EngineError::InvalidRequest(e.0)

@@ -1,18 +1,21 @@
-//! Turning logits into the next token: penalties, temperature, top-k, top-p, min-p, seeded
-//! sampling, and optional top-n log-probabilities.
+//! Turning logits into the next token: a grammar's mask, penalties, temperature, top-k, top-p,
+//! min-p, seeded sampling, and optional top-n log-probabilities.
 //!
-//! Order of operations (as in vLLM/HF): repetition penalty (prompt and output tokens), presence
-//! and frequency penalties (output tokens), then log-probabilities are taken, then temperature,
-//! top-k, top-p and min-p narrow the distribution that is sampled. Temperature 0 is greedy
-//! (ties go to the lowest id).
+//! Order of operations (as in vLLM/HF): the grammar's mask (structured outputs: disallowed tokens
+//! get −∞), repetition penalty (prompt and output tokens), presence and frequency penalties
+//! (output tokens), then log-probabilities are taken, then temperature, top-k, top-p and min-p
+//! narrow the distribution that is sampled. Temperature 0 is greedy (ties go to the lowest id).
 
 use std::collections::HashMap;
 
+use duet_model::grammar::Grammar;
 use duet_model::params::{Logprobs, Sampled, SamplingParams};
 
-/// Per-sequence sampling state: the random stream and the token counts the penalties need.
+/// Per-sequence sampling state: the random stream, the token counts the penalties need, and the
+/// place in the grammar of a constrained request.
 pub struct Sampler {
     params: SamplingParams,
+    grammar: Option<Grammar>,
     rng: Rng,
     /// Tokens of the prompt (repetition penalty only).
     prompt_seen: HashMap<u32, ()>,
@@ -31,6 +34,7 @@ impl Sampler {
         };
         Self {
             params,
+            grammar: None,
             rng: Rng::new(seed),
             prompt_seen,
             output_counts: HashMap::new(),
@@ -42,6 +46,17 @@ impl Sampler {
         &self.params
     }
 
+    /// Draws only tokens `grammar` allows (from its current place on).
+    pub fn with_grammar(mut self, grammar: Grammar) -> Self {
+        self.grammar = Some(grammar);
+        self
+    }
+
+    /// The grammar of a constrained request is complete: nothing may follow.
+    pub fn grammar_complete(&self) -> bool {
+        self.grammar.as_ref().is_some_and(Grammar::is_complete)
+    }
+
     /// Records tokens generated elsewhere (a prefill worker's first token, tokens streamed before
     /// a failover) as if sampled here: penalties count them and the random stream advances past
     /// them, so the continuation is the one a single sampler would have produced.
@@ -50,12 +65,18 @@ impl Sampler {
             if self.params.temperature != 0.0 {
                 self.rng.next_u64();
             }
+            if let Some(g) = &mut self.grammar {
+                g.accept(t);
+            }
             *self.output_counts.entry(t).or_insert(0) += 1;
         }
     }
 
     /// Picks the next token from `logits` (modified in place) and records it as generated.
     pub fn sample(&mut self, logits: &mut [f32]) -> Sampled {
+        if let Some(g) = &mut self.grammar {
+            g.mask(logits);
+        }
         self.apply_penalties(logits);
         let token = if self.params.temperature == 0.0 {
             argmax(logits)
@@ -73,6 +94,9 @@ impl Sampler {
             }
         });
         *self.output_counts.entry(token).or_insert(0) += 1;
+        if let Some(g) = &mut self.grammar {
+            g.accept(token);
+        }
         Sampled { token, logprobs }
     }
 

@@ -1,11 +1,13 @@
 //! What a model is, without running it: its configuration, weight files (GGUF, safetensors) and
-//! their tensor types, tokenizer, chat template, and the request parameters generation takes.
+//! their tensor types, tokenizer, chat template, the request parameters generation takes, and the
+//! grammars that constrain it (compiled here so the router refuses a bad one before queueing).
 //! The router reads a model through this crate alone; no kernel is linked.
 
 pub mod chat;
 pub mod config;
 pub mod dequant;
 pub mod gguf;
+pub mod grammar;
 pub mod model_files;
 pub mod model_path;
 pub mod params;

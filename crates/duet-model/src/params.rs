@@ -118,6 +118,42 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Number of most likely alternatives to report with each token (0: none).
     pub logprobs: u32,
+    /// What the generated text must conform to (structured outputs); `None`: anything.
+    pub constraint: Option<Constraint>,
+}
+
+/// A grammar the generated text must follow: every token is drawn from those that keep the text
+/// a prefix of a sentence of the grammar, and the generation ends when the grammar is complete.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Constraint {
+    /// A JSON Schema, as JSON text.
+    JsonSchema(String),
+    /// Any JSON object.
+    JsonObject,
+    /// A regular expression the whole text matches.
+    Regex(String),
+    /// A Lark grammar (llguidance's dialect, starting at the `start` rule).
+    Lark(String),
+}
+
+impl Constraint {
+    /// The kind, as the APIs name it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Constraint::JsonSchema(_) => "json_schema",
+            Constraint::JsonObject => "json_object",
+            Constraint::Regex(_) => "regex",
+            Constraint::Lark(_) => "lark",
+        }
+    }
+
+    /// Bytes of its text (what the size limit counts).
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Constraint::JsonSchema(t) | Constraint::Regex(t) | Constraint::Lark(t) => t.len(),
+            Constraint::JsonObject => 0,
+        }
+    }
 }
 
 /// Longest `cache_salt` a request may carry, in bytes.
@@ -138,6 +174,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             seed: None,
             logprobs: 0,
+            constraint: None,
         }
     }
 }

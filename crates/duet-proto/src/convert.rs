@@ -2,7 +2,9 @@
 //! place: sampling parameters and stop criteria, sampled tokens with their log-probabilities, and
 //! finish reasons.
 
-use duet_model::params::{FinishReason, Logprobs, Sampled, SamplingParams, StopCriteria};
+use duet_model::params::{
+    Constraint, FinishReason, Logprobs, Sampled, SamplingParams, StopCriteria,
+};
 
 use crate::v1;
 
@@ -23,7 +25,32 @@ impl From<&v1::SamplingParams> for SamplingParams {
             frequency_penalty: p.frequency_penalty,
             seed: p.seed,
             logprobs: p.logprobs,
+            constraint: p.constraint.as_ref().and_then(constraint_from_wire),
         }
+    }
+}
+
+/// The constraint a message names; `None` for a message with no kind set.
+pub fn constraint_from_wire(c: &v1::Constraint) -> Option<Constraint> {
+    use v1::constraint::Kind;
+    Some(match c.kind.as_ref()? {
+        Kind::JsonSchema(s) => Constraint::JsonSchema(s.clone()),
+        Kind::JsonObject(_) => Constraint::JsonObject,
+        Kind::Regex(r) => Constraint::Regex(r.clone()),
+        Kind::Lark(l) => Constraint::Lark(l.clone()),
+    })
+}
+
+impl From<&Constraint> for v1::Constraint {
+    fn from(c: &Constraint) -> Self {
+        use v1::constraint::Kind;
+        let kind = match c {
+            Constraint::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+            Constraint::JsonObject => Kind::JsonObject(true),
+            Constraint::Regex(r) => Kind::Regex(r.clone()),
+            Constraint::Lark(l) => Kind::Lark(l.clone()),
+        };
+        v1::Constraint { kind: Some(kind) }
     }
 }
 
@@ -55,6 +82,7 @@ impl From<(&SamplingParams, &StopCriteria, u64)> for v1::SamplingParams {
             stop: stop.stop_strings.clone(),
             stop_token_ids: stop.stop_token_ids.clone(),
             ignore_eos: stop.ignore_eos,
+            constraint: p.constraint.as_ref().map(v1::Constraint::from),
         }
     }
 }
@@ -129,6 +157,7 @@ mod tests {
             frequency_penalty: 0.5,
             seed: Some(11),
             logprobs: 3,
+            constraint: Some(Constraint::Regex("[a-z]+".into())),
         };
         let stop = StopCriteria {
             max_tokens: 9,
@@ -139,6 +168,18 @@ mod tests {
         let wire = v1::SamplingParams::from((&p, &stop, 11));
         assert_eq!(SamplingParams::from(&wire), p);
         assert_eq!(StopCriteria::from(&wire), stop);
+        for c in [
+            Constraint::JsonSchema("{}".into()),
+            Constraint::JsonObject,
+            Constraint::Lark("start: \"a\"".into()),
+        ] {
+            let p = SamplingParams {
+                constraint: Some(c),
+                ..p.clone()
+            };
+            let wire = v1::SamplingParams::from((&p, &stop, 11));
+            assert_eq!(SamplingParams::from(&wire), p);
+        }
     }
 
     #[test]

@@ -219,6 +219,11 @@ pub struct RoutingOptions {
     #[arg(long, value_name = "BYTES", env = "DUET_MAX_PROMPT_BYTES")]
     pub max_prompt_bytes: Option<usize>,
 
+    /// A structured-output constraint (JSON Schema, regex, Lark grammar) past this many bytes is
+    /// refused with INVALID_ARGUMENT before it is compiled.
+    #[arg(long, value_name = "BYTES", env = "DUET_MAX_CONSTRAINT_BYTES", default_value_t = RoutingOptions::default().max_constraint_bytes)]
+    pub max_constraint_bytes: usize,
+
     /// Largest request message accepted, in bytes.
     #[arg(long, env = "DUET_MAX_REQUEST_BYTES", default_value_t = RoutingOptions::default().max_request_bytes)]
     pub max_request_bytes: usize,
@@ -260,6 +265,7 @@ impl Default for RoutingOptions {
             kv_link_mib_per_s: 1024,
             max_queued_requests: 256,
             max_prompt_bytes: None,
+            max_constraint_bytes: 64 * 1024,
             max_request_bytes: 4 * 1024 * 1024,
             stats_interval_ms: 500,
             unhealthy_after_failures: 3,
@@ -298,6 +304,7 @@ impl RoutingOptions {
             kv_link_mib_per_s,
             max_queued_requests,
             max_prompt_bytes,
+            max_constraint_bytes,
             max_request_bytes,
             stats_interval_ms,
             unhealthy_after_failures,
@@ -313,6 +320,7 @@ impl RoutingOptions {
             format!("--pending-prefix-ttl-ms={pending_prefix_ttl_ms}"),
             format!("--kv-link-mib-per-s={kv_link_mib_per_s}"),
             format!("--max-queued-requests={max_queued_requests}"),
+            format!("--max-constraint-bytes={max_constraint_bytes}"),
             format!("--max-request-bytes={max_request_bytes}"),
             format!("--stats-interval-ms={stats_interval_ms}"),
             format!("--unhealthy-after-failures={unhealthy_after_failures}"),
@@ -418,6 +426,7 @@ mod tests {
                 kv_link_mib_per_s: 3,
                 max_queued_requests: 9,
                 max_prompt_bytes: Some(4321),
+                max_constraint_bytes: 5678,
                 max_request_bytes: 1234,
                 stats_interval_ms: 11,
                 unhealthy_after_failures: 17,

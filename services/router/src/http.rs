@@ -363,12 +363,18 @@ impl Reply {
                 Json(self.completion(state, m, "text_completion", usage)).into_response()
             }
             Endpoint::Chat => {
+                let call = self.answer.tools.call(&m.text, &self.id);
+                let called = call.is_some();
                 let message = ChatMessageOut {
                     role: Some("assistant"),
-                    content: Some(m.text.clone()),
+                    content: (!called).then(|| m.text.clone()),
+                    tool_calls: call.map(|c| vec![c]),
                 };
-                Json(self.chat(state, m, "chat.completion", Some(message), None, usage))
-                    .into_response()
+                let mut answer = self.chat(state, m, "chat.completion", Some(message), None, usage);
+                if called && finish_reason(m) == Some("stop") {
+                    answer.choices[0].finish_reason = Some("tool_calls");
+                }
+                Json(answer).into_response()
             }
         }
     }
@@ -383,6 +389,7 @@ impl Reply {
                 let delta = ChatMessageOut {
                     role: None,
                     content: Some(m.text.clone()),
+                    tool_calls: None,
                 };
                 json_event(&self.chat(state, m, "chat.completion.chunk", None, Some(delta), None))
             }
@@ -403,6 +410,7 @@ impl Reply {
                     delta: Some(ChatMessageOut {
                         role: Some("assistant"),
                         content: Some(String::new()),
+                        tool_calls: None,
                     }),
                     finish_reason: None,
                     logprobs: None,

@@ -46,12 +46,14 @@ pub use validate::{PromptModel, ValidationError};
 
 /// Loads what the router needs of a model: tokenizer, chat template (ChatML when the model
 /// has none), context length and vocabulary size; text to tokenize is limited to
-/// `max_prompt_bytes`, by default [`validate::max_prompt_bytes_for`] the context. Weights are memory-mapped by the loader for
-/// its fingerprint digest but never read whole; they are unmapped before this returns.
+/// `max_prompt_bytes`, by default [`validate::max_prompt_bytes_for`] the context, and
+/// constraints to `max_constraint_bytes`. Weights are memory-mapped by the loader for its
+/// fingerprint digest but never read whole; they are unmapped before this returns.
 pub fn load_prompt_model(
     path: &Path,
     default_max_tokens: u32,
     max_prompt_bytes: Option<usize>,
+    max_constraint_bytes: usize,
 ) -> anyhow::Result<PromptModel> {
     let files = open_model(path).with_context(|| format!("loading model {}", path.display()))?;
     let context_length = u32::try_from(files.config.max_position_embeddings)
@@ -66,6 +68,8 @@ pub fn load_prompt_model(
         context_length,
         vocab_size,
         default_max_tokens,
+        max_constraint_bytes,
+        grammars: Default::default(),
     })
 }
 
@@ -78,13 +82,19 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let path = config.model.resolve()?;
-    let (default_max_tokens, max_prompt_bytes) = (
+    let (default_max_tokens, max_prompt_bytes, max_constraint_bytes) = (
         config.routing.default_max_tokens,
         config.routing.max_prompt_bytes,
+        config.routing.max_constraint_bytes,
     );
     let load_path = path.clone();
     let model = tokio::task::spawn_blocking(move || {
-        load_prompt_model(&load_path, default_max_tokens, max_prompt_bytes)
+        load_prompt_model(
+            &load_path,
+            default_max_tokens,
+            max_prompt_bytes,
+            max_constraint_bytes,
+        )
     })
     .await
     .context("model loading panicked")??;

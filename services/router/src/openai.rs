@@ -83,8 +83,61 @@ pub struct Common {
     /// Tenant isolation of the prefix cache (duet's `cache_salt`).
     #[serde(default)]
     pub cache_salt: String,
+    /// Structured outputs: `text`, `json_object` or `json_schema`.
+    pub response_format: Option<ResponseFormat>,
+    /// A regular expression the whole answer matches (vLLM's field).
+    pub guided_regex: Option<String>,
+    /// A Lark grammar the answer follows (vLLM's field; llguidance's Lark dialect).
+    pub guided_grammar: Option<String>,
     #[serde(flatten)]
     pub unserved: Unserved,
+}
+
+/// `response_format`.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+/// `response_format.json_schema`. duet always holds the answer to the schema (`strict` or not).
+#[derive(Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    pub name: Option<String>,
+    pub schema: Option<serde_json::Value>,
+    pub strict: Option<bool>,
+}
+
+/// One of a chat request's `tools`.
+#[derive(Debug, Deserialize)]
+pub struct Tool {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionTool,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+pub struct FunctionTool {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// The arguments' JSON Schema; absent: an object with no properties.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<serde_json::Value>,
+}
+
+/// How a chat answer is returned: as the message's text, or as a call of a tool whose arguments
+/// the grammar held to the tool's schema.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum ToolAnswer {
+    #[default]
+    Text,
+    /// `tool_choice` named this function: the text is its arguments.
+    Named(String),
+    /// `tool_choice: "required"`: the text is `{"name": …, "arguments": {…}}`.
+    Required,
 }
 
 /// OpenAI fields duet does not serve. A request setting one to anything but its "off" value is
@@ -93,10 +146,7 @@ pub struct Common {
 #[derive(Debug, Default, Deserialize)]
 pub struct Unserved {
     logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
-    response_format: Option<serde_json::Value>,
-    tools: Option<Vec<serde_json::Value>>,
     functions: Option<Vec<serde_json::Value>>,
-    tool_choice: Option<serde_json::Value>,
     function_call: Option<serde_json::Value>,
     suffix: Option<String>,
     best_of: Option<u32>,
@@ -112,19 +162,8 @@ impl Unserved {
         if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
             return refuse("logit_bias", "logit_bias is");
         }
-        if let Some(f) = &self.response_format
-            && f["type"] != "text"
-        {
-            return refuse("response_format", "response_format other than text is");
-        }
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return refuse("tools", "tool calling is");
-        }
         if self.functions.as_ref().is_some_and(|t| !t.is_empty()) {
-            return refuse("functions", "function calling is");
-        }
-        if !off(&self.tool_choice) {
-            return refuse("tool_choice", "tool calling is");
+            return refuse("functions", "function calling (use tools) is");
         }
         if !off(&self.function_call) {
             return refuse("function_call", "function calling is");
@@ -183,17 +222,21 @@ pub struct ChatRequest {
     pub top_logprobs: Option<u32>,
     /// Extra variables for the chat template (vLLM's field; e.g. `{"enable_thinking": false}`).
     pub chat_template_kwargs: Option<serde_json::Value>,
+    pub tools: Option<Vec<Tool>>,
+    /// `none`, `auto`, `required` or `{"type": "function", "function": {"name": …}}`.
+    pub tool_choice: Option<serde_json::Value>,
     #[serde(flatten)]
     pub common: Common,
 }
 
 /// What the HTTP front needs to answer a request once the core accepted it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Answer {
     pub stream: bool,
     pub include_usage: bool,
     /// Alternatives to show per token (`None`: no logprobs).
     pub top_logprobs: Option<u32>,
+    pub tools: ToolAnswer,
 }
 
 impl Common {
@@ -235,7 +278,51 @@ impl Common {
         req.repetition_penalty = self.repetition_penalty;
         req.ignore_eos = self.ignore_eos;
         req.cache_salt = self.cache_salt.clone();
+        req.constraint = self.constraint()?;
         Ok(())
+    }
+
+    /// The grammar `response_format`, `guided_regex` or `guided_grammar` asks for (one at most).
+    fn constraint(&self) -> Result<Option<v1::Constraint>, OpenAiError> {
+        use v1::constraint::Kind;
+        let format = match &self.response_format {
+            None | Some(ResponseFormat::Text) => None,
+            Some(ResponseFormat::JsonObject) => Some(Kind::JsonObject(true)),
+            Some(ResponseFormat::JsonSchema { json_schema }) => {
+                let schema = json_schema.schema.as_ref().ok_or_else(|| {
+                    invalid(
+                        "response_format",
+                        "response_format.json_schema.schema is required",
+                    )
+                })?;
+                Some(Kind::JsonSchema(schema.to_string()))
+            }
+        };
+        let kinds: Vec<(&'static str, Kind)> = [
+            ("response_format", format),
+            ("guided_regex", self.guided_regex.clone().map(Kind::Regex)),
+            (
+                "guided_grammar",
+                self.guided_grammar.clone().map(Kind::Lark),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(param, kind)| Some((param, kind?)))
+        .collect();
+        match kinds.len() {
+            0 => Ok(None),
+            1 => Ok(kinds
+                .into_iter()
+                .next()
+                .map(|(_, kind)| v1::Constraint { kind: Some(kind) })),
+            _ => Err(invalid(
+                kinds[1].0,
+                format!(
+                    "one constraint per request: {} and {} are both set",
+                    kinds[0].0, kinds[1].0
+                ),
+            )),
+        }
     }
 
     fn answer(&self, top_logprobs: Option<u32>) -> Answer {
@@ -243,6 +330,7 @@ impl Common {
             stream: self.stream,
             include_usage: self.stream_options.is_some_and(|o| o.include_usage),
             top_logprobs,
+            tools: ToolAnswer::Text,
         }
     }
 }
@@ -325,7 +413,151 @@ impl ChatRequest {
         // The core reports a token's own logprob only with at least one alternative; extra
         // alternatives are dropped when answering.
         req.logprobs = top.map_or(0, |n| n.max(1));
-        Ok((req, self.common.answer(top)))
+        let mut answer = self.common.answer(top);
+        answer.tools = self.tool_call(&mut req)?;
+        Ok((req, answer))
+    }
+
+    /// A call of one of `tools` that `tool_choice` asks for: its arguments (or, for
+    /// `required`, the name and arguments) held to the tools' schemas, and the tools given to
+    /// the chat template as its `tools` variable. `none` (or no tools) answers in text; `auto`
+    /// is refused, since deciding whether to call needs a model-specific parser duet lacks.
+    fn tool_call(&self, req: &mut v1::GenerateRequest) -> Result<ToolAnswer, OpenAiError> {
+        let tools = self.tools.as_deref().unwrap_or_default();
+        let choice = self.tool_choice.as_ref().filter(|c| !c.is_null());
+        if tools.is_empty() || choice.is_some_and(|c| c == "none") {
+            return match choice {
+                Some(c) if c != "none" && c != "auto" => Err(invalid(
+                    "tool_choice",
+                    "tool_choice names a tool but no tools are given",
+                )),
+                _ => Ok(ToolAnswer::Text),
+            };
+        }
+        if let Some(t) = tools.iter().find(|t| t.kind != "function") {
+            return Err(invalid(
+                "tools",
+                format!(
+                    "tools of type `{}` are not supported (function only)",
+                    t.kind
+                ),
+            ));
+        }
+        if self.common.stream {
+            return Err(invalid(
+                "stream",
+                "streaming tool calls is not supported by duet",
+            ));
+        }
+        if req.constraint.is_some() {
+            return Err(invalid(
+                "tools",
+                "one constraint per request: tools and a response format are both set",
+            ));
+        }
+        let parameters = |f: &FunctionTool| {
+            f.parameters
+                .clone()
+                .unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}))
+        };
+        let (schema, answer) = match choice {
+            Some(c) if c == "required" => {
+                let calls: Vec<serde_json::Value> = tools
+                    .iter()
+                    .map(|t| {
+                        serde_json::json!({
+                            "type": "object",
+                            "properties": {
+                                "name": {"const": t.function.name},
+                                "arguments": parameters(&t.function),
+                            },
+                            "required": ["name", "arguments"],
+                            "additionalProperties": false,
+                        })
+                    })
+                    .collect();
+                (serde_json::json!({"anyOf": calls}), ToolAnswer::Required)
+            }
+            Some(c) if c["type"] == "function" => {
+                let name = c["function"]["name"].as_str().unwrap_or_default();
+                let tool = tools
+                    .iter()
+                    .find(|t| t.function.name == name)
+                    .ok_or_else(|| {
+                        invalid(
+                            "tool_choice",
+                            format!("tool_choice names `{name}`, which is not among the tools"),
+                        )
+                    })?;
+                (
+                    parameters(&tool.function),
+                    ToolAnswer::Named(name.to_string()),
+                )
+            }
+            _ => {
+                return Err(invalid(
+                    "tool_choice",
+                    "tool_choice must be `required` or name a function: duet does not decide \
+                     whether to call a tool (`auto`)",
+                ));
+            }
+        };
+        req.constraint = Some(v1::Constraint {
+            kind: Some(v1::constraint::Kind::JsonSchema(schema.to_string())),
+        });
+        let mut variables = match self.chat_template_kwargs.as_ref() {
+            Some(serde_json::Value::Object(m)) => m.clone(),
+            _ => serde_json::Map::new(),
+        };
+        let functions: Vec<serde_json::Value> = tools
+            .iter()
+            .map(|t| serde_json::json!({"type": "function", "function": t.function}))
+            .collect();
+        variables.insert("tools".into(), functions.into());
+        req.chat_template_kwargs = serde_json::Value::Object(variables).to_string();
+        Ok(answer)
+    }
+}
+
+/// One call in a chat answer's `tool_calls`.
+#[derive(Debug, Serialize)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: CalledFunction,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CalledFunction {
+    pub name: String,
+    /// The arguments as JSON text.
+    pub arguments: String,
+}
+
+impl ToolAnswer {
+    /// The call a finished answer's `text` makes; `None` when it answers in text, or the text
+    /// is not a whole call (generation stopped by `max_tokens`).
+    pub fn call(&self, text: &str, id: &str) -> Option<ToolCall> {
+        let (name, arguments) = match self {
+            ToolAnswer::Text => return None,
+            ToolAnswer::Named(name) => {
+                serde_json::from_str::<serde_json::Value>(text).ok()?;
+                (name.clone(), text.to_string())
+            }
+            ToolAnswer::Required => {
+                let v: serde_json::Value = serde_json::from_str(text).ok()?;
+                (
+                    v["name"].as_str()?.to_string(),
+                    v.get("arguments")?.to_string(),
+                )
+            }
+        };
+        Some(ToolCall {
+            id: format!("call_{id}"),
+            kind: "function",
+            function: CalledFunction { name, arguments },
+        })
     }
 }
 
@@ -481,6 +713,8 @@ pub struct ChatMessageOut {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 #[derive(Debug, Serialize)]
@@ -656,16 +890,7 @@ mod tests {
         };
         for (field, param) in [
             (r#""logit_bias":{"50256":-100}"#, "logit_bias"),
-            (
-                r#""response_format":{"type":"json_object"}"#,
-                "response_format",
-            ),
-            (
-                r#""tools":[{"type":"function","function":{"name":"f"}}]"#,
-                "tools",
-            ),
             (r#""functions":[{"name":"f"}]"#, "functions"),
-            (r#""tool_choice":"required""#, "tool_choice"),
             (r#""function_call":{"name":"f"}"#, "function_call"),
         ] {
             match chat_with(field) {
@@ -694,5 +919,131 @@ mod tests {
             );
         }
         assert!(completion(r#"{"model":"m","prompt":"a","suffix":"","best_of":1}"#).is_ok());
+    }
+
+    fn kind(r: &v1::GenerateRequest) -> Option<v1::constraint::Kind> {
+        r.constraint.as_ref().and_then(|c| c.kind.clone())
+    }
+
+    /// `response_format`, `guided_regex` and `guided_grammar` become the request's constraint,
+    /// one at most.
+    #[test]
+    fn structured_output_fields_become_the_constraint() {
+        use v1::constraint::Kind;
+        let chat_with = |fields: &str| {
+            chat(&format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{fields}}}"#
+            ))
+        };
+        let (r, _) = chat_with(r#""response_format":{"type":"json_object"}"#).unwrap();
+        assert_eq!(kind(&r), Some(Kind::JsonObject(true)));
+        let (r, _) = chat_with(
+            r#""response_format":{"type":"json_schema","json_schema":{"name":"p","strict":true,
+                "schema":{"type":"object","properties":{"a":{"type":"integer"}}}}}"#,
+        )
+        .unwrap();
+        let Some(Kind::JsonSchema(text)) = kind(&r) else {
+            panic!("{r:?}")
+        };
+        let schema: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(schema["properties"]["a"]["type"], "integer");
+        let (r, _) = completion(r#"{"model":"m","prompt":"a","guided_regex":"[0-9]+"}"#).unwrap();
+        assert_eq!(kind(&r), Some(Kind::Regex("[0-9]+".into())));
+        let (r, _) = chat_with(r#""guided_grammar":"start: \"x\"""#).unwrap();
+        assert_eq!(kind(&r), Some(Kind::Lark(r#"start: "x""#.into())));
+        let (r, _) = chat_with(r#""response_format":{"type":"text"}"#).unwrap();
+        assert_eq!(r.constraint, None);
+        for (fields, param) in [
+            (
+                r#""response_format":{"type":"json_schema","json_schema":{"name":"p"}}"#,
+                "response_format",
+            ),
+            (
+                r#""response_format":{"type":"json_object"},"guided_regex":"a""#,
+                "guided_regex",
+            ),
+        ] {
+            match chat_with(fields) {
+                Err(OpenAiError::Invalid { param: p, .. }) => assert_eq!(p, param, "{fields}"),
+                other => panic!("{fields}: {other:?}"),
+            }
+        }
+    }
+
+    /// `tools` with `tool_choice` naming a function or `required` hold the answer to the
+    /// arguments' schema (the tools reach the chat template); `auto`, streaming, and unknown
+    /// names are refused; `none` answers in text.
+    #[test]
+    fn tool_calls_become_constraints_and_answers() {
+        use v1::constraint::Kind;
+        let tools = r#""tools":[
+            {"type":"function","function":{"name":"weather","parameters":{"type":"object",
+             "properties":{"city":{"type":"string"}},"required":["city"]}}},
+            {"type":"function","function":{"name":"time"}}]"#;
+        let chat_with = |fields: &str| {
+            chat(&format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{tools},{fields}}}"#
+            ))
+        };
+        let (r, a) =
+            chat_with(r#""tool_choice":{"type":"function","function":{"name":"weather"}}"#)
+                .unwrap();
+        assert_eq!(a.tools, ToolAnswer::Named("weather".into()));
+        let Some(Kind::JsonSchema(text)) = kind(&r) else {
+            panic!("{r:?}")
+        };
+        assert!(text.contains("city"), "{text}");
+        let vars: serde_json::Value = serde_json::from_str(&r.chat_template_kwargs).unwrap();
+        assert_eq!(vars["tools"][1]["function"]["name"], "time");
+        let (r, a) = chat_with(r#""tool_choice":"required""#).unwrap();
+        assert_eq!(a.tools, ToolAnswer::Required);
+        let Some(Kind::JsonSchema(text)) = kind(&r) else {
+            panic!("{r:?}")
+        };
+        let schema: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(schema["anyOf"].as_array().unwrap().len(), 2);
+        let (r, a) = chat_with(r#""tool_choice":"none""#).unwrap();
+        assert_eq!((a.tools, r.constraint), (ToolAnswer::Text, None));
+        for (fields, param) in [
+            (r#""tool_choice":"auto""#, "tool_choice"),
+            (r#""tool_choice":"required","stream":true"#, "stream"),
+            (
+                r#""tool_choice":{"type":"function","function":{"name":"nope"}}"#,
+                "tool_choice",
+            ),
+            (
+                r#""tool_choice":"required","response_format":{"type":"json_object"}"#,
+                "tools",
+            ),
+        ] {
+            match chat_with(fields) {
+                Err(OpenAiError::Invalid { param: p, .. }) => assert_eq!(p, param, "{fields}"),
+                other => panic!("{fields}: {other:?}"),
+            }
+        }
+        let call = ToolAnswer::Named("weather".into())
+            .call(r#"{"city":"Paris"}"#, "7")
+            .unwrap();
+        assert_eq!(
+            (call.id.as_str(), call.function.name.as_str()),
+            ("call_7", "weather")
+        );
+        assert_eq!(call.function.arguments, r#"{"city":"Paris"}"#);
+        let call = ToolAnswer::Required
+            .call(r#"{"name":"time","arguments":{}}"#, "8")
+            .unwrap();
+        assert_eq!(
+            (
+                call.function.name.as_str(),
+                call.function.arguments.as_str()
+            ),
+            ("time", "{}")
+        );
+        assert!(
+            ToolAnswer::Required
+                .call(r#"{"name":"time","argu"#, "9")
+                .is_none()
+        );
+        assert!(ToolAnswer::Text.call("{}", "9").is_none());
     }
 }

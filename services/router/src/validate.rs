@@ -2,10 +2,14 @@
 //! worker-protocol `SamplingParams` with every field resolved, or a typed [`ValidationError`]
 //! that says what was wrong (answered as INVALID_ARGUMENT).
 
+use std::sync::{Arc, OnceLock};
+
 use duet_model::chat::{ChatError, ChatMessage, ChatTemplate, TemplateVariables};
-use duet_model::params::{MAX_CACHE_SALT_BYTES, SamplingParams as EngineSampling};
+use duet_model::grammar::{GrammarCompiler, GrammarError};
+use duet_model::params::{Constraint, MAX_CACHE_SALT_BYTES, SamplingParams as EngineSampling};
 use duet_model::params::{PromptError, PromptLimits, StopCriteria};
 use duet_model::tokenizer::{Tokenizer, TokenizerError};
+use duet_proto::convert::constraint_from_wire;
 use duet_proto::v1;
 
 /// A bad request. Every variant is the client's to fix.
@@ -53,6 +57,14 @@ pub enum ValidationError {
     TemplateVariables(ChatError),
     #[error("prompt: {0}")]
     Tokenize(#[from] TokenizerError),
+    #[error(
+        "constraint too long: {len} bytes, past the router's limit of {max} bytes \
+         (--max-constraint-bytes)"
+    )]
+    ConstraintTooLong { len: usize, max: usize },
+    /// A constraint that does not compile or cannot produce any token.
+    #[error(transparent)]
+    Constraint(#[from] GrammarError),
 }
 
 /// A validated request: what the decode worker needs.
@@ -80,6 +92,11 @@ pub struct PromptModel {
     /// Text to tokenize past this many bytes is refused before tokenizing (see
     /// [`max_prompt_bytes_for`]).
     pub max_prompt_bytes: usize,
+    /// Constraints past this many bytes are refused before compiling.
+    pub max_constraint_bytes: usize,
+    /// Compiles constraints to check them; built on the first constrained request and shared
+    /// by every copy of this model.
+    pub grammars: Arc<OnceLock<Result<GrammarCompiler, String>>>,
 }
 
 /// The default `--max-prompt-bytes`: the context's tokens times the most bytes one token
@@ -169,6 +186,30 @@ impl PromptModel {
         Ok(ids)
     }
 
+    /// Checks that a request's constraint fits the limit and compiles, before anything is
+    /// queued (the workers compile it again to use it).
+    fn check_constraint(&self, c: &v1::Constraint) -> Result<Option<Constraint>, ValidationError> {
+        let Some(constraint) = constraint_from_wire(c) else {
+            return Ok(None);
+        };
+        if constraint.text_bytes() > self.max_constraint_bytes {
+            return Err(ValidationError::ConstraintTooLong {
+                len: constraint.text_bytes(),
+                max: self.max_constraint_bytes,
+            });
+        }
+        let compiler = self.grammars.get_or_init(|| {
+            GrammarCompiler::new(&self.tokenizer, self.vocab_size as usize)
+                .map_err(|e| e.to_string())
+        });
+        let compiler = compiler.as_ref().map_err(|reason| GrammarError {
+            kind: constraint.kind(),
+            reason: reason.clone(),
+        })?;
+        compiler.compile(&constraint)?;
+        Ok(Some(constraint))
+    }
+
     /// What a prompt must fit.
     pub fn limits(&self) -> PromptLimits {
         PromptLimits {
@@ -215,6 +256,7 @@ impl PromptModel {
             frequency_penalty: req.frequency_penalty.unwrap_or(0.0),
             seed: req.seed,
             logprobs: req.logprobs,
+            constraint: None,
         };
         engine
             .validate()
@@ -239,6 +281,10 @@ impl PromptModel {
                 vocab_size: self.vocab_size,
             });
         }
+        let constraint = match &req.constraint {
+            Some(c) => self.check_constraint(c)?,
+            None => None,
+        };
         let sampling = v1::SamplingParams {
             temperature: engine.temperature,
             top_p: engine.top_p,
@@ -253,6 +299,7 @@ impl PromptModel {
             stop: req.stop.clone(),
             stop_token_ids: req.stop_token_ids.clone(),
             ignore_eos: req.ignore_eos,
+            constraint: constraint.as_ref().map(v1::Constraint::from),
         };
         Ok(ValidRequest {
             prompt,
@@ -295,6 +342,8 @@ mod tests {
             context_length,
             vocab_size: files.config.vocab_size as u32,
             default_max_tokens: 256,
+            max_constraint_bytes: 1024,
+            grammars: Default::default(),
         }
     }
 
@@ -667,6 +716,46 @@ mod tests {
             r,
             &["stop_token_ids[1] = 1000", "outside the vocabulary"],
         );
+    }
+
+    /// A constraint is compiled before anything is queued: a good one travels to the workers,
+    /// a bad one, or one past --max-constraint-bytes, is refused with the reason.
+    #[test]
+    fn constraints_are_checked_before_queueing() {
+        use v1::constraint::Kind;
+        let m = model();
+        let with = |kind: Kind| v1::GenerateRequest {
+            constraint: Some(v1::Constraint { kind: Some(kind) }),
+            ..req()
+        };
+        let schema = r#"{"type":"object","properties":{"a":{"type":"integer"}}}"#;
+        let ok = m
+            .validate(&with(Kind::JsonSchema(schema.into())), || 1)
+            .unwrap();
+        assert_eq!(
+            ok.sampling.constraint.and_then(|c| c.kind),
+            Some(Kind::JsonSchema(schema.into()))
+        );
+        assert_err(
+            &m,
+            with(Kind::JsonSchema("{oops".into())),
+            &["json_schema", "not JSON"],
+        );
+        assert_err(
+            &m,
+            with(Kind::Lark("start: nowhere".into())),
+            &["lark", "nowhere"],
+        );
+        assert_err(
+            &m,
+            with(Kind::Regex("a".repeat(1025))),
+            &["1025 bytes", "--max-constraint-bytes"],
+        );
+        let none = v1::GenerateRequest {
+            constraint: Some(v1::Constraint { kind: None }),
+            ..req()
+        };
+        assert_eq!(m.validate(&none, || 1).unwrap().sampling.constraint, None);
     }
 
     #[test]
