@@ -11,8 +11,8 @@ cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH="$(./scripts/fetch-nvrtc.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # Python packages the tests drive, installed into whichever python3 is first on PATH (a pyenv
 # interpreter on the CI machines, which Debian's python3-numpy does not reach): numpy for the
-# kernel emulation's references, the official OpenAI client for the HTTP API's conformance test
-# (tests/tests/openai.rs), grpcio and opentelemetry-proto for the OTLP receiver of the trace test
+# kernel emulation's references, the official OpenAI client and `jsonschema` (which validates
+# structured outputs) for the HTTP API's conformance test (tests/tests/openai.rs), grpcio and opentelemetry-proto for the OTLP receiver of the trace test
 # (tests/otlp/receiver.py, tests/tests/otlp.rs).
 pip_need() { # MODULE REQUIREMENT
   python3 -c "import $1" >/dev/null 2>&1 && return
@@ -20,6 +20,7 @@ pip_need() { # MODULE REQUIREMENT
 }
 pip_need numpy numpy
 pip_need openai openai==3.54.0
+pip_need jsonschema jsonschema==4.26.0
 pip_need grpc grpcio==1.85.1
 pip_need opentelemetry.proto opentelemetry-proto==1.45.2
 # Unused dependencies fail the suite (cargo-machete reads every crate's manifest and sources).

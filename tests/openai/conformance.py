@@ -15,6 +15,7 @@ import sys
 import urllib.error
 import urllib.request
 
+import jsonschema
 import openai
 
 args = json.load(sys.stdin)
@@ -156,6 +157,79 @@ expect(openai.InternalServerError, 504, late.chat.completions.create, model=mode
 expect(
     openai.InternalServerError, 504, late.chat.completions.create, model=model, messages=msgs, stream=True
 )
+
+
+# Structured outputs. A schema-held answer parses and validates, whole and streamed; json_object
+# gives an object; a tool call names the tool, its arguments validate against the tool's schema,
+# and the call and its result go back into the conversation; bad constraints are 400.
+person = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3},
+    },
+    "required": ["name", "age", "hobbies"],
+    "additionalProperties": False,
+}
+describe = [{"role": "user", "content": "Describe a fictional person as JSON."}]
+person_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": person, "strict": True}}
+held = create(model=model, messages=describe, max_tokens=200, temperature=0, response_format=person_format)
+assert held.choices[0].finish_reason == "stop", held
+jsonschema.validate(json.loads(held.choices[0].message.content), person)
+streamed = create(
+    model=model, messages=describe, max_tokens=200, temperature=0.8, seed=5, response_format=person_format,
+    stream=True,
+)
+text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+jsonschema.validate(json.loads(text), person)
+anything = create(
+    model=model,
+    messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+    max_tokens=100,
+    temperature=0,
+    response_format={"type": "json_object"},
+)
+assert anything.choices[0].finish_reason == "stop", anything
+assert isinstance(json.loads(anything.choices[0].message.content), dict), anything
+weather = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+tools = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                      "parameters": weather}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
+]
+ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+for choice in [{"type": "function", "function": {"name": "get_weather"}}, "required"]:
+    r = create(model=model, messages=ask, tools=tools, tool_choice=choice, max_tokens=100, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls", r
+    (call,) = r.choices[0].message.tool_calls
+    assert call.type == "function" and call.id, call
+    if call.function.name == "get_weather":
+        jsonschema.validate(json.loads(call.function.arguments), weather)
+    else:
+        assert call.function.name == "get_time" and isinstance(json.loads(call.function.arguments), dict), call
+    answered = create(
+        model=model,
+        messages=ask
+        + [r.choices[0].message.model_dump(exclude_none=True),
+           {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert answered.choices[0].message.content, answered
+for bad in [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+    {"tools": tools, "tool_choice": "auto"},
+    {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    {"extra_body": {"guided_grammar": "start: missing_rule"}},
+]:
+    expect(openai.BadRequestError, 400, create, model=model, messages=describe, **bad)
 
 
 def raw(url, body, content_type="application/json", method="POST"):
