@@ -5,6 +5,7 @@ mod bench_engine;
 mod bench_gpu;
 mod bench_kv_dtype;
 mod bench_serve;
+mod bench_structured;
 mod bench_transfer;
 mod chaos;
 mod fetch;
@@ -70,6 +71,9 @@ enum BenchCommand {
     /// A KV cache type (int8) against a reference (f16) on one model, on the CPU: logits and
     /// greedy tokens over long generations, and decode speed at a long context.
     KvDtype(Box<bench_kv_dtype::KvDtypeBenchArgs>),
+    /// What structured outputs cost: TPOT of a batch decoding under a nested JSON Schema
+    /// against the same batch unconstrained, token for token.
+    Structured(Box<bench_structured::StructuredBenchArgs>),
 }
 
 fn main() {
@@ -101,6 +105,9 @@ fn main() {
         Command::Bench {
             command: BenchCommand::KvDtype(args),
         } => bench_kv_dtype::run(*args),
+        Command::Bench {
+            command: BenchCommand::Structured(args),
+        } => bench_structured::run_bench(*args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -126,10 +126,23 @@ impl Grammar {
             only_eos.allow_token(self.eos);
             only_eos
         });
-        for (token, logit) in logits.iter_mut().enumerate() {
-            if !allowed.is_allowed(token as u32) {
-                *logit = f32::NEG_INFINITY;
+        // A word of the mask at a time: most are all clear (or all set) under a grammar.
+        for (&word, chunk) in allowed.as_slice().iter().zip(logits.chunks_mut(32)) {
+            match word {
+                0 => chunk.fill(f32::NEG_INFINITY),
+                u32::MAX => {}
+                _ => {
+                    for (bit, logit) in chunk.iter_mut().enumerate() {
+                        if word >> bit & 1 == 0 {
+                            *logit = f32::NEG_INFINITY;
+                        }
+                    }
+                }
             }
+        }
+        // Logits past the mask's words (none when the vocabularies agree) are not allowed.
+        if let Some(rest) = logits.get_mut(allowed.as_slice().len() * 32..) {
+            rest.fill(f32::NEG_INFINITY);
         }
     }
 
