@@ -533,4 +533,57 @@ mod tests {
         }
         assert!(SamplingParams::default().validate().is_ok());
     }
+
+    /// A constrained sampler draws only what its grammar allows, at any temperature, and says
+    /// when the grammar is complete; a sampler that records the first tokens (a failover's
+    /// replay) draws the rest exactly as the original did, grammar and random stream alike.
+    #[test]
+    fn a_grammar_holds_every_draw_and_a_replay_continues_it() {
+        use duet_model::grammar::GrammarCompiler;
+        use duet_model::params::Constraint;
+        use duet_model::tokenizer::Tokenizer;
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tiny-llama/tokenizer.json");
+        let tokenizer = Tokenizer::from_hf_file(&path)
+            .unwrap()
+            .with_special_ids(Some(1), &[2]);
+        let compiler = GrammarCompiler::new(&tokenizer, 384).unwrap();
+        let constraint = Constraint::Regex("(ab|cd){3}".into());
+        let params = SamplingParams {
+            temperature: 1.5,
+            seed: Some(3),
+            constraint: Some(constraint.clone()),
+            ..Default::default()
+        };
+        let sampler = || {
+            Sampler::new(params.clone(), &[]).with_grammar(compiler.compile(&constraint).unwrap())
+        };
+        let logits: Vec<Vec<f32>> = {
+            let mut rng = duet_model::synthetic::Uniform::new(9);
+            (0..12).map(|_| rng.values(384)).collect()
+        };
+        let mut original = sampler();
+        let mut drawn = Vec::new();
+        while !original.grammar_complete() {
+            let mut l = logits[drawn.len()].clone();
+            drawn.push(original.sample(&mut l).token);
+            assert!(
+                drawn.len() < logits.len(),
+                "the grammar never completed: {drawn:?}"
+            );
+        }
+        let text = tokenizer.decode(&drawn, false).unwrap();
+        assert_eq!(text.len(), 6, "{text:?}");
+        let pairs: Vec<&str> = (0..3).map(|i| &text[2 * i..2 * i + 2]).collect();
+        assert!(pairs.iter().all(|p| *p == "ab" || *p == "cd"), "{text:?}");
+        for cut in 1..drawn.len() {
+            let mut replayed = sampler();
+            replayed.record(&drawn[..cut]);
+            let rest: Vec<u32> = (cut..drawn.len())
+                .map(|i| replayed.sample(&mut logits[i].clone()).token)
+                .collect();
+            assert_eq!(rest, drawn[cut..], "replayed after {cut} tokens");
+            assert!(replayed.grammar_complete());
+        }
+    }
 }
