@@ -377,11 +377,7 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
     } = run;
     let options = engine.options().clone();
     let rss_after_load = rss_bytes("VmRSS");
-    let threads = if options.threads == 0 {
-        duet_cpu::threadpool::default_threads()
-    } else {
-        options.threads
-    };
+    let threads = kernel_threads(&options);
     let cpu = cpu_info();
     let kernels = KernelPath::choose(options.cpu_kernels)?;
     let kernel_path = format!("{kernels:?}");
@@ -536,12 +532,25 @@ fn bench<B: Backend>(run: EngineBench, mut engine: Engine<B>) -> Result<()> {
         rss_after_load_bytes: rss_after_load,
     };
     print_report(&report);
-    let json = serde_json::to_string_pretty(&report)?;
+    print_json(&report, args.json_out.as_deref())
+}
+
+/// A benchmark's report as JSON on standard output, and into `out` when given.
+pub(crate) fn print_json(report: &impl Serialize, out: Option<&Path>) -> Result<()> {
+    let json = serde_json::to_string_pretty(report)?;
     println!("{json}");
-    if let Some(out) = &args.json_out {
+    if let Some(out) = out {
         std::fs::write(out, &json).with_context(|| format!("writing {}", out.display()))?;
     }
     Ok(())
+}
+
+/// The kernel threads an engine of `options` runs (0: one per core).
+pub(crate) fn kernel_threads(options: &EngineOptions) -> usize {
+    match options.threads {
+        0 => duet_cpu::threadpool::default_threads(),
+        n => n,
+    }
 }
 
 fn print_report(r: &Report) {

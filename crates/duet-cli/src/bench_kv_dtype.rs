@@ -27,7 +27,9 @@ use duet_model::model_files::open_model;
 use duet_model::model_path::ModelArgs;
 use serde::Serialize;
 
-use crate::bench_engine::{Cpu, PrefilledPrompt, cpu_info, decode_point, prompt_source};
+use crate::bench_engine::{
+    Cpu, PrefilledPrompt, cpu_info, decode_point, kernel_threads, print_json, prompt_source,
+};
 
 #[derive(Args, Debug)]
 pub struct KvDtypeBenchArgs {
@@ -178,10 +180,7 @@ pub fn run(args: KvDtypeBenchArgs) -> Result<()> {
     let mut reference = duet_cpu::load_engine(&path, options(args.reference_kv_dtype))?;
     let mut compared = duet_cpu::load_engine(&path, options(compared_choice))?;
     let kernels = KernelPath::choose(args.engine.cpu_kernels)?;
-    let threads = match args.engine.threads {
-        0 => duet_cpu::threadpool::default_threads(),
-        n => n,
-    };
+    let threads = kernel_threads(&args.engine);
     let cpu = cpu_info();
     eprintln!(
         "cpu: {} (family {} model {}), kernel path {kernels:?}, {threads} threads",
@@ -223,12 +222,7 @@ pub fn run(args: KvDtypeBenchArgs) -> Result<()> {
         speed,
     };
     print_report(&report);
-    let json = serde_json::to_string_pretty(&report)?;
-    println!("{json}");
-    if let Some(out) = &args.json_out {
-        std::fs::write(out, &json).with_context(|| format!("writing {}", out.display()))?;
-    }
-    Ok(())
+    print_json(&report, args.json_out.as_deref())
 }
 
 /// A model with one cache of each type to compare, one prompt at a time (blocks `0..`).

@@ -540,11 +540,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         runs: runs.clone(),
         engine_alone,
     };
-    let json = serde_json::to_string_pretty(&report)?;
-    println!("{json}");
-    if let Some(p) = &args.json_out {
-        std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
-    }
+    crate::bench_engine::print_json(&report, args.json_out.as_deref())?;
     if let Some(p) = &args.plot_out {
         plot::latency_percentiles(&runs, p)?;
         eprintln!("plot written to {}", p.display());

@@ -17,7 +17,7 @@ use duet_model::model_path::ModelArgs;
 use duet_model::params::{Constraint, SamplingParams, StopCriteria};
 use serde::Serialize;
 
-use crate::bench_engine::{Cpu, cpu_info};
+use crate::bench_engine::{Cpu, cpu_info, kernel_threads, print_json};
 
 #[derive(Args, Debug)]
 pub struct StructuredBenchArgs {
@@ -227,10 +227,7 @@ pub fn run_bench(args: StructuredBenchArgs) -> Result<()> {
         best_free = best_free.min(f);
         tokens = constrained.tokens;
     }
-    let threads = match args.engine.threads {
-        0 => duet_cpu::threadpool::default_threads(),
-        n => n,
-    };
+    let threads = kernel_threads(&args.engine);
     let report = Report {
         model: path.display().to_string(),
         cpu: cpu_info(),
@@ -252,10 +249,5 @@ pub fn run_bench(args: StructuredBenchArgs) -> Result<()> {
         args.repeats,
         report.all_answers_parse
     );
-    let json = serde_json::to_string_pretty(&report)?;
-    println!("{json}");
-    if let Some(out) = &args.json_out {
-        std::fs::write(out, &json).with_context(|| format!("writing {}", out.display()))?;
-    }
-    Ok(())
+    print_json(&report, args.json_out.as_deref())
 }
