@@ -225,6 +225,10 @@ struct Sample {
     /// The final message's usage: prompt tokens, and those found in a prefix cache.
     prompt_tokens: u32,
     cached_tokens: u32,
+    /// The final message's usage: what speculative decoding did.
+    decode_steps: u32,
+    draft_tokens: u32,
+    accepted_draft_tokens: u32,
     code: Option<tonic::Code>,
     error: Option<String>,
 }
@@ -290,6 +294,19 @@ pub struct RunReport {
     pub first_error: Option<String>,
     /// With --chaos: the faults, failures by status, differing streams and held blocks.
     pub chaos: Option<ChaosReport>,
+    /// Speculative decoding over successful requests, from their usage.
+    pub speculation: SpeculationReport,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SpeculationReport {
+    pub decode_steps: u64,
+    pub draft_tokens: u64,
+    pub accepted_draft_tokens: u64,
+    /// Accepted ÷ drafted.
+    pub acceptance_rate: f64,
+    /// Tokens generated on the decode workers ÷ their steps (1 without speculation).
+    pub tokens_per_step: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -940,6 +957,8 @@ async fn one_request(
             }
             if let Some(u) = msg.usage {
                 (s.prompt_tokens, s.cached_tokens) = (u.prompt_tokens, u.cached_prompt_tokens);
+                (s.decode_steps, s.draft_tokens, s.accepted_draft_tokens) =
+                    (u.decode_steps, u.draft_tokens, u.accepted_draft_tokens);
             }
             s.token_ids.extend_from_slice(&msg.token_ids);
             if msg.token_ids.is_empty() {
@@ -1073,6 +1092,20 @@ fn summarize(
         }),
         first_error: samples.iter().find_map(|s| s.error.clone()),
         chaos: None,
+        speculation: {
+            let sum = |f: fn(&Sample) -> u32| ok.iter().map(|s| f(s) as u64).sum::<u64>();
+            let steps = sum(|s| s.decode_steps);
+            let accepted = sum(|s| s.accepted_draft_tokens);
+            let drafted = sum(|s| s.draft_tokens);
+            SpeculationReport {
+                decode_steps: steps,
+                draft_tokens: drafted,
+                accepted_draft_tokens: accepted,
+                acceptance_rate: rate(accepted as f64, drafted as f64),
+                // Each step yields one token and one per accepted draft token.
+                tokens_per_step: rate((steps + accepted) as f64, steps as f64),
+            }
+        },
     }
 }
 
@@ -1145,6 +1178,17 @@ fn print_table(runs: &[RunReport], args: &ServeBenchArgs) {
             println!(
                 "{:<27} TTFT of the {} cold requests (no earlier request had their first block): p50 {:.1}, p90 {:.1} ms",
                 r.design, c.requests, c.ttft_ms.p50, c.ttft_ms.p90
+            );
+        }
+        let s = &r.speculation;
+        if s.draft_tokens > 0 {
+            println!(
+                "{:<27} speculation: {} of {} drafted tokens accepted ({:.0}%), {:.2} tokens per decode step",
+                r.design,
+                s.accepted_draft_tokens,
+                s.draft_tokens,
+                s.acceptance_rate * 100.0,
+                s.tokens_per_step
             );
         }
         if let Some(e) = &r.first_error {

@@ -72,7 +72,12 @@ pub struct GenerateArgs {
     /// Structured output: the text follows the Lark grammar in this file (llguidance's dialect).
     #[arg(long, value_name = "FILE", group = "constraint")]
     pub grammar: Option<std::path::PathBuf>,
-    /// Print one JSON object (ids, text, finish reason, timings) instead of streaming text.
+    /// Opt this request out of speculative decoding (the engine's --speculative, or the
+    /// cluster's); the output is the same either way.
+    #[arg(long)]
+    pub no_speculative: bool,
+    /// Print one JSON object (ids, text, finish reason, timings, speculation) instead of
+    /// streaming text.
     #[arg(long)]
     pub json: bool,
     /// Generate through a running cluster (the router's address, e.g. 127.0.0.1:50051) instead of
@@ -97,6 +102,14 @@ struct Timings {
     decode_tokens_per_s: f64,
 }
 
+/// Speculative decoding's work on the request (the `Usage` fields of the same names).
+#[derive(Serialize, Default)]
+struct Speculation {
+    decode_steps: u32,
+    draft_tokens: u32,
+    accepted_draft_tokens: u32,
+}
+
 #[derive(Serialize)]
 struct JsonOutput {
     prompt_token_ids: Vec<u32>,
@@ -104,6 +117,7 @@ struct JsonOutput {
     text: String,
     finish_reason: String,
     timings: Timings,
+    speculation: Speculation,
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
@@ -153,16 +167,24 @@ fn generate_local<B: Backend>(args: GenerateArgs, mut engine: Engine<B>) -> Resu
     let mut text = String::new();
     let start = Instant::now();
     let mut first_token_at = None;
-    let finish = loop {
-        let outputs = engine.step()?;
-        let Some(out) = outputs.into_iter().find(|o| o.seq == id) else {
-            continue;
-        };
-        first_token_at.get_or_insert_with(Instant::now);
-        token_ids.push(out.token.token);
-        emit(&args, &mut stdout, &mut text, &out.text)?;
-        if let Some(reason) = out.finish {
-            break reason;
+    let mut speculation;
+    let finish = 'steps: loop {
+        // A speculating step may yield several tokens.
+        for out in engine.step()?.into_iter().filter(|o| o.seq == id) {
+            first_token_at.get_or_insert_with(Instant::now);
+            token_ids.push(out.token.token);
+            emit(&args, &mut stdout, &mut text, &out.text)?;
+            let s = out.speculation;
+            let count = |n: u64| n.try_into().unwrap_or(u32::MAX);
+            speculation = Speculation {
+                // The first step sampled the prefill's token.
+                decode_steps: count(s.steps.saturating_sub(1)),
+                draft_tokens: count(s.draft_tokens),
+                accepted_draft_tokens: count(s.accepted_draft_tokens),
+            };
+            if let Some(reason) = out.finish {
+                break 'steps reason;
+            }
         }
     };
     let end = Instant::now();
@@ -177,6 +199,7 @@ fn generate_local<B: Backend>(args: GenerateArgs, mut engine: Engine<B>) -> Resu
         finish.as_str(),
         (first - start).as_secs_f64(),
         (end - first).as_secs_f64(),
+        speculation,
     )
 }
 
@@ -208,6 +231,7 @@ fn sampling_params(args: &GenerateArgs) -> Result<SamplingParams> {
         seed: args.seed,
         logprobs: 0,
         constraint: constraint(args)?,
+        speculative: !args.no_speculative,
     })
 }
 
@@ -230,6 +254,7 @@ fn finish_output(
     finish_reason: &str,
     prefill_s: f64,
     decode_s: f64,
+    speculation: Speculation,
 ) -> Result<()> {
     // The first token comes out of the prefill step; the rest are decode steps.
     let decode_tokens = token_ids.len().saturating_sub(1);
@@ -246,6 +271,7 @@ fn finish_output(
             text,
             finish_reason: finish_reason.to_string(),
             timings,
+            speculation,
         };
         serde_json::to_writer(&mut *stdout, &out)?;
         writeln!(stdout)?;
@@ -260,6 +286,14 @@ fn finish_output(
             timings.decode_ms,
             timings.decode_tokens_per_s,
         );
+        if speculation.draft_tokens > 0 {
+            eprintln!(
+                "[speculation: {} of {} drafted tokens accepted; {:.2} tokens per decode step]",
+                speculation.accepted_draft_tokens,
+                speculation.draft_tokens,
+                decode_tokens as f64 / speculation.decode_steps.max(1) as f64,
+            );
+        }
     }
     Ok(())
 }
@@ -304,6 +338,7 @@ async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
         stop: args.stop.clone(),
         ignore_eos: args.ignore_eos,
         constraint: constraint(&args)?.as_ref().map(v1::Constraint::from),
+        speculative: args.no_speculative.then_some(false),
         ..Default::default()
     };
     if args.chat {
@@ -334,8 +369,16 @@ async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     let (mut token_ids, mut text, mut first_at, mut finish) =
         (Vec::new(), String::new(), None, String::from("length"));
+    let mut speculation = Speculation::default();
     while let Some(msg) = stream.next().await {
         let msg = msg?;
+        if let Some(u) = &msg.usage {
+            speculation = Speculation {
+                decode_steps: u.decode_steps,
+                draft_tokens: u.draft_tokens,
+                accepted_draft_tokens: u.accepted_draft_tokens,
+            };
+        }
         if !msg.token_ids.is_empty() {
             first_at.get_or_insert_with(Instant::now);
         }
@@ -364,6 +407,7 @@ async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
         &finish,
         (first - start).as_secs_f64(),
         (end - first).as_secs_f64(),
+        speculation,
     )
 }
 

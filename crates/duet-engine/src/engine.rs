@@ -19,6 +19,7 @@ use crate::llama::Llama;
 use crate::model_runner::{ModelRunner, release_freed_heap};
 use crate::sampling::Sampler;
 use crate::scheduler::Scheduler;
+use crate::speculator::{DraftLength, NgramSpeculator, SpeculativeMode};
 use duet_model::chat::{ChatMessage, ChatTemplate};
 use duet_model::config::ModelConfig;
 use duet_model::grammar::GrammarCompiler;
@@ -75,6 +76,18 @@ pub struct EngineOptions {
     /// error at load.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_CPU_KERNELS", value_enum, default_value_t = EngineOptions::default().cpu_kernels))]
     pub cpu_kernels: CpuKernels,
+    /// Speculative decoding: off, or ngram (prompt lookup: a decoding sequence's next tokens are
+    /// drafted from what followed the last earlier occurrence of its last 2-4 tokens, in its
+    /// prompt or output). A step computes the drafts with the next token and keeps the drafted
+    /// tokens the model itself samples, so outputs, greedy or seeded, are those of decoding one
+    /// token per step; a step yields up to --num-speculative-tokens + 1 tokens. Wins where the
+    /// output copies spans of the context (code edits, summaries, RAG answers); drafting backs
+    /// off for sequences whose drafts are rejected. Requests may opt out. CPU only for now.
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_SPECULATIVE", value_enum, default_value_t = EngineOptions::default().speculative))]
+    pub speculative: SpeculativeMode,
+    /// Most tokens drafted per sequence and step when speculating (>= 1).
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_NUM_SPECULATIVE_TOKENS", default_value_t = EngineOptions::default().num_speculative_tokens))]
+    pub num_speculative_tokens: usize,
 }
 
 #[cfg(feature = "cli")]
@@ -97,6 +110,8 @@ impl Default for EngineOptions {
             gpu_memory_fraction: 0.9,
             kv_dtype: KvDtypeChoice::Auto,
             cpu_kernels: CpuKernels::Auto,
+            speculative: SpeculativeMode::Off,
+            num_speculative_tokens: 4,
         }
     }
 }
@@ -114,6 +129,8 @@ impl EngineOptions {
             gpu_memory_fraction,
             kv_dtype,
             cpu_kernels,
+            speculative,
+            num_speculative_tokens,
         } = self;
         let kv_dtype =
             clap::ValueEnum::to_possible_value(kv_dtype).expect("every KV dtype is a flag value");
@@ -126,6 +143,8 @@ impl EngineOptions {
             format!("--gpu-memory-fraction={gpu_memory_fraction}"),
             format!("--kv-dtype={}", kv_dtype.get_name()),
             format!("--cpu-kernels={cpu_kernels}"),
+            format!("--speculative={speculative}"),
+            format!("--num-speculative-tokens={num_speculative_tokens}"),
         ]
         .into_iter()
         .map(Into::into)
@@ -147,6 +166,20 @@ struct OutputState {
     sampler: Sampler,
     stop: StopCriteria,
     text: TextStream,
+    /// How many tokens to draft next; `None`: this sequence is not speculated.
+    draft_length: Option<DraftLength>,
+    speculation: Speculation,
+}
+
+/// What speculative decoding did for one sequence on this engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Speculation {
+    /// Forward steps that sampled tokens for the sequence.
+    pub steps: u64,
+    /// Speculated tokens computed and verified.
+    pub draft_tokens: u64,
+    /// Those the model sampled too (kept as output).
+    pub accepted_draft_tokens: u64,
 }
 
 /// What one step produced for one sequence.
@@ -158,6 +191,9 @@ pub struct StepOutput {
     /// Newly final text.
     pub text: String,
     pub finish: Option<FinishReason>,
+    /// The sequence's speculation so far on this engine (its steps, drafted and accepted
+    /// tokens), up to and including the step of this output.
+    pub speculation: Speculation,
 }
 
 pub struct Engine<B: Backend> {
@@ -171,6 +207,10 @@ pub struct Engine<B: Backend> {
     next_id: SeqId,
     /// Built on the first constrained request (a token trie over the vocabulary).
     grammars: Option<GrammarCompiler>,
+    /// The draft proposer when speculating.
+    speculator: Option<NgramSpeculator>,
+    /// Over every sequence since the engine started.
+    speculation_totals: Speculation,
 }
 
 impl<B: Backend> Engine<B> {
@@ -188,6 +228,24 @@ impl<B: Backend> Engine<B> {
                 options.block_size, options.kv_cache_tokens, options.max_step_tokens
             )));
         }
+        let speculator = match options.speculative {
+            SpeculativeMode::Off => None,
+            SpeculativeMode::Ngram if options.num_speculative_tokens == 0 => {
+                return Err(EngineError::Config(
+                    "--num-speculative-tokens must be at least 1 when speculating".into(),
+                ));
+            }
+            // Verification keeps the drafted tokens the model samples; that equals decoding one
+            // token per step only where a row's logits do not depend on the rows beside it,
+            // which is checked on the CPU backend and not yet on a GPU.
+            SpeculativeMode::Ngram if backend.name() != "cpu" => {
+                return Err(EngineError::Config(format!(
+                    "speculative decoding has not run on the {} backend yet; use --speculative off",
+                    backend.name()
+                )));
+            }
+            SpeculativeMode::Ngram => Some(NgramSpeculator::default()),
+        };
         let model = Llama::load(backend, &files)?;
         let kv_dtype = model
             .backend()
@@ -226,6 +284,8 @@ impl<B: Backend> Engine<B> {
             fingerprint,
             next_id: 0,
             grammars: None,
+            speculator,
+            speculation_totals: Speculation::default(),
         };
         // Loading builds and drops large temporaries (tokenizer tables, repacked-weight staging).
         release_freed_heap();
@@ -361,9 +421,11 @@ impl<B: Backend> Engine<B> {
             OutputState {
                 prompt_len,
                 num_cached_prompt: num_cached.min(prompt_len),
+                draft_length: self.draft_length(sampler.params()),
                 sampler,
                 stop,
                 text,
+                speculation: Speculation::default(),
             },
         );
         Ok(id)
@@ -383,6 +445,12 @@ impl<B: Backend> Engine<B> {
         };
         let grammar = compiler.compile(&constraint)?;
         Ok(Sampler::new(params, prompt).with_grammar(grammar))
+    }
+
+    /// A new sequence's draft length: none unless the engine speculates and the request allows.
+    fn draft_length(&self, params: &SamplingParams) -> Option<DraftLength> {
+        (self.speculator.is_some() && params.speculative)
+            .then(|| DraftLength::new(self.options.num_speculative_tokens))
     }
 
     /// A prompt the model can take, with room for `max_tokens` more.
@@ -452,9 +520,11 @@ impl<B: Backend> Engine<B> {
         let mut generation = OutputState {
             prompt_len: prompt.len(),
             num_cached_prompt: reservation.cached_blocks * self.options.block_size,
+            draft_length: self.draft_length(sampler.params()),
             sampler,
             text: TextStream::new(stop.stop_strings.clone()),
             stop,
+            speculation: Speculation::default(),
         };
         self.scheduler.add_prefilled(id, prompt, reservation)?;
         let max_positions = self.config().max_position_embeddings;
@@ -549,7 +619,21 @@ impl<B: Backend> Engine<B> {
         &mut self,
         on_layer: &mut dyn FnMut(&LayerDone<'_, B>),
     ) -> Result<Vec<StepOutput>, EngineError> {
-        let plan = self.scheduler.plan_step()?;
+        let max_positions = self.config().max_position_embeddings;
+        let (seqs, speculator) = (&mut self.seqs, self.speculator);
+        let plan = self.scheduler.plan_step(&mut |id, tokens| {
+            let (Some(speculator), Some(g)) = (speculator, seqs.get_mut(&id)) else {
+                return Vec::new();
+            };
+            let Some(draft_length) = g.draft_length.as_mut() else {
+                return Vec::new();
+            };
+            // Nothing past max_tokens (counting the token to compute) or the context.
+            let generated = tokens.len() - g.prompt_len;
+            let room = (g.stop.max_tokens.saturating_sub(generated + 1))
+                .min(max_positions.saturating_sub(tokens.len()));
+            speculator.propose(tokens, draft_length.for_step().min(room))
+        })?;
         if plan.is_empty() {
             return Ok(Vec::new());
         }
@@ -559,27 +643,52 @@ impl<B: Backend> Engine<B> {
             |seq| scheduler.tokens(seq).expect("planned sequences exist"),
             on_layer,
         )?;
-        let max_positions = self.config().max_position_embeddings;
         let mut outputs = Vec::new();
         let mut logit_row = 0;
         for p in &plan {
             if !self.scheduler.record_computed(p)? {
                 continue; // a prompt chunk; no token yet
             }
+            let vocab = logits.vocab_size;
+            let rows = &mut logits.data[logit_row * vocab..(logit_row + 1 + p.draft.len()) * vocab];
+            logit_row += 1 + p.draft.len();
+            let first_output = outputs.len();
             let generation = self.seqs.get_mut(&p.seq).expect("planned sequences exist");
-            let sampled = generation.sampler.sample(logits.row_mut(logit_row));
-            logit_row += 1;
-            outputs.push(advance(
+            let accepted = verify(
                 generation,
-                p.seq,
-                sampled,
+                p,
+                rows,
                 &mut self.scheduler,
                 &self.tokenizer,
                 max_positions,
-            )?);
+                &mut outputs,
+            )?;
+            let s = &mut generation.speculation;
+            s.steps += 1;
+            if !p.draft.is_empty() {
+                self.scheduler.end_draft(p.seq)?;
+                s.draft_tokens += p.draft.len() as u64;
+                s.accepted_draft_tokens += accepted as u64;
+                if let Some(d) = &mut generation.draft_length {
+                    d.verified(p.draft.len(), accepted);
+                }
+                let totals = &mut self.speculation_totals;
+                totals.draft_tokens += p.draft.len() as u64;
+                totals.accepted_draft_tokens += accepted as u64;
+            }
+            self.speculation_totals.steps += 1;
+            for out in &mut outputs[first_output..] {
+                out.speculation = generation.speculation;
+            }
         }
         self.runner.end_step(logits, &plan);
         Ok(outputs)
+    }
+
+    /// Speculative decoding over every sequence since the engine started: sampling steps (one
+    /// per sequence per step), drafted and accepted tokens.
+    pub fn speculation_totals(&self) -> Speculation {
+        self.speculation_totals
     }
 
     /// Sequences preempted (and recomputed) since the engine started.
@@ -595,6 +704,52 @@ pub struct Resumed {
     pub generated: usize,
     /// Bytes of their text already delivered.
     pub sent_text_bytes: usize,
+}
+
+/// Samples a planned sequence's tokens from its step's logits `rows` (the row of its last token,
+/// then one per drafted token) and appends them to `outputs`: one token per row while the sampled
+/// token is the drafted one, ending with the first that differs (the model's own pick), the
+/// token after the whole draft, or the sequence's finish. Each row is sampled exactly as decoding
+/// one token per step would have sampled it, so the output, and the random stream of a seeded
+/// sampler, are unchanged. For a drafted token this is the rejection-sampling rule of
+/// speculative decoding with a draft distribution that puts all its mass on that token: it is
+/// accepted with the target probability `p(d)`, and on rejection the token drawn follows `p`
+/// without `d`, renormalised. Returns the number of drafted tokens accepted.
+fn verify(
+    generation: &mut OutputState,
+    planned: &PlannedSeq,
+    rows: &mut [f32],
+    scheduler: &mut Scheduler,
+    tokenizer: &Tokenizer,
+    max_positions: usize,
+    outputs: &mut Vec<StepOutput>,
+) -> Result<usize, EngineError> {
+    let mut accepted = 0;
+    let vocab = rows.len() / (1 + planned.draft.len());
+    for (i, row) in rows.chunks_exact_mut(vocab).enumerate() {
+        let sampled = generation.sampler.sample(row);
+        let token = sampled.token;
+        let out = advance(
+            generation,
+            planned.seq,
+            sampled,
+            scheduler,
+            tokenizer,
+            max_positions,
+        )?;
+        let finished = out.finish.is_some();
+        outputs.push(out);
+        if planned.draft.get(i) != Some(&token) {
+            break; // the token after the whole draft, or the model's own pick
+        }
+        accepted += 1;
+        if finished {
+            break;
+        }
+        // Its KV was computed in this step, from the row of the drafted token.
+        scheduler.record_draft_accepted(planned.seq)?;
+    }
+    Ok(accepted)
 }
 
 /// Appends a sampled token to a sequence and decides whether it finished; a finished sequence
@@ -640,6 +795,7 @@ fn advance(
         token: sampled,
         text,
         finish,
+        speculation: generation.speculation,
     })
 }
 

@@ -14,5 +14,6 @@ pub mod model_runner;
 pub mod moe;
 pub mod sampling;
 pub mod scheduler;
+pub mod speculator;
 
 pub use error::EngineError;

@@ -88,7 +88,7 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Runs one forward pass over `plan` (`seq_tokens` gives each planned sequence's tokens):
     /// writes their K/V into the cache and returns, in plan order, the logits of the sequences
-    /// whose every token is then computed. `on_layer` is called after each layer's K/V are
+    /// whose every token is then computed (one row each, and one more per drafted token). `on_layer` is called after each layer's K/V are
     /// written. Pass the logits to [`end_step`](Self::end_step) once sampled.
     pub fn forward<'t>(
         &mut self,
@@ -96,19 +96,34 @@ impl<B: Backend> ModelRunner<B> {
         seq_tokens: impl Fn(SeqId) -> &'t [u32],
         on_layer: &mut dyn FnMut(&LayerDone<'_, B>),
     ) -> Result<Logits, EngineError> {
+        // A drafting sequence computes its last token and the draft after it, and needs the
+        // logits of every one of them to verify the draft.
+        let drafted: Vec<Vec<u32>> = plan
+            .iter()
+            .map(|p| match p.draft.is_empty() {
+                true => Vec::new(),
+                false => [seq_tokens(p.seq)[p.start_pos..].as_ref(), &p.draft].concat(),
+            })
+            .collect();
         let inputs: Vec<SeqInput<'_>> = plan
             .iter()
-            .map(|p| {
+            .zip(&drafted)
+            .map(|(p, drafted)| {
                 let tokens = seq_tokens(p.seq);
+                let complete = p.start_pos + p.len == tokens.len();
+                let (tokens, logits) = match (drafted.is_empty(), complete) {
+                    (false, _) => (drafted.as_slice(), LogitsWanted::All),
+                    (true, true) => (&tokens[p.start_pos..], LogitsWanted::Last),
+                    (true, false) => (
+                        &tokens[p.start_pos..p.start_pos + p.len],
+                        LogitsWanted::None,
+                    ),
+                };
                 SeqInput {
-                    tokens: &tokens[p.start_pos..p.start_pos + p.len],
+                    tokens,
                     start_pos: p.start_pos,
                     block_table: &p.block_table,
-                    logits: if p.start_pos + p.len == tokens.len() {
-                        LogitsWanted::Last
-                    } else {
-                        LogitsWanted::None
-                    },
+                    logits,
                 }
             })
             .collect();
@@ -141,7 +156,7 @@ impl<B: Backend> ModelRunner<B> {
         const LARGE_STEP_ROWS: usize = 64;
         const SMALL_STEPS_BETWEEN_TRIMS: usize = 8;
         drop(logits);
-        let rows: usize = plan.iter().map(|p| p.len).sum();
+        let rows: usize = plan.iter().map(PlannedSeq::rows).sum();
         self.steps_since_trim += 1;
         if rows >= LARGE_STEP_ROWS || self.steps_since_trim >= SMALL_STEPS_BETWEEN_TRIMS {
             release_freed_heap();

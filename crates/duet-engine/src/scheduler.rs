@@ -13,10 +13,20 @@ pub struct PlannedSeq {
     pub seq: SeqId,
     /// Position of the first token computed.
     pub start_pos: usize,
-    /// Tokens computed.
+    /// Tokens of the sequence computed.
     pub len: usize,
-    /// The sequence's blocks (covering at least `start_pos + len` positions).
+    /// Speculated tokens computed after them in the same step (positions `start_pos + len..`),
+    /// to be verified against what the model samples; empty unless speculating.
+    pub draft: Vec<u32>,
+    /// The sequence's blocks (covering at least `start_pos + len + draft.len()` positions).
     pub block_table: Vec<u32>,
+}
+
+impl PlannedSeq {
+    /// Rows this sequence adds to the step: its tokens and its draft.
+    pub fn rows(&self) -> usize {
+        self.len + self.draft.len()
+    }
 }
 
 struct ScheduledSeq {
@@ -126,13 +136,21 @@ impl Scheduler {
     /// step token budget. When the cache cannot hold a decoding sequence's next token, the newest
     /// sequences are preempted: their blocks are released (full ones stay in the prefix cache)
     /// and they are recomputed later. A prompt that does not fit waits.
-    pub fn plan_step(&mut self) -> Result<Vec<PlannedSeq>, KvError> {
+    ///
+    /// `propose` gives a decoding sequence's draft (speculated tokens, from its tokens so far;
+    /// empty: none). Drafts take only the budget every decoding sequence's own token leaves, and
+    /// only free blocks: a draft never preempts anyone, it is cut or dropped.
+    pub fn plan_step(
+        &mut self,
+        propose: &mut dyn FnMut(SeqId, &[u32]) -> Vec<u32>,
+    ) -> Result<Vec<PlannedSeq>, KvError> {
         let mut budget = self.max_step_tokens;
         let (decoding, prefilling): (Vec<_>, Vec<_>) = self
             .seqs
             .iter()
             .filter(|(_, s)| !s.finished)
             .partition(|(_, s)| s.remaining() <= 1);
+        let mut draft_budget = budget.saturating_sub(decoding.len());
         let order: Vec<SeqId> = decoding
             .into_iter()
             .chain(prefilling)
@@ -151,9 +169,27 @@ impl Scheduler {
             let start_pos = seq.num_computed;
             let decoding = seq.remaining() == 1;
             let len = seq.remaining().min(budget);
+            let mut draft = Vec::new();
+            if decoding && draft_budget > 0 {
+                draft = propose(id, &seq.tokens);
+                draft.truncate(draft_budget);
+                if !draft.is_empty() {
+                    match self
+                        .kv_cache
+                        .allocate_slots(id, start_pos + len + draft.len())
+                    {
+                        Ok(_) => draft_budget -= draft.len(),
+                        Err(KvError::Exhausted { .. }) => draft.clear(),
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
             let mut victims = order[i + 1..].iter().rev();
             let block_table = loop {
-                match self.kv_cache.allocate_slots(id, start_pos + len) {
+                match self
+                    .kv_cache
+                    .allocate_slots(id, start_pos + len + draft.len())
+                {
                     Ok(blocks) => break Some(blocks.ids().to_vec()),
                     Err(KvError::Exhausted { .. }) if decoding => {
                         // Make room by preempting the newest sequences not already in this step.
@@ -172,13 +208,14 @@ impl Scheduler {
             let Some(block_table) = block_table else {
                 continue;
             };
+            budget -= len + draft.len();
             plan.push(PlannedSeq {
                 seq: id,
                 start_pos,
                 len,
+                draft,
                 block_table,
             });
-            budget -= len;
         }
         if plan.is_empty() && self.has_work() {
             return Err(KvError::Exhausted {
@@ -206,6 +243,32 @@ impl Scheduler {
         self.kv_cache
             .cache_full_blocks(planned.seq, &seq.tokens, seq.num_computed)?;
         Ok(seq.num_computed == seq.tokens.len())
+    }
+
+    /// Records that the token just appended to a sequence was its planned draft's next one, whose
+    /// KV the step computed (the model sampled what was speculated), registering the block it
+    /// filled in the prefix cache.
+    pub fn record_draft_accepted(&mut self, seq: SeqId) -> Result<(), KvError> {
+        let id = seq;
+        let seq = tracked(&mut self.seqs, id)?;
+        assert!(
+            seq.num_computed < seq.tokens.len(),
+            "an accepted draft token was appended first"
+        );
+        seq.num_computed += 1;
+        self.kv_cache
+            .cache_full_blocks(id, &seq.tokens, seq.num_computed)
+    }
+
+    /// Ends the verification of a sequence's draft: the blocks that only held rejected tokens'
+    /// slots go back to the pool (the slots left in its last block are overwritten as it grows).
+    pub fn end_draft(&mut self, seq: SeqId) -> Result<(), KvError> {
+        let s = tracked(&mut self.seqs, seq)?;
+        if s.finished {
+            return Ok(()); // its blocks are already back
+        }
+        let len = s.tokens.len();
+        self.kv_cache.shrink(seq, len)
     }
 
     /// Appends a sequence's next token (its KV is computed in the next step). Returns the
@@ -263,13 +326,17 @@ mod tests {
     /// Plans a step and completes it as a model would: every sequence whose tokens are all
     /// computed gets a next token.
     fn step(s: &mut Scheduler) -> Vec<(SeqId, usize, usize)> {
-        let plan = s.plan_step().unwrap();
+        let plan = s.plan_step(&mut no_drafts).unwrap();
         for p in &plan {
             if s.record_computed(p).unwrap() {
                 s.append_token(p.seq, 1).unwrap();
             }
         }
         shape(&plan)
+    }
+
+    fn no_drafts(_: SeqId, _: &[u32]) -> Vec<u32> {
+        Vec::new()
     }
 
     fn blocks_in_use(s: &Scheduler) -> usize {
@@ -308,7 +375,7 @@ mod tests {
     fn a_planned_sequence_holds_blocks_for_its_tokens() {
         let mut s = scheduler(16, 16);
         s.add_sequence(0, tokens(0, 9), "").unwrap();
-        let plan = s.plan_step().unwrap();
+        let plan = s.plan_step(&mut no_drafts).unwrap();
         assert_eq!(plan[0].block_table.len(), 3);
         assert_eq!(
             s.kv_cache().blocks(0).unwrap().ids(),
@@ -380,14 +447,17 @@ mod tests {
         let mut s = scheduler(2, 64);
         s.add_sequence(0, tokens(0, 12), "").unwrap();
         assert_eq!(
-            s.plan_step().unwrap_err(),
+            s.plan_step(&mut no_drafts).unwrap_err(),
             KvError::Exhausted {
                 requested: 1,
                 available: 2
             }
         );
         s.finish(0).unwrap();
-        assert!(s.plan_step().unwrap().is_empty(), "no work, no plan");
+        assert!(
+            s.plan_step(&mut no_drafts).unwrap().is_empty(),
+            "no work, no plan"
+        );
     }
 
     #[test]
@@ -403,6 +473,75 @@ mod tests {
         assert_eq!(s.add_sequence(2, prompt.clone(), "b").unwrap(), 0);
         assert_eq!(s.add_sequence(3, prompt[..8].to_vec(), "a").unwrap(), 4);
         assert_eq!(step(&mut s), [(1, 8, 2), (2, 0, 10), (3, 4, 4)]);
+    }
+
+    /// (sequence, first position, tokens, drafted) of each planned sequence.
+    fn shape_with_drafts(plan: &[PlannedSeq]) -> Vec<(SeqId, usize, usize, usize)> {
+        plan.iter()
+            .map(|p| (p.seq, p.start_pos, p.len, p.draft.len()))
+            .collect()
+    }
+
+    #[test]
+    fn drafts_take_only_the_budget_the_decoding_tokens_leave() {
+        let mut s = scheduler(32, 6);
+        s.add_sequence(0, tokens(0, 3), "").unwrap();
+        s.add_sequence(1, tokens(10, 3), "").unwrap();
+        step(&mut s);
+        s.add_sequence(2, tokens(20, 5), "").unwrap();
+        let mut propose = |_: SeqId, _: &[u32]| vec![7; 8];
+        let plan = s.plan_step(&mut propose).unwrap();
+        // Two decoding tokens leave 4 of the budget: the oldest sequence drafts them all, the
+        // other decodes one token and the prompt waits.
+        assert_eq!(shape_with_drafts(&plan), [(0, 3, 1, 4), (1, 3, 1, 0)]);
+        assert_eq!(plan[0].rows(), 5);
+        assert_eq!(plan[0].draft, [7; 4]);
+        assert!(plan[0].block_table.len() * BLOCK_SIZE >= 3 + 5);
+    }
+
+    #[test]
+    fn a_draft_is_dropped_rather_than_preempt_anyone() {
+        let mut s = scheduler(3, 64);
+        s.add_sequence(0, tokens(0, 4), "").unwrap();
+        s.add_sequence(1, tokens(10, 4), "").unwrap();
+        step(&mut s);
+        // One block is free: sequence 0's next token needs it, its draft of 8 would need 3.
+        let mut propose = |seq: SeqId, _: &[u32]| if seq == 0 { vec![7; 8] } else { Vec::new() };
+        let plan = s.plan_step(&mut propose).unwrap();
+        assert_eq!(shape_with_drafts(&plan), [(0, 4, 1, 0)]);
+        assert_eq!(s.preemptions(), 0);
+    }
+
+    #[test]
+    fn accepted_drafts_are_computed_and_rejected_slots_given_back() {
+        let mut s = scheduler(8, 64);
+        s.add_sequence(0, tokens(0, 3), "").unwrap();
+        step(&mut s);
+        // Tokens 0 1 2 | 1 (sampled, to compute): the draft of 8 spans positions 4..12.
+        let mut propose = |_: SeqId, _: &[u32]| (50..58).collect();
+        let plan = s.plan_step(&mut propose).unwrap();
+        assert_eq!(shape_with_drafts(&plan), [(0, 3, 1, 8)]);
+        assert_eq!(blocks_in_use(&s), 3);
+        assert!(s.record_computed(&plan[0]).unwrap());
+        // The model samples 50 and 51 (accepted), then 99 instead of 52.
+        for t in [50, 51] {
+            s.append_token(0, t).unwrap();
+            s.record_draft_accepted(0).unwrap();
+        }
+        s.append_token(0, 99).unwrap();
+        s.end_draft(0).unwrap();
+        assert_eq!(s.tokens(0).unwrap(), [0, 1, 2, 1, 50, 51, 99]);
+        // 7 tokens need 2 blocks: the third, holding only rejected slots, is back.
+        assert_eq!(blocks_in_use(&s), 2);
+        let blocks = s.kv_cache().blocks(0).unwrap().ids().to_vec();
+        let pool = s.kv_cache().pool();
+        assert!(pool.hash_of(blocks[0]).is_some(), "full of accepted tokens");
+        assert!(
+            pool.hash_of(blocks[1]).is_none(),
+            "holds 2 computed tokens of 4"
+        );
+        // The next step computes the correction token alone.
+        assert_eq!(step(&mut s), [(0, 6, 1)]);
     }
 
     #[test]

@@ -46,6 +46,11 @@ impl BlockTable {
         self.blocks.extend(blocks);
     }
 
+    /// Removes and returns the blocks past the first `keep` (to hand back to the pool).
+    pub fn truncate(&mut self, keep: usize) -> Vec<BlockId> {
+        self.blocks.split_off(keep.min(self.blocks.len()))
+    }
+
     /// Removes and returns every block (to hand back to the pool).
     pub fn take(&mut self) -> Vec<BlockId> {
         std::mem::take(&mut self.blocks)

@@ -174,6 +174,21 @@ impl KvCacheManager {
         Ok(&s.blocks)
     }
 
+    /// Gives back a sequence's blocks past those holding `num_tokens` tokens: the slots of
+    /// speculated tokens that were rejected. Blocks past `num_tokens` were never full of computed
+    /// KV, so none is in the prefix cache.
+    pub fn shrink(&mut self, seq: SeqId, num_tokens: usize) -> Result<(), KvError> {
+        let bs = self.pool.block_size();
+        let s = tracked(&mut self.seqs, seq)?;
+        let keep = num_tokens.div_ceil(bs);
+        debug_assert!(
+            s.hashes.len() <= keep,
+            "a registered block is never shrunk away"
+        );
+        let past = s.blocks.table.truncate(keep);
+        self.pool.release(&past)
+    }
+
     /// Registers the content hash of every block of `tokens` that became full with computed KV
     /// (`num_computed` tokens), so later prompts with this prefix can reuse it.
     pub fn cache_full_blocks(
@@ -299,6 +314,27 @@ mod tests {
         kv.remove(0).unwrap();
         assert_eq!(kv.blocks(0), None);
         assert_eq!(kv.free(0), Err(KvError::UnknownSequence(0)));
+    }
+
+    #[test]
+    fn shrinking_gives_back_the_blocks_of_rejected_slots_only() {
+        let mut kv = manager(8);
+        let t = tokens(14);
+        kv.add_sequence(0, &t, "").unwrap();
+        // 6 tokens computed, 5 speculated past them: 3 blocks.
+        kv.allocate_slots(0, 11).unwrap();
+        kv.cache_full_blocks(0, &t, 6).unwrap();
+        let held = kv.blocks(0).unwrap().ids().to_vec();
+        assert_eq!(held.len(), 3);
+        // Two speculated tokens kept: 8 tokens fill exactly 2 blocks.
+        kv.shrink(0, 8).unwrap();
+        assert_eq!(kv.blocks(0).unwrap().ids(), &held[..2]);
+        assert_eq!(kv.pool().available(), 6);
+        // Nothing past what is held: nothing changes.
+        kv.shrink(0, 8).unwrap();
+        kv.shrink(0, 100).unwrap();
+        assert_eq!(kv.blocks(0).unwrap().ids(), &held[..2]);
+        assert_eq!(kv.shrink(7, 1), Err(KvError::UnknownSequence(7)));
     }
 
     #[test]

@@ -120,6 +120,9 @@ pub struct SamplingParams {
     pub logprobs: u32,
     /// What the generated text must conform to (structured outputs); `None`: anything.
     pub constraint: Option<Constraint>,
+    /// Whether the worker's speculative decoding may draft for this request (it never changes
+    /// the output, only how many tokens a step yields); `false` opts out.
+    pub speculative: bool,
 }
 
 /// A grammar the generated text must follow: every token is drawn from those that keep the text
@@ -175,6 +178,7 @@ impl Default for SamplingParams {
             seed: None,
             logprobs: 0,
             constraint: None,
+            speculative: true,
         }
     }
 }

@@ -26,6 +26,7 @@ impl From<&v1::SamplingParams> for SamplingParams {
             seed: p.seed,
             logprobs: p.logprobs,
             constraint: p.constraint.as_ref().and_then(constraint_from_wire),
+            speculative: p.speculative,
         }
     }
 }
@@ -83,6 +84,7 @@ impl From<(&SamplingParams, &StopCriteria, u64)> for v1::SamplingParams {
             stop_token_ids: stop.stop_token_ids.clone(),
             ignore_eos: stop.ignore_eos,
             constraint: p.constraint.as_ref().map(v1::Constraint::from),
+            speculative: p.speculative,
         }
     }
 }
@@ -158,6 +160,7 @@ mod tests {
             seed: Some(11),
             logprobs: 3,
             constraint: Some(Constraint::Regex("[a-z]+".into())),
+            speculative: false,
         };
         let stop = StopCriteria {
             max_tokens: 9,

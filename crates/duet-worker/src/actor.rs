@@ -164,6 +164,7 @@ impl<E: ActorEngine> Actor<E> {
             reservations: 0,
             prefill_tokens_per_s: 0.0,
             preemptions: 0,
+            speculation: Default::default(),
         }));
         engine.record_kv_events();
         Self {
@@ -535,7 +536,7 @@ impl<E: ActorEngine> Actor<E> {
                 return;
             }
             if last_layer {
-                step_tokens = done.plan().iter().map(|p| p.len).sum();
+                step_tokens = done.plan().iter().map(PlannedSeq::rows).sum();
             }
             for p in done.plan() {
                 let Some(a) = admitted.get_mut(&p.seq) else {
@@ -629,6 +630,7 @@ impl<E: ActorEngine> Actor<E> {
             reservations: self.reservations.len(),
             prefill_tokens_per_s: self.prefill_rate.tokens_per_s(),
             preemptions: self.engine.preemptions(),
+            speculation: self.engine.speculation_totals(),
         });
     }
 }

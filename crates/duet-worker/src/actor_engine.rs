@@ -4,7 +4,7 @@
 use duet_engine::EngineError;
 use duet_engine::backend::{Backend, KvLayout};
 use duet_engine::engine::{
-    Engine, KvReservation, LayerDone, PlannedSeq, Resumed, SeqId, StepOutput,
+    Engine, KvReservation, LayerDone, PlannedSeq, Resumed, SeqId, Speculation, StepOutput,
 };
 use duet_kv::{KvDigest, KvEvent, PoolStats};
 use duet_model::params::{Sampled, SamplingParams, StopCriteria};
@@ -49,6 +49,7 @@ pub trait ActorEngine {
     fn take_kv_events(&mut self) -> (Vec<KvEvent>, KvDigest);
     fn has_work(&self) -> bool;
     fn preemptions(&self) -> u64;
+    fn speculation_totals(&self) -> Speculation;
     fn resume_sequence(
         &mut self,
         tokens: Vec<u32>,
@@ -100,6 +101,10 @@ impl<B: Backend + 'static> ActorEngine for Engine<B> {
 
     fn preemptions(&self) -> u64 {
         Engine::preemptions(self)
+    }
+
+    fn speculation_totals(&self) -> Speculation {
+        Engine::speculation_totals(self)
     }
 
     fn resume_sequence(

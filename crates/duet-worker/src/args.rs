@@ -130,6 +130,7 @@ mod tests {
     use clap::Parser;
     use duet_engine::backend::{CpuKernels, KvDtypeChoice};
     use duet_engine::device::Device;
+    use duet_engine::speculator::SpeculativeMode;
 
     use super::*;
 
@@ -178,6 +179,8 @@ mod tests {
                 gpu_memory_fraction: 0.123,
                 kv_dtype: KvDtypeChoice::Bf16,
                 cpu_kernels: CpuKernels::Avx2,
+                speculative: SpeculativeMode::Ngram,
+                num_speculative_tokens: 6,
             },
             kv_transport: TransportChoice::Nccl,
             request_timeout_ms: 6,

@@ -151,6 +151,21 @@ const READS: &[Read] = &[
         "Sequences preempted (their KV given up and recomputed later).",
         |s, _| s.preemptions as f64,
     ),
+    counter(
+        "duet_spec_decode_sequence_steps_total",
+        "Steps that sampled tokens, once per sequence per step (tokens per step = 1 + accepted tokens / this).",
+        |s, _| s.speculation.steps as f64,
+    ),
+    counter(
+        "duet_spec_decode_num_draft_tokens_total",
+        "Tokens drafted by speculative decoding and verified.",
+        |s, _| s.speculation.draft_tokens as f64,
+    ),
+    counter(
+        "duet_spec_decode_num_accepted_tokens_total",
+        "Drafted tokens accepted: the model sampled them too (acceptance rate = this / drafted).",
+        |s, _| s.speculation.accepted_draft_tokens as f64,
+    ),
 ];
 
 /// A worker's families, registered with [`duet_telemetry::metrics::Registration`].
@@ -281,6 +296,7 @@ impl Collector for WorkerMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use duet_engine::engine::Speculation;
 
     #[test]
     fn every_family_has_a_duet_name_and_unique() {
@@ -323,6 +339,11 @@ mod tests {
             reservations: 1,
             preemptions: 7,
             prefill_tokens_per_s: 1500.0,
+            speculation: Speculation {
+                steps: 40,
+                draft_tokens: 30,
+                accepted_draft_tokens: 20,
+            },
         }));
         Counters::add(&counters.prompt_tokens, 64);
         Counters::add(&counters.prefix_hit_tokens, 48);
@@ -362,6 +383,9 @@ mod tests {
         assert_eq!(counter("duet_prefix_cache_queries_total"), 64.0);
         assert_eq!(counter("duet_prefix_cache_hits_total"), 48.0);
         assert_eq!(counter("duet_num_preemptions_total"), 7.0);
+        assert_eq!(counter("duet_spec_decode_sequence_steps_total"), 40.0);
+        assert_eq!(counter("duet_spec_decode_num_draft_tokens_total"), 30.0);
+        assert_eq!(counter("duet_spec_decode_num_accepted_tokens_total"), 20.0);
         let bytes = find(&families, "duet_kv_transfer_bytes_total");
         assert_eq!(bytes.get_counter().get_value(), 4096.0);
         assert_eq!(label(bytes, "transport").as_deref(), Some("grpc"));

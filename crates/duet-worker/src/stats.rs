@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use duet_engine::engine::Speculation;
 use duet_kv::PoolStats;
 use duet_proto::v1;
 use duet_telemetry::metrics;
@@ -27,6 +28,9 @@ pub struct Snapshot {
     pub reservations: usize,
     /// Sequences preempted (their KV given up, recomputed later) since the engine started.
     pub preemptions: u64,
+    /// Speculative decoding since the engine started: sequence-steps, drafted and accepted
+    /// tokens.
+    pub speculation: Speculation,
 }
 
 /// Counters and gauges shared by the services and the engine thread. The histograms and

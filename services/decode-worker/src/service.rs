@@ -158,6 +158,10 @@ fn check_plan(plan: &v1::PrefillPlan, known: &KnownPeers) -> Result<(), WorkerEr
     }
 }
 
+fn saturating_u32(n: u64) -> u32 {
+    n.try_into().unwrap_or(u32::MAX)
+}
+
 /// Turns a request's engine events into its response messages.
 struct Responses {
     prompt_tokens: u32,
@@ -191,6 +195,9 @@ impl Responses {
                 prompt_tokens: self.prompt_tokens,
                 completion_tokens: self.completion_tokens + self.already_generated,
                 cached_prompt_tokens: self.report.cached_tokens,
+                decode_steps: saturating_u32(out.speculation.steps),
+                draft_tokens: saturating_u32(out.speculation.draft_tokens),
+                accepted_draft_tokens: saturating_u32(out.speculation.accepted_draft_tokens),
             });
             let r = &self.report;
             msg.timings = Some(v1::Timings {

@@ -89,6 +89,9 @@ pub struct Common {
     pub guided_regex: Option<String>,
     /// A Lark grammar the answer follows (vLLM's field; llguidance's Lark dialect).
     pub guided_grammar: Option<String>,
+    /// `false` opts the request out of the decode worker's speculative decoding (duet's
+    /// `speculative`; the answer is the same either way).
+    pub speculative: Option<bool>,
     #[serde(flatten)]
     pub unserved: Unserved,
 }
@@ -279,6 +282,7 @@ impl Common {
         req.ignore_eos = self.ignore_eos;
         req.cache_salt = self.cache_salt.clone();
         req.constraint = self.constraint()?;
+        req.speculative = self.speculative;
         Ok(())
     }
 
@@ -578,13 +582,25 @@ fn text_of(content: Option<&Content>) -> Result<String, OpenAiError> {
     }
 }
 
-/// `usage`, with the prompt tokens served from the prefix cache.
+/// `usage`, with the prompt tokens served from the prefix cache and what speculative decoding
+/// did.
 #[derive(Clone, Debug, Serialize)]
 pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
     pub prompt_tokens_details: PromptTokensDetails,
+    pub completion_tokens_details: CompletionTokensDetails,
+}
+
+/// Speculative decoding's drafts in OpenAI's predicted-output fields (drafted tokens the model
+/// also sampled, and the others), and duet's `decode_steps` (the decode worker's steps that
+/// generated the answer).
+#[derive(Clone, Debug, Serialize)]
+pub struct CompletionTokensDetails {
+    pub accepted_prediction_tokens: u32,
+    pub rejected_prediction_tokens: u32,
+    pub decode_steps: u32,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -600,6 +616,11 @@ impl From<&v1::Usage> for Usage {
             total_tokens: u.prompt_tokens + u.completion_tokens,
             prompt_tokens_details: PromptTokensDetails {
                 cached_tokens: u.cached_prompt_tokens,
+            },
+            completion_tokens_details: CompletionTokensDetails {
+                accepted_prediction_tokens: u.accepted_draft_tokens,
+                rejected_prediction_tokens: u.draft_tokens.saturating_sub(u.accepted_draft_tokens),
+                decode_steps: u.decode_steps,
             },
         }
     }
@@ -923,6 +944,32 @@ mod tests {
 
     fn kind(r: &v1::GenerateRequest) -> Option<v1::constraint::Kind> {
         r.constraint.as_ref().and_then(|c| c.kind.clone())
+    }
+
+    /// `speculative: false` opts out; the usage reports the drafts in OpenAI's fields.
+    #[test]
+    fn speculation_is_asked_for_and_reported() {
+        let (r, _) = completion(r#"{"model":"m","prompt":"a","speculative":false}"#).unwrap();
+        assert_eq!(r.speculative, Some(false));
+        let (r, _) = completion(r#"{"model":"m","prompt":"a"}"#).unwrap();
+        assert_eq!(r.speculative, None);
+        let usage = Usage::from(&v1::Usage {
+            prompt_tokens: 5,
+            completion_tokens: 9,
+            decode_steps: 4,
+            draft_tokens: 8,
+            accepted_draft_tokens: 5,
+            ..Default::default()
+        });
+        let json = serde_json::to_value(&usage).unwrap();
+        assert_eq!(
+            json["completion_tokens_details"],
+            serde_json::json!({
+                "accepted_prediction_tokens": 5,
+                "rejected_prediction_tokens": 3,
+                "decode_steps": 4
+            })
+        );
     }
 
     /// `response_format`, `guided_regex` and `guided_grammar` become the request's constraint,

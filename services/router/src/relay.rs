@@ -392,9 +392,9 @@ impl Progress {
             timings: None,
         };
         if finished {
-            let cached = msg.usage.map(|u| u.cached_prompt_tokens).unwrap_or(0);
-            self.cached_reported = Some(cached);
-            out.usage = Some(self.usage(job, cached));
+            let worker_usage = msg.usage.unwrap_or_default();
+            self.cached_reported = Some(worker_usage.cached_prompt_tokens);
+            out.usage = Some(self.usage(job, &worker_usage));
             let mut t = msg.timings.unwrap_or_default();
             self.stamp(job, &mut t);
             if t.decode_worker.is_empty() {
@@ -420,18 +420,23 @@ impl Progress {
         v1::GenerateResponse {
             request_id: job.request_id.clone(),
             finish_reason: v1::FinishReason::Length as i32,
-            usage: Some(self.usage(job, 0)),
+            usage: Some(self.usage(job, &v1::Usage::default())),
             timings: Some(timings),
             ..Default::default()
         }
     }
 
-    fn usage(&self, job: &Job, cached: u32) -> v1::Usage {
+    /// The request's usage: the router's own counts, and what the worker that finished it
+    /// reported (`worker`: its prefix-cache hits and speculation).
+    fn usage(&self, job: &Job, worker: &v1::Usage) -> v1::Usage {
         let prompt = job.valid.prompt.len() as u32;
         v1::Usage {
             prompt_tokens: prompt,
             completion_tokens: self.generated.len() as u32,
-            cached_prompt_tokens: cached.min(prompt),
+            cached_prompt_tokens: worker.cached_prompt_tokens.min(prompt),
+            decode_steps: worker.decode_steps,
+            draft_tokens: worker.draft_tokens,
+            accepted_draft_tokens: worker.accepted_draft_tokens,
         }
     }
 

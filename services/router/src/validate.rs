@@ -257,6 +257,7 @@ impl PromptModel {
             seed: req.seed,
             logprobs: req.logprobs,
             constraint: None,
+            speculative: req.speculative.unwrap_or(true),
         };
         engine
             .validate()
@@ -300,6 +301,7 @@ impl PromptModel {
             stop_token_ids: req.stop_token_ids.clone(),
             ignore_eos: req.ignore_eos,
             constraint: constraint.as_ref().map(v1::Constraint::from),
+            speculative: engine.speculative,
         };
         Ok(ValidRequest {
             prompt,

@@ -112,6 +112,10 @@ impl DecodeWorker for FakeDecode {
                         prompt_tokens: prompt_len as u32,
                         completion_tokens: end as u32,
                         cached_prompt_tokens: 0,
+                        // As a speculating worker: two steps, 3 drafted and 1 kept.
+                        decode_steps: 2,
+                        draft_tokens: 3,
+                        accepted_draft_tokens: 1,
                     }),
                     timings: last.then(|| v1::Timings {
                         decode_worker: name.clone(),
@@ -444,6 +448,15 @@ async fn bad_inputs_are_invalid_argument_and_serving_goes_on() {
     assert!(msgs.iter().all(|m| m.request_id == last.request_id));
     let usage = last.usage.unwrap();
     assert_eq!(usage.completion_tokens, 3);
+    assert_eq!(
+        (
+            usage.decode_steps,
+            usage.draft_tokens,
+            usage.accepted_draft_tokens
+        ),
+        (2, 3, 1),
+        "the worker's speculation is relayed"
+    );
     let prompt = c
         .tokenize(v1::TokenizeRequest {
             text: "hello world".into(),

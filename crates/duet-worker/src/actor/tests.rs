@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 
 use duet_engine::backend::KvDtype;
-use duet_engine::engine::{Resumed, StepOutput};
+use duet_engine::engine::{Resumed, Speculation, StepOutput};
 use duet_kv::{KvDigest, KvEvent, PoolStats};
 use duet_model::params::{FinishReason, SamplingParams, StopCriteria};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -109,6 +109,7 @@ impl ScriptedEngine {
             },
             text: String::new(),
             finish: s.finished.then_some(FinishReason::Length),
+            speculation: Default::default(),
         }
     }
 }
@@ -166,6 +167,10 @@ impl ActorEngine for ScriptedEngine {
 
     fn preemptions(&self) -> u64 {
         0
+    }
+
+    fn speculation_totals(&self) -> Speculation {
+        Speculation::default()
     }
 
     fn resume_sequence(
@@ -245,6 +250,7 @@ impl ActorEngine for ScriptedEngine {
                 seq,
                 start_pos: s.computed,
                 len: (s.tokens.len() - s.computed).min(self.chunk),
+                draft: Vec::new(),
                 block_table: (0..s.blocks as u32).map(|b| 10 * seq as u32 + b).collect(),
             })
             .collect();

@@ -1,0 +1,338 @@
+//! Speculative decoding changes how many tokens a step yields, never which tokens: greedy and
+//! seeded outputs equal decoding one token per step, token for token (alone, in a batch, under a
+//! grammar, at max_tokens and stop strings); sampled outputs follow the same distribution; and
+//! the drafts really are verified (acceptance counted, rejected slots given back).
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{default_model, fixtures};
+use duet_cpu::CpuBackend;
+use duet_engine::engine::{Engine, EngineOptions, SeqId, Speculation};
+use duet_engine::speculator::SpeculativeMode;
+use duet_model::params::{Constraint, FinishReason, SamplingParams, StopCriteria};
+
+fn options(speculative: SpeculativeMode) -> EngineOptions {
+    EngineOptions {
+        threads: 2,
+        block_size: 4,
+        kv_cache_tokens: 4096,
+        max_step_tokens: 64,
+        speculative,
+        num_speculative_tokens: 5,
+        ..Default::default()
+    }
+}
+
+fn tiny(speculative: SpeculativeMode) -> Engine<CpuBackend> {
+    duet_cpu::load_engine(&fixtures().join("tiny-llama"), options(speculative)).unwrap()
+}
+
+fn stop(n: usize) -> StopCriteria {
+    StopCriteria {
+        max_tokens: n,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// What one sequence produced: its tokens, finish reason, and speculation.
+#[derive(Debug, PartialEq)]
+struct Run {
+    tokens: Vec<u32>,
+    finish: Option<FinishReason>,
+    text: String,
+    speculation: Speculation,
+}
+
+/// Runs every request to its end in one batch; also the most tokens one step gave a sequence.
+fn run_all(
+    engine: &mut Engine<CpuBackend>,
+    requests: &[(Vec<u32>, SamplingParams, StopCriteria)],
+) -> (Vec<Run>, usize) {
+    let ids: Vec<SeqId> = requests
+        .iter()
+        .map(|(p, params, stop)| {
+            engine
+                .add_sequence(p.clone(), params.clone(), stop.clone())
+                .unwrap()
+        })
+        .collect();
+    let mut runs: HashMap<SeqId, Run> = HashMap::new();
+    let mut most_per_step = 0;
+    while engine.has_work() {
+        let outputs = engine.step().unwrap();
+        let mut per_seq: HashMap<SeqId, usize> = HashMap::new();
+        for out in outputs {
+            *per_seq.entry(out.seq).or_default() += 1;
+            let run = runs.entry(out.seq).or_insert(Run {
+                tokens: Vec::new(),
+                finish: None,
+                text: String::new(),
+                speculation: Speculation::default(),
+            });
+            assert!(run.finish.is_none(), "an output after the finish");
+            run.tokens.push(out.token.token);
+            run.text.push_str(&out.text);
+            run.finish = out.finish;
+            run.speculation = out.speculation;
+        }
+        most_per_step = most_per_step.max(per_seq.values().copied().max().unwrap_or(0));
+    }
+    let runs = ids
+        .iter()
+        .map(|id| {
+            engine.remove_sequence(*id).unwrap();
+            runs.remove(id).unwrap()
+        })
+        .collect();
+    (runs, most_per_step)
+}
+
+/// A prompt with a repeated span, so that drafts are proposed and some accepted.
+fn repetitive_prompt(seed: u32) -> Vec<u32> {
+    let span: Vec<u32> = (0..12).map(|i| 3 + (i * 37 + seed * 101) % 380).collect();
+    [
+        span.clone(),
+        vec![5, 6],
+        span.clone(),
+        vec![7],
+        span[..6].to_vec(),
+    ]
+    .concat()
+}
+
+fn seeded(temperature: f32, seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        seed: Some(seed),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn greedy_and_seeded_outputs_equal_decoding_one_token_per_step() {
+    let requests: Vec<_> = (0..6)
+        .map(|i| {
+            let params = match i % 3 {
+                0 => SamplingParams::greedy(),
+                1 => seeded(0.8, 100 + i as u64),
+                _ => SamplingParams {
+                    top_k: 5,
+                    repetition_penalty: 1.1,
+                    frequency_penalty: 0.3,
+                    ..seeded(1.0, 200 + i as u64)
+                },
+            };
+            (repetitive_prompt(i), params, stop(40))
+        })
+        .collect();
+    let (off, off_most) = run_all(&mut tiny(SpeculativeMode::Off), &requests);
+    assert_eq!(off_most, 1);
+    // All at once (each sequence drafts as the budget allows), then one by one.
+    let (batched, most) = run_all(&mut tiny(SpeculativeMode::Ngram), &requests);
+    let mut spec = tiny(SpeculativeMode::Ngram);
+    let alone: Vec<Run> = requests
+        .iter()
+        .map(|r| run_all(&mut spec, std::slice::from_ref(r)).0.remove(0))
+        .collect();
+    for ((off, batched), alone) in off.iter().zip(&batched).zip(&alone) {
+        assert_eq!(
+            off.tokens, batched.tokens,
+            "batched speculation changed the output"
+        );
+        assert_eq!(off.tokens, alone.tokens, "speculation changed the output");
+        assert_eq!((off.finish, &off.text), (batched.finish, &batched.text));
+        assert_eq!(off.speculation.draft_tokens, 0);
+        assert_eq!(off.speculation.steps as usize, off.tokens.len());
+    }
+    let drafted: u64 = batched.iter().map(|r| r.speculation.draft_tokens).sum();
+    let accepted: u64 = batched
+        .iter()
+        .map(|r| r.speculation.accepted_draft_tokens)
+        .sum();
+    assert!(accepted > 0, "{accepted} of {drafted} accepted");
+    assert!(most > 1, "no step yielded more than one token");
+    for r in &batched {
+        // Each step yields one token and one per accepted draft token.
+        let s = r.speculation;
+        assert_eq!(
+            s.steps + s.accepted_draft_tokens,
+            r.tokens.len() as u64,
+            "{s:?}"
+        );
+    }
+}
+
+#[test]
+fn max_tokens_stop_strings_and_opting_out_hold_while_speculating() {
+    let p = repetitive_prompt(3);
+    let mut off = tiny(SpeculativeMode::Off);
+    let mut spec = tiny(SpeculativeMode::Ngram);
+    let text = {
+        let (r, _) = run_all(&mut off, &[(p.clone(), SamplingParams::greedy(), stop(30))]);
+        r[0].text.clone()
+    };
+    // A stop string from the middle of the greedy text, and max_tokens inside a long draft.
+    let cut = text.char_indices().nth(text.chars().count() / 2).unwrap().0;
+    let stop_string: String = text[cut..].chars().take(3).collect();
+    for (max_tokens, stop_strings) in [(1, vec![]), (7, vec![]), (30, vec![stop_string])] {
+        let criteria = StopCriteria {
+            max_tokens,
+            stop_strings,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let request = [(p.clone(), SamplingParams::greedy(), criteria)];
+        let (want, _) = run_all(&mut off, &request);
+        let (got, _) = run_all(&mut spec, &request);
+        assert_eq!(got[0].tokens, want[0].tokens);
+        assert_eq!(
+            (got[0].finish, &got[0].text),
+            (want[0].finish, &want[0].text)
+        );
+        assert!(got[0].tokens.len() <= max_tokens);
+    }
+    // A request that opts out decodes one token per step.
+    let opted_out = SamplingParams {
+        speculative: false,
+        ..SamplingParams::greedy()
+    };
+    let (r, most) = run_all(&mut spec, &[(p.clone(), opted_out, stop(30))]);
+    assert_eq!((r[0].speculation.draft_tokens, most), (0, 1));
+}
+
+#[test]
+fn rejected_drafts_give_their_blocks_back() {
+    let mut spec = tiny(SpeculativeMode::Ngram);
+    let requests: Vec<_> = (0..4)
+        .map(|i| (repetitive_prompt(10 + i), seeded(1.0, i as u64), stop(50)))
+        .collect();
+    run_all(&mut spec, &requests);
+    let pool = spec.block_pool().stats();
+    assert_eq!(pool.in_use, 0, "every block is back: {pool:?}");
+    assert_eq!(pool.free + pool.cached, pool.num_blocks);
+}
+
+#[test]
+fn a_grammar_holds_while_speculating() {
+    let schema = r#"{"type":"object","properties":{"a":{"type":"array","items":{"type":"integer"}}},"required":["a"]}"#;
+    let params = SamplingParams {
+        constraint: Some(Constraint::JsonSchema(schema.into())),
+        ..seeded(0.7, 5)
+    };
+    let p = repetitive_prompt(4);
+    let request = [(p, params, stop(60))];
+    let (want, _) = run_all(&mut tiny(SpeculativeMode::Off), &request);
+    let (got, _) = run_all(&mut tiny(SpeculativeMode::Ngram), &request);
+    assert_eq!(
+        got,
+        [Run {
+            speculation: got[0].speculation,
+            ..want.into_iter().next().unwrap()
+        }]
+    );
+}
+
+/// Two samples of the first three tokens (top-2 sampling at temperature 1: eight outcomes), one
+/// with speculation and one without, from disjoint seeds: a chi-square test of homogeneity. The
+/// repetitive prompt makes the drafts verified at the second and third tokens accepted or
+/// rejected often; were an accepted draft not drawn with the model's probability (say, accepted
+/// whenever it is among the candidates), the outcomes would shift.
+#[test]
+fn sampled_outputs_follow_the_model_distribution() {
+    const RUNS: u64 = 1500;
+    // The model's own greedy continuation of a start, then the start again: drafts copy the
+    // continuation, which top-2 sampling picks often but not always.
+    let start: Vec<u32> = (0..8).map(|i| 3 + (i * 53) % 380).collect();
+    let (greedy, _) = run_all(
+        &mut tiny(SpeculativeMode::Off),
+        &[(start.clone(), SamplingParams::greedy(), stop(12))],
+    );
+    let p = [start.clone(), greedy[0].tokens.clone(), start].concat();
+    let params = |seed| SamplingParams {
+        top_k: 2,
+        ..seeded(1.0, seed)
+    };
+    let sample = |mode, seeds: std::ops::Range<u64>| {
+        let mut engine = tiny(mode);
+        let mut counts: HashMap<Vec<u32>, u64> = HashMap::new();
+        let mut speculation = (0, 0);
+        let seeds: Vec<u64> = seeds.collect();
+        for chunk in seeds.chunks(100) {
+            let requests: Vec<_> = chunk
+                .iter()
+                .map(|&s| (p.clone(), params(s), stop(3)))
+                .collect();
+            for r in run_all(&mut engine, &requests).0 {
+                speculation.0 += r.speculation.draft_tokens;
+                speculation.1 += r.speculation.accepted_draft_tokens;
+                *counts.entry(r.tokens).or_default() += 1;
+            }
+        }
+        (counts, speculation)
+    };
+    let (off, _) = sample(SpeculativeMode::Off, 0..RUNS);
+    let (spec, (drafted, accepted)) = sample(SpeculativeMode::Ngram, RUNS..2 * RUNS);
+    assert!(
+        accepted > RUNS / 4 && drafted - accepted > RUNS / 4,
+        "the test needs drafts both accepted and rejected: {accepted} of {drafted}"
+    );
+    let outcomes: std::collections::BTreeSet<&Vec<u32>> = off.keys().chain(spec.keys()).collect();
+    let mut chi2 = 0.0;
+    for o in &outcomes {
+        let (a, b) = (
+            *off.get(*o).unwrap_or(&0) as f64,
+            *spec.get(*o).unwrap_or(&0) as f64,
+        );
+        // Equal sample sizes: expected a count of (a + b) / 2 in each.
+        let e = (a + b) / 2.0;
+        chi2 += (a - e).powi(2) / e + (b - e).powi(2) / e;
+    }
+    let df = outcomes.len() - 1;
+    // The 0.999 quantile of chi-square with df degrees of freedom (Wilson–Hilferty).
+    let z = 3.09;
+    let k = df as f64;
+    let limit = k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3);
+    assert!(
+        chi2 < limit,
+        "chi-square {chi2:.1} ≥ {limit:.1} ({df} degrees of freedom): {off:?} against {spec:?}"
+    );
+}
+
+/// The default model copying code from its prompt: greedy outputs equal, most drafts accepted.
+#[test]
+fn default_model_copying_its_prompt_gives_the_same_tokens_in_fewer_steps() {
+    let Some(path) = default_model() else { return };
+    let load = |speculative| {
+        let options = EngineOptions {
+            block_size: 16,
+            max_step_tokens: 128,
+            ..options(speculative)
+        };
+        duet_cpu::load_engine(&path, options).unwrap()
+    };
+    let mut off = load(SpeculativeMode::Off);
+    let prompt = off
+        .encode(
+            "<|im_start|>user\nFix the spelling mistakes in this text and return the corrected \
+             text: The quick brown fox jumpps over the lazy dog. The dog was not amused and barkd \
+             loudly at the fox, who ran away into the forrest.<|im_end|>\n<|im_start|>assistant\n",
+        )
+        .unwrap();
+    let until_eos = StopCriteria {
+        max_tokens: 64,
+        ..Default::default()
+    };
+    let request = [(prompt, SamplingParams::greedy(), until_eos)];
+    let (want, _) = run_all(&mut off, &request);
+    let (got, _) = run_all(&mut load(SpeculativeMode::Ngram), &request);
+    assert_eq!(got[0].tokens, want[0].tokens, "{:?}", got[0].text);
+    let s = got[0].speculation;
+    assert!(
+        2 * s.accepted_draft_tokens > s.draft_tokens && 2 * s.steps < want[0].tokens.len() as u64,
+        "copying should accept most drafts and need under half the steps: {s:?} for {} tokens",
+        want[0].tokens.len()
+    );
+}
