@@ -1,10 +1,13 @@
 //! A structured-output stream and a seeded sampled stream survive a decode worker that hangs
 //! mid-stream (SIGSTOP, so separate processes): each goes on on the other worker with exactly
 //! the tokens an uninterrupted run of the same request gives. The constrained one's grammar is
-//! rebuilt there by replaying the tokens already streamed, and its text validates.
+//! rebuilt there by replaying the tokens already streamed, and its text validates. The seeded
+//! stream does the same on decode workers that speculate (`--speculative ngram`), whose steps
+//! yield several tokens at a time.
 
 use std::time::Duration;
 
+use duet_engine::speculator::SpeculativeMode;
 use duet_proto::v1;
 use duet_tests::*;
 use futures::StreamExt;
@@ -34,7 +37,10 @@ fn request(constraint: Option<v1::constraint::Kind>, seed: u64) -> v1::GenerateR
 
 /// The stream of `req` with the decode worker running it stopped after its first message:
 /// the token ids, the text and the decode failovers the final message reports.
-async fn interrupted(c: &Cluster, req: v1::GenerateRequest) -> (Vec<u32>, String, u32) {
+async fn interrupted(
+    c: &Cluster,
+    req: v1::GenerateRequest,
+) -> (Vec<u32>, String, v1::GenerateResponse) {
     let mut client = client(c.router).await;
     let mut stream = client.generate(req).await.unwrap().into_inner();
     let first = stream.next().await.unwrap().unwrap();
@@ -61,8 +67,7 @@ async fn interrupted(c: &Cluster, req: v1::GenerateRequest) -> (Vec<u32>, String
     .await;
     c.signal_process(stopped, "CONT").unwrap();
     rest.expect("the stream went on without its hung worker");
-    let failovers = last.unwrap().timings.unwrap().decode_failovers;
-    (ids, text, failovers)
+    (ids, text, last.unwrap())
 }
 
 #[test]
@@ -72,29 +77,50 @@ fn constrained_and_seeded_streams_continue_exactly_after_a_hung_decode_worker() 
         (
             "a JSON Schema, sampled with a seed",
             request(Some(v1::constraint::Kind::JsonSchema(SCHEMA.into())), 7),
+            SpeculativeMode::Off,
         ),
-        ("sampled with a seed", request(None, 11)),
+        (
+            "sampled with a seed",
+            request(None, 11),
+            SpeculativeMode::Off,
+        ),
+        (
+            "sampled with a seed, the decode workers speculating",
+            request(None, 11),
+            SpeculativeMode::Ngram,
+        ),
     ];
-    for (what, req) in cases {
+    for (what, req, speculative) in cases {
+        let mut spec = spec(
+            model.clone(),
+            0,
+            2,
+            RoutingOptions {
+                local_prefill_threshold: 10_000,
+                decode_idle_timeout_ms: 2000,
+                ..Default::default()
+            },
+        );
+        spec.decode.worker.engine.speculative = speculative;
         let c = Cluster::start(&ClusterSpec {
             processes: true,
             bin_dir: Some(bin_dir()),
-            ..spec(
-                model.clone(),
-                0,
-                2,
-                RoutingOptions {
-                    local_prefill_threshold: 10_000,
-                    decode_idle_timeout_ms: 2000,
-                    ..Default::default()
-                },
-            )
+            ..spec
         })
         .unwrap();
         let rt = tokio::runtime::Runtime::new().unwrap();
         let (want, want_text, _) = rt.block_on(generate(c.router, req.clone())).unwrap();
-        let (got, got_text, failovers) = rt.block_on(interrupted(&c, req.clone()));
-        assert_eq!(failovers, 1, "{what}");
+        let (got, got_text, last) = rt.block_on(interrupted(&c, req.clone()));
+        assert_eq!(last.timings.unwrap().decode_failovers, 1, "{what}");
+        let usage = last.usage.unwrap();
+        if speculative == SpeculativeMode::Ngram {
+            assert!(
+                usage.accepted_draft_tokens > 0 && usage.decode_steps > 0,
+                "{what}: the resuming worker speculated: {usage:?}"
+            );
+        } else {
+            assert_eq!(usage.draft_tokens, 0, "{what}");
+        }
         assert_eq!(
             got, want,
             "{what}: tokens differ from the uninterrupted run"

@@ -88,6 +88,11 @@ pub struct EngineOptions {
     /// Most tokens drafted per sequence and step when speculating (>= 1).
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_NUM_SPECULATIVE_TOKENS", default_value_t = EngineOptions::default().num_speculative_tokens))]
     pub num_speculative_tokens: usize,
+    /// Drafts fill a step only up to this many rows (decoding tokens and drafts together): a
+    /// large batch's step is already compute-bound, so drafting there costs about as much as it
+    /// saves. With as many sequences decoding, nobody drafts.
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_SPECULATIVE_MAX_STEP_ROWS", default_value_t = EngineOptions::default().speculative_max_step_rows))]
+    pub speculative_max_step_rows: usize,
 }
 
 #[cfg(feature = "cli")]
@@ -111,7 +116,8 @@ impl Default for EngineOptions {
             kv_dtype: KvDtypeChoice::Auto,
             cpu_kernels: CpuKernels::Auto,
             speculative: SpeculativeMode::Off,
-            num_speculative_tokens: 4,
+            num_speculative_tokens: 8,
+            speculative_max_step_rows: 8,
         }
     }
 }
@@ -131,6 +137,7 @@ impl EngineOptions {
             cpu_kernels,
             speculative,
             num_speculative_tokens,
+            speculative_max_step_rows,
         } = self;
         let kv_dtype =
             clap::ValueEnum::to_possible_value(kv_dtype).expect("every KV dtype is a flag value");
@@ -145,6 +152,7 @@ impl EngineOptions {
             format!("--cpu-kernels={cpu_kernels}"),
             format!("--speculative={speculative}"),
             format!("--num-speculative-tokens={num_speculative_tokens}"),
+            format!("--speculative-max-step-rows={speculative_max_step_rows}"),
         ]
         .into_iter()
         .map(Into::into)
@@ -276,7 +284,11 @@ impl<B: Backend> Engine<B> {
         let kv_cache = KvCacheManager::new(num_blocks, options.block_size, &fingerprint);
         let engine = Self {
             runner,
-            scheduler: Scheduler::new(kv_cache, options.max_step_tokens),
+            scheduler: Scheduler::new(
+                kv_cache,
+                options.max_step_tokens,
+                options.speculative_max_step_rows,
+            ),
             seqs: BTreeMap::new(),
             tokenizer: files.tokenizer,
             chat: files.chat_template,

@@ -49,16 +49,25 @@ impl ScheduledSeq {
 pub struct Scheduler {
     kv_cache: KvCacheManager,
     max_step_tokens: usize,
+    /// Rows (decoding tokens and drafts) a step may reach by drafting.
+    max_draft_step_rows: usize,
     /// By id, which is admission order: oldest first.
     seqs: BTreeMap<SeqId, ScheduledSeq>,
     preemptions: u64,
 }
 
 impl Scheduler {
-    pub fn new(kv_cache: KvCacheManager, max_step_tokens: usize) -> Self {
+    /// Drafts fill a step only up to `max_draft_step_rows` rows in all (see
+    /// [`plan_step`](Self::plan_step)).
+    pub fn new(
+        kv_cache: KvCacheManager,
+        max_step_tokens: usize,
+        max_draft_step_rows: usize,
+    ) -> Self {
         Self {
             kv_cache,
             max_step_tokens,
+            max_draft_step_rows,
             seqs: BTreeMap::new(),
             preemptions: 0,
         }
@@ -138,8 +147,10 @@ impl Scheduler {
     /// and they are recomputed later. A prompt that does not fit waits.
     ///
     /// `propose` gives a decoding sequence's draft (speculated tokens, from its tokens so far;
-    /// empty: none). Drafts take only the budget every decoding sequence's own token leaves, and
-    /// only free blocks: a draft never preempts anyone, it is cut or dropped.
+    /// empty: none). Drafts take only the budget every decoding sequence's own token leaves, up
+    /// to `max_draft_step_rows` rows in all (a large batch's step is already compute-bound, and
+    /// rows drafted there cost as much as the tokens they may save), and only free blocks: a
+    /// draft never preempts anyone, it is cut or dropped.
     pub fn plan_step(
         &mut self,
         propose: &mut dyn FnMut(SeqId, &[u32]) -> Vec<u32>,
@@ -150,7 +161,9 @@ impl Scheduler {
             .iter()
             .filter(|(_, s)| !s.finished)
             .partition(|(_, s)| s.remaining() <= 1);
-        let mut draft_budget = budget.saturating_sub(decoding.len());
+        let mut draft_budget = budget
+            .min(self.max_draft_step_rows)
+            .saturating_sub(decoding.len());
         let order: Vec<SeqId> = decoding
             .into_iter()
             .chain(prefilling)
@@ -311,6 +324,7 @@ mod tests {
         Scheduler::new(
             KvCacheManager::new(num_blocks, BLOCK_SIZE, "model"),
             max_step_tokens,
+            usize::MAX,
         )
     }
 
@@ -497,6 +511,33 @@ mod tests {
         assert_eq!(plan[0].rows(), 5);
         assert_eq!(plan[0].draft, [7; 4]);
         assert!(plan[0].block_table.len() * BLOCK_SIZE >= 3 + 5);
+    }
+
+    #[test]
+    fn drafts_fill_a_step_up_to_the_draft_row_limit_only() {
+        let mut s = Scheduler::new(KvCacheManager::new(32, BLOCK_SIZE, "model"), 64, 5);
+        for id in 0..3 {
+            s.add_sequence(id, tokens(10 * id as u32, 3), "").unwrap();
+        }
+        step(&mut s);
+        let mut propose = |_: SeqId, _: &[u32]| vec![7; 8];
+        let plan = s.plan_step(&mut propose).unwrap();
+        // 3 decoding tokens, and 2 drafted rows to reach 5.
+        assert_eq!(
+            shape_with_drafts(&plan),
+            [(0, 3, 1, 2), (1, 3, 1, 0), (2, 3, 1, 0)]
+        );
+        s.add_sequence(3, tokens(40, 3), "").unwrap();
+        s.add_sequence(4, tokens(50, 3), "").unwrap();
+        s.add_sequence(5, tokens(60, 3), "").unwrap();
+        for p in &plan {
+            s.record_computed(p).unwrap();
+            s.append_token(p.seq, 1).unwrap();
+        }
+        step(&mut s);
+        // Six decoding sequences: past the limit, nobody drafts.
+        let plan = s.plan_step(&mut propose).unwrap();
+        assert!(plan.iter().all(|p| p.draft.is_empty()), "{plan:?}");
     }
 
     #[test]

@@ -21,6 +21,8 @@ fn options(speculative: SpeculativeMode) -> EngineOptions {
         max_step_tokens: 64,
         speculative,
         num_speculative_tokens: 5,
+        // Every sequence of a batch drafts (the default keeps large batches from drafting).
+        speculative_max_step_rows: 64,
         ..Default::default()
     }
 }

@@ -181,6 +181,7 @@ mod tests {
                 cpu_kernels: CpuKernels::Avx2,
                 speculative: SpeculativeMode::Ngram,
                 num_speculative_tokens: 6,
+                speculative_max_step_rows: 5,
             },
             kv_transport: TransportChoice::Nccl,
             request_timeout_ms: 6,
