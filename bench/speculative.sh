@@ -20,7 +20,7 @@ for round in $(seq 1 "$rounds"); do
       for mode in off ngram; do
         echo "round $round: $workload, concurrency $concurrency, speculative $mode" >&2
         ./target/release/duet bench serve --launch colocated \
-          --dataset "bench/workloads/$workload.jsonl" --requests $((concurrency * 5 > 20 ? concurrency * 5 : 20)) \
+          --dataset "bench/workloads/$workload.jsonl" --requests $((concurrency * 10 > 20 ? concurrency * 10 : 20)) \
           --concurrency "$concurrency" --speculative "$mode" "$@" \
           --json-out "$out/$workload-c$concurrency-$mode-r$round.json" >/dev/null 2>&1
       done
