@@ -3,21 +3,25 @@
 # bench serve` on a colocated cluster (router + one worker, launched per run) for two workloads —
 # copy edits (spelling and typo fixes of paragraphs, whose answers copy the prompt's text:
 # bench/workloads/copy-edits.jsonl) and free chat (bench/workloads/free-chat.jsonl) — at
-# concurrency 1 and 8, speculation off and on in turn, ROUNDS rounds. Greedy, so both modes
+# concurrency 1 and 8, speculation off and on in turn (the order alternating by round), ROUNDS
+# rounds. Greedy, so both modes
 # generate the same tokens. Prints the median over rounds of each cell and the ratio on/off, and
 # writes every run's report and the summary under OUT.
 #
-#   bench/speculative.sh [OUT=bench/results/speculative] [ROUNDS=3] [extra `bench serve` flags]
+#   bench/speculative.sh [OUT=bench/results/speculative] [ROUNDS=4] [extra `bench serve` flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results/speculative}
-rounds=${2:-3}
+rounds=${2:-4}
 shift $(($# < 2 ? $# : 2))
 mkdir -p "$out"
 for round in $(seq 1 "$rounds"); do
   for workload in copy-edits free-chat; do
     for concurrency in 1 8; do
-      for mode in off ngram; do
+      # ABBA: a run after a heavy one starts slower, so the order alternates by round.
+      modes="off ngram"
+      [ $((round % 2)) = 0 ] && modes="ngram off"
+      for mode in $modes; do
         echo "round $round: $workload, concurrency $concurrency, speculative $mode" >&2
         ./target/release/duet bench serve --launch colocated \
           --dataset "bench/workloads/$workload.jsonl" --requests $((concurrency * 10 > 20 ? concurrency * 10 : 20)) \
