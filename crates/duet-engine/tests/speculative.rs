@@ -206,6 +206,19 @@ fn max_tokens_stop_strings_and_opting_out_hold_while_speculating() {
 }
 
 #[test]
+fn speculating_with_no_draft_tokens_is_refused() {
+    let options = EngineOptions {
+        num_speculative_tokens: 0,
+        ..options(SpeculativeMode::Ngram)
+    };
+    let e = duet_cpu::load_engine(&fixtures().join("tiny-llama"), options)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("--num-speculative-tokens"), "{e}");
+}
+
+#[test]
 fn rejected_drafts_give_their_blocks_back() {
     let mut spec = tiny(SpeculativeMode::Ngram);
     let requests: Vec<_> = (0..4)
