@@ -116,6 +116,12 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    /// Every kernel path is bit-identical for a row alone and in any batch (tested in
+    /// `duet-engine`'s golden tests and the attention kernels' own).
+    fn batch_invariant(&self) -> bool {
+        true
+    }
+
     fn kv_dtype(&self, choice: KvDtypeChoice, f32_weights: bool) -> Result<KvDtype, EngineError> {
         match choice.fixed() {
             Some(KvDtype::Bf16) => Err(EngineError::Config(

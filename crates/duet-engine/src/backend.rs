@@ -195,6 +195,12 @@ pub trait Backend: Send + Sync {
     type Batch<'a>;
 
     fn name(&self) -> &'static str;
+    /// Whether a row's logits are the same bits whatever rows share its step (checked for this
+    /// backend's kernels). Speculative decoding keeps output unchanged only where they are, so it
+    /// is refused elsewhere.
+    fn batch_invariant(&self) -> bool {
+        false
+    }
     /// An error when this backend cannot run a model of `config`'s family (one whose path on it
     /// is not built, or has not run on its hardware yet).
     fn check_model(&self, config: &duet_model::config::ModelConfig) -> Result<(), EngineError> {

@@ -244,9 +244,8 @@ impl<B: Backend> Engine<B> {
                 ));
             }
             // Verification keeps the drafted tokens the model samples; that equals decoding one
-            // token per step only where a row's logits do not depend on the rows beside it,
-            // which is checked on the CPU backend and not yet on a GPU.
-            SpeculativeMode::Ngram if backend.name() != "cpu" => {
+            // token per step only where a row's logits do not depend on the rows beside it.
+            SpeculativeMode::Ngram if !backend.batch_invariant() => {
                 return Err(EngineError::Config(format!(
                     "speculative decoding has not run on the {} backend yet; use --speculative off",
                     backend.name()
