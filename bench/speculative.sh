@@ -9,23 +9,30 @@
 # writes every run's report and the summary under OUT.
 #
 #   bench/speculative.sh [OUT=bench/results/speculative] [ROUNDS=4] [extra `bench serve` flags]
+#
+# SPECULATIVE (default ngram) is the mode compared with off, e.g. draft:models/small.gguf (its runs
+# are named "draft"); CONCURRENCY (default "1 8") the concurrencies run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results/speculative}
 rounds=${2:-4}
 shift $(($# < 2 ? $# : 2))
+speculative=${SPECULATIVE:-ngram}
+label=${speculative%%:*}
 mkdir -p "$out"
 for round in $(seq 1 "$rounds"); do
   for workload in copy-edits free-chat; do
-    for concurrency in 1 8; do
+    for concurrency in ${CONCURRENCY:-1 8}; do
       # ABBA: a run after a heavy one starts slower, so the order alternates by round.
-      modes="off ngram"
-      [ $((round % 2)) = 0 ] && modes="ngram off"
+      modes="off $label"
+      [ $((round % 2)) = 0 ] && modes="$label off"
       for mode in $modes; do
-        echo "round $round: $workload, concurrency $concurrency, speculative $mode" >&2
+        flag=off
+        [ "$mode" = off ] || flag=$speculative
+        echo "round $round: $workload, concurrency $concurrency, speculative $flag" >&2
         ./target/release/duet bench serve --launch colocated \
           --dataset "bench/workloads/$workload.jsonl" --requests $((concurrency * 10 > 20 ? concurrency * 10 : 20)) \
-          --concurrency "$concurrency" --speculative "$mode" "$@" \
+          --concurrency "$concurrency" --speculative "$flag" "$@" \
           --json-out "$out/$workload-c$concurrency-$mode-r$round.json" >/dev/null 2>&1
       done
     done

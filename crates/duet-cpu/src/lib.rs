@@ -122,6 +122,15 @@ impl Backend for CpuBackend {
         true
     }
 
+    /// The same kernel path and thread pool: the draft model's steps take turns with the
+    /// target's.
+    fn sibling(&self) -> Option<Self> {
+        Some(Self {
+            pool: self.pool.clone(),
+            kernels: self.kernels,
+        })
+    }
+
     fn kv_dtype(&self, choice: KvDtypeChoice, f32_weights: bool) -> Result<KvDtype, EngineError> {
         match choice.fixed() {
             Some(KvDtype::Bf16) => Err(EngineError::Config(

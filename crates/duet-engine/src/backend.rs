@@ -201,6 +201,14 @@ pub trait Backend: Send + Sync {
     fn batch_invariant(&self) -> bool {
         false
     }
+    /// Another handle on this backend's device and threads, for a second model beside the first
+    /// (a speculative draft model); `None` where that is not built.
+    fn sibling(&self) -> Option<Self>
+    where
+        Self: Sized,
+    {
+        None
+    }
     /// An error when this backend cannot run a model of `config`'s family (one whose path on it
     /// is not built, or has not run on its hardware yet).
     fn check_model(&self, config: &duet_model::config::ModelConfig) -> Result<(), EngineError> {

@@ -14,6 +14,7 @@ use duet_kv::{BlockPool, KvCacheManager};
 use crate::EngineError;
 use crate::backend::{Backend, CpuKernels, KvDtype, KvDtypeChoice, KvLayout};
 use crate::device::Device;
+use crate::draft_model::DraftModel;
 use crate::generation::TextStream;
 use crate::llama::Llama;
 use crate::model_runner::{ModelRunner, release_freed_heap};
@@ -76,14 +77,16 @@ pub struct EngineOptions {
     /// error at load.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_CPU_KERNELS", value_enum, default_value_t = EngineOptions::default().cpu_kernels))]
     pub cpu_kernels: CpuKernels,
-    /// Speculative decoding: off, or ngram (prompt lookup: a decoding sequence's next tokens are
+    /// Speculative decoding: off; ngram (prompt lookup: a decoding sequence's next tokens are
     /// drafted from what followed the last earlier occurrence of its last 2-4 tokens, in its
-    /// prompt or output). A step computes the drafts with the next token and keeps the drafted
+    /// prompt or output); or draft:<model> (the greedy continuation of a smaller model of the
+    /// same tokenizer, a GGUF file or HF directory, loaded beside the target with a KV cache of
+    /// as many tokens). A step computes the drafts with the next token and keeps the drafted
     /// tokens the model itself samples, so outputs, greedy or seeded, are those of decoding one
-    /// token per step; a step yields up to --num-speculative-tokens + 1 tokens. Wins where the
-    /// output copies spans of the context (code edits, summaries, RAG answers); drafting backs
-    /// off for sequences whose drafts are rejected. Requests may opt out. CPU only for now.
-    #[cfg_attr(feature = "cli", arg(long, env = "DUET_SPECULATIVE", value_enum, default_value_t = EngineOptions::default().speculative))]
+    /// token per step; a step yields up to --num-speculative-tokens + 1 tokens. ngram wins where
+    /// the output copies spans of the context (code edits, summaries, RAG answers); drafting
+    /// backs off for sequences whose drafts are rejected. Requests may opt out. CPU only for now.
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_SPECULATIVE", default_value_t = EngineOptions::default().speculative))]
     pub speculative: SpeculativeMode,
     /// Most tokens drafted per sequence and step when speculating (>= 1).
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_NUM_SPECULATIVE_TOKENS", default_value_t = EngineOptions::default().num_speculative_tokens))]
@@ -216,9 +219,15 @@ pub struct Engine<B: Backend> {
     /// Built on the first constrained request (a token trie over the vocabulary).
     grammars: Option<GrammarCompiler>,
     /// The draft proposer when speculating.
-    speculator: Option<NgramSpeculator>,
+    speculator: Option<Proposer<B>>,
     /// Over every sequence since the engine started.
     speculation_totals: Speculation,
+}
+
+/// Where drafts come from when speculating.
+enum Proposer<B: Backend> {
+    Ngram(NgramSpeculator),
+    Draft(Box<DraftModel<B>>),
 }
 
 impl<B: Backend> Engine<B> {
@@ -236,44 +245,38 @@ impl<B: Backend> Engine<B> {
                 options.block_size, options.kv_cache_tokens, options.max_step_tokens
             )));
         }
-        let speculator = match options.speculative {
+        let speculator = match &options.speculative {
             SpeculativeMode::Off => None,
-            SpeculativeMode::Ngram if options.num_speculative_tokens == 0 => {
+            _ if options.num_speculative_tokens == 0 => {
                 return Err(EngineError::Config(
                     "--num-speculative-tokens must be at least 1 when speculating".into(),
                 ));
             }
             // Verification keeps the drafted tokens the model samples; that equals decoding one
             // token per step only where a row's logits do not depend on the rows beside it.
-            SpeculativeMode::Ngram if !backend.batch_invariant() => {
+            _ if !backend.batch_invariant() => {
                 return Err(EngineError::Config(format!(
                     "speculative decoding has not run on the {} backend yet; use --speculative off",
                     backend.name()
                 )));
             }
-            SpeculativeMode::Ngram => Some(NgramSpeculator::default()),
+            SpeculativeMode::Ngram => Some(Proposer::Ngram(NgramSpeculator::default())),
+            SpeculativeMode::Draft(path) => {
+                let Some(draft_backend) = backend.sibling() else {
+                    return Err(EngineError::Config(format!(
+                        "the {} backend cannot run a draft model beside the target",
+                        backend.name()
+                    )));
+                };
+                let draft_files = duet_model::model_files::open_model(path)?;
+                let draft =
+                    DraftModel::load(draft_backend, &draft_files, &files.tokenizer, &options)?;
+                Some(Proposer::Draft(Box::new(draft)))
+            }
         };
-        let model = Llama::load(backend, &files)?;
-        let kv_dtype = model
-            .backend()
-            .kv_dtype(options.kv_dtype, files.tensors.matrices_all_f32())?;
-        let values_per_block = model
-            .kv_layout(options.block_size, 1, kv_dtype)
-            .values_per_token()
-            * options.block_size;
-        let num_blocks = model
-            .backend()
-            .kv_capacity_blocks(values_per_block)
-            .unwrap_or(options.kv_cache_tokens / options.block_size);
-        if num_blocks == 0 {
-            return Err(EngineError::Config(format!(
-                "no room for a KV cache block ({} values) on {}",
-                values_per_block,
-                model.backend().name()
-            )));
-        }
-        let kv_layout = model.kv_layout(options.block_size, num_blocks, kv_dtype);
-        let runner = ModelRunner::new(model, kv_layout)?;
+        let runner = ModelRunner::load(backend, &files, &options)?;
+        let kv_layout = runner.kv_layout();
+        let (kv_dtype, num_blocks) = (kv_layout.dtype, kv_layout.num_blocks);
         let fingerprint = model_fingerprint(
             &files.config,
             &files.weights_digest,
@@ -613,6 +616,9 @@ impl<B: Backend> Engine<B> {
         self.seqs
             .remove(&id)
             .ok_or(EngineError::UnknownSequence(id))?;
+        if let Some(Proposer::Draft(draft)) = &mut self.speculator {
+            draft.release(id)?;
+        }
         Ok(self.scheduler.remove(id)?)
     }
 
@@ -631,9 +637,11 @@ impl<B: Backend> Engine<B> {
         on_layer: &mut dyn FnMut(&LayerDone<'_, B>),
     ) -> Result<Vec<StepOutput>, EngineError> {
         let max_positions = self.config().max_position_embeddings;
-        let (seqs, speculator) = (&mut self.seqs, self.speculator);
+        let (seqs, speculator) = (&mut self.seqs, &mut self.speculator);
+        // A draft model's failure ends the step once planning is done.
+        let mut draft_failure = None;
         let plan = self.scheduler.plan_step(&mut |id, tokens| {
-            let (Some(speculator), Some(g)) = (speculator, seqs.get_mut(&id)) else {
+            let (Some(speculator), Some(g)) = (speculator.as_mut(), seqs.get_mut(&id)) else {
                 return Vec::new();
             };
             let Some(draft_length) = g.draft_length.as_mut() else {
@@ -643,8 +651,19 @@ impl<B: Backend> Engine<B> {
             let generated = tokens.len() - g.prompt_len;
             let room = (g.stop.max_tokens.saturating_sub(generated + 1))
                 .min(max_positions.saturating_sub(tokens.len()));
-            speculator.propose(tokens, draft_length.for_step().min(room))
+            let max_len = draft_length.for_step().min(room);
+            match speculator {
+                Proposer::Ngram(ngram) => ngram.propose(tokens, max_len),
+                Proposer::Draft(_) if max_len == 0 || draft_failure.is_some() => Vec::new(),
+                Proposer::Draft(draft) => draft.propose(id, tokens, max_len).unwrap_or_else(|e| {
+                    draft_failure = Some(e);
+                    Vec::new()
+                }),
+            }
         })?;
+        if let Some(e) = draft_failure {
+            return Err(e);
+        }
         if plan.is_empty() {
             return Ok(Vec::new());
         }

@@ -6,6 +6,7 @@
 pub mod backend;
 pub mod batch;
 pub mod device;
+pub mod draft_model;
 pub mod engine;
 pub mod error;
 pub mod generation;

@@ -4,9 +4,11 @@
 use crate::EngineError;
 use crate::backend::{Backend, KvLayout};
 use crate::batch::{ForwardBatch, LogitsWanted, SeqInput};
+use crate::engine::EngineOptions;
 use crate::llama::{Llama, Logits};
 use crate::scheduler::PlannedSeq;
 use duet_kv::SeqId;
+use duet_model::model_files::ModelFiles;
 
 pub struct ModelRunner<B: Backend> {
     model: Llama<B>,
@@ -17,6 +19,36 @@ pub struct ModelRunner<B: Backend> {
 }
 
 impl<B: Backend> ModelRunner<B> {
+    /// Loads the model of `files` on `backend` with a KV store of `options`' element type and
+    /// size (or, on a backend that sizes its cache itself, of the blocks it has room for).
+    pub fn load(
+        backend: B,
+        files: &ModelFiles,
+        options: &EngineOptions,
+    ) -> Result<Self, EngineError> {
+        let model = Llama::load(backend, files)?;
+        let kv_dtype = model
+            .backend()
+            .kv_dtype(options.kv_dtype, files.tensors.matrices_all_f32())?;
+        let values_per_block = model
+            .kv_layout(options.block_size, 1, kv_dtype)
+            .values_per_token()
+            * options.block_size;
+        let num_blocks = model
+            .backend()
+            .kv_capacity_blocks(values_per_block)
+            .unwrap_or(options.kv_cache_tokens / options.block_size);
+        if num_blocks == 0 {
+            return Err(EngineError::Config(format!(
+                "no room for a KV cache block ({} values) on {}",
+                values_per_block,
+                model.backend().name()
+            )));
+        }
+        let kv_layout = model.kv_layout(options.block_size, num_blocks, kv_dtype);
+        Self::new(model, kv_layout)
+    }
+
     /// Allocates the KV store of `kv_layout` for `model`.
     pub fn new(model: Llama<B>, kv_layout: KvLayout) -> Result<Self, EngineError> {
         let kv = model.backend().alloc_kv(kv_layout)?;

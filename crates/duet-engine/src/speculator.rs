@@ -14,23 +14,47 @@
 //! then costs almost nothing, and text that copies spans (code edits, summaries, RAG answers)
 //! drafts at full length.
 
-/// Which drafts the decode steps compute.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+/// Which drafts the decode steps compute: `off`, `ngram` or `draft:<model>` (a GGUF file or HF
+/// directory).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum SpeculativeMode {
     /// One token per sequence per step.
     #[default]
     Off,
     /// Drafts copied from earlier occurrences of the sequence's last tokens (prompt lookup).
     Ngram,
+    /// Drafts are the greedy continuation of a smaller model of the same tokenizer, run beside
+    /// the target (see `draft_model`).
+    Draft(std::path::PathBuf),
 }
 
 impl std::fmt::Display for SpeculativeMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            SpeculativeMode::Off => "off",
-            SpeculativeMode::Ngram => "ngram",
-        })
+        match self {
+            SpeculativeMode::Off => f.write_str("off"),
+            SpeculativeMode::Ngram => f.write_str("ngram"),
+            SpeculativeMode::Draft(path) => write!(f, "draft:{}", path.display()),
+        }
+    }
+}
+
+impl std::str::FromStr for SpeculativeMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "off" => Ok(SpeculativeMode::Off),
+            "ngram" => Ok(SpeculativeMode::Ngram),
+            _ => match s.strip_prefix("draft:") {
+                Some("") => Err(
+                    "draft: needs the draft model's path, as in draft:/models/small.gguf".into(),
+                ),
+                Some(path) => Ok(SpeculativeMode::Draft(path.into())),
+                None => Err(format!(
+                    "{s:?} is not a speculative mode: off, ngram or draft:<model path>"
+                )),
+            },
+        }
     }
 }
 
@@ -133,6 +157,22 @@ impl DraftLength {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn modes_parse_from_the_flag_and_print_back() {
+        for text in ["off", "ngram", "draft:/models/small model.gguf"] {
+            let mode: SpeculativeMode = text.parse().unwrap();
+            assert_eq!(mode.to_string(), text);
+        }
+        assert_eq!(
+            "draft:m.gguf".parse(),
+            Ok(SpeculativeMode::Draft("m.gguf".into()))
+        );
+        let err = "draft:".parse::<SpeculativeMode>().unwrap_err();
+        assert!(err.contains("path"), "{err}");
+        let err = "eagle".parse::<SpeculativeMode>().unwrap_err();
+        assert!(err.contains("off, ngram or draft:"), "{err}");
+    }
 
     #[test]
     fn a_repeated_span_is_continued_from_its_most_recent_occurrence() {

@@ -351,3 +351,152 @@ fn default_model_copying_its_prompt_gives_the_same_tokens_in_fewer_steps() {
         want[0].tokens.len()
     );
 }
+
+fn draft_model(file: &str) -> SpeculativeMode {
+    SpeculativeMode::Draft(fixtures().join(file))
+}
+
+/// Tokens that repeat nothing (no n-gram draft would be proposed): what a draft model adds.
+fn plain_prompt(seed: u32) -> Vec<u32> {
+    (0..10).map(|i| 3 + (i * 53 + seed * 29) % 380).collect()
+}
+
+#[test]
+fn a_draft_model_speculates_without_changing_outputs() {
+    let requests: Vec<_> = (0..6)
+        .map(|i| {
+            let params = match i % 3 {
+                0 => SamplingParams::greedy(),
+                1 => seeded(0.7, 300 + i as u64),
+                _ => SamplingParams {
+                    top_p: 0.9,
+                    presence_penalty: 0.4,
+                    ..seeded(1.0, 400 + i as u64)
+                },
+            };
+            (plain_prompt(i), params, stop(30))
+        })
+        .collect();
+    let (off, _) = run_all(&mut tiny(SpeculativeMode::Off), &requests);
+    // The q8_0 copy of the tiny fixture drafts for it: the same tokenizer, nearly its logits.
+    let mut spec = tiny(draft_model("tiny-llama-q8_0.gguf"));
+    let (batched, most) = run_all(&mut spec, &requests);
+    let alone: Vec<Run> = requests
+        .iter()
+        .flat_map(|r| run_all(&mut spec, std::slice::from_ref(r)).0)
+        .collect();
+    for ((off, batched), alone) in off.iter().zip(&batched).zip(&alone) {
+        assert_eq!(
+            (&off.tokens, off.finish, &off.text),
+            (&batched.tokens, batched.finish, &batched.text)
+        );
+        assert_eq!(batched.tokens, alone.tokens);
+    }
+    let totals = spec.speculation_totals();
+    assert!(
+        totals.accepted_draft_tokens * 2 > totals.draft_tokens,
+        "a near-copy of the model should have most drafts accepted: {totals:?}"
+    );
+    assert!(most > 1, "no step gave a sequence more than one token");
+    let greedy = &batched[0].speculation;
+    assert!(
+        greedy.steps < 30 && greedy.accepted_draft_tokens > 0,
+        "{greedy:?}"
+    );
+}
+
+#[test]
+fn a_draft_model_proposes_its_greedy_continuation_and_rolls_back_rejected_tokens() {
+    use duet_engine::draft_model::DraftModel;
+    let path = fixtures().join("tiny-llama.gguf");
+    // Greedy continuations by the engine itself, one token per step.
+    let greedy = |prompt: &[u32], n: usize| -> Vec<u32> {
+        let mut engine = duet_cpu::load_engine(&path, options(SpeculativeMode::Off)).unwrap();
+        let request = (prompt.to_vec(), SamplingParams::greedy(), stop(n));
+        run_all(&mut engine, &[request]).0.remove(0).tokens
+    };
+    let prompt = plain_prompt(7);
+    let continued = greedy(&prompt, 16);
+    let files = duet_model::model_files::open_model(&path).unwrap();
+    let mut draft = DraftModel::load(
+        CpuBackend::new(2),
+        &files,
+        &files.tokenizer,
+        &options(SpeculativeMode::Off),
+    )
+    .unwrap();
+    let all_blocks = draft.available_blocks();
+    assert_eq!(draft.propose(1, &prompt, 6).unwrap(), continued[..6]);
+    // The target kept two drafted tokens and picked another third: the draft's cache forgets
+    // the rest of its draft and continues from the new token.
+    let other = (continued[2] + 1) % 400;
+    let diverged = [&prompt[..], &continued[..2], &[other]].concat();
+    assert_eq!(
+        draft.propose(1, &diverged, 5).unwrap(),
+        greedy(&diverged, 5)
+    );
+    // A whole draft accepted and the token after it: the draft continues past both.
+    let accepted = [&prompt[..], &continued[..8]].concat();
+    let mut other_seq = draft.propose(2, &accepted, 8).unwrap();
+    assert_eq!(other_seq, continued[8..16]);
+    other_seq = draft
+        .propose(2, &[&accepted[..], &other_seq].concat(), 0)
+        .unwrap();
+    assert!(other_seq.is_empty(), "nothing asked, nothing drafted");
+    // A prompt of 150 tokens is caught up on a step budget (64) at a time, drafting only after.
+    let long: Vec<u32> = (0..15u32).flat_map(plain_prompt).collect();
+    assert_eq!(draft.propose(3, &long, 4).unwrap(), Vec::<u32>::new());
+    assert_eq!(draft.propose(3, &long, 4).unwrap(), Vec::<u32>::new());
+    assert_eq!(draft.propose(3, &long, 4).unwrap(), greedy(&long, 4));
+    for seq in 1..=3 {
+        draft.release(seq).unwrap();
+    }
+    assert_eq!(draft.available_blocks(), all_blocks);
+}
+
+#[test]
+fn a_draft_model_of_another_vocabulary_or_a_missing_file_is_refused_at_load() {
+    let load = |mode| duet_cpu::load_engine(&fixtures().join("tiny-llama"), options(mode));
+    // The tiny fixture with two of its tokens' ids swapped.
+    let other = tempfile::tempdir().unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(
+            fixtures().join("tiny-llama").join(file),
+            other.path().join(file),
+        )
+        .unwrap();
+    }
+    let mut tokenizer: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("tiny-llama/tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    let vocab = &mut tokenizer["model"]["vocab"];
+    vocab["Ā"] = 4.into();
+    vocab["ā"] = 3.into();
+    std::fs::write(
+        other.path().join("tokenizer.json"),
+        serde_json::to_string(&tokenizer).unwrap(),
+    )
+    .unwrap();
+    let err = load(SpeculativeMode::Draft(other.path().into()))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("tokenizer is not the target's (token 3 is \"ā\", the target's \"Ā\")"),
+        "{err}"
+    );
+    let err = load(draft_model("no-such-draft.gguf"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("no-such-draft.gguf"), "{err}");
+    // Another architecture of the same vocabulary drafts as well.
+    let mut engine = load(draft_model("tiny-qwen3.gguf")).unwrap();
+    let request = (plain_prompt(3), SamplingParams::greedy(), stop(12));
+    let (want, _) = run_all(
+        &mut tiny(SpeculativeMode::Off),
+        std::slice::from_ref(&request),
+    );
+    assert_eq!(run_all(&mut engine, &[request]).0[0].tokens, want[0].tokens);
+}

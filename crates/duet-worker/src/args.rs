@@ -179,7 +179,7 @@ mod tests {
                 gpu_memory_fraction: 0.123,
                 kv_dtype: KvDtypeChoice::Bf16,
                 cpu_kernels: CpuKernels::Avx2,
-                speculative: SpeculativeMode::Ngram,
+                speculative: SpeculativeMode::Draft("models dir/draft.gguf".into()),
                 num_speculative_tokens: 6,
                 speculative_max_step_rows: 5,
             },

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use duet_cluster::{ClusterArgs, Role};
+use duet_engine::speculator::SpeculativeMode;
 use duet_proto::{Edge, EdgeOptions, PeerAuth, Tls};
 use tokio::net::TcpListener;
 
@@ -54,10 +55,16 @@ impl StartedWorker {
         let worker_id = args.worker_id_for(role, addr.port());
         let model = args.model.resolve()?;
         tracing::info!(worker_id, model = %model.display(), "loading the model");
+        let mut options = args.engine.clone();
+        if role == Role::Prefill {
+            // A prefill worker never decodes past the first token: drafting is the decode
+            // worker's, and a draft model here would only take memory.
+            options.speculative = SpeculativeMode::Off;
+        }
         let engine = EngineHandle::spawn(
             &format!("{}-engine", role.as_str()),
             model.clone(),
-            args.engine.clone(),
+            options,
             reservation_timeout,
         )
         .await?;
