@@ -161,7 +161,8 @@ expect(
 
 # Structured outputs. A schema-held answer parses and validates, whole and streamed; json_object
 # gives an object; a tool call names the tool, its arguments validate against the tool's schema,
-# and the call and its result go back into the conversation; bad constraints are 400.
+# whole and streamed, and the call and its result go back into the conversation; bad constraints
+# are 400.
 person = {
     "type": "object",
     "properties": {
@@ -213,6 +214,22 @@ for choice in [{"type": "function", "function": {"name": "get_weather"}}, "requi
         jsonschema.validate(json.loads(call.function.arguments), weather)
     else:
         assert call.function.name == "get_time" and isinstance(json.loads(call.function.arguments), dict), call
+    # Streamed: the first delta names the call, the arguments arrive in pieces that join to the
+    # same call, and the stream finishes with tool_calls.
+    chunks = [
+        c
+        for c in create(
+            model=model, messages=ask, tools=tools, tool_choice=choice, max_tokens=100, temperature=0, stream=True
+        )
+        if c.choices
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls", chunks[-1]
+    assert not any(c.choices[0].delta.content for c in chunks), chunks
+    first, *rest = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert first.id.startswith("call_") and first.type == "function" and first.function.name == call.function.name, first
+    assert rest and all(d.index == 0 and d.id is None and d.function.name is None for d in rest), rest
+    arguments = first.function.arguments + "".join(d.function.arguments for d in rest)
+    assert json.loads(arguments) == json.loads(call.function.arguments), (arguments, call)
     answered = create(
         model=model,
         messages=ask

@@ -92,6 +92,9 @@ struct Report {
     model: String,
     cpu: Cpu,
     threads: usize,
+    /// The grammar masks were computed while the forward pass ran (a core was free of kernel
+    /// threads), not after it.
+    masks_overlapped: bool,
     batch: usize,
     schema: String,
     /// Output tokens per sequence of the constrained run (the unconstrained run matches them).
@@ -232,6 +235,7 @@ pub fn run_bench(args: StructuredBenchArgs) -> Result<()> {
         model: path.display().to_string(),
         cpu: cpu_info(),
         threads,
+        masks_overlapped: engine.overlaps_grammar_masks(),
         batch: args.batch,
         schema,
         tokens,

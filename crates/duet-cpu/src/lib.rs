@@ -122,6 +122,12 @@ impl Backend for CpuBackend {
         true
     }
 
+    /// Kernels split their work over every thread of the pool; a core is free only when the pool
+    /// has fewer threads than the process has cores (`--threads`).
+    fn host_core_free_during_forward(&self) -> bool {
+        self.pool.n_threads() < crate::threadpool::default_threads()
+    }
+
     /// The same kernel path and thread pool: the draft model's steps take turns with the
     /// target's.
     fn sibling(&self) -> Option<Self> {

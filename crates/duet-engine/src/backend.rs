@@ -201,6 +201,11 @@ pub trait Backend: Send + Sync {
     fn batch_invariant(&self) -> bool {
         false
     }
+    /// Whether a forward pass leaves a host core free, so host work of the step (grammar masks)
+    /// can run beside it instead of after it.
+    fn host_core_free_during_forward(&self) -> bool {
+        false
+    }
     /// Another handle on this backend's device and threads, for a second model beside the first
     /// (a speculative draft model); `None` where that is not built.
     fn sibling(&self) -> Option<Self>

@@ -32,7 +32,8 @@ use duet_model::tokenizer::Tokenizer;
 #[derive(Clone, Debug, PartialEq)]
 #[cfg_attr(feature = "cli", derive(clap::Args))]
 pub struct EngineOptions {
-    /// Kernel threads (0: one per core).
+    /// Kernel threads (0: one per core). Fewer than the cores leaves a core for the grammar
+    /// masks of constrained requests, computed while the forward pass runs.
     #[cfg_attr(
         feature = "cli",
         arg(long, env = "DUET_THREADS", default_value_t = EngineOptions::default().threads)
@@ -222,6 +223,9 @@ pub struct Engine<B: Backend> {
     speculator: Option<Proposer<B>>,
     /// Over every sequence since the engine started.
     speculation_totals: Speculation,
+    /// Grammar masks are computed on a thread of their own while the forward pass runs (where
+    /// the backend leaves a host core free), not after it.
+    overlap_grammar_masks: bool,
 }
 
 /// Where drafts come from when speculating.
@@ -274,6 +278,7 @@ impl<B: Backend> Engine<B> {
                 Some(Proposer::Draft(Box::new(draft)))
             }
         };
+        let overlap_grammar_masks = backend.host_core_free_during_forward();
         let runner = ModelRunner::load(backend, &files, &options)?;
         let kv_layout = runner.kv_layout();
         let (kv_dtype, num_blocks) = (kv_layout.dtype, kv_layout.num_blocks);
@@ -300,6 +305,7 @@ impl<B: Backend> Engine<B> {
             grammars: None,
             speculator,
             speculation_totals: Speculation::default(),
+            overlap_grammar_masks,
         };
         // Loading builds and drops large temporaries (tokenizer tables, repacked-weight staging).
         release_freed_heap();
@@ -667,12 +673,27 @@ impl<B: Backend> Engine<B> {
         if plan.is_empty() {
             return Ok(Vec::new());
         }
-        let scheduler = &self.scheduler;
-        let mut logits = self.runner.forward(
-            &plan,
-            |seq| scheduler.tokens(seq).expect("planned sequences exist"),
-            on_layer,
-        )?;
+        let constrained: Vec<&mut Sampler> = match self.overlap_grammar_masks {
+            true => self
+                .seqs
+                .iter_mut()
+                .filter(|(id, g)| g.sampler.constrained() && plan.iter().any(|p| p.seq == **id))
+                .map(|(_, g)| &mut g.sampler)
+                .collect(),
+            false => Vec::new(),
+        };
+        let (runner, scheduler) = (&mut self.runner, &self.scheduler);
+        let mut logits = std::thread::scope(|s| {
+            // A mask needs only the tokens so far, not this step's logits.
+            if !constrained.is_empty() {
+                s.spawn(move || constrained.into_iter().for_each(Sampler::prepare_mask));
+            }
+            runner.forward(
+                &plan,
+                |seq| scheduler.tokens(seq).expect("planned sequences exist"),
+                on_layer,
+            )
+        })?;
         let mut outputs = Vec::new();
         let mut logit_row = 0;
         for p in &plan {
@@ -719,6 +740,12 @@ impl<B: Backend> Engine<B> {
     /// per sequence per step), drafted and accepted tokens.
     pub fn speculation_totals(&self) -> Speculation {
         self.speculation_totals
+    }
+
+    /// Whether grammar masks are computed while the forward pass runs (see
+    /// [`Backend::host_core_free_during_forward`]).
+    pub fn overlaps_grammar_masks(&self) -> bool {
+        self.overlap_grammar_masks
     }
 
     /// Sequences preempted (and recomputed) since the engine started.

@@ -52,6 +52,19 @@ impl Sampler {
         self
     }
 
+    /// Whether the request is constrained by a grammar.
+    pub fn constrained(&self) -> bool {
+        self.grammar.is_some()
+    }
+
+    /// Computes the grammar's mask for the next draw ahead of [`Self::sample`] (see
+    /// [`Grammar::prepare_mask`]); nothing for an unconstrained request.
+    pub fn prepare_mask(&mut self) {
+        if let Some(g) = &mut self.grammar {
+            g.prepare_mask();
+        }
+    }
+
     /// The grammar of a constrained request is complete: nothing may follow.
     pub fn grammar_complete(&self) -> bool {
         self.grammar.as_ref().is_some_and(Grammar::is_complete)

@@ -1,6 +1,7 @@
 //! Engine-level behaviour the services build on: KV moved between two engines gives the same
 //! tokens as one engine doing both phases; preemption under KV pressure and prefix-cache hits
-//! do not change anyone's tokens; cancellation frees blocks.
+//! do not change anyone's tokens; cancellation frees blocks; grammar masks computed beside the
+//! forward pass constrain exactly as those computed after it.
 
 mod common;
 
@@ -8,8 +9,8 @@ use common::fixtures;
 use duet_cpu::CpuBackend;
 use duet_engine::backend::KvDtypeChoice;
 use duet_engine::engine::{Engine, EngineOptions, Resumed, SeqId};
-use duet_model::params::SamplingParams;
 use duet_model::params::StopCriteria;
+use duet_model::params::{Constraint, SamplingParams};
 
 fn tiny(kv_cache_tokens: usize) -> Engine<CpuBackend> {
     tiny_with(kv_cache_tokens, KvDtypeChoice::Auto)
@@ -315,5 +316,71 @@ fn a_resumed_request_continues_without_repeats() {
         );
         let text = |v: &[(u32, String)]| v.iter().map(|r| r.1.as_str()).collect::<String>();
         assert_eq!(text(&rest), text(&pieces[k..]), "text after {k}");
+    }
+}
+
+/// With a core to spare (one kernel thread on a machine of several), the masks of a constrained
+/// batch are computed while the forward pass runs; the batch decodes exactly the tokens it does
+/// when every core runs kernels and the masks follow the forward pass, and its text validates.
+#[test]
+fn grammar_masks_computed_beside_the_forward_pass_constrain_the_same_tokens() {
+    // JSON with no room for the tiny model's favourite whitespace, so every answer completes.
+    let regex = r#"\{"id":(0|[1-9][0-9]{0,3}),"tags":\[("[a-z]{1,5}",){0,2}"[a-z]{1,5}"\]\}"#;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let run = |threads: usize| {
+        let options = EngineOptions {
+            threads,
+            block_size: 4,
+            kv_cache_tokens: 4096,
+            max_step_tokens: 64,
+            ..Default::default()
+        };
+        let mut engine = duet_cpu::load_engine(&fixtures().join("tiny-llama"), options).unwrap();
+        let overlapped = engine.overlaps_grammar_masks();
+        let ids: Vec<SeqId> = (0..4)
+            .map(|i| {
+                let params = SamplingParams {
+                    temperature: 0.8,
+                    seed: Some(i),
+                    constraint: Some(Constraint::Regex(regex.into())),
+                    ..Default::default()
+                };
+                let stop = StopCriteria {
+                    max_tokens: 120,
+                    ..Default::default()
+                };
+                engine
+                    .add_sequence(prompt(i as u32, 9), params, stop)
+                    .unwrap()
+            })
+            .collect();
+        let mut texts = vec![String::new(); ids.len()];
+        while engine.has_work() {
+            for out in engine.step().unwrap() {
+                texts[ids.iter().position(|&id| id == out.seq).unwrap()].push_str(&out.text);
+            }
+        }
+        (overlapped, texts)
+    };
+    let (overlapped, after) = run(cores);
+    assert!(
+        !overlapped,
+        "every core runs kernels: nothing is free for masks"
+    );
+    let (overlapped, beside) = run(1);
+    assert_eq!(
+        overlapped,
+        cores > 1,
+        "one kernel thread leaves {} cores",
+        cores - 1
+    );
+    assert_eq!(beside, after);
+    for text in &after {
+        let v: serde_json::Value =
+            serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        assert!(
+            v["id"].is_i64() && v["tags"].as_array().is_some_and(|t| t.len() <= 3),
+            "{text}"
+        );
     }
 }

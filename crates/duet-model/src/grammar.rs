@@ -100,6 +100,7 @@ impl GrammarCompiler {
         Ok(Grammar {
             matcher,
             eos: self.factory.tok_env().tok_trie().eos_token(),
+            next_mask: None,
         })
     }
 }
@@ -115,17 +116,37 @@ fn special(name: &str) -> Vec<u8> {
 pub struct Grammar {
     matcher: Matcher,
     eos: u32,
+    /// The tokens allowed next, computed ahead by [`Self::prepare_mask`]; cleared when the
+    /// grammar moves on.
+    next_mask: Option<SimpleVob>,
 }
 
 impl Grammar {
-    /// Sets the logits of every token the grammar does not allow next to −∞. A grammar that
-    /// failed (an internal error) allows only the end-of-sequence token, which ends the sequence.
-    pub fn mask(&mut self, logits: &mut [f32]) {
-        let allowed = self.matcher.compute_mask_or_eos().unwrap_or_else(|_| {
-            let mut only_eos = SimpleVob::alloc(logits.len());
+    /// Computes the tokens allowed next, ahead of [`Self::mask`]: the costly half of masking,
+    /// which needs only the tokens so far, so it can run while the forward step computes the
+    /// logits.
+    pub fn prepare_mask(&mut self) {
+        if self.next_mask.is_none() {
+            self.next_mask = Some(self.allowed());
+        }
+    }
+
+    /// The tokens the grammar allows next. A grammar that failed (an internal error) allows only
+    /// the end-of-sequence token, which ends the sequence.
+    fn allowed(&mut self) -> SimpleVob {
+        self.matcher.compute_mask_or_eos().unwrap_or_else(|_| {
+            let mut only_eos = SimpleVob::alloc(self.eos as usize + 1);
             only_eos.allow_token(self.eos);
             only_eos
-        });
+        })
+    }
+
+    /// Sets the logits of every token the grammar does not allow next to −∞.
+    pub fn mask(&mut self, logits: &mut [f32]) {
+        let allowed = match self.next_mask.take() {
+            Some(prepared) => prepared,
+            None => self.allowed(),
+        };
         // A word of the mask at a time: most are all clear (or all set) under a grammar.
         for (&word, chunk) in allowed.as_slice().iter().zip(logits.chunks_mut(32)) {
             match word {
@@ -148,6 +169,7 @@ impl Grammar {
 
     /// Moves past `token` (sampled under [`Self::mask`], or replayed after a failover).
     pub fn accept(&mut self, token: u32) {
+        self.next_mask = None;
         if !self.matcher.is_stopped() {
             // An error leaves the matcher failed: `mask` then ends the sequence.
             let _ = self.matcher.consume_token(token);
@@ -201,6 +223,46 @@ mod tests {
             tokens.push(token);
         }
         (tokenizer.decode(&tokens, false).unwrap(), tokens)
+    }
+
+    /// A mask computed ahead (on another thread, as while a forward pass runs) is the mask of
+    /// the tokens accepted so far, and moving on discards it: two grammars, one masking ahead
+    /// and one not, mask every step's logits alike.
+    #[test]
+    fn a_mask_prepared_ahead_is_the_mask_of_the_tokens_so_far() {
+        let (compiler, _) = compiler();
+        let constraint = Constraint::JsonSchema(
+            r#"{"type":"object","properties":{"k":{"type":"array","items":{"type":"integer"}}},"required":["k"]}"#.into(),
+        );
+        let mut ahead = compiler.compile(&constraint).unwrap();
+        let mut inline = compiler.compile(&constraint).unwrap();
+        let mut rng = crate::synthetic::Uniform::new(3);
+        let mut steps = 0;
+        while !inline.is_complete() && steps < 200 {
+            ahead = std::thread::spawn(move || {
+                ahead.prepare_mask();
+                ahead
+            })
+            .join()
+            .unwrap();
+            let mut logits = rng.values(384);
+            for b in *b"]}" {
+                logits[3 + b as usize] += 1.0;
+            }
+            let (mut a, mut b) = (logits.clone(), logits);
+            ahead.mask(&mut a);
+            inline.mask(&mut b);
+            assert_eq!(a, b, "step {steps}");
+            let token = (0..384u32)
+                .max_by(|&x, &y| b[x as usize].total_cmp(&b[y as usize]))
+                .unwrap();
+            // A mask prepared and then passed by (a token replayed after a failover) is dropped.
+            ahead.prepare_mask();
+            ahead.accept(token);
+            inline.accept(token);
+            steps += 1;
+        }
+        assert!(inline.is_complete() && ahead.is_complete(), "{steps} steps");
     }
 
     /// Text generated under a JSON Schema parses and has the schema's shape, whatever the

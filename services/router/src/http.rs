@@ -32,10 +32,11 @@ use crate::https::TlsListener;
 use crate::openai::{
     Answer, ChatChoice, ChatCompletion, ChatLogprobs, ChatMessageOut, ChatRequest, Completion,
     CompletionChoice, CompletionLogprobs, CompletionRequest, ErrorBody, ErrorEnvelope, ModelCard,
-    ModelList, OpenAiError, Usage, finish_reason,
+    ModelList, OpenAiError, ToolCalls, Usage, finish_reason,
 };
 use crate::relay::Item;
 use crate::service::{Messages, RouterState, gather};
+use crate::tool_stream::ToolCallStream;
 
 /// Seconds a client told 429 should wait before retrying.
 const RETRY_AFTER_SECONDS: &str = "1";
@@ -231,6 +232,7 @@ async fn generate(
         ))
     })?;
     reply.id = first.request_id.clone();
+    reply.tool_stream = ToolCallStream::new(&reply.answer.tools, &reply.id);
     let mut pending = VecDeque::new();
     if let Some(role) = reply.role_chunk() {
         pending.push_back(role);
@@ -278,8 +280,8 @@ impl Streaming {
             };
             let finished = match item {
                 Some(Ok(m)) => {
-                    self.pending
-                        .push_back(self.reply.chunk(&self.front.state, &m));
+                    let chunk = self.reply.chunk(&self.front.state, &m);
+                    self.pending.push_back(chunk);
                     if finish_reason(&m).is_some() {
                         if let Some(u) =
                             m.usage.as_ref().filter(|_| self.reply.answer.include_usage)
@@ -333,6 +335,8 @@ struct Reply {
     id: String,
     created: u64,
     model: String,
+    /// A streamed answer that calls a tool: its text becomes `tool_calls` deltas.
+    tool_stream: Option<ToolCallStream>,
 }
 
 impl Reply {
@@ -345,6 +349,7 @@ impl Reply {
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            tool_stream: None,
         }
     }
 
@@ -368,30 +373,39 @@ impl Reply {
                 let message = ChatMessageOut {
                     role: Some("assistant"),
                     content: (!called).then(|| m.text.clone()),
-                    tool_calls: call.map(|c| vec![c]),
+                    tool_calls: call.map(|c| ToolCalls::Whole(vec![c])),
                 };
-                let mut answer = self.chat(state, m, "chat.completion", Some(message), None, usage);
-                if called && finish_reason(m) == Some("stop") {
-                    answer.choices[0].finish_reason = Some("tool_calls");
-                }
-                Json(answer).into_response()
+                let answer = self.chat(state, m, "chat.completion", Some(message), None, usage);
+                Json(answer.calling(called)).into_response()
             }
         }
     }
 
-    /// One chunk of a stream: a message's text, tokens' logprobs and finish reason.
-    fn chunk(&self, state: &RouterState, m: &v1::GenerateResponse) -> Event {
-        match self.endpoint {
-            Endpoint::Completions => {
+    /// One chunk of a stream: a message's text (or what it adds to a tool call), tokens'
+    /// logprobs and finish reason.
+    fn chunk(&mut self, state: &RouterState, m: &v1::GenerateResponse) -> Event {
+        match (self.endpoint, &mut self.tool_stream) {
+            (Endpoint::Completions, _) => {
                 json_event(&self.completion(state, m, "text_completion", None))
             }
-            Endpoint::Chat => {
+            (Endpoint::Chat, None) => {
                 let delta = ChatMessageOut {
                     role: None,
                     content: Some(m.text.clone()),
                     tool_calls: None,
                 };
                 json_event(&self.chat(state, m, "chat.completion.chunk", None, Some(delta), None))
+            }
+            (Endpoint::Chat, Some(tools)) => {
+                let piece = tools.push(&m.text, finish_reason(m).is_some());
+                let called = tools.called();
+                let delta = ChatMessageOut {
+                    role: None,
+                    content: piece.content,
+                    tool_calls: piece.tool_call.map(|c| ToolCalls::Chunk(vec![c])),
+                };
+                let chunk = self.chat(state, m, "chat.completion.chunk", None, Some(delta), None);
+                json_event(&chunk.calling(called))
             }
         }
     }
@@ -409,7 +423,8 @@ impl Reply {
                     message: None,
                     delta: Some(ChatMessageOut {
                         role: Some("assistant"),
-                        content: Some(String::new()),
+                        // A tool call's message has no content.
+                        content: self.tool_stream.is_none().then(String::new),
                         tool_calls: None,
                     }),
                     finish_reason: None,

@@ -24,6 +24,7 @@ pub mod policy;
 mod relay;
 pub mod routing;
 pub mod service;
+pub mod tool_stream;
 pub mod validate;
 pub mod worker;
 

@@ -7,6 +7,8 @@ use duet_model::tokenizer::Tokenizer;
 use duet_proto::v1;
 use serde::{Deserialize, Serialize};
 
+use crate::tool_stream::ToolCallChunk;
+
 /// A request the OpenAI front refuses before it reaches the router core (the core's own checks
 /// cover the rest): answered 400, or 404 for a model this router does not serve.
 #[derive(Debug, thiserror::Error)]
@@ -447,12 +449,6 @@ impl ChatRequest {
                 ),
             ));
         }
-        if self.common.stream {
-            return Err(invalid(
-                "stream",
-                "streaming tool calls is not supported by duet",
-            ));
-        }
         if req.constraint.is_some() {
             return Err(invalid(
                 "tools",
@@ -523,6 +519,11 @@ impl ChatRequest {
     }
 }
 
+/// The id of the tool call a request's answer makes.
+pub fn call_id(request_id: &str) -> String {
+    format!("call_{request_id}")
+}
+
 /// One call in a chat answer's `tool_calls`.
 #[derive(Debug, Serialize)]
 pub struct ToolCall {
@@ -558,7 +559,7 @@ impl ToolAnswer {
             }
         };
         Some(ToolCall {
-            id: format!("call_{id}"),
+            id: call_id(id),
             kind: "function",
             function: CalledFunction { name, arguments },
         })
@@ -735,7 +736,15 @@ pub struct ChatMessageOut {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub tool_calls: Option<Vec<ToolCall>>,
+    pub tool_calls: Option<ToolCalls>,
+}
+
+/// A message's `tool_calls`: the whole calls of an answer, or what a chunk of a stream adds.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum ToolCalls {
+    Whole(Vec<ToolCall>),
+    Chunk(Vec<ToolCallChunk>),
 }
 
 #[derive(Debug, Serialize)]
@@ -761,6 +770,18 @@ pub struct ChatCompletion {
     pub choices: Vec<ChatChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+}
+
+impl ChatCompletion {
+    /// An answer that `called` a tool finishes with `tool_calls` where it would have stopped.
+    pub fn calling(mut self, called: bool) -> Self {
+        for choice in &mut self.choices {
+            if called && choice.finish_reason == Some("stop") {
+                choice.finish_reason = Some("tool_calls");
+            }
+        }
+        self
+    }
 }
 
 /// `GET /v1/models`.
@@ -1018,8 +1039,8 @@ mod tests {
     }
 
     /// `tools` with `tool_choice` naming a function or `required` hold the answer to the
-    /// arguments' schema (the tools reach the chat template); `auto`, streaming, and unknown
-    /// names are refused; `none` answers in text.
+    /// arguments' schema (the tools reach the chat template), streamed or not; `auto` and
+    /// unknown names are refused; `none` answers in text.
     #[test]
     fn tool_calls_become_constraints_and_answers() {
         use v1::constraint::Kind;
@@ -1049,11 +1070,12 @@ mod tests {
         };
         let schema: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(schema["anyOf"].as_array().unwrap().len(), 2);
+        let (_, a) = chat_with(r#""tool_choice":"required","stream":true"#).unwrap();
+        assert!(a.stream && a.tools == ToolAnswer::Required);
         let (r, a) = chat_with(r#""tool_choice":"none""#).unwrap();
         assert_eq!((a.tools, r.constraint), (ToolAnswer::Text, None));
         for (fields, param) in [
             (r#""tool_choice":"auto""#, "tool_choice"),
-            (r#""tool_choice":"required","stream":true"#, "stream"),
             (
                 r#""tool_choice":{"type":"function","function":{"name":"nope"}}"#,
                 "tool_choice",
