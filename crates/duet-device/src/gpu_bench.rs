@@ -5,7 +5,8 @@
 //! - Correctness: paged attention against a float64 host reference on random ragged batches
 //!   (decode rows past several 512-token partitions, prefill with cached prefixes, GQA), output
 //!   poisoned with NaN first; logits of the CUDA backend against the CPU backend (‖Δ‖/‖ref‖) and
-//!   greedy tokens equal, on the models given.
+//!   greedy tokens equal, on the models given; whether a draft's positions verified in one step
+//!   are the same bits as decoded alone (speculative decoding needs it: `Backend::batch_invariant`).
 //! - Speed on a Llama-3-8B-shaped model with random bf16 weights: decode at batch 1 and at batch
 //!   64 with 1024-token contexts against the bandwidth roofline, and one 2048-token prefill
 //!   against the matrix rate.
@@ -87,6 +88,7 @@ pub fn run(options: &GpuBenchOptions) -> Result<GpuReport> {
     eprintln!("[3/4] CUDA against the CPU backend");
     for model in &options.models {
         checks.push(logits_check(&backend, model)?);
+        checks.push(batch_invariance_check(&backend, model)?);
         checks.extend(greedy_checks(options, model)?);
     }
     let mut timings = Vec::new();
@@ -356,6 +358,28 @@ fn logits_check(backend_probe: &CudaBackend, path: &std::path::Path) -> Result<C
             "‖Δ‖/‖ref‖ = {rel:.2e}, argmax {} vs {}",
             argmax(&gpu),
             argmax(&cpu)
+        ),
+    })
+}
+
+/// Whether `Backend::batch_invariant`, which speculative decoding needs, says what the CUDA
+/// backend does: a draft's positions verified in one step beside other sequences against the
+/// same positions decoded alone. A backend that does not claim it passes either way; the detail
+/// says whether it could.
+fn batch_invariance_check(backend_probe: &CudaBackend, path: &std::path::Path) -> Result<Check> {
+    let ordinal = backend_probe.device_info().ordinal;
+    let model = Llama::load(CudaBackend::new(ordinal, 0.5)?, &open_model(path)?)?;
+    let claimed = model.backend().batch_invariant();
+    let measured = crate::row_invariance::row_invariance(&model)?;
+    Ok(Check {
+        name: format!(
+            "batch_invariant ({claimed}) as measured, {}",
+            file_name(path)
+        ),
+        passed: !claimed || measured.holds(),
+        detail: format!(
+            "{} of {} verified positions differ from decoding alone, max |Δ| {:.2e}",
+            measured.differing_rows, measured.rows, measured.max_abs_diff
         ),
     })
 }

@@ -7,6 +7,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod gpu_bench;
+pub mod row_invariance;
 
 use std::path::Path;
 

@@ -19,6 +19,24 @@ pub struct SeqInput<'a> {
     pub logits: LogitsWanted,
 }
 
+impl<'a> SeqInput<'a> {
+    /// Positions `from..to` of a sequence of `tokens`, those before `from` already cached.
+    pub fn span(
+        tokens: &'a [u32],
+        from: usize,
+        to: usize,
+        block_table: &'a [u32],
+        logits: LogitsWanted,
+    ) -> Self {
+        Self {
+            tokens: &tokens[from..to],
+            start_pos: from,
+            block_table,
+            logits,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogitsWanted {
     /// None (a prompt chunk that is not the last one).

@@ -178,20 +178,6 @@ fn a_position_has_the_same_logits_alone_in_a_batch_and_in_a_prompt() {
             .collect()
     };
     let (a, b, c) = (tokens(300, 1), tokens(200, 2), tokens(90, 3));
-    fn input<'a>(
-        t: &'a [u32],
-        from: usize,
-        to: usize,
-        table: &'a [u32],
-        logits: LogitsWanted,
-    ) -> SeqInput<'a> {
-        SeqInput {
-            tokens: &t[from..to],
-            start_pos: from,
-            block_table: table,
-            logits,
-        }
-    }
     let last_bits = |l: &duet_engine::llama::Logits, row: usize| -> Vec<u32> {
         l.row(row).iter().map(|x| x.to_bits()).collect()
     };
@@ -200,15 +186,15 @@ fn a_position_has_the_same_logits_alone_in_a_batch_and_in_a_prompt() {
         let mut h = Harness::load(&path, threads);
         // Alone: the prompt, then its last token decoded.
         let t = h.blocks_for(a.len());
-        h.forward(&[input(&a, 0, 299, &t, LogitsWanted::None)]);
-        let l = h.forward(&[input(&a, 299, 300, &t, LogitsWanted::Last)]);
+        h.forward(&[SeqInput::span(&a, 0, 299, &t, LogitsWanted::None)]);
+        let l = h.forward(&[SeqInput::span(&a, 299, 300, &t, LogitsWanted::Last)]);
         runs.push((
             format!("decoded alone, {threads} threads"),
             last_bits(&l, 0),
         ));
         // As the last row of the whole prompt.
         let t = h.blocks_for(a.len());
-        let l = h.forward(&[input(&a, 0, 300, &t, LogitsWanted::Last)]);
+        let l = h.forward(&[SeqInput::span(&a, 0, 300, &t, LogitsWanted::Last)]);
         runs.push((
             format!("the last row of a prompt, {threads} threads"),
             last_bits(&l, 0),
@@ -223,17 +209,17 @@ fn a_position_has_the_same_logits_alone_in_a_batch_and_in_a_prompt() {
         h.blocks_for(c.len()),
     );
     h.forward(&[
-        input(&b, 0, 199, &tb, LogitsWanted::None),
-        input(&a, 0, 150, &ta, LogitsWanted::None),
+        SeqInput::span(&b, 0, 199, &tb, LogitsWanted::None),
+        SeqInput::span(&a, 0, 150, &ta, LogitsWanted::None),
     ]);
     h.forward(&[
-        input(&a, 150, 299, &ta, LogitsWanted::None),
-        input(&b, 199, 200, &tb, LogitsWanted::Last),
-        input(&c, 0, 60, &tc, LogitsWanted::None),
+        SeqInput::span(&a, 150, 299, &ta, LogitsWanted::None),
+        SeqInput::span(&b, 199, 200, &tb, LogitsWanted::Last),
+        SeqInput::span(&c, 0, 60, &tc, LogitsWanted::None),
     ]);
     let l = h.forward(&[
-        input(&c, 60, 90, &tc, LogitsWanted::Last),
-        input(&a, 299, 300, &ta, LogitsWanted::Last),
+        SeqInput::span(&c, 60, 90, &tc, LogitsWanted::Last),
+        SeqInput::span(&a, 299, 300, &ta, LogitsWanted::Last),
     ]);
     runs.push(("decoded in a batch, 2 threads".into(), last_bits(&l, 1)));
     for (what, bits) in &runs[1..] {
