@@ -96,65 +96,53 @@ impl ToolCallStream {
 
     /// The next piece of the answer's text; `last` when the answer ends with it.
     pub fn push(&mut self, text: &str, last: bool) -> StreamedPiece {
-        if let Some(name) = self.named.clone() {
-            let news = !self.started || !text.is_empty();
+        if let Some(named) = &self.named {
+            if self.started && text.is_empty() {
+                return StreamedPiece::default();
+            }
+            // Only the first delta names the call.
+            let name = if self.started {
+                String::new()
+            } else {
+                named.clone()
+            };
             return StreamedPiece {
-                tool_call: news.then(|| self.delta(name, text.to_string())),
+                tool_call: Some(self.delta(name, text.to_string())),
                 content: None,
             };
         }
-        let mut arguments = String::new();
-        let mut rest = text;
-        while !rest.is_empty() {
-            match &mut self.required {
-                Required::Head(head) => {
-                    head.push_str(rest);
-                    rest = "";
-                    let Some((name, start)) = split_head(head) else {
-                        continue;
-                    };
-                    let mut depth = JsonDepth::default();
-                    // The head from the brace on is the first of the arguments.
-                    let opened = head.split_off(start);
-                    if let Some(end) = depth.close_of(&opened) {
-                        arguments.push_str(&opened[..end]);
-                        self.required = Required::Closed;
-                    } else {
-                        arguments.push_str(&opened);
-                        self.required = Required::Arguments(depth);
+        // The call's name when this piece opens its arguments, and the text read inside them.
+        let (name, inside) = match &mut self.required {
+            Required::Head(head) => {
+                head.push_str(text);
+                match split_head(head) {
+                    Some((name, start)) => {
+                        // The head from the brace on is the first of the arguments.
+                        let opened = head.split_off(start);
+                        self.required = Required::Arguments(JsonDepth::default());
+                        (Some(name), opened)
                     }
-                    return self.finish_piece(Some(name), arguments, last);
+                    None => (None, String::new()),
                 }
-                Required::Arguments(depth) => {
-                    match depth.close_of(rest) {
-                        Some(end) => {
-                            arguments.push_str(&rest[..end]);
-                            self.required = Required::Closed;
-                        }
-                        None => arguments.push_str(rest),
-                    }
-                    rest = "";
-                }
-                Required::Closed => rest = "",
             }
+            Required::Arguments(_) => (None, text.to_string()),
+            Required::Closed => (None, String::new()),
+        };
+        let mut arguments = inside;
+        if let Required::Arguments(depth) = &mut self.required
+            && let Some(end) = depth.close_of(&arguments)
+        {
+            arguments.truncate(end);
+            self.required = Required::Closed;
         }
-        self.finish_piece(None, arguments, last)
-    }
-
-    /// `arguments` (and the call's name when it just became known) as a delta; at the end, a
-    /// head that never named a call is parsed whole, or given back as content.
-    fn finish_piece(
-        &mut self,
-        name: Option<String>,
-        arguments: String,
-        last: bool,
-    ) -> StreamedPiece {
         let mut piece = StreamedPiece::default();
         if let Some(name) = name {
             piece.tool_call = Some(self.delta(name, arguments));
         } else if self.started && !arguments.is_empty() {
             piece.tool_call = Some(self.delta(String::new(), arguments));
         }
+        // At the end, a head that never opened an object of arguments is parsed whole (its
+        // arguments are another value), or given back as content.
         if let (true, Required::Head(head)) = (last, &mut self.required) {
             let head = std::mem::take(head);
             match ToolAnswer::Required.call(&head, "") {
