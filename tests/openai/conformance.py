@@ -4,6 +4,7 @@ Run by tests/tests/openai.rs against routers it starts on loopback; exits non-ze
 AssertionError or the client's own exception) on the first thing that is not as a user of the
 client expects. Arguments (JSON on stdin):
   url, limited_url (no request admitted), deadline_url (1 ms deadline), down_url (no worker up),
+  tools_url (renders prompts with a chat template that shows tools and teaches Hermes calls),
   model, alias (a second served name of url's router), completion_prompt, completion_text,
   chat_messages, chat_text, max_tokens,
   max_request_bytes (the router's body limit)
@@ -239,10 +240,53 @@ for choice in [{"type": "function", "function": {"name": "get_weather"}}, "requi
         temperature=0,
     )
     assert answered.choices[0].message.content, answered
+# tool_choice "auto", the default with tools: the default model's template does not show tools,
+# so its router refuses auto and says why. A router rendering with a template that shows them
+# (--chat-template) serves it: whatever the model decides, text or calls of the offered tools
+# whose arguments parse, streamed as answered whole; and a conversation's calls and results
+# reach that template.
+for kwargs in [{"tool_choice": "auto"}, {}]:
+    e = expect(openai.BadRequestError, 400, create, model=model, messages=ask, tools=tools, **kwargs)
+    assert "does not show the model the tools" in e.body["message"] and e.body["param"] == "tool_choice", e
+auto = client(args["tools_url"]).chat.completions.create
+weather_now = [{"role": "user", "content": "Call get_weather for Paris in celsius."}]
+whole = auto(model=model, messages=weather_now, tools=tools, max_tokens=60, temperature=0).choices[0]
+if whole.message.tool_calls:
+    assert whole.finish_reason == "tool_calls", whole
+    for call in whole.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time"), call
+        json.loads(call.function.arguments)
+else:
+    assert whole.finish_reason in ("stop", "length") and whole.message.content, whole
+chunks = [
+    c
+    for c in auto(model=model, messages=weather_now, tools=tools, max_tokens=60, temperature=0, stream=True)
+    if c.choices
+]
+assert chunks[-1].choices[0].finish_reason == whole.finish_reason, (chunks[-1], whole)
+streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks)
+assert streamed_text == (whole.message.content or ""), (streamed_text, whole)
+streamed_calls = {}
+for delta in [d for c in chunks for d in c.choices[0].delta.tool_calls or []]:
+    if delta.id:
+        streamed_calls[delta.index] = [delta.id, delta.function.name, delta.function.arguments]
+    else:
+        streamed_calls[delta.index][2] += delta.function.arguments
+assert list(streamed_calls.values()) == [
+    [c.id, c.function.name, c.function.arguments] for c in whole.message.tool_calls or []
+], (streamed_calls, whole)
+called = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                      "arguments": '{"city": "Paris", "unit": "celsius"}'}}]}
+result = {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}
+with_calls = auto(model=model, messages=weather_now + [called, result], tools=tools, max_tokens=1)
+without = auto(model=model, messages=weather_now + [{"role": "assistant", "content": ""}], tools=tools, max_tokens=1)
+# The call (name and arguments) and the result, in <tool_call> and <tool_response> blocks.
+assert with_calls.usage.prompt_tokens > without.usage.prompt_tokens + 20, (with_calls.usage, without.usage)
+expect(openai.BadRequestError, 400, auto, model=model, messages=weather_now + [called, {"role": "tool", "content": "x"}])
 for bad in [
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-    {"tools": tools, "tool_choice": "auto"},
     {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
     {"extra_body": {"guided_grammar": "start: missing_rule"}},
 ]:

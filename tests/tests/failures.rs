@@ -92,6 +92,7 @@ fn bad_input_through_the_cluster_is_rejected_and_it_keeps_serving() {
                     messages: vec![v1::ChatMessage {
                         role: "wizard".into(),
                         content: "hi".into(),
+                        ..Default::default()
                     }],
                     ..Default::default()
                 },

@@ -143,7 +143,21 @@ fn the_openai_python_client_gets_what_grpc_gives_and_every_error_as_its_exceptio
         vec![],
         RoutingOptions::default(),
     );
+    // Renders prompts with a template that shows the tools and teaches Hermes calls: serves
+    // `tool_choice: "auto"`, which the default model's own template cannot.
+    let tools = side_router(
+        &rt,
+        &c,
+        &model,
+        c.decode.iter().map(|a| a.to_string()).collect(),
+        c.prefill.iter().map(|a| a.to_string()).collect(),
+        RoutingOptions {
+            chat_template: Some(repo().join("tests/fixtures/chat-templates/hermes-tools.jinja")),
+            ..Default::default()
+        },
+    );
     wait_health(http, 200);
+    wait_health(tools, 200);
     wait_health(limited, 200);
     wait_health(deadline, 200);
     wait_health(down, 503);
@@ -169,6 +183,7 @@ fn the_openai_python_client_gets_what_grpc_gives_and_every_error_as_its_exceptio
             .map(|(role, content)| v1::ChatMessage {
                 role: role.to_string(),
                 content: content.to_string(),
+                ..Default::default()
             })
             .collect(),
         max_tokens: Some(max_tokens),
@@ -182,7 +197,7 @@ fn the_openai_python_client_gets_what_grpc_gives_and_every_error_as_its_exceptio
     let json_str = |s: &str| format!("{s:?}");
     let args = format!(
         r#"{{"url":"http://{http}","limited_url":"http://{limited}","deadline_url":"http://{deadline}",
-            "down_url":"http://{down}","model":{model},"alias":{alias},"completion_prompt":{prompt},
+            "down_url":"http://{down}","tools_url":"http://{tools}","model":{model},"alias":{alias},"completion_prompt":{prompt},
             "completion_text":{completion},"chat_messages":[{messages}],"chat_text":{chat},
             "max_tokens":{max_tokens},"max_request_bytes":{MAX_REQUEST_BYTES}}}"#,
         model = json_str(&duet_router::model_name(&model)),

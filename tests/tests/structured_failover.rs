@@ -24,6 +24,7 @@ fn request(constraint: Option<v1::constraint::Kind>, seed: u64) -> v1::GenerateR
         messages: vec![v1::ChatMessage {
             role: "user".into(),
             content: "Describe a fictional person as JSON.".into(),
+            ..Default::default()
         }],
         max_tokens: Some(200),
         temperature: Some(0.8),

@@ -146,10 +146,7 @@ impl WithEngine for LocalGenerate {
 
 fn generate_local<B: Backend>(args: GenerateArgs, mut engine: Engine<B>) -> Result<()> {
     let prompt_text = if args.chat {
-        engine.apply_chat_template(&[ChatMessage {
-            role: "user".into(),
-            content: args.prompt.clone(),
-        }])?
+        engine.apply_chat_template(&[ChatMessage::new("user", args.prompt.clone())])?
     } else {
         args.prompt.clone()
     };
@@ -345,6 +342,7 @@ async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
         request.messages = vec![v1::ChatMessage {
             role: "user".into(),
             content: args.prompt.clone(),
+            ..Default::default()
         }];
     } else {
         request.prompt = args.prompt.clone();

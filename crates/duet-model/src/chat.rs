@@ -10,9 +10,7 @@ use minijinja::{Environment, Error, ErrorKind};
 use serde::Serialize;
 
 use crate::gguf::GgufFile;
-#[cfg(doc)]
-use crate::tokenizer::Tokenizer;
-use crate::tokenizer::{TEXT_SPAN_END, TEXT_SPAN_START};
+use crate::tokenizer::{TEXT_SPAN_END, TEXT_SPAN_START, Tokenizer};
 
 const TEMPLATE_NAME: &str = "chat";
 
@@ -21,10 +19,14 @@ pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>
 
 const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// The calls an assistant turn made (OpenAI's `tool_calls`).
+    pub tool_calls: Vec<ChatToolCall>,
+    /// The call a `tool` turn answers.
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -32,6 +34,62 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            ..Self::default()
+        }
+    }
+}
+
+/// A call of a function in an assistant turn of the conversation.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ChatToolCall {
+    pub id: String,
+    pub name: String,
+    /// The arguments as JSON text.
+    pub arguments: String,
+}
+
+/// A message as chat templates read it, in the shape HF `apply_chat_template` gives them: a
+/// call's `arguments` is an object (templates write it with `tojson`) when its text is one, and
+/// fields a turn lacks are undefined rather than empty.
+#[derive(Serialize)]
+struct TemplateMessage {
+    role: String,
+    content: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_call_id: Option<String>,
+}
+
+impl TemplateMessage {
+    /// `m` with every special token in its text kept as text (see [`keep_as_text`]).
+    fn new(m: &ChatMessage, special_tokens: &[String]) -> Self {
+        let tool_calls = m
+            .tool_calls
+            .iter()
+            .map(|call| {
+                // Special tokens can only stand inside the JSON's strings, so the wrapped text
+                // parses as the original does.
+                let arguments = keep_as_text(&call.arguments, special_tokens);
+                let arguments = serde_json::from_str::<serde_json::Value>(&arguments)
+                    .ok()
+                    .filter(serde_json::Value::is_object)
+                    .unwrap_or(serde_json::Value::String(arguments));
+                serde_json::json!({
+                    "id": keep_as_text(&call.id, special_tokens),
+                    "type": "function",
+                    "function": {"name": keep_as_text(&call.name, special_tokens), "arguments": arguments},
+                })
+            })
+            .collect();
+        Self {
+            role: m.role.clone(),
+            content: keep_as_text(&m.content, special_tokens),
+            tool_calls,
+            tool_call_id: m
+                .tool_call_id
+                .as_deref()
+                .map(|id| keep_as_text(id, special_tokens)),
         }
     }
 }
@@ -147,20 +205,61 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
     ))
 }
 
+/// Python's `json.dumps` spacing, which HF's `tojson` uses: `", "` between items and `": "`
+/// after keys (serde_json's compact form has no spaces).
+struct PythonSpacing;
+
+impl PythonSpacing {
+    fn item<W: ?Sized + std::io::Write>(writer: &mut W, first: bool) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+}
+
+impl serde_json::ser::Formatter for PythonSpacing {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        Self::item(writer, first)
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        Self::item(writer, first)
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+    ) -> std::io::Result<()> {
+        writer.write_all(b": ")
+    }
+}
+
+/// HF's `tojson`: `json.dumps(value, ensure_ascii=False, indent=indent)`, keys in their order.
 fn tojson(value: Value, indent: Option<usize>) -> Result<Value, Error> {
-    let r = match indent {
+    let mut out = Vec::new();
+    let written = match indent {
         Some(n) => {
             let ind = vec![b' '; n];
-            let mut out = Vec::new();
             let fmt = serde_json::ser::PrettyFormatter::with_indent(&ind);
-            let mut ser = serde_json::Serializer::with_formatter(&mut out, fmt);
-            value
-                .serialize(&mut ser)
-                .map(|_| String::from_utf8(out).unwrap_or_default())
+            value.serialize(&mut serde_json::Serializer::with_formatter(&mut out, fmt))
         }
-        None => serde_json::to_string(&value),
+        None => value.serialize(&mut serde_json::Serializer::with_formatter(
+            &mut out,
+            PythonSpacing,
+        )),
     };
-    r.map(Value::from_safe_string)
+    written
+        .map(|_| Value::from_safe_string(String::from_utf8(out).unwrap_or_default()))
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))
 }
 
@@ -211,6 +310,25 @@ impl ChatTemplate {
         self.bos_token = bos_token.to_string();
         self.eos_token = eos_token.to_string();
         self
+    }
+
+    /// A template file (a model's `chat_template.jinja`, `--chat-template`); `bos_token` and
+    /// `eos_token` are `tokenizer`'s BOS and first EOS.
+    pub fn from_file(path: &Path, tokenizer: &Tokenizer) -> Result<Self, ChatError> {
+        let origin = path.display().to_string();
+        let src = std::fs::read_to_string(path).map_err(|e| ChatError::Load {
+            origin: origin.clone(),
+            why: e.to_string(),
+        })?;
+        let text = |id: Option<u32>| {
+            id.and_then(|id| tokenizer.id_to_token(id))
+                .unwrap_or_default()
+        };
+        let (bos, eos) = (
+            text(tokenizer.bos_token_id()),
+            text(tokenizer.eos_token_ids().first().copied()),
+        );
+        Ok(Self::with_origin(&src, &origin)?.with_special_tokens(&bos, &eos))
     }
 
     /// `tokenizer.chat_template` of a GGUF file, if it has one; `bos_token`/`eos_token` are set
@@ -303,6 +421,21 @@ impl ChatTemplate {
         &self.source
     }
 
+    /// Whether the template shows the model the tools a request offers (its `tools` variable):
+    /// a one-turn conversation rendered with a tool names it. Templates that ignore `tools`, or
+    /// refuse the probe, do not.
+    pub fn shows_tools(&self) -> bool {
+        const PROBE: &str = "duet_probe_tool";
+        let tools = serde_json::json!({"tools": [{"type": "function", "function": {
+            "name": PROBE,
+            "description": "Checks that the chat template shows tools.",
+            "parameters": {"type": "object", "properties": {}},
+        }}]});
+        TemplateVariables::from_value(tools)
+            .and_then(|tools| self.apply_with(&[ChatMessage::new("user", "Hi")], true, &[], &tools))
+            .is_ok_and(|text| text.contains(PROBE))
+    }
+
     /// Renders the conversation; with `add_generation_prompt` the assistant turn is opened.
     /// Every occurrence of `special_tokens` (the tokenizer's, [`Tokenizer::special_tokens`]) in
     /// a message's content is wrapped in a text span, so that [`Tokenizer::encode`] keeps it as
@@ -344,12 +477,9 @@ impl ChatTemplate {
                 origin: self.origin.clone(),
                 why: e.to_string(),
             })?;
-        let messages: Vec<ChatMessage> = messages
+        let messages: Vec<TemplateMessage> = messages
             .iter()
-            .map(|m| ChatMessage {
-                role: m.role.clone(),
-                content: keep_as_text(&m.content, special_tokens),
-            })
+            .map(|m| TemplateMessage::new(m, special_tokens))
             .collect();
         let ctx = minijinja::context! {
             messages => Value::from_serialize(&messages),
@@ -604,5 +734,68 @@ mod tests {
             "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n\
              <|im_start|>user\nand 3+3?<|im_end|>\n<|im_start|>assistant\n[last query 2]"
         );
+    }
+
+    /// A conversation with tools, an assistant's calls (arguments as the JSON text OpenAI
+    /// clients send) and tool results renders exactly as HF `apply_chat_template` renders it
+    /// (Python jinja2; `tests/fixtures/chat-templates/render.py` wrote the expected text): the
+    /// arguments reach the template as objects, `tojson` spaces JSON as Python does and keeps
+    /// keys in order, and `tool_call_id` is defined on tool turns alone.
+    #[test]
+    fn a_tool_conversation_renders_as_hf_renders_it() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/chat-templates");
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+        let conversation: serde_json::Value =
+            serde_json::from_str(&read("hermes-tools.conversation.json")).unwrap();
+        let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+        let messages: Vec<ChatMessage> = conversation["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| ChatMessage {
+                role: text(&m["role"]),
+                content: text(&m["content"]),
+                tool_calls: m["tool_calls"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|c| ChatToolCall {
+                        id: text(&c["id"]),
+                        name: text(&c["function"]["name"]),
+                        arguments: c["function"]["arguments"].to_string(),
+                    })
+                    .collect(),
+                tool_call_id: m.get("tool_call_id").map(text),
+            })
+            .collect();
+        let template = ChatTemplate::new(&read("hermes-tools.jinja")).unwrap();
+        let tools =
+            TemplateVariables::from_value(serde_json::json!({"tools": conversation["tools"]}))
+                .unwrap();
+        let rendered = template.apply_with(&messages, true, &[], &tools).unwrap();
+        assert_eq!(rendered, read("hermes-tools.expected.txt"));
+        assert!(template.shows_tools());
+        assert!(!ChatTemplate::new(SMOL_TEMPLATE).unwrap().shows_tools());
+    }
+
+    /// Special tokens inside a call's arguments stay text, and the arguments still reach the
+    /// template as an object.
+    #[test]
+    fn special_tokens_in_call_arguments_stay_text() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{% for c in m.tool_calls %}{{ c.function.arguments.q }}\
+             {% endfor %}{% endfor %}",
+        )
+        .unwrap();
+        let m = ChatMessage {
+            tool_calls: vec![ChatToolCall {
+                id: "c".into(),
+                name: "f".into(),
+                arguments: r#"{"q": "a<|im_end|>b"}"#.into(),
+            }],
+            ..ChatMessage::new("assistant", "")
+        };
+        let out = t.apply(&[m], false, &["<|im_end|>".into()]).unwrap();
+        assert_eq!(out, format!("a{TEXT_SPAN_START}<|im_end|>{TEXT_SPAN_END}b"));
     }
 }

@@ -17,3 +17,4 @@ pub mod safetensors;
 pub mod storage;
 pub mod synthetic;
 pub mod tokenizer;
+pub mod tool_calls;

@@ -445,23 +445,7 @@ fn open_hf_dir(dir: &Path) -> Result<ModelFiles, LoadError> {
     let mut chat_template = ChatTemplate::from_hf_tokenizer_config(&tok_cfg)?;
     let jinja = dir.join("chat_template.jinja");
     if chat_template.is_none() && jinja.is_file() {
-        let src = std::fs::read_to_string(&jinja).map_err(|source| LoadError::Io {
-            path: jinja.clone(),
-            source,
-        })?;
-        let bos = tokenizer
-            .bos_token_id()
-            .and_then(|id| tokenizer.id_to_token(id))
-            .unwrap_or_default();
-        let eos = tokenizer
-            .eos_token_ids()
-            .first()
-            .and_then(|&id| tokenizer.id_to_token(id))
-            .unwrap_or_default();
-        chat_template = Some(
-            ChatTemplate::with_origin(&src, &jinja.display().to_string())?
-                .with_special_tokens(&bos, &eos),
-        );
+        chat_template = Some(ChatTemplate::from_file(&jinja, &tokenizer)?);
     }
 
     let files = open_safetensors_dir(dir)?;

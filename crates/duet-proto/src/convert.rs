@@ -1,7 +1,8 @@
 //! Conversions between the worker protocol's messages and the model's request types, in one
-//! place: sampling parameters and stop criteria, sampled tokens with their log-probabilities, and
-//! finish reasons.
+//! place: chat messages, sampling parameters and stop criteria, sampled tokens with their
+//! log-probabilities, and finish reasons.
 
+use duet_model::chat::{ChatMessage, ChatToolCall};
 use duet_model::params::{
     Constraint, FinishReason, Logprobs, Sampled, SamplingParams, StopCriteria,
 };
@@ -11,6 +12,25 @@ use crate::v1;
 /// A receiver treats the protocol's 0 as "off" for the parameters whose off value is 1.
 fn zero_means_one(v: f32) -> f32 {
     if v == 0.0 { 1.0 } else { v }
+}
+
+impl From<&v1::ChatMessage> for ChatMessage {
+    fn from(m: &v1::ChatMessage) -> Self {
+        Self {
+            role: m.role.clone(),
+            content: m.content.clone(),
+            tool_calls: m
+                .tool_calls
+                .iter()
+                .map(|c| ChatToolCall {
+                    id: c.id.clone(),
+                    name: c.name.clone(),
+                    arguments: c.arguments.clone(),
+                })
+                .collect(),
+            tool_call_id: Some(&m.tool_call_id).filter(|id| !id.is_empty()).cloned(),
+        }
+    }
 }
 
 impl From<&v1::SamplingParams> for SamplingParams {

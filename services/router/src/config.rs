@@ -2,6 +2,7 @@
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
@@ -251,6 +252,38 @@ pub struct RoutingOptions {
     /// Deadline of requests whose client sets none (no `grpc-timeout`), in milliseconds.
     #[arg(long, env = "DUET_REQUEST_TIMEOUT_MS", default_value_t = RoutingOptions::default().request_timeout_ms)]
     pub request_timeout_ms: u64,
+
+    /// A Jinja chat template file that renders chat prompts in place of the model's own (as HF
+    /// `apply_chat_template` renders it): for a model whose template does not show tools, or to
+    /// pin a template. Unset: the model's template, or ChatML when it has none.
+    #[arg(long, value_name = "FILE", env = "DUET_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
+
+    /// How `tool_choice: "auto"` (the default when a chat request gives tools) finds the
+    /// model's tool calls in its answer: `detect` reads the markup off the chat template
+    /// (`hermes` where it teaches `<tool_call>` blocks), `hermes` names it, `none` refuses
+    /// `auto` with 400. `auto` is also refused for a template that does not show the tools.
+    #[arg(long, value_enum, env = "DUET_TOOL_CALL_PARSER", default_value_t = RoutingOptions::default().tool_call_parser)]
+    pub tool_call_parser: ToolCallParser,
+}
+
+/// `--tool-call-parser`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ToolCallParser {
+    /// The markup the chat template teaches, if duet reads it.
+    #[default]
+    Detect,
+    /// `<tool_call>{"name": …, "arguments": …}</tool_call>` (Hermes, Qwen 2.5 and 3).
+    Hermes,
+    /// No parser: `tool_choice: "auto"` is refused.
+    None,
+}
+
+impl std::fmt::Display for ToolCallParser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let value = clap::ValueEnum::to_possible_value(self).expect("no variant is skipped");
+        f.write_str(value.get_name())
+    }
 }
 
 /// The flags' defaults (the flags take theirs from here).
@@ -272,6 +305,8 @@ impl Default for RoutingOptions {
             wait_for_worker_ms: 5_000,
             decode_idle_timeout_ms: 30_000,
             request_timeout_ms: 600_000,
+            chat_template: None,
+            tool_call_parser: ToolCallParser::Detect,
         }
     }
 }
@@ -311,6 +346,8 @@ impl RoutingOptions {
             wait_for_worker_ms,
             decode_idle_timeout_ms,
             request_timeout_ms,
+            chat_template,
+            tool_call_parser,
         } = self;
         let mut args: Vec<OsString> = [
             format!("--default-max-tokens={default_max_tokens}"),
@@ -327,11 +364,17 @@ impl RoutingOptions {
             format!("--wait-for-worker-ms={wait_for_worker_ms}"),
             format!("--decode-idle-timeout-ms={decode_idle_timeout_ms}"),
             format!("--request-timeout-ms={request_timeout_ms}"),
+            format!("--tool-call-parser={tool_call_parser}"),
         ]
         .into_iter()
         .map(Into::into)
         .collect();
         args.extend(max_prompt_bytes.map(|b| format!("--max-prompt-bytes={b}").into()));
+        args.extend(chat_template.iter().map(|p| {
+            let mut arg = OsString::from("--chat-template=");
+            arg.push(p);
+            arg
+        }));
         args
     }
 }
@@ -387,6 +430,10 @@ mod tests {
         );
         assert_eq!(r.decode_idle_timeout_ms, 30_000);
         assert_eq!(r.max_prompt_bytes, None);
+        assert_eq!(
+            (&r.chat_template, r.tool_call_parser),
+            (&None, ToolCallParser::Detect)
+        );
     }
 
     #[test]
@@ -433,6 +480,8 @@ mod tests {
                 wait_for_worker_ms: 19,
                 decode_idle_timeout_ms: 23,
                 request_timeout_ms: 13,
+                chat_template: Some("templates dir/chat.jinja".into()),
+                tool_call_parser: ToolCallParser::Hermes,
             },
             api_keys_file: Some("key dir/keys".into()),
             auth: ClusterAuth {

@@ -198,7 +198,11 @@ async fn chat_completions(
     body: Result<Json<ChatRequest>, JsonRejection>,
 ) -> Result<Response, HttpError> {
     let Json(body) = body?;
-    let (req, answer) = body.to_generate(&front.state.served_names)?;
+    let auto_tool_calls = front.state.model.auto_tool_calls.as_ref();
+    let (req, answer) = body.to_generate(
+        &front.state.served_names,
+        auto_tool_calls.copied().map_err(String::as_str),
+    )?;
     let model = body.common.model.clone();
     generate(front, &headers, req, Endpoint::Chat, answer, &model).await
 }
@@ -368,12 +372,12 @@ impl Reply {
                 Json(self.completion(state, m, "text_completion", usage)).into_response()
             }
             Endpoint::Chat => {
-                let call = self.answer.tools.call(&m.text, &self.id);
-                let called = call.is_some();
+                let (content, calls) = self.answer.tools.answer(&m.text, &self.id);
+                let called = !calls.is_empty();
                 let message = ChatMessageOut {
                     role: Some("assistant"),
-                    content: (!called).then(|| m.text.clone()),
-                    tool_calls: call.map(|c| ToolCalls::Whole(vec![c])),
+                    content,
+                    tool_calls: called.then_some(ToolCalls::Whole(calls)),
                 };
                 let answer = self.chat(state, m, "chat.completion", Some(message), None, usage);
                 Json(answer.calling(called)).into_response()
@@ -402,7 +406,8 @@ impl Reply {
                 let delta = ChatMessageOut {
                     role: None,
                     content: piece.content,
-                    tool_calls: piece.tool_call.map(|c| ToolCalls::Chunk(vec![c])),
+                    tool_calls: (!piece.tool_calls.is_empty())
+                        .then_some(ToolCalls::Chunk(piece.tool_calls)),
                 };
                 let chunk = self.chat(state, m, "chat.completion.chunk", None, Some(delta), None);
                 json_event(&chunk.calling(called))

@@ -45,31 +45,38 @@ pub use routing::Pools;
 pub use service::{GenerationService, RouterState};
 pub use validate::{PromptModel, ValidationError};
 
-/// Loads what the router needs of a model: tokenizer, chat template (ChatML when the model
-/// has none), context length and vocabulary size; text to tokenize is limited to
-/// `max_prompt_bytes`, by default [`validate::max_prompt_bytes_for`] the context, and
-/// constraints to `max_constraint_bytes`. Weights are memory-mapped by the loader for its
-/// fingerprint digest but never read whole; they are unmapped before this returns.
-pub fn load_prompt_model(
-    path: &Path,
-    default_max_tokens: u32,
-    max_prompt_bytes: Option<usize>,
-    max_constraint_bytes: usize,
-) -> anyhow::Result<PromptModel> {
+/// Loads what the router needs of a model: tokenizer, chat template (`--chat-template`, else
+/// the model's, else ChatML), how `tool_choice: "auto"` is served, context length and
+/// vocabulary size; text to tokenize is limited to `--max-prompt-bytes`, by default
+/// [`validate::max_prompt_bytes_for`] the context, and constraints to `--max-constraint-bytes`.
+/// Weights are memory-mapped by the loader for its fingerprint digest but never read whole;
+/// they are unmapped before this returns.
+pub fn load_prompt_model(path: &Path, options: &RoutingOptions) -> anyhow::Result<PromptModel> {
     let files = open_model(path).with_context(|| format!("loading model {}", path.display()))?;
     let context_length = u32::try_from(files.config.max_position_embeddings)
         .context("the model's context length does not fit in 32 bits")?;
     let vocab_size = u32::try_from(files.config.vocab_size)
         .context("the model's vocabulary size does not fit in 32 bits")?;
+    let chat = match &options.chat_template {
+        Some(file) => ChatTemplate::from_file(file, &files.tokenizer)?,
+        None => files.chat_template.unwrap_or_else(ChatTemplate::chatml),
+    };
+    let auto_tool_calls = validate::auto_tool_calls(&chat, options.tool_call_parser);
+    match &auto_tool_calls {
+        Ok(format) => tracing::info!(format = format.name(), "tool_choice auto reads tool calls"),
+        Err(why) => tracing::info!("tool_choice auto is refused: {why}"),
+    }
     Ok(PromptModel {
-        max_prompt_bytes: max_prompt_bytes
+        max_prompt_bytes: options
+            .max_prompt_bytes
             .unwrap_or_else(|| validate::max_prompt_bytes_for(&files.tokenizer, context_length)),
         tokenizer: files.tokenizer,
-        chat: Arc::new(files.chat_template.unwrap_or_else(ChatTemplate::chatml)),
+        chat: Arc::new(chat),
+        auto_tool_calls,
         context_length,
         vocab_size,
-        default_max_tokens,
-        max_constraint_bytes,
+        default_max_tokens: options.default_max_tokens,
+        max_constraint_bytes: options.max_constraint_bytes,
         grammars: Default::default(),
     })
 }
@@ -83,22 +90,10 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let path = config.model.resolve()?;
-    let (default_max_tokens, max_prompt_bytes, max_constraint_bytes) = (
-        config.routing.default_max_tokens,
-        config.routing.max_prompt_bytes,
-        config.routing.max_constraint_bytes,
-    );
-    let load_path = path.clone();
-    let model = tokio::task::spawn_blocking(move || {
-        load_prompt_model(
-            &load_path,
-            default_max_tokens,
-            max_prompt_bytes,
-            max_constraint_bytes,
-        )
-    })
-    .await
-    .context("model loading panicked")??;
+    let (load_path, options) = (path.clone(), config.routing.clone());
+    let model = tokio::task::spawn_blocking(move || load_prompt_model(&load_path, &options))
+        .await
+        .context("model loading panicked")??;
     let token = config.auth.token()?;
     let tls = config.tls.load()?;
     let pools = Pools::new(

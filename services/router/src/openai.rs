@@ -4,10 +4,11 @@
 //! becomes a `GenerateRequest` and the router core validates it as it validates a gRPC call.
 
 use duet_model::tokenizer::Tokenizer;
+use duet_model::tool_calls::ToolCallFormat;
 use duet_proto::v1;
 use serde::{Deserialize, Serialize};
 
-use crate::tool_stream::ToolCallChunk;
+use crate::tool_stream::{ToolCallChunk, ToolCallStream};
 
 /// A request the OpenAI front refuses before it reaches the router core (the core's own checks
 /// cover the rest): answered 400, or 404 for a model this router does not serve.
@@ -143,6 +144,8 @@ pub enum ToolAnswer {
     Named(String),
     /// `tool_choice: "required"`: the text is `{"name": …, "arguments": {…}}`.
     Required,
+    /// `tool_choice: "auto"`: the model answers in text, and may write calls in this markup.
+    Auto(ToolCallFormat),
 }
 
 /// OpenAI fields duet does not serve. A request setting one to anything but its "off" value is
@@ -214,6 +217,72 @@ pub enum Content {
 pub struct Message {
     pub role: String,
     pub content: Option<Content>,
+    /// The calls an assistant turn made.
+    pub tool_calls: Option<Vec<MessageToolCall>>,
+    /// On a `tool` turn: the call it answers.
+    pub tool_call_id: Option<String>,
+}
+
+/// A call in an assistant turn of the conversation, as the answer that made it returned it.
+#[derive(Debug, Deserialize)]
+pub struct MessageToolCall {
+    pub id: String,
+    #[serde(rename = "type", default = "function_kind")]
+    pub kind: String,
+    pub function: MessageFunction,
+}
+
+fn function_kind() -> String {
+    "function".into()
+}
+
+#[derive(Debug, Deserialize)]
+pub struct MessageFunction {
+    pub name: String,
+    /// The arguments as JSON text.
+    pub arguments: String,
+}
+
+impl Message {
+    /// The turn as the router core takes it; `index` names it in errors.
+    fn to_wire(&self, index: usize) -> Result<v1::ChatMessage, OpenAiError> {
+        let calls = self.tool_calls.as_deref().unwrap_or_default();
+        if !calls.is_empty() && self.role != "assistant" {
+            return Err(invalid(
+                "messages",
+                format!("messages[{index}]: only assistant turns make tool_calls"),
+            ));
+        }
+        for call in calls {
+            only_functions(
+                "messages",
+                &format!("messages[{index}]: tool calls"),
+                &call.kind,
+            )?;
+        }
+        let tool_call_id = match (self.role.as_str(), &self.tool_call_id) {
+            ("tool", None) => {
+                return Err(invalid(
+                    "messages",
+                    format!("messages[{index}]: a `tool` turn needs the tool_call_id it answers"),
+                ));
+            }
+            (_, id) => id.clone().unwrap_or_default(),
+        };
+        Ok(v1::ChatMessage {
+            role: self.role.clone(),
+            content: text_of(self.content.as_ref())?,
+            tool_calls: calls
+                .iter()
+                .map(|c| v1::ChatToolCall {
+                    id: c.id.clone(),
+                    name: c.function.name.clone(),
+                    arguments: c.function.arguments.clone(),
+                })
+                .collect(),
+            tool_call_id,
+        })
+    }
 }
 
 /// `POST /v1/chat/completions`.
@@ -382,10 +451,12 @@ impl CompletionRequest {
 }
 
 impl ChatRequest {
-    /// The request as the router core takes it.
+    /// The request as the router core takes it. `auto_tool_calls`: the markup the model's
+    /// calls are read in under `tool_choice: "auto"`, or why `auto` is not served.
     pub fn to_generate(
         &self,
         served: &[String],
+        auto_tool_calls: Result<ToolCallFormat, &str>,
     ) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
         let mut req = v1::GenerateRequest::default();
         self.common.apply(served, &mut req)?;
@@ -395,12 +466,8 @@ impl ChatRequest {
         req.messages = self
             .messages
             .iter()
-            .map(|m| {
-                Ok(v1::ChatMessage {
-                    role: m.role.clone(),
-                    content: text_of(m.content.as_ref())?,
-                })
-            })
+            .enumerate()
+            .map(|(i, m)| m.to_wire(i))
             .collect::<Result<_, OpenAiError>>()?;
         if let Some(vars) = self.chat_template_kwargs.as_ref().filter(|v| !v.is_null()) {
             req.chat_template_kwargs = vars.to_string();
@@ -420,15 +487,20 @@ impl ChatRequest {
         // alternatives are dropped when answering.
         req.logprobs = top.map_or(0, |n| n.max(1));
         let mut answer = self.common.answer(top);
-        answer.tools = self.tool_call(&mut req)?;
+        answer.tools = self.tool_call(&mut req, auto_tool_calls)?;
         Ok((req, answer))
     }
 
-    /// A call of one of `tools` that `tool_choice` asks for: its arguments (or, for
-    /// `required`, the name and arguments) held to the tools' schemas, and the tools given to
-    /// the chat template as its `tools` variable. `none` (or no tools) answers in text; `auto`
-    /// is refused, since deciding whether to call needs a model-specific parser duet lacks.
-    fn tool_call(&self, req: &mut v1::GenerateRequest) -> Result<ToolAnswer, OpenAiError> {
+    /// How the answer may call one of `tools`, as `tool_choice` asks: `required` or a named
+    /// function hold the call (its name and arguments) to the tools' schemas; `auto` (the
+    /// default with tools) lets the model choose, and reads its calls in `auto_tool_calls`'
+    /// markup. The tools reach the chat template as its `tools` variable. `none` (or no tools)
+    /// answers in text.
+    fn tool_call(
+        &self,
+        req: &mut v1::GenerateRequest,
+        auto_tool_calls: Result<ToolCallFormat, &str>,
+    ) -> Result<ToolAnswer, OpenAiError> {
         let tools = self.tools.as_deref().unwrap_or_default();
         let choice = self.tool_choice.as_ref().filter(|c| !c.is_null());
         if tools.is_empty() || choice.is_some_and(|c| c == "none") {
@@ -440,14 +512,8 @@ impl ChatRequest {
                 _ => Ok(ToolAnswer::Text),
             };
         }
-        if let Some(t) = tools.iter().find(|t| t.kind != "function") {
-            return Err(invalid(
-                "tools",
-                format!(
-                    "tools of type `{}` are not supported (function only)",
-                    t.kind
-                ),
-            ));
+        for t in tools {
+            only_functions("tools", "tools", &t.kind)?;
         }
         if req.constraint.is_some() {
             return Err(invalid(
@@ -476,7 +542,10 @@ impl ChatRequest {
                         })
                     })
                     .collect();
-                (serde_json::json!({"anyOf": calls}), ToolAnswer::Required)
+                (
+                    Some(serde_json::json!({"anyOf": calls})),
+                    ToolAnswer::Required,
+                )
             }
             Some(c) if c["type"] == "function" => {
                 let name = c["function"]["name"].as_str().unwrap_or_default();
@@ -490,19 +559,23 @@ impl ChatRequest {
                         )
                     })?;
                 (
-                    parameters(&tool.function),
+                    Some(parameters(&tool.function)),
                     ToolAnswer::Named(name.to_string()),
                 )
             }
-            _ => {
+            None => (None, auto(auto_tool_calls)?),
+            Some(c) if c == "auto" => (None, auto(auto_tool_calls)?),
+            Some(c) => {
                 return Err(invalid(
                     "tool_choice",
-                    "tool_choice must be `required` or name a function: duet does not decide \
-                     whether to call a tool (`auto`)",
+                    format!(
+                        "tool_choice must be `none`, `auto`, `required` or \
+                         {{\"type\": \"function\", \"function\": {{\"name\": …}}}}, got {c}"
+                    ),
                 ));
             }
         };
-        req.constraint = Some(v1::Constraint {
+        req.constraint = schema.map(|schema| v1::Constraint {
             kind: Some(v1::constraint::Kind::JsonSchema(schema.to_string())),
         });
         let mut variables = match self.chat_template_kwargs.as_ref() {
@@ -519,9 +592,47 @@ impl ChatRequest {
     }
 }
 
-/// The id of the tool call a request's answer makes.
-pub fn call_id(request_id: &str) -> String {
-    format!("call_{request_id}")
+/// Refuses `what` of a `kind` other than `function`, the only one served.
+fn only_functions(param: &'static str, what: &str, kind: &str) -> Result<(), OpenAiError> {
+    if kind == "function" {
+        return Ok(());
+    }
+    Err(invalid(
+        param,
+        format!("{what} of type `{kind}` are not supported (function only)"),
+    ))
+}
+
+/// `tool_choice: "auto"`: the answer read in `format`'s markup, or refused with why it is not
+/// served.
+fn auto(format: Result<ToolCallFormat, &str>) -> Result<ToolAnswer, OpenAiError> {
+    format.map(ToolAnswer::Auto).map_err(|why| {
+        invalid(
+            "tool_choice",
+            format!(
+                "tool_choice `auto` (the default with tools) is not served for this model: {why}; \
+                 ask for `required` or name a function, whose calls duet holds to the tools' schemas"
+            ),
+        )
+    })
+}
+
+/// The id of a tool call a request's answer makes: the `index`th (0 for the first).
+pub fn call_id(request_id: &str, index: u32) -> String {
+    match index {
+        0 => format!("call_{request_id}"),
+        n => format!("call_{request_id}_{n}"),
+    }
+}
+
+/// The function's name and its arguments' JSON text of a call written as
+/// `{"name": …, "arguments": …}` (missing arguments: none, `{}`).
+pub fn parse_call(text: &str) -> Option<(String, String)> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let arguments = v
+        .get("arguments")
+        .map_or_else(|| "{}".into(), |a| a.to_string());
+    Some((v.get("name")?.as_str()?.to_string(), arguments))
 }
 
 /// One call in a chat answer's `tool_calls`.
@@ -541,28 +652,33 @@ pub struct CalledFunction {
 }
 
 impl ToolAnswer {
-    /// The call a finished answer's `text` makes; `None` when it answers in text, or the text
-    /// is not a whole call (generation stopped by `max_tokens`).
-    pub fn call(&self, text: &str, id: &str) -> Option<ToolCall> {
-        let (name, arguments) = match self {
-            ToolAnswer::Text => return None,
-            ToolAnswer::Named(name) => {
-                serde_json::from_str::<serde_json::Value>(text).ok()?;
-                (name.clone(), text.to_string())
-            }
-            ToolAnswer::Required => {
-                let v: serde_json::Value = serde_json::from_str(text).ok()?;
-                (
-                    v["name"].as_str()?.to_string(),
-                    v.get("arguments")?.to_string(),
-                )
+    /// A finished answer's content and calls. A named or `required` call whose text is not a
+    /// whole call (generation stopped by `max_tokens`) answers in text.
+    pub fn answer(&self, text: &str, request_id: &str) -> (Option<String>, Vec<ToolCall>) {
+        let call = match self {
+            ToolAnswer::Text => None,
+            ToolAnswer::Named(name) => serde_json::from_str::<serde_json::Value>(text)
+                .ok()
+                .map(|_| (name.clone(), text.to_string())),
+            ToolAnswer::Required => parse_call(text),
+            ToolAnswer::Auto(_) => {
+                if let Some(stream) = ToolCallStream::new(self, request_id) {
+                    return stream.read_whole(text);
+                }
+                None
             }
         };
-        Some(ToolCall {
-            id: call_id(id),
-            kind: "function",
-            function: CalledFunction { name, arguments },
-        })
+        match call {
+            Some((name, arguments)) => (
+                None,
+                vec![ToolCall {
+                    id: call_id(request_id, 0),
+                    kind: "function",
+                    function: CalledFunction { name, arguments },
+                }],
+            ),
+            None => (Some(text.to_string()), Vec::new()),
+        }
     }
 }
 
@@ -818,10 +934,18 @@ pub struct ErrorBody {
 mod tests {
     use super::*;
 
+    /// A chat request to a router whose model writes Hermes tool calls.
     fn chat(json: &str) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
+        chat_for(json, Ok(ToolCallFormat::Hermes))
+    }
+
+    fn chat_for(
+        json: &str,
+        auto_tool_calls: Result<ToolCallFormat, &str>,
+    ) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
         serde_json::from_str::<ChatRequest>(json)
             .unwrap()
-            .to_generate(&["m".to_string(), "alias".to_string()])
+            .to_generate(&["m".to_string(), "alias".to_string()], auto_tool_calls)
     }
 
     fn completion(json: &str) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
@@ -1039,7 +1163,8 @@ mod tests {
     }
 
     /// `tools` with `tool_choice` naming a function or `required` hold the answer to the
-    /// arguments' schema (the tools reach the chat template), streamed or not; `auto` and
+    /// arguments' schema (the tools reach the chat template), streamed or not; `auto`, and no
+    /// `tool_choice`, read the model's own calls, or are refused where the model has none;
     /// unknown names are refused; `none` answers in text.
     #[test]
     fn tool_calls_become_constraints_and_answers() {
@@ -1074,8 +1199,33 @@ mod tests {
         assert!(a.stream && a.tools == ToolAnswer::Required);
         let (r, a) = chat_with(r#""tool_choice":"none""#).unwrap();
         assert_eq!((a.tools, r.constraint), (ToolAnswer::Text, None));
+        for choice in [r#""tool_choice":"auto""#, r#""stream":true"#] {
+            let (r, a) = chat_with(choice).unwrap();
+            assert_eq!(
+                (a.tools, r.constraint),
+                (ToolAnswer::Auto(ToolCallFormat::Hermes), None)
+            );
+            let vars: serde_json::Value = serde_json::from_str(&r.chat_template_kwargs).unwrap();
+            assert_eq!(vars["tools"][0]["function"]["name"], "weather");
+            let refused = chat_for(
+                &format!(
+                    r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{tools},{choice}}}"#
+                ),
+                Err("its chat template does not show the model the tools"),
+            );
+            match refused {
+                Err(OpenAiError::Invalid { param, message }) => {
+                    assert_eq!(param, "tool_choice");
+                    assert!(
+                        message.contains("does not show the model the tools"),
+                        "{message}"
+                    );
+                }
+                other => panic!("{other:?}"),
+            }
+        }
         for (fields, param) in [
-            (r#""tool_choice":"auto""#, "tool_choice"),
+            (r#""tool_choice":"sometimes""#, "tool_choice"),
             (
                 r#""tool_choice":{"type":"function","function":{"name":"nope"}}"#,
                 "tool_choice",
@@ -1090,29 +1240,87 @@ mod tests {
                 other => panic!("{fields}: {other:?}"),
             }
         }
-        let call = ToolAnswer::Named("weather".into())
-            .call(r#"{"city":"Paris"}"#, "7")
-            .unwrap();
+        let (content, calls) =
+            ToolAnswer::Named("weather".into()).answer(r#"{"city":"Paris"}"#, "7");
+        let call = &calls[0];
         assert_eq!(
-            (call.id.as_str(), call.function.name.as_str()),
-            ("call_7", "weather")
+            (content, call.id.as_str(), call.function.name.as_str()),
+            (None, "call_7", "weather")
         );
         assert_eq!(call.function.arguments, r#"{"city":"Paris"}"#);
-        let call = ToolAnswer::Required
-            .call(r#"{"name":"time","arguments":{}}"#, "8")
-            .unwrap();
+        let (_, calls) = ToolAnswer::Required.answer(r#"{"name":"time","arguments":{}}"#, "8");
         assert_eq!(
             (
-                call.function.name.as_str(),
-                call.function.arguments.as_str()
+                calls[0].function.name.as_str(),
+                calls[0].function.arguments.as_str()
             ),
             ("time", "{}")
         );
-        assert!(
-            ToolAnswer::Required
-                .call(r#"{"name":"time","argu"#, "9")
-                .is_none()
+        let cut = r#"{"name":"time","argu"#;
+        let (content, calls) = ToolAnswer::Required.answer(cut, "9");
+        assert_eq!((content.as_deref(), calls.len()), (Some(cut), 0));
+        let (content, calls) = ToolAnswer::Text.answer("{}", "9");
+        assert_eq!((content.as_deref(), calls.len()), (Some("{}"), 0));
+        let (content, calls) = ToolAnswer::Auto(ToolCallFormat::Hermes).answer(
+            "Looking.\n<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>",
+            "9",
         );
-        assert!(ToolAnswer::Text.call("{}", "9").is_none());
+        assert_eq!(content.as_deref(), Some("Looking."));
+        assert_eq!(
+            (
+                calls[0].id.as_str(),
+                calls[0].function.name.as_str(),
+                calls[0].function.arguments.as_str()
+            ),
+            ("call_9", "time", "{}")
+        );
+    }
+
+    /// An assistant turn's `tool_calls` and a tool turn's `tool_call_id` reach the core; a
+    /// tool turn without the id it answers, and calls on a turn that is not the assistant's,
+    /// are refused naming the turn.
+    #[test]
+    fn tool_turns_of_the_conversation_reach_the_core() {
+        let (r, _) = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"weather?"},
+                {"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function",
+                 "function":{"name":"weather","arguments":"{\"city\":\"Oslo\"}"}}]},
+                {"role":"tool","tool_call_id":"call_1","content":"cold"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.messages[1].tool_calls,
+            [v1::ChatToolCall {
+                id: "call_1".into(),
+                name: "weather".into(),
+                arguments: r#"{"city":"Oslo"}"#.into(),
+            }]
+        );
+        assert_eq!(r.messages[1].content, "");
+        assert_eq!(
+            (
+                r.messages[2].role.as_str(),
+                r.messages[2].tool_call_id.as_str()
+            ),
+            ("tool", "call_1")
+        );
+        for (messages, words) in [
+            (
+                r#"[{"role":"tool","content":"cold"}]"#,
+                "messages[0]: a `tool` turn needs the tool_call_id",
+            ),
+            (
+                r#"[{"role":"user","content":"x","tool_calls":[{"id":"c","function":{"name":"f","arguments":"{}"}}]}]"#,
+                "messages[0]: only assistant turns make tool_calls",
+            ),
+        ] {
+            match chat(&format!(r#"{{"model":"m","messages":{messages}}}"#)) {
+                Err(OpenAiError::Invalid { param, message }) => {
+                    assert_eq!(param, "messages");
+                    assert!(message.contains(words), "{message}");
+                }
+                other => panic!("{messages}: {other:?}"),
+            }
+        }
     }
 }

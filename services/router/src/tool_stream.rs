@@ -1,20 +1,29 @@
 //! A streamed tool call: the answer's text, as the core streams it, turned into the `tool_calls`
-//! deltas of OpenAI's chunks. The first delta names the call (its id, type and function name);
+//! deltas of OpenAI's chunks. A call's first delta names it (its id, type and function name);
 //! the next ones add to its arguments, so a client sees the arguments as they are generated.
 //!
-//! A call of a named function streams its text as the arguments from the first token. A call of
-//! `tool_choice: "required"` is the text `{"name": …, "arguments": {…}}` (the grammar puts the
-//! name first): its head is held until the arguments object opens, which names the call, and the
-//! arguments stream until that object closes; the outer object's closing brace is not theirs.
+//! - A call of a named function streams its text as the arguments from the first token.
+//! - A call of `tool_choice: "required"` is the text `{"name": …, "arguments": {…}}` (the
+//!   grammar puts the name first): its head is held until the arguments object opens, which
+//!   names the call, and the arguments stream until that object closes; the outer object's
+//!   closing brace is not theirs.
+//! - Under `tool_choice: "auto"` the model answers in text and may write calls in its own markup
+//!   ([`ToolCallFormat`]): the text streams as content, a call opener ends it, and the call
+//!   inside streams as a `required` one does, until its closer; more calls may follow, with the
+//!   next index. Text that may be the start of a marker is held until it is known not to be;
+//!   whitespace before a call, between calls and after the last is not content.
+//!
+//! The whole (unstreamed) answer of `auto` is this stream read in one piece, so the two agree.
 
+use duet_model::tool_calls::ToolCallFormat;
 use serde::Serialize;
 
-use crate::openai::{ToolAnswer, ToolCall, call_id};
+use crate::openai::{CalledFunction, ToolAnswer, ToolCall, call_id, parse_call};
 
 /// One entry of a chunk's `delta.tool_calls`.
 #[derive(Debug, PartialEq, Serialize)]
 pub struct ToolCallChunk {
-    /// Which call of the answer it belongs to (duet answers with one).
+    /// Which call of the answer it belongs to.
     pub index: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
@@ -31,31 +40,26 @@ pub struct FunctionChunk {
     pub arguments: String,
 }
 
-impl From<ToolCall> for ToolCallChunk {
-    fn from(call: ToolCall) -> Self {
-        Self {
-            index: 0,
-            id: Some(call.id),
-            kind: Some(call.kind),
-            function: FunctionChunk {
-                name: Some(call.function.name),
-                arguments: call.function.arguments,
-            },
+/// What a piece of the answer's text adds to the stream.
+#[derive(Debug, Default, PartialEq)]
+pub struct StreamedPiece {
+    pub tool_calls: Vec<ToolCallChunk>,
+    /// Text that is the message's content: under `auto`, the text around calls; for
+    /// `required`, an answer whose text never became a call (cut short by `max_tokens` before
+    /// its arguments), sent when the answer ends.
+    pub content: Option<String>,
+}
+
+impl StreamedPiece {
+    fn add_content(&mut self, text: &str) {
+        if !text.is_empty() {
+            self.content.get_or_insert_default().push_str(text);
         }
     }
 }
 
-/// What a piece of the answer's text adds to the stream.
-#[derive(Debug, Default, PartialEq)]
-pub struct StreamedPiece {
-    pub tool_call: Option<ToolCallChunk>,
-    /// Text that is the message's content: a `required` answer whose text never became a call
-    /// (cut short by `max_tokens` before its arguments), sent when the answer ends.
-    pub content: Option<String>,
-}
-
-/// Where a `required` answer's text stands.
-enum Required {
+/// Where a call's text `{"name": …, "arguments": {…}}` stands.
+enum CallText {
     /// Before the arguments object opens: the text so far.
     Head(String),
     /// Inside the arguments object.
@@ -64,106 +68,86 @@ enum Required {
     Closed,
 }
 
-/// One answer's tool-call stream.
-pub struct ToolCallStream {
+/// One call as it streams.
+struct Call {
+    index: u32,
     id: String,
-    /// The function named by `tool_choice`; `None` for `required`.
+    /// The function, when `tool_choice` named it: then every piece is arguments.
     named: Option<String>,
-    required: Required,
+    text: CallText,
     started: bool,
 }
 
-impl ToolCallStream {
-    /// For an answer that calls a tool; `None` for one in text.
-    pub fn new(answer: &ToolAnswer, request_id: &str) -> Option<Self> {
-        let named = match answer {
-            ToolAnswer::Text => return None,
-            ToolAnswer::Named(name) => Some(name.clone()),
-            ToolAnswer::Required => None,
-        };
-        Some(Self {
-            id: call_id(request_id),
+impl Call {
+    fn new(request_id: &str, index: u32, named: Option<String>) -> Self {
+        Self {
+            index,
+            id: call_id(request_id, index),
             named,
-            required: Required::Head(String::new()),
+            text: CallText::Head(String::new()),
             started: false,
-        })
+        }
     }
 
-    /// Whether a call has been streamed (the answer's finish is then `tool_calls`).
-    pub fn called(&self) -> bool {
-        self.started
-    }
-
-    /// The next piece of the answer's text; `last` when the answer ends with it.
-    pub fn push(&mut self, text: &str, last: bool) -> StreamedPiece {
+    /// The delta the next piece of the call's text adds, if any.
+    fn push(&mut self, text: &str) -> Option<ToolCallChunk> {
         if let Some(named) = &self.named {
             if self.started && text.is_empty() {
-                return StreamedPiece::default();
+                return None;
             }
-            // Only the first delta names the call.
-            let name = if self.started {
-                String::new()
-            } else {
-                named.clone()
-            };
-            return StreamedPiece {
-                tool_call: Some(self.delta(name, text.to_string())),
-                content: None,
-            };
+            let name = named.clone();
+            return Some(self.delta(name, text.to_string()));
         }
         // The call's name when this piece opens its arguments, and the text read inside them.
-        let (name, inside) = match &mut self.required {
-            Required::Head(head) => {
+        let (name, mut arguments) = match &mut self.text {
+            CallText::Head(head) => {
                 head.push_str(text);
                 match split_head(head) {
                     Some((name, start)) => {
                         // The head from the brace on is the first of the arguments.
                         let opened = head.split_off(start);
-                        self.required = Required::Arguments(JsonDepth::default());
+                        self.text = CallText::Arguments(JsonDepth::default());
                         (Some(name), opened)
                     }
                     None => (None, String::new()),
                 }
             }
-            Required::Arguments(_) => (None, text.to_string()),
-            Required::Closed => (None, String::new()),
+            CallText::Arguments(_) => (None, text.to_string()),
+            CallText::Closed => (None, String::new()),
         };
-        let mut arguments = inside;
-        if let Required::Arguments(depth) = &mut self.required
+        if let CallText::Arguments(depth) = &mut self.text
             && let Some(end) = depth.close_of(&arguments)
         {
             arguments.truncate(end);
-            self.required = Required::Closed;
+            self.text = CallText::Closed;
         }
-        let mut piece = StreamedPiece::default();
-        if let Some(name) = name {
-            piece.tool_call = Some(self.delta(name, arguments));
-        } else if self.started && !arguments.is_empty() {
-            piece.tool_call = Some(self.delta(String::new(), arguments));
-        }
-        // At the end, a head that never opened an object of arguments is parsed whole (its
-        // arguments are another value), or given back as content.
-        if let (true, Required::Head(head)) = (last, &mut self.required) {
-            let head = std::mem::take(head);
-            match ToolAnswer::Required.call(&head, "") {
-                Some(call) => {
-                    self.started = true;
-                    piece.tool_call = Some(ToolCallChunk {
-                        id: Some(self.id.clone()),
-                        ..call.into()
-                    });
-                }
-                None => piece.content = Some(head),
+        match name {
+            Some(name) => Some(self.delta(name, arguments)),
+            None if self.started && !arguments.is_empty() => {
+                Some(self.delta(String::new(), arguments))
             }
+            None => None,
         }
-        piece
+    }
+
+    /// The call's text has ended. A head that never opened an object of arguments is parsed
+    /// whole (its arguments are another value): `Err` with its text when it is no call.
+    fn finish(&mut self) -> Result<Option<ToolCallChunk>, String> {
+        let (None, CallText::Head(head)) = (&self.named, &mut self.text) else {
+            return Ok(None);
+        };
+        let head = std::mem::take(head);
+        match parse_call(&head) {
+            Some((name, arguments)) => Ok(Some(self.delta(name, arguments))),
+            None => Err(head),
+        }
     }
 
     /// The call's first delta (with its id and name), or a later one (arguments only).
     fn delta(&mut self, name: String, arguments: String) -> ToolCallChunk {
         let first = !std::mem::replace(&mut self.started, true);
         ToolCallChunk {
-            index: 0,
+            index: self.index,
             id: first.then(|| self.id.clone()),
             kind: first.then_some("function"),
             function: FunctionChunk {
@@ -174,8 +158,181 @@ impl ToolCallStream {
     }
 }
 
-/// The function's name and where its arguments object opens, once the head of a `required`
-/// answer has reached that brace (`{"name": "f", "arguments": {`).
+/// An `auto` answer: text, and calls in the model's markup.
+struct AutoCalls {
+    format: ToolCallFormat,
+    request_id: String,
+    /// Text read but not yet given out: a possible marker's start, trailing whitespace.
+    held: String,
+    /// The whitespace before the call being read: content if it turns out no call.
+    gap: String,
+    /// The call being read, between its opener and closer.
+    call: Option<Call>,
+    /// Calls opened so far.
+    calls: u32,
+}
+
+impl AutoCalls {
+    fn push(&mut self, text: &str, last: bool, piece: &mut StreamedPiece) {
+        let (open, close) = self.format.delimiters();
+        self.held.push_str(text);
+        loop {
+            let Some(call) = &mut self.call else {
+                if let Some(at) = self.held.find(open) {
+                    let body = self.held[..at].trim_end().len();
+                    piece.add_content(self.content_after_calls(&self.held[..body]));
+                    self.gap = self.held[body..at].to_string();
+                    self.held.drain(..at + open.len());
+                    self.call = Some(Call::new(&self.request_id, self.calls, None));
+                    self.calls += 1;
+                    continue;
+                }
+                // Held back: what may start an opener, and the whitespace before it (no
+                // content if a call follows).
+                let keep = if last {
+                    0
+                } else {
+                    let body = self.held.len() - marker_start(&self.held, open);
+                    self.held.len() - self.held[..body].trim_end().len()
+                };
+                let give = self.held.len() - keep;
+                let given: String = self.held.drain(..give).collect();
+                let given = if last && self.calls > 0 {
+                    given.trim_end()
+                } else {
+                    &given
+                };
+                piece.add_content(self.content_after_calls(given));
+                return;
+            };
+            let (text, closer) = match self.held.find(close) {
+                Some(at) => {
+                    let text = self.held[..at].to_string();
+                    self.held.drain(..at + close.len());
+                    (text, close)
+                }
+                None if last => (std::mem::take(&mut self.held), ""),
+                None => {
+                    let give = self.held.len() - marker_start(&self.held, close);
+                    piece.tool_calls.extend(call.push(&self.held[..give]));
+                    self.held.drain(..give);
+                    return;
+                }
+            };
+            piece.tool_calls.extend(call.push(&text));
+            match call.finish() {
+                Ok(chunk) => piece.tool_calls.extend(chunk),
+                // Not a call after all: its text is content as it was written.
+                Err(head) => piece.add_content(&format!("{}{open}{head}{closer}", self.gap)),
+            }
+            self.call = None;
+            if last && self.held.is_empty() {
+                return;
+            }
+        }
+    }
+
+    /// `text` as content: after a call, text that is only whitespace is not.
+    fn content_after_calls<'t>(&self, text: &'t str) -> &'t str {
+        if self.calls > 0 && text.trim().is_empty() {
+            ""
+        } else {
+            text
+        }
+    }
+}
+
+/// The length of the longest end of `text` that begins `marker` (and may become it).
+fn marker_start(text: &str, marker: &str) -> usize {
+    (1..marker.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..])
+        })
+        .unwrap_or(0)
+}
+
+enum Mode {
+    /// A named function's or a `required` answer's one call.
+    One(Call),
+    Auto(AutoCalls),
+}
+
+/// One answer's tool-call stream.
+pub struct ToolCallStream {
+    mode: Mode,
+    called: bool,
+}
+
+impl ToolCallStream {
+    /// For an answer that calls or may call a tool; `None` for one in text.
+    pub fn new(answer: &ToolAnswer, request_id: &str) -> Option<Self> {
+        let mode = match answer {
+            ToolAnswer::Text => return None,
+            ToolAnswer::Named(name) => Mode::One(Call::new(request_id, 0, Some(name.clone()))),
+            ToolAnswer::Required => Mode::One(Call::new(request_id, 0, None)),
+            ToolAnswer::Auto(format) => Mode::Auto(AutoCalls {
+                format: *format,
+                request_id: request_id.to_string(),
+                held: String::new(),
+                gap: String::new(),
+                call: None,
+                calls: 0,
+            }),
+        };
+        Some(Self {
+            mode,
+            called: false,
+        })
+    }
+
+    /// Whether a call has been streamed (the answer's finish is then `tool_calls`).
+    pub fn called(&self) -> bool {
+        self.called
+    }
+
+    /// The next piece of the answer's text; `last` when the answer ends with it.
+    pub fn push(&mut self, text: &str, last: bool) -> StreamedPiece {
+        let mut piece = StreamedPiece::default();
+        match &mut self.mode {
+            Mode::One(call) => {
+                piece.tool_calls.extend(call.push(text));
+                if last {
+                    match call.finish() {
+                        Ok(chunk) => piece.tool_calls.extend(chunk),
+                        Err(head) => piece.content = Some(head),
+                    }
+                }
+            }
+            Mode::Auto(auto) => auto.push(text, last, &mut piece),
+        }
+        self.called |= !piece.tool_calls.is_empty();
+        piece
+    }
+
+    /// A whole answer's content and calls: its text read as one piece.
+    pub fn read_whole(mut self, text: &str) -> (Option<String>, Vec<ToolCall>) {
+        let piece = self.push(text, true);
+        let mut calls: Vec<ToolCall> = Vec::new();
+        for chunk in piece.tool_calls {
+            match calls.get_mut(chunk.index as usize) {
+                Some(call) => call.function.arguments.push_str(&chunk.function.arguments),
+                None => calls.push(ToolCall {
+                    id: chunk.id.unwrap_or_default(),
+                    kind: "function",
+                    function: CalledFunction {
+                        name: chunk.function.name.unwrap_or_default(),
+                        arguments: chunk.function.arguments,
+                    },
+                }),
+            }
+        }
+        (piece.content, calls)
+    }
+}
+
+/// The function's name and where its arguments object opens, once the head of a call has
+/// reached that brace (`{"name": "f", "arguments": {`).
 fn split_head(head: &str) -> Option<(String, usize)> {
     let mut depth = JsonDepth::default();
     let start = head.char_indices().find_map(|(i, c)| {
@@ -237,11 +394,29 @@ mod tests {
         let mut content = None;
         for (i, p) in pieces.iter().enumerate() {
             let piece = s.push(p, i + 1 == pieces.len());
-            chunks.extend(piece.tool_call);
-            content = content.or(piece.content);
+            chunks.extend(piece.tool_calls);
+            if let Some(text) = piece.content {
+                content.get_or_insert_with(String::new).push_str(&text);
+            }
         }
         assert_eq!(s.called(), !chunks.is_empty());
         (chunks, content)
+    }
+
+    /// `text` in pieces of `size` bytes (at character boundaries).
+    fn split(text: &str, size: usize) -> Vec<&str> {
+        let mut pieces = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            let mut end = size.min(rest.len());
+            while !rest.is_char_boundary(end) {
+                end += 1;
+            }
+            let (piece, after) = rest.split_at(end);
+            pieces.push(piece);
+            rest = after;
+        }
+        pieces
     }
 
     fn arguments(chunks: &[ToolCallChunk]) -> String {
@@ -312,5 +487,93 @@ mod tests {
     #[test]
     fn an_answer_in_text_has_no_tool_stream() {
         assert!(ToolCallStream::new(&ToolAnswer::Text, "1").is_none());
+    }
+
+    const HERMES: ToolAnswer = ToolAnswer::Auto(ToolCallFormat::Hermes);
+
+    /// Under `auto`, text before the calls streams as content, each `<tool_call>` block becomes
+    /// a call with the next index (its first delta names it, the rest add arguments), the
+    /// whitespace around the blocks is dropped, and all of it whatever the pieces' boundaries
+    /// (one byte to whole) and equal to the unstreamed answer.
+    #[test]
+    fn auto_streams_text_then_each_call_in_the_models_markup() {
+        let text = "Let me check < both.\n\n<tool_call>\n{\"name\": \"get_weather\", \
+                    \"arguments\": {\"city\": \"Zürich </tool\", \"days\": [2]}}\n</tool_call>\n\
+                    <tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>\n";
+        let expected = [
+            (
+                "call_9",
+                "get_weather",
+                r#"{"city": "Zürich </tool", "days": [2]}"#,
+            ),
+            ("call_9_1", "get_time", "{}"),
+        ];
+        for size in 1..=text.len() {
+            let (chunks, content) = stream(HERMES, &split(text, size));
+            assert_eq!(
+                content.as_deref(),
+                Some("Let me check < both."),
+                "size {size}"
+            );
+            for (index, (id, name, args)) in expected.iter().enumerate() {
+                let call: Vec<&ToolCallChunk> =
+                    chunks.iter().filter(|c| c.index == index as u32).collect();
+                assert_eq!(call[0].id.as_deref(), Some(*id), "size {size}");
+                assert_eq!(call[0].function.name.as_deref(), Some(*name));
+                assert!(
+                    call[1..]
+                        .iter()
+                        .all(|c| c.id.is_none() && c.function.name.is_none())
+                );
+                let joined: String = call.iter().map(|c| c.function.arguments.as_str()).collect();
+                assert_eq!(joined, *args, "size {size}");
+            }
+        }
+        let (content, calls) = ToolCallStream::new(&HERMES, "9").unwrap().read_whole(text);
+        assert_eq!(content.as_deref(), Some("Let me check < both."));
+        let calls: Vec<(&str, &str, &str)> = calls
+            .iter()
+            .map(|c| {
+                (
+                    c.id.as_str(),
+                    c.function.name.as_str(),
+                    c.function.arguments.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(calls, expected);
+    }
+
+    /// An `auto` answer in text is its text exactly, markup-like pieces and trailing whitespace
+    /// included, and makes no call; a block that is no call (not JSON, no name) stays content,
+    /// markers and all; a call the answer ends inside, before its closer, is still a call.
+    #[test]
+    fn auto_text_and_broken_blocks_stay_content() {
+        for text in ["Use <tool> or <tool_cal, not <b>.\n", "a <", "plain"] {
+            for size in 1..=text.len() {
+                let (chunks, content) = stream(HERMES, &split(text, size));
+                assert!(chunks.is_empty(), "{text:?} size {size}");
+                assert_eq!(content.as_deref(), Some(text), "size {size}");
+            }
+        }
+        let broken = "Try:\n<tool_call>\nnot json\n</tool_call>";
+        for size in 1..=broken.len() {
+            let (chunks, content) = stream(HERMES, &split(broken, size));
+            assert!(chunks.is_empty(), "size {size}");
+            assert_eq!(content.as_deref(), Some(broken), "size {size}");
+        }
+        let unclosed = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}";
+        let (chunks, content) = stream(HERMES, &split(unclosed, 5));
+        assert_eq!(content, None);
+        assert_eq!(chunks[0].function.name.as_deref(), Some("f"));
+        assert_eq!(arguments(&chunks), r#"{"a": 1}"#);
+        let (chunks, _) = stream(HERMES, &["<tool_call>{\"name\": \"g\"}</tool_call>"]);
+        assert_eq!(
+            (
+                chunks[0].function.name.as_deref(),
+                chunks[0].function.arguments.as_str()
+            ),
+            (Some("g"), "{}")
+        );
     }
 }

@@ -9,8 +9,11 @@ use duet_model::grammar::{GrammarCompiler, GrammarError};
 use duet_model::params::{Constraint, MAX_CACHE_SALT_BYTES, SamplingParams as EngineSampling};
 use duet_model::params::{PromptError, PromptLimits, StopCriteria};
 use duet_model::tokenizer::{Tokenizer, TokenizerError};
+use duet_model::tool_calls::ToolCallFormat;
 use duet_proto::convert::constraint_from_wire;
 use duet_proto::v1;
+
+use crate::config::ToolCallParser;
 
 /// A bad request. Every variant is the client's to fix.
 #[derive(Debug, thiserror::Error)]
@@ -81,8 +84,11 @@ pub struct ValidRequest {
 #[derive(Debug, Clone)]
 pub struct PromptModel {
     pub tokenizer: Tokenizer,
-    /// The model's chat template, or ChatML when it has none.
+    /// The model's chat template (or `--chat-template`), or ChatML when it has none.
     pub chat: std::sync::Arc<ChatTemplate>,
+    /// The markup the model's tool calls are read in under `tool_choice: "auto"`, or why
+    /// `auto` is not served (see [`auto_tool_calls`]).
+    pub auto_tool_calls: Result<ToolCallFormat, String>,
     /// Tokens of one sequence, prompt plus generated.
     pub context_length: u32,
     /// Valid token ids are `0..vocab_size`.
@@ -97,6 +103,35 @@ pub struct PromptModel {
     /// Compiles constraints to check them; built on the first constrained request and shared
     /// by every copy of this model.
     pub grammars: Arc<OnceLock<Result<GrammarCompiler, String>>>,
+}
+
+/// How `tool_choice: "auto"` is served for a chat template: `parser` (`--tool-call-parser`)
+/// names the markup calls are read in, or leaves it to the template. Refused, with why, when the
+/// template does not show the model its tools (it could not call them) or teaches no markup
+/// duet reads.
+pub fn auto_tool_calls(
+    chat: &ChatTemplate,
+    parser: ToolCallParser,
+) -> Result<ToolCallFormat, String> {
+    if parser == ToolCallParser::None {
+        return Err("the router runs with --tool-call-parser=none".into());
+    }
+    if !chat.shows_tools() {
+        return Err(
+            "its chat template does not show the model the tools (give one that does with \
+             --chat-template)"
+                .into(),
+        );
+    }
+    let format = match parser {
+        ToolCallParser::Hermes => ToolCallFormat::Hermes,
+        _ => ToolCallFormat::detect(chat.source()).ok_or_else(|| {
+            "its chat template teaches no tool-call markup duet reads (Hermes `<tool_call>`); \
+             name one with --tool-call-parser"
+                .to_string()
+        })?,
+    };
+    Ok(format)
 }
 
 /// The default `--max-prompt-bytes`: the context's tokens times the most bytes one token
@@ -129,7 +164,18 @@ impl PromptModel {
         if messages.is_empty() {
             self.check_bytes(text.len())
         } else {
-            self.check_bytes(messages.iter().map(|m| m.content.len()).sum())
+            self.check_bytes(
+                messages
+                    .iter()
+                    .map(|m| {
+                        let calls = m.tool_calls.iter();
+                        m.content.len()
+                            + calls
+                                .map(|c| c.arguments.len() + c.name.len())
+                                .sum::<usize>()
+                    })
+                    .sum(),
+            )
         }
     }
 
@@ -149,10 +195,7 @@ impl PromptModel {
         // The contents bound the rendered text's tokens (the markup only adds some), so they
         // are checked before rendering, which copies them.
         self.check_prompt_bytes("", messages)?;
-        let msgs: Vec<ChatMessage> = messages
-            .iter()
-            .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
-            .collect();
+        let msgs: Vec<ChatMessage> = messages.iter().map(ChatMessage::from).collect();
         let variables = TemplateVariables::parse(chat_template_kwargs)
             .map_err(ValidationError::TemplateVariables)?;
         let text =
@@ -341,6 +384,7 @@ mod tests {
             max_prompt_bytes: max_prompt_bytes_for(&files.tokenizer, context_length),
             tokenizer: files.tokenizer,
             chat: std::sync::Arc::new(files.chat_template.unwrap_or_else(ChatTemplate::chatml)),
+            auto_tool_calls: Err("no tool calls in these tests".into()),
             context_length,
             vocab_size: files.config.vocab_size as u32,
             default_max_tokens: 256,
@@ -423,6 +467,7 @@ mod tests {
             messages: vec![v1::ChatMessage {
                 role: "user".into(),
                 content: "hi".into(),
+                ..Default::default()
             }],
             ..Default::default()
         };
@@ -508,6 +553,7 @@ mod tests {
         let half = |n: usize| v1::ChatMessage {
             role: "user".into(),
             content: "b".repeat(n),
+            ..Default::default()
         };
         let n = m.max_prompt_bytes / 2 + 1;
         let r = v1::GenerateRequest {
@@ -767,6 +813,7 @@ mod tests {
             messages: vec![v1::ChatMessage {
                 role: "wizard".into(),
                 content: "hi".into(),
+                ..Default::default()
             }],
             ..Default::default()
         };
@@ -784,6 +831,7 @@ mod tests {
         let user = vec![v1::ChatMessage {
             role: "user".into(),
             content: "hi".into(),
+            ..Default::default()
         }];
         let plain = m
             .validate(
@@ -844,5 +892,50 @@ mod tests {
     #[test]
     fn random_values_differ() {
         assert_ne!(random_u64(), random_u64());
+    }
+
+    /// `auto` is served where the chat template shows the tools and its markup is read (by
+    /// `--tool-call-parser`, or read off the template), and refused with why everywhere else.
+    #[test]
+    fn auto_tool_calls_need_a_template_that_shows_tools_and_a_markup() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/chat-templates");
+        let hermes =
+            ChatTemplate::new(&std::fs::read_to_string(dir.join("hermes-tools.jinja")).unwrap())
+                .unwrap();
+        let blind = ChatTemplate::chatml();
+        let json_calls = ChatTemplate::new(
+            "{% for t in tools %}{{ t | tojson }}{% endfor %}{% for m in messages %}\
+             {{ m.content }}{% endfor %}",
+        )
+        .unwrap();
+        assert_eq!(
+            auto_tool_calls(&hermes, ToolCallParser::Detect),
+            Ok(ToolCallFormat::Hermes)
+        );
+        assert_eq!(
+            auto_tool_calls(&json_calls, ToolCallParser::Hermes),
+            Ok(ToolCallFormat::Hermes)
+        );
+        for (chat, parser, why) in [
+            (&hermes, ToolCallParser::None, "--tool-call-parser=none"),
+            (
+                &json_calls,
+                ToolCallParser::Detect,
+                "teaches no tool-call markup",
+            ),
+            (
+                &blind,
+                ToolCallParser::Detect,
+                "does not show the model the tools",
+            ),
+            (
+                &blind,
+                ToolCallParser::Hermes,
+                "does not show the model the tools",
+            ),
+        ] {
+            let e = auto_tool_calls(chat, parser).unwrap_err();
+            assert!(e.contains(why), "{parser:?}: {e}");
+        }
     }
 }

@@ -334,6 +334,7 @@ async fn bad_inputs_are_invalid_argument_and_serving_goes_on() {
         messages: vec![v1::ChatMessage {
             role: role.into(),
             content: "hi".into(),
+            ..Default::default()
         }],
         ..Default::default()
     };
@@ -714,6 +715,7 @@ async fn complete_equals_concatenated_generate() {
         messages: vec![v1::ChatMessage {
             role: "user".into(),
             content: "hi".into(),
+            ..Default::default()
         }],
         max_tokens: Some(5),
         ..Default::default()
