@@ -243,8 +243,8 @@ for choice in [{"type": "function", "function": {"name": "get_weather"}}, "requi
 # tool_choice "auto", the default with tools: the default model's template does not show tools,
 # so its router refuses auto and says why. A router rendering with a template that shows them
 # (--chat-template) serves it: whatever the model decides, text or calls of the offered tools
-# whose arguments parse, streamed as answered whole; and a conversation's calls and results
-# reach that template.
+# whose arguments validate (the grammar holds them), streamed as answered whole; and a
+# conversation's calls and results reach that template.
 for kwargs in [{"tool_choice": "auto"}, {}]:
     e = expect(openai.BadRequestError, 400, create, model=model, messages=ask, tools=tools, **kwargs)
     assert "does not show the model the tools" in e.body["message"] and e.body["param"] == "tool_choice", e
@@ -255,7 +255,7 @@ if whole.message.tool_calls:
     assert whole.finish_reason == "tool_calls", whole
     for call in whole.message.tool_calls:
         assert call.function.name in ("get_weather", "get_time"), call
-        json.loads(call.function.arguments)
+        jsonschema.validate(json.loads(call.function.arguments), weather if call.function.name == "get_weather" else {})
 else:
     assert whole.finish_reason in ("stop", "length") and whole.message.content, whole
 chunks = [

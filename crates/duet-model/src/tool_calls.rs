@@ -26,6 +26,22 @@ impl ToolCallFormat {
         }
     }
 
+    /// A Lark grammar (llguidance's dialect) of an answer in this markup whose calls are held
+    /// to `call_schema`, the JSON Schema of one call's `{"name": …, "arguments": …}`: any text,
+    /// until the text opens a call; then a call that validates, and its closer; then any text
+    /// again, and more calls. The text before an opener is one lazy lexeme that ends at the
+    /// opener's first occurrence, so an opener always starts a call.
+    pub fn grammar(self, call_schema: &serde_json::Value) -> String {
+        let (open, close) = self.delimiters();
+        format!(
+            "start: call* TEXT\n\
+             call: call_head WS %json {call_schema} WS {close:?}\n\
+             call_head[lazy]: TEXT {open:?}\n\
+             TEXT: /(.|\\n)*/\n\
+             WS: /[ \\t\\n]*/\n"
+        )
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Self::Hermes => "hermes",
@@ -47,5 +63,71 @@ mod tests {
         let xml = "<tool_call>\n<function=example_function_name>\n</function>\n</tool_call>";
         assert_eq!(ToolCallFormat::detect(xml), None);
         assert_eq!(ToolCallFormat::detect("{{ messages[0]['content'] }}"), None);
+    }
+
+    /// Under the grammar the text is free until it opens a call; then only a call of the
+    /// schema may follow (here the one tool `f` with an integer `n`), and its closer; then text
+    /// again. An answer in text alone may end anywhere; one inside a call may not.
+    #[test]
+    fn the_grammar_frees_the_text_and_holds_the_calls() {
+        use crate::grammar::GrammarCompiler;
+        use crate::params::Constraint;
+        use crate::tokenizer::Tokenizer;
+
+        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tiny-llama/tokenizer.json");
+        let tokenizer = Tokenizer::from_hf_file(&path)
+            .unwrap()
+            .with_special_ids(Some(1), &[2]);
+        let compiler = GrammarCompiler::new(&tokenizer, 384).unwrap();
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "name": {"const": "f"},
+                "arguments": {"type": "object", "properties": {"n": {"type": "integer"}},
+                              "required": ["n"], "additionalProperties": false},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": false,
+        });
+        let grammar = Constraint::Lark(ToolCallFormat::Hermes.grammar(&schema));
+        // The tiny tokenizer's single bytes are ids 3 + byte; `</s>` (2) ends the answer.
+        let byte = |b: u8| 3 + b as u32;
+        let allowed = |g: &mut crate::grammar::Grammar, b: u8| {
+            let mut logits = vec![0.0f32; 384];
+            g.mask(&mut logits);
+            logits[byte(b) as usize].is_finite()
+        };
+        let ends = |g: &mut crate::grammar::Grammar| {
+            let mut logits = vec![0.0f32; 384];
+            g.mask(&mut logits);
+            logits[2].is_finite()
+        };
+        let mut g = compiler.compile(&grammar).unwrap();
+        let feed = |g: &mut crate::grammar::Grammar, text: &str| {
+            for b in text.bytes() {
+                assert!(allowed(g, b), "{:?} refused before {text:?}", b as char);
+                g.accept(byte(b));
+            }
+        };
+        feed(&mut g, "Any <b>text</b>, even <tool and {\"name\": 1}\n");
+        assert!(ends(&mut g), "an answer in text may end");
+        feed(&mut g, "<tool_call>\n");
+        assert!(
+            !allowed(&mut g, b'x') && !ends(&mut g),
+            "a call must follow its opener"
+        );
+        feed(&mut g, "{\"name\": \"f\", \"arguments\": {\"n\": ");
+        assert!(!allowed(&mut g, b'"'), "n is an integer");
+        feed(&mut g, "42}}\n");
+        assert!(
+            !allowed(&mut g, b'x') && !ends(&mut g),
+            "the closer must follow the call"
+        );
+        feed(&mut g, "</tool_call>\nDone.");
+        assert!(ends(&mut g));
+        let mut wrong_name = compiler.compile(&grammar).unwrap();
+        feed(&mut wrong_name, "<tool_call>{\"name\": \"");
+        assert!(!allowed(&mut wrong_name, b'g'), "only the tools' names");
     }
 }

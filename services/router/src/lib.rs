@@ -61,7 +61,8 @@ pub fn load_prompt_model(path: &Path, options: &RoutingOptions) -> anyhow::Resul
         Some(file) => ChatTemplate::from_file(file, &files.tokenizer)?,
         None => files.chat_template.unwrap_or_else(ChatTemplate::chatml),
     };
-    let auto_tool_calls = validate::auto_tool_calls(&chat, options.tool_call_parser);
+    let auto_tool_calls =
+        validate::auto_tool_calls(&chat, &files.tokenizer, options.tool_call_parser);
     match &auto_tool_calls {
         Ok(format) => tracing::info!(format = format.name(), "tool_choice auto reads tool calls"),
         Err(why) => tracing::info!("tool_choice auto is refused: {why}"),

@@ -526,27 +526,29 @@ impl ChatRequest {
                 .clone()
                 .unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}))
         };
-        let (schema, answer) = match choice {
-            Some(c) if c == "required" => {
-                let calls: Vec<serde_json::Value> = tools
-                    .iter()
-                    .map(|t| {
-                        serde_json::json!({
-                            "type": "object",
-                            "properties": {
-                                "name": {"const": t.function.name},
-                                "arguments": parameters(&t.function),
-                            },
-                            "required": ["name", "arguments"],
-                            "additionalProperties": false,
-                        })
+        // One call, `{"name": one of the tools, "arguments": its parameters}`.
+        let call = || {
+            let calls: Vec<serde_json::Value> = tools
+                .iter()
+                .map(|t| {
+                    serde_json::json!({
+                        "type": "object",
+                        "properties": {
+                            "name": {"const": t.function.name},
+                            "arguments": parameters(&t.function),
+                        },
+                        "required": ["name", "arguments"],
+                        "additionalProperties": false,
                     })
-                    .collect();
-                (
-                    Some(serde_json::json!({"anyOf": calls})),
-                    ToolAnswer::Required,
-                )
-            }
+                })
+                .collect();
+            serde_json::json!({"anyOf": calls})
+        };
+        let (constraint, answer) = match choice {
+            Some(c) if c == "required" => (
+                v1::constraint::Kind::JsonSchema(call().to_string()),
+                ToolAnswer::Required,
+            ),
             Some(c) if c["type"] == "function" => {
                 let name = c["function"]["name"].as_str().unwrap_or_default();
                 let tool = tools
@@ -559,12 +561,13 @@ impl ChatRequest {
                         )
                     })?;
                 (
-                    Some(parameters(&tool.function)),
+                    v1::constraint::Kind::JsonSchema(parameters(&tool.function).to_string()),
                     ToolAnswer::Named(name.to_string()),
                 )
             }
-            None => (None, auto(auto_tool_calls)?),
-            Some(c) if c == "auto" => (None, auto(auto_tool_calls)?),
+            // Free text, and calls in the model's markup held to the tools' schemas.
+            None => auto(auto_tool_calls, call)?,
+            Some(c) if c == "auto" => auto(auto_tool_calls, call)?,
             Some(c) => {
                 return Err(invalid(
                     "tool_choice",
@@ -575,8 +578,8 @@ impl ChatRequest {
                 ));
             }
         };
-        req.constraint = schema.map(|schema| v1::Constraint {
-            kind: Some(v1::constraint::Kind::JsonSchema(schema.to_string())),
+        req.constraint = Some(v1::Constraint {
+            kind: Some(constraint),
         });
         let mut variables = match self.chat_template_kwargs.as_ref() {
             Some(serde_json::Value::Object(m)) => m.clone(),
@@ -603,10 +606,13 @@ fn only_functions(param: &'static str, what: &str, kind: &str) -> Result<(), Ope
     ))
 }
 
-/// `tool_choice: "auto"`: the answer read in `format`'s markup, or refused with why it is not
-/// served.
-fn auto(format: Result<ToolCallFormat, &str>) -> Result<ToolAnswer, OpenAiError> {
-    format.map(ToolAnswer::Auto).map_err(|why| {
+/// `tool_choice: "auto"`: free text, with calls in `format`'s markup held to `call`'s schema and
+/// read back; or refused with why it is not served.
+fn auto(
+    format: Result<ToolCallFormat, &str>,
+    call: impl FnOnce() -> serde_json::Value,
+) -> Result<(v1::constraint::Kind, ToolAnswer), OpenAiError> {
+    let format = format.map_err(|why| {
         invalid(
             "tool_choice",
             format!(
@@ -614,7 +620,11 @@ fn auto(format: Result<ToolCallFormat, &str>) -> Result<ToolAnswer, OpenAiError>
                  ask for `required` or name a function, whose calls duet holds to the tools' schemas"
             ),
         )
-    })
+    })?;
+    Ok((
+        v1::constraint::Kind::Lark(format.grammar(&call())),
+        ToolAnswer::Auto(format),
+    ))
 }
 
 /// The id of a tool call a request's answer makes: the `index`th (0 for the first).
@@ -1201,9 +1211,16 @@ mod tests {
         assert_eq!((a.tools, r.constraint), (ToolAnswer::Text, None));
         for choice in [r#""tool_choice":"auto""#, r#""stream":true"#] {
             let (r, a) = chat_with(choice).unwrap();
-            assert_eq!(
-                (a.tools, r.constraint),
-                (ToolAnswer::Auto(ToolCallFormat::Hermes), None)
+            assert_eq!(a.tools, ToolAnswer::Auto(ToolCallFormat::Hermes));
+            // Free text, and Hermes calls held to the tools' schemas.
+            let Some(Kind::Lark(grammar)) = kind(&r) else {
+                panic!("{r:?}")
+            };
+            assert!(
+                grammar.contains(r#""<tool_call>""#)
+                    && grammar.contains(r#"{"const":"weather"}"#)
+                    && grammar.contains(r#""required":["city"]"#),
+                "{grammar}"
             );
             let vars: serde_json::Value = serde_json::from_str(&r.chat_template_kwargs).unwrap();
             assert_eq!(vars["tools"][0]["function"]["name"], "weather");

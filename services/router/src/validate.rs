@@ -107,10 +107,12 @@ pub struct PromptModel {
 
 /// How `tool_choice: "auto"` is served for a chat template: `parser` (`--tool-call-parser`)
 /// names the markup calls are read in, or leaves it to the template. Refused, with why, when the
-/// template does not show the model its tools (it could not call them) or teaches no markup
-/// duet reads.
+/// template does not show the model its tools (it could not call them), teaches no markup duet
+/// reads, or the markup's delimiters are special tokens of `tokenizer` (answers' text leaves
+/// those out, so no call could be read).
 pub fn auto_tool_calls(
     chat: &ChatTemplate,
+    tokenizer: &Tokenizer,
     parser: ToolCallParser,
 ) -> Result<ToolCallFormat, String> {
     if parser == ToolCallParser::None {
@@ -131,6 +133,16 @@ pub fn auto_tool_calls(
                 .to_string()
         })?,
     };
+    let special = tokenizer.special_tokens();
+    let (open, close) = format.delimiters();
+    if let Some(token) = [open, close]
+        .into_iter()
+        .find(|d| special.iter().any(|s| s == d))
+    {
+        return Err(format!(
+            "`{token}` is a special token of its tokenizer, which answers' text leaves out"
+        ));
+    }
     Ok(format)
 }
 
@@ -908,12 +920,13 @@ mod tests {
              {{ m.content }}{% endfor %}",
         )
         .unwrap();
+        let tokenizer = model().tokenizer;
         assert_eq!(
-            auto_tool_calls(&hermes, ToolCallParser::Detect),
+            auto_tool_calls(&hermes, &tokenizer, ToolCallParser::Detect),
             Ok(ToolCallFormat::Hermes)
         );
         assert_eq!(
-            auto_tool_calls(&json_calls, ToolCallParser::Hermes),
+            auto_tool_calls(&json_calls, &tokenizer, ToolCallParser::Hermes),
             Ok(ToolCallFormat::Hermes)
         );
         for (chat, parser, why) in [
@@ -934,8 +947,28 @@ mod tests {
                 "does not show the model the tools",
             ),
         ] {
-            let e = auto_tool_calls(chat, parser).unwrap_err();
+            let e = auto_tool_calls(chat, &tokenizer, parser).unwrap_err();
             assert!(e.contains(why), "{parser:?}: {e}");
         }
+        // A tokenizer whose `<tool_call>` is a special token: answers' text would lack it.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+                .unwrap();
+        json["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+            "id": 384, "content": "<tool_call>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}));
+        let file = std::env::temp_dir().join(format!(
+            "duet-special-tool-call-{}.json",
+            std::process::id()
+        ));
+        std::fs::write(&file, json.to_string()).unwrap();
+        let special = Tokenizer::from_hf_file(&file).unwrap();
+        std::fs::remove_file(&file).unwrap();
+        let e = auto_tool_calls(&hermes, &special, ToolCallParser::Detect).unwrap_err();
+        assert!(e.contains("`<tool_call>` is a special token"), "{e}");
     }
 }
