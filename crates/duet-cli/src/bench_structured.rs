@@ -1,8 +1,9 @@
 //! `duet bench structured`: what a grammar costs per token. A batch of chat prompts decodes under
-//! a nested JSON Schema, then the same prompts decode unconstrained for exactly as many tokens
-//! each (ignoring end-of-sequence), so the two runs step the same batch shapes; the time per
-//! output token of each sequence (after its first) is compared. The two runs alternate, repeat
-//! after repeat, and the best of each is reported.
+//! a nested JSON Schema (or, with `--auto-tools`, the grammar `tool_choice: "auto"` holds an
+//! answer to: free text, and Hermes calls of a weather tool), then the same prompts decode
+//! unconstrained for exactly as many tokens each (ignoring end-of-sequence), so the two runs step
+//! the same batch shapes; the time per output token of each sequence (after its first) is
+//! compared. The two runs alternate, repeat after repeat, and the best of each is reported.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -15,6 +16,7 @@ use duet_engine::engine::{Engine, EngineOptions, SeqId};
 use duet_model::chat::ChatMessage;
 use duet_model::model_path::ModelArgs;
 use duet_model::params::{Constraint, SamplingParams, StopCriteria};
+use duet_model::tool_calls::{ToolCallFormat, call_schema};
 use serde::Serialize;
 
 use crate::bench_engine::{Cpu, cpu_info, kernel_threads, print_json};
@@ -32,6 +34,10 @@ pub struct StructuredBenchArgs {
     /// list of hobbies.
     #[arg(long, value_name = "FILE")]
     pub schema: Option<PathBuf>,
+    /// Decode under `tool_choice: "auto"`'s grammar instead of a schema: text free until it
+    /// writes `<tool_call>`, then a call of a `get_weather` tool held to its parameters.
+    #[arg(long, conflicts_with = "schema")]
+    pub auto_tools: bool,
     /// Most tokens per answer.
     #[arg(long, default_value_t = 256)]
     pub max_tokens: usize,
@@ -96,10 +102,14 @@ struct Report {
     /// threads), not after it.
     masks_overlapped: bool,
     batch: usize,
-    schema: String,
+    /// `json_schema`, or `lark` for `tool_choice: "auto"`'s grammar.
+    kind: &'static str,
+    /// The JSON Schema, or the Lark grammar.
+    grammar: String,
     /// Output tokens per sequence of the constrained run (the unconstrained run matches them).
     tokens: Vec<usize>,
-    /// Every constrained answer parsed as JSON.
+    /// Every constrained answer parsed as JSON (under `--auto-tools`: every answer is text or
+    /// calls whose arguments parse).
     all_answers_parse: bool,
     /// Mean over the batch of each sequence's time per output token after its first, ms.
     constrained_tpot_ms: f64,
@@ -170,17 +180,40 @@ pub fn run_bench(args: StructuredBenchArgs) -> Result<()> {
         "--batch and --repeats must be positive, --max-tokens above 1"
     );
     let path = args.model.resolve()?;
-    let schema = match &args.schema {
-        Some(p) => {
-            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?
+    let constraint = if args.auto_tools {
+        let weather = serde_json::json!({"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": false});
+        Constraint::Lark(ToolCallFormat::Hermes.grammar(&call_schema([("get_weather", weather)])))
+    } else {
+        Constraint::JsonSchema(match &args.schema {
+            Some(p) => {
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?
+            }
+            None => NESTED_SCHEMA.to_string(),
+        })
+    };
+    // What an answer must be to count as parsed.
+    let json = |text: &str| serde_json::from_str::<serde_json::Value>(text.trim()).is_ok();
+    let parses = |text: &str| {
+        if !args.auto_tools {
+            return json(text);
         }
-        None => NESTED_SCHEMA.to_string(),
+        let (open, close) = ToolCallFormat::Hermes.delimiters();
+        text.split(open)
+            .skip(1)
+            .all(|block| block.split_once(close).is_some_and(|(call, _)| json(call)))
     };
     let mut engine = duet_cpu::load_engine(&path, args.engine.clone())?;
     let prompts = (0..args.batch)
         .map(|i| {
             let who = PEOPLE[i % PEOPLE.len()];
-            let ask = format!("Describe {who} as a JSON object with an address and hobbies.");
+            let ask = if args.auto_tools {
+                format!("Tell me about the weather where {who} lives.")
+            } else {
+                format!("Describe {who} as a JSON object with an address and hobbies.")
+            };
             let text = engine.apply_chat_template(&[ChatMessage::new("user", ask)])?;
             Ok(engine.encode(&text)?)
         })
@@ -198,12 +231,9 @@ pub fn run_bench(args: StructuredBenchArgs) -> Result<()> {
                 max_tokens: args.max_tokens,
                 ..Default::default()
             };
-            (greedy(Some(Constraint::JsonSchema(schema.clone()))), stop)
+            (greedy(Some(constraint.clone())), stop)
         })?;
-        all_parse &= constrained
-            .texts
-            .iter()
-            .all(|t| serde_json::from_str::<serde_json::Value>(t).is_ok());
+        all_parse &= constrained.texts.iter().all(|t| parses(t));
         let free = run(&mut engine, &prompts, |i| {
             let stop = StopCriteria {
                 max_tokens: constrained.tokens[i],
@@ -237,7 +267,11 @@ pub fn run_bench(args: StructuredBenchArgs) -> Result<()> {
         threads,
         masks_overlapped: engine.overlaps_grammar_masks(),
         batch: args.batch,
-        schema,
+        kind: constraint.kind(),
+        grammar: match constraint {
+            Constraint::JsonSchema(text) | Constraint::Lark(text) => text,
+            other => format!("{other:?}"),
+        },
         tokens,
         all_answers_parse: all_parse,
         constrained_tpot_ms: best_constrained,
@@ -245,9 +279,10 @@ pub fn run_bench(args: StructuredBenchArgs) -> Result<()> {
         overhead: best_constrained / best_free - 1.0,
     };
     println!(
-        "structured outputs, batch {}: TPOT {:.2} ms under the schema, {:.2} ms without ({:+.1}%), best of {}; every answer parses: {}",
+        "structured outputs, batch {}: TPOT {:.2} ms under the grammar ({}), {:.2} ms without ({:+.1}%), best of {}; every answer parses: {}",
         report.batch,
         report.constrained_tpot_ms,
+        report.kind,
         report.unconstrained_tpot_ms,
         100.0 * report.overhead,
         args.repeats,

@@ -195,25 +195,16 @@ fn a_kv_transport_the_worker_cannot_use_stops_it_at_start() {
     );
 }
 
-/// `duet bench serve` launches both designs, completes every request, and brackets each run with
-/// measurements of the engine alone (one before the first run, one after each).
-#[test]
-fn bench_serve_reports_both_designs_against_the_engine_alone() {
-    let json = std::env::temp_dir().join(format!("duet-bench-serve-{}.json", std::process::id()));
+/// Runs `duet bench ARGS` on the tiny fixture and returns its JSON report.
+fn bench_report(args: &[&str]) -> serde_json::Value {
+    let json = std::env::temp_dir().join(format!(
+        "duet-bench-{}-{}.json",
+        args[0],
+        std::process::id()
+    ));
     let out = duet()
-        .args([
-            "bench",
-            "serve",
-            "--requests",
-            "6",
-            "--concurrency",
-            "2",
-            "--prompt-tokens",
-            "4..6",
-            "--output-tokens",
-            "3",
-            "--compare-engine",
-        ])
+        .arg("bench")
+        .args(args)
         .arg("--model")
         .arg(fixture("tiny-llama"))
         .arg("--json-out")
@@ -221,8 +212,27 @@ fn bench_serve_reports_both_designs_against_the_engine_alone() {
         .output()
         .unwrap();
     assert_succeeded(&out);
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let v = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let _ = std::fs::remove_file(&json);
+    v
+}
+
+/// `duet bench serve` launches both designs, completes every request, and brackets each run with
+/// measurements of the engine alone (one before the first run, one after each).
+#[test]
+fn bench_serve_reports_both_designs_against_the_engine_alone() {
+    let v = bench_report(&[
+        "serve",
+        "--requests",
+        "6",
+        "--concurrency",
+        "2",
+        "--prompt-tokens",
+        "4..6",
+        "--output-tokens",
+        "3",
+        "--compare-engine",
+    ]);
     let runs = v["runs"].as_array().unwrap();
     let designs: Vec<&str> = runs.iter().map(|r| r["design"].as_str().unwrap()).collect();
     assert_eq!(designs, ["disaggregated", "colocated"]);
@@ -252,32 +262,44 @@ fn bench_serve_reports_both_designs_against_the_engine_alone() {
     }
 }
 
+/// `duet bench structured --auto-tools` times `tool_choice: "auto"`'s grammar (free text, Hermes
+/// calls held to a tool's schema) against the same tokens unconstrained, and says so.
+#[test]
+fn bench_structured_times_the_auto_tool_grammar() {
+    let v = bench_report(&[
+        "structured",
+        "--auto-tools",
+        "--batch=2",
+        "--max-tokens=6",
+        "--repeats=1",
+    ]);
+    assert_eq!(v["kind"], "lark");
+    let grammar = v["grammar"].as_str().unwrap();
+    assert!(
+        grammar.contains("<tool_call>") && grammar.contains("get_weather"),
+        "{grammar}"
+    );
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 2);
+    for field in ["constrained_tpot_ms", "unconstrained_tpot_ms"] {
+        assert!(v[field].as_f64().unwrap() > 0.0, "{field}");
+    }
+    assert_eq!(v["all_answers_parse"], true);
+}
+
 /// `duet bench engine` measures every (batch, context) point of its sweep and every prefill
 /// length, each decode sequence on its own copy of the context's KV.
 #[test]
 fn bench_engine_sweeps_every_point_with_private_kv() {
-    let json = std::env::temp_dir().join(format!("duet-bench-engine-{}.json", std::process::id()));
     let (contexts, batches, steps) = ([16, 40], [1, 3], 4);
-    let out = duet()
-        .args([
-            "bench",
-            "engine",
-            "--contexts=16,40",
-            "--batch=1,3",
-            "--prefill-tokens=20,33",
-            "--decode-steps=4",
-            "--repeats=2",
-            "--bandwidth-mib=8",
-        ])
-        .arg("--model")
-        .arg(fixture("tiny-llama"))
-        .arg("--json-out")
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert_succeeded(&out);
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-    let _ = std::fs::remove_file(&json);
+    let v = bench_report(&[
+        "engine",
+        "--contexts=16,40",
+        "--batch=1,3",
+        "--prefill-tokens=20,33",
+        "--decode-steps=4",
+        "--repeats=2",
+        "--bandwidth-mib=8",
+    ]);
 
     // The CPU by name, family and model number (one name covers several generations).
     for field in ["model", "family", "model_number"] {

@@ -2,6 +2,25 @@
 //! whether to call a tool, and the server finds the calls in the answer by the model's own
 //! markup, which its chat template teaches it.
 
+/// The JSON Schema of one call of one of `tools` (each a function's name and its parameters'
+/// schema): `{"name": the function, "arguments": its parameters}`, the name first.
+pub fn call_schema<'t>(
+    tools: impl IntoIterator<Item = (&'t str, serde_json::Value)>,
+) -> serde_json::Value {
+    let calls: Vec<serde_json::Value> = tools
+        .into_iter()
+        .map(|(name, parameters)| {
+            serde_json::json!({
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": false,
+            })
+        })
+        .collect();
+    serde_json::json!({"anyOf": calls})
+}
+
 /// A model's markup for tool calls in its answer text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ToolCallFormat {
@@ -80,16 +99,11 @@ mod tests {
             .unwrap()
             .with_special_ids(Some(1), &[2]);
         let compiler = GrammarCompiler::new(&tokenizer, 384).unwrap();
-        let schema = serde_json::json!({
-            "type": "object",
-            "properties": {
-                "name": {"const": "f"},
-                "arguments": {"type": "object", "properties": {"n": {"type": "integer"}},
-                              "required": ["n"], "additionalProperties": false},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": false,
-        });
+        let schema = call_schema([(
+            "f",
+            serde_json::json!({"type": "object", "properties": {"n": {"type": "integer"}},
+                               "required": ["n"], "additionalProperties": false}),
+        )]);
         let grammar = Constraint::Lark(ToolCallFormat::Hermes.grammar(&schema));
         // The tiny tokenizer's single bytes are ids 3 + byte; `</s>` (2) ends the answer.
         let byte = |b: u8| 3 + b as u32;

@@ -4,7 +4,7 @@
 //! becomes a `GenerateRequest` and the router core validates it as it validates a gRPC call.
 
 use duet_model::tokenizer::Tokenizer;
-use duet_model::tool_calls::ToolCallFormat;
+use duet_model::tool_calls::{ToolCallFormat, call_schema};
 use duet_proto::v1;
 use serde::{Deserialize, Serialize};
 
@@ -526,23 +526,12 @@ impl ChatRequest {
                 .clone()
                 .unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}))
         };
-        // One call, `{"name": one of the tools, "arguments": its parameters}`.
         let call = || {
-            let calls: Vec<serde_json::Value> = tools
-                .iter()
-                .map(|t| {
-                    serde_json::json!({
-                        "type": "object",
-                        "properties": {
-                            "name": {"const": t.function.name},
-                            "arguments": parameters(&t.function),
-                        },
-                        "required": ["name", "arguments"],
-                        "additionalProperties": false,
-                    })
-                })
-                .collect();
-            serde_json::json!({"anyOf": calls})
+            call_schema(
+                tools
+                    .iter()
+                    .map(|t| (t.function.name.as_str(), parameters(&t.function))),
+            )
         };
         let (constraint, answer) = match choice {
             Some(c) if c == "required" => (
