@@ -183,12 +183,12 @@ impl Grammar {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::path::PathBuf;
 
     /// The tiny fixture's byte-level BPE tokenizer (384 ids; `</s>` = 2 ends a sequence).
-    fn compiler() -> (GrammarCompiler, Tokenizer) {
+    pub(crate) fn compiler() -> (GrammarCompiler, Tokenizer) {
         let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("../../tests/fixtures/tiny-llama/tokenizer.json");
         let tokenizer = Tokenizer::from_hf_file(&path)

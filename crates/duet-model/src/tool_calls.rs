@@ -89,16 +89,9 @@ mod tests {
     /// again. An answer in text alone may end anywhere; one inside a call may not.
     #[test]
     fn the_grammar_frees_the_text_and_holds_the_calls() {
-        use crate::grammar::GrammarCompiler;
         use crate::params::Constraint;
-        use crate::tokenizer::Tokenizer;
 
-        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/tiny-llama/tokenizer.json");
-        let tokenizer = Tokenizer::from_hf_file(&path)
-            .unwrap()
-            .with_special_ids(Some(1), &[2]);
-        let compiler = GrammarCompiler::new(&tokenizer, 384).unwrap();
+        let (compiler, _) = crate::grammar::tests::compiler();
         let schema = call_schema([(
             "f",
             serde_json::json!({"type": "object", "properties": {"n": {"type": "integer"}},
