@@ -5,23 +5,27 @@
 # image localhost/duet:VERSION (localhost/duet:VERSION-cuda with --gpu) in buildah's storage and
 # an oci-archive file, target/image/duet-VERSION[-cuda].oci.tar, and prints the archive's path.
 #
-#   scripts/build-image.sh [--gpu] [--repository NAME]
+#   scripts/build-image.sh [--gpu] [--repository NAME] [--profile NAME]
 #
 #   --gpu             the GPU variant: adds NVRTC and cuBLAS (CUDA 13.0) from their PyPI wheels;
 #                     the NVIDIA driver comes from the host
 #   --repository NAME image name to tag (default: localhost/duet; env DUET_IMAGE_REPOSITORY)
+#   --profile NAME    the cargo profile whose binaries go in (default: release; env
+#                     DUET_BUILD_PROFILE; the test suite uses its `ci` build)
 #
-# Uses target/release/ as built by `cargo build --release --locked --workspace --bins --features
-# cuda` (run first, a no-op when up to date). Load the archive elsewhere with e.g.
+# Uses target/PROFILE/ as built by `cargo build --profile PROFILE --locked --workspace --bins
+# --features cuda` (run first, a no-op when up to date). Load the archive elsewhere with e.g.
 # `skopeo copy oci-archive:FILE docker://REGISTRY/duet:TAG` or `podman load -i FILE`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 variant=cpu
 repository=${DUET_IMAGE_REPOSITORY:-localhost/duet}
+profile=${DUET_BUILD_PROFILE:-release}
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpu) variant=gpu ;;
     --repository) repository=$2; shift ;;
+    --profile) profile=$2; shift ;;
     -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -30,9 +34,11 @@ done
 command -v buildah >/dev/null || { echo "buildah is required (apt-get install buildah)" >&2; exit 1; }
 buildah=(buildah --storage-driver vfs)
 
-cargo build --release --locked --workspace --bins --features cuda >&2
+cargo build --profile "$profile" --locked --workspace --bins --features cuda >&2
+target=target/$profile
+[ "$profile" != dev ] || target=target/debug # where cargo puts the dev profile
 bins=(duet duet-router duet-prefill duet-decode)
-version=$(./target/release/duet --version | awk '{print $2}')
+version=$("$target/duet" --version | awk '{print $2}')
 tag=$version
 [ "$variant" = gpu ] && tag=$version-cuda
 
@@ -44,7 +50,7 @@ mkdir -m 1777 "$rootfs/tmp"
 # Without the line tables (the release profile's debug = 1): a fifth of the size; symbols stay,
 # so backtraces still name functions.
 for b in "${bins[@]}"; do
-  install -m 755 "target/release/$b" "$rootfs/usr/local/bin/"
+  install -m 755 "$target/$b" "$rootfs/usr/local/bin/"
   strip --strip-debug "$rootfs/usr/local/bin/$b"
 done
 

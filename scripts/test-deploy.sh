@@ -11,7 +11,8 @@
 #    the Grafana dashboard's metric names against the ones the sources export; NOTES.txt and the
 #    `helm test` pod with TLS and API keys; extra volumes; bad values refused by the schema with a
 #    message;
-#  - the OCI image (scripts/build-image.sh, buildah): built from the release binaries, then, inside
+#  - the OCI image (scripts/build-image.sh, buildah): built from the binaries of DUET_BUILD_PROFILE's
+#    build (default release; scripts/test.sh's is `ci`), then, inside
 #    it, `duet --version`, `duet generate` on the tiny fixture (the same tokens as outside), and the
 #    `helm test` pod's own command against a `duet up --processes` run from the image's binaries
 #    (it must get tokens, and must fail with no router); the GPU variant's CUDA libraries must find
@@ -329,6 +330,9 @@ fi
 
 # --- the image -----------------------------------------------------------------------------------
 buildah=(buildah --storage-driver vfs)
+# The binaries of DUET_BUILD_PROFILE's build (release unless set; scripts/test.sh sets its `ci`
+# build, so the image holds the binaries the cargo tests ran), which build-image.sh uses too.
+target=target/${DUET_BUILD_PROFILE:-release}
 # in_image ARCHIVE COMMAND...: runs the command in a fresh container made from the oci-archive,
 # with tests/fixtures at /fixtures and the host's network (loopback).
 in_image() {
@@ -345,14 +349,14 @@ token_ids() { python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids
 
 if archive=$(./scripts/build-image.sh 2>"$work/build.log"); then
   pass "scripts/build-image.sh: $(tail -1 "$work/build.log" | sed 's/^built //')"
-  version=$(./target/release/duet --version)
+  version=$("$target/duet" --version)
   if out=$(in_image "$archive" duet --version 2>&1) && [ "$out" = "$version" ]; then
     pass "duet --version in the image: $out"
   else
     fail "duet --version in the image" "$out"
   fi
   generate=(generate --prompt "hello world" --max-tokens 8 --temperature 0 --json)
-  host_ids=$(./target/release/duet "${generate[@]}" --model tests/fixtures/tiny-llama | token_ids)
+  host_ids=$("$target/duet" "${generate[@]}" --model tests/fixtures/tiny-llama | token_ids)
   image_ids=$(in_image "$archive" duet "${generate[@]}" --model /fixtures/tiny-llama 2>"$work/gen.err" | token_ids)
   if [ -n "$image_ids" ] && [ "$image_ids" = "$host_ids" ]; then
     pass "duet generate on the tiny fixture in the image: tokens $image_ids, as outside"

@@ -1,6 +1,6 @@
 """The router's OpenAI-compatible HTTP API seen through the official `openai` Python client.
 
-Run by tests/tests/openai.rs against routers it starts on loopback; exits non-zero (an
+Run by tests/tests/it/openai.rs against routers it starts on loopback; exits non-zero (an
 AssertionError or the client's own exception) on the first thing that is not as a user of the
 client expects. Arguments (JSON on stdin):
   url, limited_url (no request admitted), deadline_url (1 ms deadline), down_url (no worker up),

@@ -20,6 +20,7 @@ use duet_worker::WorkerArgs;
 use futures::StreamExt;
 
 pub use duet_cli::cluster::{Cluster, ClusterSpec};
+pub use duet_model::model_path::checkout_default_model;
 
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -27,20 +28,6 @@ pub fn repo() -> PathBuf {
 
 pub fn tiny_model() -> PathBuf {
     repo().join("tests/fixtures/tiny-llama")
-}
-
-/// The default model, or `None` with a message saying how to fetch it.
-pub fn default_model() -> Option<PathBuf> {
-    let p = repo().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!(
-            "SKIPPED: {} is missing; run `duet model fetch` (CI does)",
-            p.display()
-        );
-        None
-    }
 }
 
 pub fn engine_options() -> EngineOptions {

@@ -635,12 +635,7 @@ mod tests {
 
     #[test]
     fn real_model_template() {
-        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-        if !p.exists() {
-            eprintln!("skipping real_model_template: {} not present", p.display());
-            return;
-        }
+        let p = crate::model_path::checkout_default_model();
         let f = GgufFile::open(&p).unwrap();
         let t = ChatTemplate::from_gguf(&f)
             .unwrap()

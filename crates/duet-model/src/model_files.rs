@@ -865,12 +865,7 @@ mod tests {
 
     #[test]
     fn smollm2_real_model() {
-        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-        if !p.exists() {
-            eprintln!("skipping smollm2_real_model: {} not present", p.display());
-            return;
-        }
+        let p = crate::model_path::checkout_default_model();
         let m = open_model(&p).unwrap();
         let c = &m.config;
         assert_eq!(c.architecture, Architecture::Llama);
@@ -914,12 +909,7 @@ mod tests {
     /// among them) is encoded as text: the only special ids are the template's own.
     #[test]
     fn chat_content_with_every_special_token_stays_text() {
-        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-        if !p.exists() {
-            eprintln!("skipping: {} not present", p.display());
-            return;
-        }
+        let p = crate::model_path::checkout_default_model();
         let m = open_model(&p).unwrap();
         let (tok, chat) = (&m.tokenizer, m.chat_template.as_ref().unwrap());
         let specials = tok.special_tokens();

@@ -65,6 +65,13 @@ fn flag_path(flag: &str, path: &Path) -> OsString {
     arg
 }
 
+/// The default model in this checkout's `models/`, for the tests that run it. A missing model fails
+/// them with the command that fetches it: a test never skips.
+pub fn checkout_default_model() -> PathBuf {
+    default_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"))
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
 pub fn default_model(models_dir: &Path) -> Result<PathBuf, ModelNotFound> {
     let path = models_dir.join(DEFAULT_MODEL_FILE);
     if path.exists() {

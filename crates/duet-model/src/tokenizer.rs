@@ -603,20 +603,6 @@ mod tests {
     use crate::gguf::test_writer::GgufWriter;
     use crate::gguf::{GgufArray, GgufValue};
 
-    fn model_path() -> Option<std::path::PathBuf> {
-        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-        if p.exists() {
-            Some(p)
-        } else {
-            eprintln!(
-                "skipping: {} not present (git-ignored model file)",
-                p.display()
-            );
-            None
-        }
-    }
-
     /// The character byte-level BPE spells byte `b` with.
     fn byte_level_char(b: u8) -> char {
         if spelled_as_itself(b) {
@@ -803,7 +789,7 @@ mod tests {
 
     #[test]
     fn smollm2_real_tokenizer() {
-        let Some(p) = model_path() else { return };
+        let p = crate::model_path::checkout_default_model();
         let f = GgufFile::open(&p).unwrap();
         let t = Tokenizer::from_gguf(&f).unwrap();
         assert_eq!(t.vocab_size(), 49152);

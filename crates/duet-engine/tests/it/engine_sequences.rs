@@ -3,9 +3,7 @@
 //! do not change anyone's tokens; cancellation frees blocks; grammar masks computed beside the
 //! forward pass constrain exactly as those computed after it.
 
-mod common;
-
-use common::fixtures;
+use crate::common::fixtures;
 use duet_cpu::CpuBackend;
 use duet_engine::backend::KvDtypeChoice;
 use duet_engine::engine::{Engine, EngineOptions, Resumed, SeqId};

@@ -73,7 +73,7 @@ async fn interrupted(
 
 #[test]
 fn constrained_and_seeded_streams_continue_exactly_after_a_hung_decode_worker() {
-    let Some(model) = default_model() else { return };
+    let model = checkout_default_model();
     let cases = [
         (
             "a JSON Schema, sampled with a seed",

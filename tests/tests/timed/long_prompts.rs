@@ -8,6 +8,8 @@ use duet_proto::v1;
 use duet_tests::*;
 use futures::StreamExt;
 
+use crate::one_at_a_time;
+
 /// `--max-prompt-bytes` of the test's router: far more than the context (8192 tokens) holds,
 /// so that tokenizing a prompt near it takes long enough to see a stall.
 const LIMIT: usize = 1 << 20;
@@ -31,7 +33,8 @@ fn text(bytes: usize, salt: usize) -> String {
 /// On the default model, whose decode steps are slow enough to see a stream's gaps.
 #[test]
 fn a_near_limit_prompt_does_not_stall_other_streams() {
-    let Some(model) = default_model() else { return };
+    let _alone = one_at_a_time();
+    let model = checkout_default_model();
     let c = cluster(
         model,
         0,

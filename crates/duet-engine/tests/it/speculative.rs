@@ -3,11 +3,9 @@
 //! grammar, at max_tokens and stop strings); sampled outputs follow the same distribution; and
 //! the drafts really are verified (acceptance counted, rejected slots given back).
 
-mod common;
-
 use std::collections::HashMap;
 
-use common::{default_model, fixtures};
+use crate::common::{checkout_default_model, fixtures};
 use duet_cpu::CpuBackend;
 use duet_engine::engine::{Engine, EngineOptions, SeqId, Speculation};
 use duet_engine::speculator::SpeculativeMode;
@@ -319,7 +317,7 @@ fn sampled_outputs_follow_the_model_distribution() {
 /// The default model copying code from its prompt: greedy outputs equal, most drafts accepted.
 #[test]
 fn default_model_copying_its_prompt_gives_the_same_tokens_in_fewer_steps() {
-    let Some(path) = default_model() else { return };
+    let path = checkout_default_model();
     let load = |speculative| {
         let options = EngineOptions {
             block_size: 16,

@@ -12,7 +12,7 @@ use futures::StreamExt;
 /// request could end before the test looks at it running.
 #[test]
 fn cancelling_a_stream_frees_its_blocks_on_both_workers() {
-    let Some(model) = default_model() else { return };
+    let model = checkout_default_model();
     let c = cluster(model, 1, 1, local_prefill_threshold(0));
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
@@ -126,7 +126,7 @@ fn bad_input_through_the_cluster_is_rejected_and_it_keeps_serving() {
 
 #[test]
 fn a_prefill_worker_killed_mid_request_is_survived() {
-    let Some(model) = default_model() else { return };
+    let model = checkout_default_model();
     let spec = ClusterSpec {
         processes: true,
         bin_dir: Some(bin_dir()),

@@ -7,9 +7,7 @@
 //! reference's top-2 logit gap exceeds that error; at a near tie the continuation may
 //! legitimately take the other branch, after which comparing further is meaningless.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use duet_cpu::CpuBackend;
 use duet_cpu::quant::KernelPath;
 use duet_engine::backend::CpuKernels;
@@ -35,7 +33,7 @@ fn engine(path: &std::path::Path, cpu_kernels: CpuKernels) -> Engine<CpuBackend>
 
 #[test]
 fn last_position_logits_match_reference() {
-    let Some(path) = default_model() else { return };
+    let path = checkout_default_model();
     let golden = read_json("smollm2-greedy.json");
     let p = &golden["prompts"][0];
     let want = floats(&p["last_logits"]);
@@ -55,7 +53,7 @@ fn last_position_logits_match_reference() {
 /// On every kernel path this CPU can run (`--cpu-kernels`), the portable one included.
 #[test]
 fn greedy_continuations_match_reference() {
-    let Some(path) = default_model() else { return };
+    let path = checkout_default_model();
     let golden = read_json("smollm2-greedy.json");
     let paths = [
         CpuKernels::Portable,
@@ -118,7 +116,7 @@ fn greedy_continuations_match(engine: &mut Engine<CpuBackend>, golden: &serde_js
 
 #[test]
 fn batched_greedy_equals_solo_runs() {
-    let Some(path) = default_model() else { return };
+    let path = checkout_default_model();
     let golden = read_json("smollm2-greedy.json");
     let prompts: Vec<Vec<u32>> = golden["prompts"]
         .as_array()
@@ -171,7 +169,7 @@ fn batched_greedy_equals_solo_runs() {
 /// enough that attention cuts it into several spans.
 #[test]
 fn a_position_has_the_same_logits_alone_in_a_batch_and_in_a_prompt() {
-    let Some(path) = default_model() else { return };
+    let path = checkout_default_model();
     let tokens = |n: usize, seed: u32| -> Vec<u32> {
         (0..n as u32)
             .map(|i| (i.wrapping_mul(7919) ^ seed) % 49152)

@@ -1,7 +1,5 @@
 //! Shared helpers for the engine's golden tests: fixture paths and a one-call forward.
 
-#![allow(dead_code)]
-
 use std::path::PathBuf;
 
 use duet_cpu::{CpuBackend, CpuKvStore};
@@ -9,24 +7,10 @@ use duet_engine::backend::{Backend, KvDtypeChoice};
 use duet_engine::batch::{ForwardBatch, LogitsWanted, SeqInput};
 use duet_engine::llama::{Llama, Logits};
 use duet_model::model_files::open_model;
+pub use duet_model::model_path::checkout_default_model;
 
 pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-/// The default model, or `None` (with a message saying how to fetch it).
-pub fn default_model() -> Option<PathBuf> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if path.exists() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: {} is missing; run `duet model fetch` (CI does)",
-            path.display()
-        );
-        None
-    }
 }
 
 pub fn read_json(name: &str) -> serde_json::Value {

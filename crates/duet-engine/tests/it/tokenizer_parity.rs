@@ -1,14 +1,12 @@
 //! The tokenizer against an independent pure-Python byte-level BPE
 //! (tests/reference/bpe_reference.py): digits, unicode, emoji, whitespace runs, special tokens.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use duet_model::model_files::open_model;
 
 #[test]
 fn smollm2_encode_decode_parity() {
-    let Some(path) = default_model() else { return };
+    let path = checkout_default_model();
     let files = open_model(&path).unwrap();
     let cases = read_json("smollm2-tokenizer-cases.json");
     for c in cases["cases"].as_array().unwrap() {

@@ -2,9 +2,7 @@
 //! pass (tests/reference/make_tiny_llama.py): whole prompts, token-by-token decoding through the
 //! paged KV cache, mixed-length batches, and the same model loaded from GGUF (F32 and Q8_0).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use duet_engine::backend::KvDtypeChoice;
 use duet_engine::batch::{LogitsWanted, SeqInput};
 

@@ -3,7 +3,6 @@
 //! later work again, and a prompt queued behind others keeps its KV reservation. The faults need
 //! separate processes (SIGSTOP), except the queue.
 
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use duet_decode_worker::DecodeConfig;
@@ -11,18 +10,13 @@ use duet_tests::*;
 use duet_worker::WorkerArgs;
 use futures::StreamExt;
 
+use crate::one_at_a_time;
+
 /// A prompt of `n` tokens of no particular text (its greedy continuation does not stop early).
 fn prompt(n: u32, salt: u32) -> Vec<u32> {
     (0..n)
         .map(|i| 300 + (i * 7919 + salt * 104_729) % 40_000)
         .collect()
-}
-
-/// Each test here times a cluster against deadlines and measured rates; two of them at once on
-/// a machine of two cores would measure each other. Held for the whole test.
-fn one_at_a_time() -> MutexGuard<'static, ()> {
-    static TIMED: Mutex<()> = Mutex::new(());
-    TIMED.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn in_processes(spec: ClusterSpec) -> Cluster {
@@ -37,7 +31,7 @@ fn in_processes(spec: ClusterSpec) -> Cluster {
 #[test]
 fn a_sigstopped_decode_workers_stream_continues_on_another() {
     let _alone = one_at_a_time();
-    let Some(model) = default_model() else { return };
+    let model = checkout_default_model();
     let idle = Duration::from_millis(2000);
     let c = in_processes(spec(
         model.clone(),
@@ -100,7 +94,7 @@ fn a_sigstopped_decode_workers_stream_continues_on_another() {
 #[test]
 fn a_sigstopped_prefill_worker_costs_at_most_one_attempt() {
     let _alone = one_at_a_time();
-    let Some(model) = default_model() else { return };
+    let model = checkout_default_model();
     let c = in_processes(spec(model.clone(), 2, 1, local_prefill_threshold(0)));
     let p = prompt(200, 2);
     let want = reference(&model, std::slice::from_ref(&p), 4).remove(0);
@@ -134,7 +128,7 @@ fn a_sigstopped_prefill_worker_costs_at_most_one_attempt() {
 #[test]
 fn a_queued_prompts_reservation_does_not_expire() {
     let _alone = one_at_a_time();
-    let Some(model) = default_model() else { return };
+    let model = checkout_default_model();
     // Leases far shorter than the prefill queue: every prompt after the first waits longer.
     let c = Cluster::start(&ClusterSpec {
         decode: DecodeConfig {
@@ -186,8 +180,7 @@ fn a_queued_prompts_reservation_does_not_expire() {
 #[test]
 fn a_prefill_worker_stalled_in_its_first_prefill_takes_its_share_of_a_later_burst() {
     let _alone = one_at_a_time();
-    let model =
-        default_model().expect("the default model: `duet model fetch` (scripts/test.sh runs it)");
+    let model = checkout_default_model();
     let c = in_processes(spec(
         model,
         2,

@@ -105,7 +105,7 @@ fn wait_health(http: SocketAddr, status: u16) {
 
 #[test]
 fn the_openai_python_client_gets_what_grpc_gives_and_every_error_as_its_exception() {
-    let Some(model) = default_model() else { return };
+    let model = checkout_default_model();
     let (c, http) = http_cluster(model.clone());
     let rt = tokio::runtime::Runtime::new().unwrap();
     let decode: Vec<String> = c.decode.iter().map(|a| a.to_string()).collect();
@@ -225,7 +225,7 @@ fn the_openai_python_client_gets_what_grpc_gives_and_every_error_as_its_exceptio
 /// The client reads the first chunk of a long stream, then closes its connection.
 #[test]
 fn an_http_client_that_disconnects_frees_its_blocks_on_both_workers() {
-    let Some(model) = default_model() else { return };
+    let model = checkout_default_model();
     let name = duet_router::model_name(&model);
     let (c, http) = http_cluster(model);
     let rt = tokio::runtime::Runtime::new().unwrap();

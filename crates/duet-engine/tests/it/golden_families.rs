@@ -3,9 +3,7 @@
 //! dim of 32 that is not hidden ÷ heads, tied embeddings), from its HF directory and from its GGUF
 //! conversion, every position of every prompt, whole prompts and token by token.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use duet_engine::batch::{LogitsWanted, SeqInput};
 use duet_model::config::Architecture;
 

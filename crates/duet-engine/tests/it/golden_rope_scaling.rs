@@ -3,9 +3,7 @@
 //! tiny model's logits at positions before and far past its `original_max_position_embeddings`
 //! (32), and the inverse frequencies of each type.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use duet_model::config::ModelConfig;
 use duet_model::rope::RopeScaling;
 

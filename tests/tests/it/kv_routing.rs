@@ -122,8 +122,7 @@ fn the_same_prefix_lands_where_it_is_cached_and_reports_it() {
 
 /// The default model: its context holds the long prompts below (the tiny one's holds 256).
 fn long_context_model() -> std::path::PathBuf {
-    default_model()
-        .expect("the default model is needed: `duet model fetch` (scripts/test.sh runs it)")
+    checkout_default_model()
 }
 
 /// A request sent the moment the previous one with the same prompt returned, before the

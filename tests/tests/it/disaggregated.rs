@@ -119,7 +119,7 @@ fn complete_equals_the_concatenated_stream_and_prefix_hits_are_reported() {
 
 #[test]
 fn default_model_through_the_cluster_equals_in_process() {
-    let Some(model) = default_model() else { return };
+    let model = checkout_default_model();
     let c = cluster(model.clone(), 1, 1, local_prefill_threshold(16));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let engine = duet_cpu::load_engine(&model, engine_options()).unwrap();
