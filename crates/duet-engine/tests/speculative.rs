@@ -275,7 +275,9 @@ fn sampled_outputs_follow_the_model_distribution() {
         let mut counts: HashMap<Vec<u32>, u64> = HashMap::new();
         let mut speculation = (0, 0);
         let seeds: Vec<u64> = seeds.collect();
-        for chunk in seeds.chunks(100) {
+        // Batches whose prompts prefill in one step: drafts take only the budget prompts leave,
+        // and these runs decode just three tokens, so every run must be decoding by its second.
+        for chunk in seeds.chunks(2) {
             let requests: Vec<_> = chunk
                 .iter()
                 .map(|&s| (p.clone(), params(s), stop(3)))
@@ -291,7 +293,7 @@ fn sampled_outputs_follow_the_model_distribution() {
     let (off, _) = sample(SpeculativeMode::Off, 0..RUNS);
     let (spec, (drafted, accepted)) = sample(SpeculativeMode::Ngram, RUNS..2 * RUNS);
     assert!(
-        accepted > RUNS / 4 && drafted - accepted > RUNS / 4,
+        accepted > RUNS / 5 && drafted - accepted > RUNS / 5,
         "the test needs drafts both accepted and rejected: {accepted} of {drafted}"
     );
     let outcomes: std::collections::BTreeSet<&Vec<u32>> = off.keys().chain(spec.keys()).collect();
