@@ -41,8 +41,16 @@ impl GrammarCompiler {
             kind: "any",
             reason: format!("the tokenizer cannot be used for constraints: {reason}"),
         };
-        let eos = *tokenizer
+        // Every end id of the model ends a grammar's sentence (Llama 3 Instruct ends a turn with
+        // `<|eot_id|>` and a text with `<|end_of_text|>`): llguidance allows all of them where
+        // the grammar may end.
+        let eos: Vec<u32> = tokenizer
             .eos_token_ids()
+            .iter()
+            .copied()
+            .filter(|&id| (id as usize) < vocab_size)
+            .collect();
+        let first_eos = *eos
             .first()
             .ok_or_else(|| setup("it has no end-of-sequence token".into()))?;
         let words: Vec<Vec<u8>> = (0..vocab_size as u32)
@@ -57,13 +65,14 @@ impl GrammarCompiler {
             .collect();
         let info = TokRxInfo {
             vocab_size: vocab_size as u32,
-            tok_eos: eos,
+            tok_eos: first_eos,
             tok_bos: tokenizer.bos_token_id(),
             tok_pad: None,
             tok_unk: None,
             tok_end_of_turn: None,
         };
-        let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(&eos);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| setup(e.to_string()))?;
         factory.quiet();
         Ok(Self {
@@ -346,6 +355,37 @@ pub(crate) mod tests {
             replayed.accept(t);
         }
         assert!(replayed.is_complete());
+    }
+
+    /// Every end id of a model with several (Llama 3 Instruct's `<|eot_id|>` and
+    /// `<|end_of_text|>`; here the fixture's `</s>` and `<unk>`) may end an open grammar: a
+    /// regular expression, a Lark grammar, `tool_choice: "auto"`'s grammar.
+    #[test]
+    fn every_end_id_of_the_model_ends_an_open_grammar() {
+        use crate::tool_calls::{ToolCallFormat, call_schema};
+        let (_, tokenizer) = compiler();
+        let tokenizer = tokenizer.with_special_ids(None, &[0]);
+        assert_eq!(tokenizer.eos_token_ids(), [2, 0]);
+        let compiler = GrammarCompiler::new(&tokenizer, 384).unwrap();
+        let tools = call_schema([("f", serde_json::json!({"type": "object"}))]);
+        for constraint in [
+            Constraint::Regex("[a-z]+".into()),
+            Constraint::Lark("start: /[a-z]+/ | \"yes\"".into()),
+            Constraint::Lark(ToolCallFormat::Hermes.grammar(&tools)),
+        ] {
+            for end in [2, 0] {
+                let mut grammar = compiler.compile(&constraint).unwrap();
+                grammar.accept(100); // "a"
+                let mut logits = vec![0f32; 384];
+                grammar.mask(&mut logits);
+                assert!(
+                    logits[2].is_finite() && logits[0].is_finite(),
+                    "{constraint:?}: an end id is masked"
+                );
+                grammar.accept(end);
+                assert!(grammar.is_complete(), "{constraint:?} after {end}");
+            }
+        }
     }
 
     /// Bad constraints are refused with the reason, before anything is generated.
