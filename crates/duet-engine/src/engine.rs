@@ -203,6 +203,8 @@ pub struct StepOutput {
     /// Newly final text.
     pub text: String,
     pub finish: Option<FinishReason>,
+    /// What failed, when `finish` is [`FinishReason::Error`].
+    pub error: Option<String>,
     /// The sequence's speculation so far on this engine (its steps, drafted and accepted
     /// tokens), up to and including the step of this output.
     pub speculation: Speculation,
@@ -820,11 +822,18 @@ fn advance(
     max_positions: usize,
 ) -> Result<StepOutput, EngineError> {
     let stop = &generation.stop;
+    // A grammar that failed (an llguidance error) ends the sequence with the failure, and the
+    // token drawn is not part of the answer: the grammar could not vouch for it.
+    let error = generation.sampler.grammar_failure();
     let is_stop_token = stop.stop_token_ids.contains(&sampled.token)
         || (!stop.ignore_eos && tokenizer.eos_token_ids().contains(&sampled.token));
-    let (text, finish) = if is_stop_token {
+    let (text, finish) = if error.is_some() || is_stop_token {
         // Reported (it counts as generated) but not part of the text or the context.
-        (generation.text.finish(tokenizer)?, Some(FinishReason::Stop))
+        let reason = match error {
+            Some(_) => FinishReason::Error,
+            None => FinishReason::Stop,
+        };
+        (generation.text.finish(tokenizer)?, Some(reason))
     } else {
         let num_tokens = scheduler.append_token(id, sampled.token)?;
         let (mut text, hit_stop_string) = generation.text.push(tokenizer, sampled.token)?;
@@ -852,6 +861,7 @@ fn advance(
         token: sampled,
         text,
         finish,
+        error,
         speculation: generation.speculation,
     })
 }

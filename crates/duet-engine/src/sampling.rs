@@ -70,6 +70,11 @@ impl Sampler {
         self.grammar.as_ref().is_some_and(Grammar::is_complete)
     }
 
+    /// Why the grammar of a constrained request cannot go on, once it failed.
+    pub fn grammar_failure(&self) -> Option<String> {
+        self.grammar.as_ref().and_then(Grammar::failure)
+    }
+
     /// Records tokens generated elsewhere (a prefill worker's first token, tokens streamed before
     /// a failover) as if sampled here: penalties count them and the random stream advances past
     /// them, so the continuation is the one a single sampler would have produced.

@@ -5,7 +5,8 @@
 //! The tokenizer is handed to llguidance as a token trie of every id's bytes (special tokens
 //! marked as such, so text never matches them); the compiler is built once per model and shared
 //! by every request. A grammar that is complete ends its sequence (see [`Grammar::is_complete`]):
-//! no end-of-sequence token is needed.
+//! no end-of-sequence token is needed. One that fails part way (an llguidance error: a limit
+//! passed, a token it cannot take) ends it too, with the reason ([`Grammar::failure`]).
 
 use std::sync::Arc;
 
@@ -140,8 +141,9 @@ impl Grammar {
         }
     }
 
-    /// The tokens the grammar allows next. A grammar that failed (an internal error) allows only
-    /// the end-of-sequence token, which ends the sequence.
+    /// The tokens the grammar allows next. A grammar that failed allows only the end-of-sequence
+    /// token: something must be drawn, and the sequence ends with the failure (see
+    /// [`Self::failure`]).
     fn allowed(&mut self) -> SimpleVob {
         self.matcher.compute_mask_or_eos().unwrap_or_else(|_| {
             let mut only_eos = SimpleVob::alloc(self.eos as usize + 1);
@@ -180,14 +182,19 @@ impl Grammar {
     pub fn accept(&mut self, token: u32) {
         self.next_mask = None;
         if !self.matcher.is_stopped() {
-            // An error leaves the matcher failed: `mask` then ends the sequence.
+            // An error leaves the matcher failed: `failure` says why.
             let _ = self.matcher.consume_token(token);
         }
     }
 
     /// The text is a whole sentence of the grammar and nothing may follow it.
     pub fn is_complete(&self) -> bool {
-        self.matcher.is_stopped()
+        self.matcher.is_stopped() && !self.matcher.is_error()
+    }
+
+    /// Why the grammar cannot go on, once it failed (llguidance's message).
+    pub fn failure(&self) -> Option<String> {
+        self.matcher.get_error()
     }
 }
 
@@ -386,6 +393,29 @@ pub(crate) mod tests {
                 assert!(grammar.is_complete(), "{constraint:?} after {end}");
             }
         }
+    }
+
+    /// A grammar that fails part way (here a token it forbids, as a failover could replay) says
+    /// why, and is not complete: its sequence must not end as if the text were whole.
+    #[test]
+    fn a_grammar_that_fails_says_why_and_is_not_complete() {
+        let (compiler, _) = compiler();
+        let mut grammar = compiler
+            .compile(&Constraint::Regex("[0-9]+".into()))
+            .unwrap();
+        grammar.accept(3 + b'7' as u32);
+        assert_eq!(grammar.failure(), None);
+        grammar.accept(100); // "a"
+        let failure = grammar
+            .failure()
+            .expect("a forbidden token fails the grammar");
+        assert!(!failure.is_empty());
+        assert!(!grammar.is_complete());
+        // What is left to draw is an end of sequence, which ends it.
+        let mut logits = vec![0f32; 384];
+        grammar.mask(&mut logits);
+        let allowed: Vec<usize> = (0..384).filter(|&t| logits[t].is_finite()).collect();
+        assert_eq!(allowed, [2]);
     }
 
     /// Bad constraints are refused with the reason, before anything is generated.

@@ -255,6 +255,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` generated, or the context is full.
     Length,
+    /// The generation failed part way (a grammar that could not go on); the output says why.
+    Error,
 }
 
 impl FinishReason {
@@ -262,6 +264,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::Error => "error",
         }
     }
 }

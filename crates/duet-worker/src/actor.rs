@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use duet_engine::EngineError;
 use duet_engine::backend::KvLayout;
-use duet_engine::engine::{KvReservation, PlannedSeq, SeqId};
+use duet_engine::engine::{KvReservation, PlannedSeq, SeqId, StepOutput};
 use duet_model::params::Sampled;
 use duet_transfer::{KvSender, LayerSource, ReservationKey, TransferError};
 use tokio::sync::mpsc::UnboundedSender;
@@ -462,6 +462,7 @@ impl<E: ActorEngine> Actor<E> {
         );
         match added {
             Ok((seq, out)) => {
+                self.note_failure(id, &out);
                 let done = out.finish.is_some();
                 let delivered = request.events.send(Event::Output(out)).is_ok();
                 if done || !delivered {
@@ -572,6 +573,7 @@ impl<E: ActorEngine> Actor<E> {
             let Some(a) = self.admitted.get(&out.seq) else {
                 continue;
             };
+            self.note_failure(a.id, &out);
             // A prefill request ends with its first token; others at their finish, or when
             // their caller has gone.
             if out.finish.is_some() || a.shipping.is_some() || a.events.is_closed() {
@@ -595,6 +597,19 @@ impl<E: ActorEngine> Actor<E> {
                     let _ = a.events.send(Event::Output(out));
                 }
             }
+        }
+    }
+
+    /// A request whose generation failed part way (its grammar could not go on) ends with
+    /// finish_reason error and the reason: counted and logged here.
+    fn note_failure(&self, id: RequestId, out: &StepOutput) {
+        if let Some(error) = out.error.as_deref() {
+            Counters::add(&self.counters.grammar_failures, 1);
+            tracing::warn!(
+                request = id,
+                error,
+                "the request's grammar failed part way; it ends with finish_reason error"
+            );
         }
     }
 

@@ -147,6 +147,11 @@ const READS: &[Read] = &[
         |_, c| load(&c.prefix_hit_tokens),
     ),
     counter(
+        "duet_grammar_failures_total",
+        "Requests whose grammar failed part way (an llguidance error), ended with finish_reason error.",
+        |_, c| load(&c.grammar_failures),
+    ),
+    counter(
         "duet_num_preemptions_total",
         "Sequences preempted (their KV given up and recomputed later).",
         |s, _| s.preemptions as f64,

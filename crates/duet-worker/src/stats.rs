@@ -44,6 +44,8 @@ pub struct Counters {
     pub requests_served: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub prefix_hit_tokens: AtomicU64,
+    /// Requests whose grammar failed part way (ended with finish_reason error).
+    pub grammar_failures: AtomicU64,
     /// Tokens computed by each engine step.
     pub step_tokens: Histogram,
     /// Wall time of each engine step.
@@ -141,6 +143,7 @@ impl Default for Counters {
             requests_served: AtomicU64::default(),
             prompt_tokens: AtomicU64::default(),
             prefix_hit_tokens: AtomicU64::default(),
+            grammar_failures: AtomicU64::default(),
             step_tokens: histogram(
                 "duet_iteration_tokens_total",
                 "Tokens computed by one engine step (prompt and decode tokens).",

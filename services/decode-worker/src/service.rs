@@ -191,6 +191,7 @@ impl Responses {
         };
         if let Some(reason) = out.finish {
             msg.finish_reason = v1::FinishReason::from(reason) as i32;
+            msg.error = out.error.unwrap_or_default();
             msg.usage = Some(v1::Usage {
                 prompt_tokens: self.prompt_tokens,
                 completion_tokens: self.completion_tokens + self.already_generated,

@@ -236,6 +236,13 @@ impl Inner {
                     Some(Event::Output(out)) => {
                         drop(queue_span.take());
                         cancel.disarm(); // answered: the engine has dropped the sequence
+                        // The decode worker then prefills here itself, and ends the request
+                        // with the failure.
+                        if let Some(error) = out.error {
+                            return Err(WorkerError::Internal(format!(
+                                "the request's grammar failed at its first token: {error}"
+                            )));
+                        }
                         let now = Instant::now();
                         let started = scheduled.unwrap_or(now);
                         prefilled = Some(Prefilled {

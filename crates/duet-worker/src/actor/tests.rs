@@ -109,6 +109,7 @@ impl ScriptedEngine {
             },
             text: String::new(),
             finish: s.finished.then_some(FinishReason::Length),
+            error: None,
             speculation: Default::default(),
         }
     }
