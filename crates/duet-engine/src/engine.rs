@@ -275,8 +275,7 @@ impl<B: Backend> Engine<B> {
                     )));
                 };
                 let draft_files = duet_model::model_files::open_model(path)?;
-                let draft =
-                    DraftModel::load(draft_backend, &draft_files, &files.tokenizer, &options)?;
+                let draft = DraftModel::load(draft_backend, &draft_files, &files, &options)?;
                 Some(Proposer::Draft(Box::new(draft)))
             }
         };
@@ -297,6 +296,7 @@ impl<B: Backend> Engine<B> {
                 kv_cache,
                 options.max_step_tokens,
                 options.speculative_max_step_rows,
+                files.config.vocab_size,
             ),
             seqs: BTreeMap::new(),
             tokenizer: files.tokenizer,
@@ -753,6 +753,12 @@ impl<B: Backend> Engine<B> {
     /// Sequences preempted (and recomputed) since the engine started.
     pub fn preemptions(&self) -> u64 {
         self.scheduler.preemptions()
+    }
+
+    /// Drafts cut before a token outside the model's vocabulary since the engine started (see
+    /// [`Scheduler::plan_step`]).
+    pub fn out_of_vocab_drafts(&self) -> u64 {
+        self.scheduler.out_of_vocab_drafts()
     }
 }
 

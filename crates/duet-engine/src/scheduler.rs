@@ -51,25 +51,31 @@ pub struct Scheduler {
     max_step_tokens: usize,
     /// Rows (decoding tokens and drafts) a step may reach by drafting.
     max_draft_step_rows: usize,
+    /// The model's logits: every token id a step computes is below it.
+    vocab_size: usize,
     /// By id, which is admission order: oldest first.
     seqs: BTreeMap<SeqId, ScheduledSeq>,
     preemptions: u64,
+    out_of_vocab_drafts: u64,
 }
 
 impl Scheduler {
-    /// Drafts fill a step only up to `max_draft_step_rows` rows in all (see
-    /// [`plan_step`](Self::plan_step)).
+    /// Drafts fill a step only up to `max_draft_step_rows` rows in all, and never name a token
+    /// id of `vocab_size` or more (see [`plan_step`](Self::plan_step)).
     pub fn new(
         kv_cache: KvCacheManager,
         max_step_tokens: usize,
         max_draft_step_rows: usize,
+        vocab_size: usize,
     ) -> Self {
         Self {
             kv_cache,
             max_step_tokens,
             max_draft_step_rows,
+            vocab_size,
             seqs: BTreeMap::new(),
             preemptions: 0,
+            out_of_vocab_drafts: 0,
         }
     }
 
@@ -140,6 +146,11 @@ impl Scheduler {
         self.preemptions
     }
 
+    /// Drafts cut before a token outside the model's vocabulary since the scheduler started.
+    pub fn out_of_vocab_drafts(&self) -> u64 {
+        self.out_of_vocab_drafts
+    }
+
     /// Chooses the sequences and token counts of the next step and gives them their blocks:
     /// decoding sequences first (oldest first), then prompt chunks (oldest first), within the
     /// step token budget. When the cache cannot hold a decoding sequence's next token, the newest
@@ -152,6 +163,9 @@ impl Scheduler {
     /// tokens and drafts in all (a large batch's step is already compute-bound, and rows drafted
     /// there cost as much as the tokens they may save), and only free blocks, never evicting a
     /// cached prefix block: a draft never preempts or holds back anyone, it is cut or dropped.
+    /// A draft is also cut before its first token outside the model's vocabulary (counted in
+    /// [`out_of_vocab_drafts`](Self::out_of_vocab_drafts)): no proposer's bad id can fail the
+    /// step, and with it every sequence in it.
     pub fn plan_step(
         &mut self,
         propose: &mut dyn FnMut(SeqId, &[u32]) -> Vec<u32>,
@@ -241,6 +255,10 @@ impl Scheduler {
             }
             let p = &mut plan[i];
             let mut draft = propose(p.seq, &self.seqs[&p.seq].tokens);
+            if let Some(bad) = draft.iter().position(|&t| t as usize >= self.vocab_size) {
+                draft.truncate(bad);
+                self.out_of_vocab_drafts += 1;
+            }
             draft.truncate(budget);
             if draft.is_empty() {
                 continue;
@@ -346,11 +364,15 @@ mod tests {
 
     const BLOCK_SIZE: usize = 4;
 
+    /// Token ids of the tests' model are below this.
+    const VOCAB_SIZE: usize = 1000;
+
     fn scheduler(num_blocks: usize, max_step_tokens: usize) -> Scheduler {
         Scheduler::new(
             KvCacheManager::new(num_blocks, BLOCK_SIZE, "model"),
             max_step_tokens,
             usize::MAX,
+            VOCAB_SIZE,
         )
     }
 
@@ -559,7 +581,12 @@ mod tests {
 
     #[test]
     fn drafts_fill_a_step_up_to_the_draft_row_limit_only() {
-        let mut s = Scheduler::new(KvCacheManager::new(32, BLOCK_SIZE, "model"), 64, 5);
+        let mut s = Scheduler::new(
+            KvCacheManager::new(32, BLOCK_SIZE, "model"),
+            64,
+            5,
+            VOCAB_SIZE,
+        );
         for id in 0..3 {
             s.add_sequence(id, tokens(10 * id as u32, 3), "").unwrap();
         }
@@ -635,6 +662,25 @@ mod tests {
             "{events:?}"
         );
         assert_eq!(s.kv_cache().pool().stats().cached, 1);
+    }
+
+    /// A proposer's id outside the vocabulary (a draft model with padding rows) would fail the
+    /// whole step: the draft is cut before it and counted, and the step goes on.
+    #[test]
+    fn a_draft_is_cut_before_a_token_outside_the_vocabulary() {
+        let mut s = scheduler(32, 64);
+        s.add_sequence(0, tokens(0, 3), "").unwrap();
+        s.add_sequence(1, tokens(10, 3), "").unwrap();
+        step(&mut s);
+        let bad = VOCAB_SIZE as u32;
+        let mut propose = |seq: SeqId, _: &[u32]| match seq {
+            0 => vec![7, 8, bad, 9],
+            _ => vec![bad, 5],
+        };
+        let plan = s.plan_step(&mut propose).unwrap();
+        assert_eq!(shape_with_drafts(&plan), [(0, 3, 1, 2), (1, 3, 1, 0)]);
+        assert_eq!(plan[0].draft, [7, 8]);
+        assert_eq!(s.out_of_vocab_drafts(), 2);
     }
 
     #[test]

@@ -423,7 +423,7 @@ fn a_draft_model_proposes_its_greedy_continuation_and_rolls_back_rejected_tokens
     let mut draft = DraftModel::load(
         CpuBackend::new(2),
         &files,
-        &files.tokenizer,
+        &files,
         &options(SpeculativeMode::Off),
     )
     .unwrap();
@@ -501,4 +501,72 @@ fn a_draft_model_of_another_vocabulary_or_a_missing_file_is_refused_at_load() {
         std::slice::from_ref(&request),
     );
     assert_eq!(run_all(&mut engine, &[request]).0[0].tokens, want[0].tokens);
+}
+
+/// Copies the safetensors file `src` to `dst` with the embedding and output matrices padded with
+/// zero rows to `rows` (as models padded for their kernels ship them).
+fn pad_vocabulary_rows(src: &std::path::Path, dst: &std::path::Path, rows: usize) {
+    let bytes = std::fs::read(src).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    let offset = |v: &serde_json::Value, i: usize| v["data_offsets"][i].as_u64().unwrap() as usize;
+    let mut tensors: Vec<(String, serde_json::Value)> = header
+        .into_iter()
+        .filter(|(name, _)| name != "__metadata__")
+        .collect();
+    tensors.sort_by_key(|(_, v)| offset(v, 0));
+    let (mut out_header, mut out_data) = (serde_json::Map::new(), Vec::new());
+    for (name, mut v) in tensors {
+        let start = out_data.len();
+        out_data.extend_from_slice(&data[offset(&v, 0)..offset(&v, 1)]);
+        if name == "lm_head.weight" || name == "model.embed_tokens.weight" {
+            let (had, cols) = (
+                v["shape"][0].as_u64().unwrap(),
+                v["shape"][1].as_u64().unwrap(),
+            );
+            out_data.resize(
+                out_data.len() + (rows - had as usize) * cols as usize * 4,
+                0,
+            );
+            v["shape"][0] = rows.into();
+        }
+        v["data_offsets"] = serde_json::json!([start, out_data.len()]);
+        out_header.insert(name, v);
+    }
+    let header = serde_json::to_vec(&out_header).unwrap();
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header);
+    file.extend(out_data);
+    std::fs::write(dst, file).unwrap();
+}
+
+/// A draft model of the target's tokenizer whose logits are padded past it could propose ids
+/// the target has no row for: it is refused at load, naming both sizes.
+#[test]
+fn a_draft_model_with_more_logits_than_the_target_is_refused_at_load() {
+    let padded = tempfile::tempdir().unwrap();
+    let tiny = fixtures().join("tiny-llama");
+    std::fs::copy(
+        tiny.join("tokenizer.json"),
+        padded.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny.join("config.json")).unwrap()).unwrap();
+    config["vocab_size"] = 400.into();
+    std::fs::write(padded.path().join("config.json"), config.to_string()).unwrap();
+    pad_vocabulary_rows(
+        &tiny.join("model.safetensors"),
+        &padded.path().join("model.safetensors"),
+        400,
+    );
+    // The padded copy is a model of its own that loads.
+    duet_cpu::load_engine(padded.path(), options(SpeculativeMode::Off)).unwrap();
+    let err = duet_cpu::load_engine(&tiny, options(SpeculativeMode::Draft(padded.path().into())))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("vocab_size 400, the target's 384"), "{err}");
 }

@@ -164,6 +164,7 @@ impl<E: ActorEngine> Actor<E> {
             reservations: 0,
             prefill_tokens_per_s: 0.0,
             preemptions: 0,
+            out_of_vocab_drafts: 0,
             speculation: Default::default(),
         }));
         engine.record_kv_events();
@@ -645,6 +646,7 @@ impl<E: ActorEngine> Actor<E> {
             reservations: self.reservations.len(),
             prefill_tokens_per_s: self.prefill_rate.tokens_per_s(),
             preemptions: self.engine.preemptions(),
+            out_of_vocab_drafts: self.engine.out_of_vocab_drafts(),
             speculation: self.engine.speculation_totals(),
         });
     }

@@ -49,6 +49,7 @@ pub trait ActorEngine {
     fn take_kv_events(&mut self) -> (Vec<KvEvent>, KvDigest);
     fn has_work(&self) -> bool;
     fn preemptions(&self) -> u64;
+    fn out_of_vocab_drafts(&self) -> u64;
     fn speculation_totals(&self) -> Speculation;
     fn resume_sequence(
         &mut self,
@@ -101,6 +102,10 @@ impl<B: Backend + 'static> ActorEngine for Engine<B> {
 
     fn preemptions(&self) -> u64 {
         Engine::preemptions(self)
+    }
+
+    fn out_of_vocab_drafts(&self) -> u64 {
+        Engine::out_of_vocab_drafts(self)
     }
 
     fn speculation_totals(&self) -> Speculation {

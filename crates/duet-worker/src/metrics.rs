@@ -167,6 +167,11 @@ const READS: &[Read] = &[
         |s, _| s.speculation.draft_tokens as f64,
     ),
     counter(
+        "duet_spec_decode_out_of_vocab_drafts_total",
+        "Drafts cut before a token outside the model's vocabulary (a draft model with other logits): never computed.",
+        |s, _| s.out_of_vocab_drafts as f64,
+    ),
+    counter(
         "duet_spec_decode_num_accepted_tokens_total",
         "Drafted tokens accepted: the model sampled them too (acceptance rate = this / drafted).",
         |s, _| s.speculation.accepted_draft_tokens as f64,
@@ -343,6 +348,7 @@ mod tests {
             running: 3,
             reservations: 1,
             preemptions: 7,
+            out_of_vocab_drafts: 3,
             prefill_tokens_per_s: 1500.0,
             speculation: Speculation {
                 steps: 40,
@@ -391,6 +397,7 @@ mod tests {
         assert_eq!(counter("duet_spec_decode_sequence_steps_total"), 40.0);
         assert_eq!(counter("duet_spec_decode_num_draft_tokens_total"), 30.0);
         assert_eq!(counter("duet_spec_decode_num_accepted_tokens_total"), 20.0);
+        assert_eq!(counter("duet_spec_decode_out_of_vocab_drafts_total"), 3.0);
         let bytes = find(&families, "duet_kv_transfer_bytes_total");
         assert_eq!(bytes.get_counter().get_value(), 4096.0);
         assert_eq!(label(bytes, "transport").as_deref(), Some("grpc"));

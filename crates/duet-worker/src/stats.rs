@@ -28,6 +28,8 @@ pub struct Snapshot {
     pub reservations: usize,
     /// Sequences preempted (their KV given up, recomputed later) since the engine started.
     pub preemptions: u64,
+    /// Drafts cut before a token outside the model's vocabulary since the engine started.
+    pub out_of_vocab_drafts: u64,
     /// Speculative decoding since the engine started: sequence-steps, drafted and accepted
     /// tokens.
     pub speculation: Speculation,

@@ -170,6 +170,10 @@ impl ActorEngine for ScriptedEngine {
         0
     }
 
+    fn out_of_vocab_drafts(&self) -> u64 {
+        0
+    }
+
     fn speculation_totals(&self) -> Speculation {
         Speculation::default()
     }
