@@ -120,7 +120,7 @@ fn kv_moved_between_engines_continues_exactly_with(kv: KvDtypeChoice) {
             }
         }
         let (id, out) = decode
-            .add_prefilled(p.clone(), r, first, params.clone(), stop(10))
+            .add_prefilled(p.clone(), r, first, params.clone(), None, stop(10))
             .unwrap();
         assert_eq!(out.token.token, want[0]);
         let got = finish_all(&mut decode, &[id], &[p.len()]).remove(0);
@@ -162,6 +162,7 @@ fn prefix_cache_is_shared_only_within_one_cache_salt() {
                 Resumed::default(),
                 salt,
                 SamplingParams::greedy(),
+                None,
                 stop(2),
             )
             .unwrap();
@@ -297,7 +298,7 @@ fn a_resumed_request_continues_without_repeats() {
             sent_text_bytes: sent,
         };
         let id = other
-            .resume_sequence(tokens, resumed, "", params.clone(), stop(14))
+            .resume_sequence(tokens, resumed, "", params.clone(), None, stop(14))
             .unwrap();
         let mut rest = Vec::new();
         while other.has_work() {
@@ -405,7 +406,7 @@ fn a_grammar_that_fails_part_way_ends_its_request_with_the_error() {
         sent_text_bytes: 3,
     };
     let failing = e
-        .resume_sequence(tokens, resumed, "", params.clone(), stop(20))
+        .resume_sequence(tokens, resumed, "", params.clone(), None, stop(20))
         .unwrap();
     let other = e.add_sequence(prompt(4, 7), params, stop(20)).unwrap();
     let mut ends = std::collections::HashMap::new();

@@ -159,6 +159,10 @@ impl Constraint {
     }
 }
 
+/// The longest constraint the router and the workers take by default, in bytes
+/// (`--max-constraint-bytes`).
+pub const DEFAULT_MAX_CONSTRAINT_BYTES: usize = 64 * 1024;
+
 /// Longest `cache_salt` a request may carry, in bytes.
 pub const MAX_CACHE_SALT_BYTES: usize = 256;
 

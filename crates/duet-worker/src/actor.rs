@@ -286,18 +286,21 @@ impl<E: ActorEngine> Actor<E> {
             return;
         }
         self.release_reservation(r.id);
-        let seq =
-            match self
-                .engine
-                .resume_sequence(r.prompt, r.resumed, &r.cache_salt, r.params, r.stop)
-            {
-                Ok(seq) => seq,
-                Err(e) => {
-                    self.counters.unqueue(n);
-                    let _ = r.events.send(Event::Failed(e.into()));
-                    return;
-                }
-            };
+        let seq = match self.engine.resume_sequence(
+            r.prompt,
+            r.resumed,
+            &r.cache_salt,
+            r.params,
+            r.grammar,
+            r.stop,
+        ) {
+            Ok(seq) => seq,
+            Err(e) => {
+                self.counters.unqueue(n);
+                let _ = r.events.send(Event::Failed(e.into()));
+                return;
+            }
+        };
         let cached = self.engine.cached_prompt_tokens(seq).unwrap_or(0);
         self.counters.unqueue(cached);
         let _ = r.events.send(Event::Admitted {
@@ -459,6 +462,7 @@ impl<E: ActorEngine> Actor<E> {
             reserved.kv,
             first,
             request.params,
+            request.grammar,
             request.stop,
         );
         match added {

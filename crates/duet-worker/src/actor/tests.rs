@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use duet_engine::backend::KvDtype;
 use duet_engine::engine::{Resumed, Speculation, StepOutput};
 use duet_kv::{KvDigest, KvEvent, PoolStats};
+use duet_model::grammar::Grammar;
 use duet_model::params::{FinishReason, SamplingParams, StopCriteria};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
@@ -184,6 +185,7 @@ impl ActorEngine for ScriptedEngine {
         _: Resumed,
         _: &str,
         _: SamplingParams,
+        _: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<SeqId, EngineError> {
         let cached = self.cached;
@@ -224,6 +226,7 @@ impl ActorEngine for ScriptedEngine {
         reservation: KvReservation,
         _: Sampled,
         _: SamplingParams,
+        _: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<(SeqId, StepOutput), EngineError> {
         self.release(reservation)?;
@@ -319,6 +322,7 @@ fn request(
         resumed: Resumed::default(),
         cache_salt: String::new(),
         params: SamplingParams::default(),
+        grammar: None,
         stop: StopCriteria {
             max_tokens,
             ..StopCriteria::default()
