@@ -41,14 +41,22 @@ struct DraftCache {
 
 impl<B: Backend> DraftModel<B> {
     /// Loads the draft model of `files` on `backend`, with a KV store as large as the target's
-    /// (`options`). Its tokenizer must be the target's, token for token.
+    /// (`options`). Its vocabulary must be the target's (`target`): as many logits (padding rows
+    /// included: a draft with more could propose ids the target lacks), and the same tokenizer,
+    /// token for token.
     pub fn load(
         backend: B,
         files: &ModelFiles,
-        target_tokenizer: &Tokenizer,
+        target: &ModelFiles,
         options: &EngineOptions,
     ) -> Result<Self, EngineError> {
-        if let Some(difference) = vocabulary_difference(target_tokenizer, &files.tokenizer) {
+        let (logits, target_logits) = (files.config.vocab_size, target.config.vocab_size);
+        if logits != target_logits {
+            return Err(EngineError::Config(format!(
+                "the draft model's config has vocab_size {logits}, the target's {target_logits}; a draft model must share the target's vocabulary, its logits (padding rows included) as well as its tokenizer"
+            )));
+        }
+        if let Some(difference) = vocabulary_difference(&target.tokenizer, &files.tokenizer) {
             return Err(EngineError::Config(format!(
                 "the draft model's tokenizer is not the target's ({difference}); a draft model must share the target's vocabulary"
             )));

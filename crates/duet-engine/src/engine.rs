@@ -16,6 +16,7 @@ use crate::backend::{Backend, CpuKernels, KvDtype, KvDtypeChoice, KvLayout};
 use crate::device::Device;
 use crate::draft_model::DraftModel;
 use crate::generation::TextStream;
+use crate::grammars::Grammars;
 use crate::llama::Llama;
 use crate::model_runner::{ModelRunner, release_freed_heap};
 use crate::sampling::Sampler;
@@ -23,7 +24,7 @@ use crate::scheduler::Scheduler;
 use crate::speculator::{DraftLength, NgramSpeculator, SpeculativeMode};
 use duet_model::chat::{ChatMessage, ChatTemplate};
 use duet_model::config::ModelConfig;
-use duet_model::grammar::GrammarCompiler;
+use duet_model::grammar::Grammar;
 use duet_model::model_files::ModelFiles;
 use duet_model::params::{FinishReason, PromptLimits, Sampled, SamplingParams, StopCriteria};
 use duet_model::tokenizer::Tokenizer;
@@ -203,6 +204,8 @@ pub struct StepOutput {
     /// Newly final text.
     pub text: String,
     pub finish: Option<FinishReason>,
+    /// What failed, when `finish` is [`FinishReason::Error`].
+    pub error: Option<String>,
     /// The sequence's speculation so far on this engine (its steps, drafted and accepted
     /// tokens), up to and including the step of this output.
     pub speculation: Speculation,
@@ -217,8 +220,8 @@ pub struct Engine<B: Backend> {
     options: EngineOptions,
     fingerprint: String,
     next_id: SeqId,
-    /// Built on the first constrained request (a token trie over the vocabulary).
-    grammars: Option<GrammarCompiler>,
+    /// Compiles the constraints of requests admitted without their grammar.
+    grammars: Grammars,
     /// The draft proposer when speculating.
     speculator: Option<Proposer<B>>,
     /// Over every sequence since the engine started.
@@ -273,8 +276,7 @@ impl<B: Backend> Engine<B> {
                     )));
                 };
                 let draft_files = duet_model::model_files::open_model(path)?;
-                let draft =
-                    DraftModel::load(draft_backend, &draft_files, &files.tokenizer, &options)?;
+                let draft = DraftModel::load(draft_backend, &draft_files, &files, &options)?;
                 Some(Proposer::Draft(Box::new(draft)))
             }
         };
@@ -289,20 +291,23 @@ impl<B: Backend> Engine<B> {
             options.block_size,
         );
         let kv_cache = KvCacheManager::new(num_blocks, options.block_size, &fingerprint);
+        let (tokenizer, vocab_size) = (files.tokenizer, files.config.vocab_size);
+        let grammars = Grammars::new(tokenizer.clone(), vocab_size);
         let engine = Self {
             runner,
             scheduler: Scheduler::new(
                 kv_cache,
                 options.max_step_tokens,
                 options.speculative_max_step_rows,
+                vocab_size,
             ),
             seqs: BTreeMap::new(),
-            tokenizer: files.tokenizer,
+            tokenizer,
             chat: files.chat_template,
             options,
             fingerprint,
             next_id: 0,
-            grammars: None,
+            grammars,
             speculator,
             speculation_totals: Speculation::default(),
             overlap_grammar_masks,
@@ -381,14 +386,20 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Validates a request against the model and admits it, reusing cached prefix blocks of the
-    /// shared namespace (no cache salt).
+    /// shared namespace (no cache salt); its constraint, if any, is compiled here.
     pub fn add_sequence(
         &mut self,
         prompt: Vec<u32>,
         params: SamplingParams,
         stop: StopCriteria,
     ) -> Result<SeqId, EngineError> {
-        self.resume_sequence(prompt, Resumed::default(), "", params, stop)
+        self.resume_sequence(prompt, Resumed::default(), "", params, None, stop)
+    }
+
+    /// The compiler of requests' constraints, to compile them off the engine's thread (see
+    /// [`resume_sequence`](Self::resume_sequence)).
+    pub fn grammars(&self) -> &Grammars {
+        &self.grammars
     }
 
     /// The seed of the prefix hashes of requests with this cache salt: requests share cached
@@ -400,12 +411,16 @@ impl<B: Backend> Engine<B> {
     /// Admits a request that another worker started: the last `resumed.generated` of `tokens`
     /// were already generated (they count towards `max_tokens` and the penalties, and are not
     /// reported again) and `resumed.sent_text_bytes` of their text already reached the client.
+    /// `grammar` is `params.constraint` compiled ahead by [`grammars`](Self::grammars) (a worker
+    /// compiles on other threads: a compile here would stall every running sequence); `None`
+    /// compiles it here.
     pub fn resume_sequence(
         &mut self,
         tokens: Vec<u32>,
         resumed: Resumed,
         cache_salt: &str,
         params: SamplingParams,
+        grammar: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<SeqId, EngineError> {
         params.validate()?;
@@ -427,7 +442,7 @@ impl<B: Backend> Engine<B> {
         let prompt_len = tokens.len() - resumed.generated;
         let id = self.next_id;
         self.next_id += 1;
-        let mut sampler = self.sampler(params, &tokens[..prompt_len])?;
+        let mut sampler = self.sampler(params, grammar, &tokens[..prompt_len])?;
         sampler.record(&tokens[prompt_len..]);
         let text = TextStream::resumed(
             &self.tokenizer,
@@ -451,20 +466,24 @@ impl<B: Backend> Engine<B> {
         Ok(id)
     }
 
-    /// A request's sampler; a constrained one starts at the beginning of its grammar.
-    fn sampler(&mut self, params: SamplingParams, prompt: &[u32]) -> Result<Sampler, EngineError> {
-        let Some(constraint) = params.constraint.clone() else {
-            return Ok(Sampler::new(params, prompt));
+    /// A request's sampler; a constrained one starts at the beginning of its grammar (`grammar`,
+    /// or `params.constraint` compiled here).
+    fn sampler(
+        &self,
+        params: SamplingParams,
+        grammar: Option<Grammar>,
+        prompt: &[u32],
+    ) -> Result<Sampler, EngineError> {
+        let grammar = match (grammar, &params.constraint) {
+            (Some(grammar), _) => Some(grammar),
+            (None, Some(constraint)) => Some(self.grammars.compile(constraint)?),
+            (None, None) => None,
         };
-        let compiler = match &mut self.grammars {
-            Some(c) => c,
-            slot => slot.insert(GrammarCompiler::new(
-                &self.tokenizer,
-                self.runner.model().config().vocab_size,
-            )?),
-        };
-        let grammar = compiler.compile(&constraint)?;
-        Ok(Sampler::new(params, prompt).with_grammar(grammar))
+        let sampler = Sampler::new(params, prompt);
+        Ok(match grammar {
+            Some(grammar) => sampler.with_grammar(grammar),
+            None => sampler,
+        })
     }
 
     /// A new sequence's draft length: none unless the engine speculates and the request allows.
@@ -503,13 +522,15 @@ impl<B: Backend> Engine<B> {
 
     /// Starts generating for a prompt whose KV was written into `reservation` by a prefill
     /// worker, which also sampled `first`. Returns the sequence and the output for `first`
-    /// (which may already finish it).
+    /// (which may already finish it). `grammar` is as for
+    /// [`resume_sequence`](Self::resume_sequence).
     pub fn add_prefilled(
         &mut self,
         prompt: Vec<u32>,
         reservation: KvReservation,
         first: Sampled,
         params: SamplingParams,
+        grammar: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<(SeqId, StepOutput), EngineError> {
         let checked = params
@@ -527,7 +548,7 @@ impl<B: Backend> Engine<B> {
                 "the reservation was made for another prompt".into(),
             ));
         }
-        let mut sampler = match self.sampler(params, &prompt) {
+        let mut sampler = match self.sampler(params, grammar, &prompt) {
             Ok(s) => s,
             Err(e) => {
                 self.release(reservation)?;
@@ -752,6 +773,12 @@ impl<B: Backend> Engine<B> {
     pub fn preemptions(&self) -> u64 {
         self.scheduler.preemptions()
     }
+
+    /// Drafts cut before a token outside the model's vocabulary since the engine started (see
+    /// [`Scheduler::plan_step`]).
+    pub fn out_of_vocab_drafts(&self) -> u64 {
+        self.scheduler.out_of_vocab_drafts()
+    }
 }
 
 /// Where a resumed request stands (see [`Engine::resume_sequence`]).
@@ -820,11 +847,18 @@ fn advance(
     max_positions: usize,
 ) -> Result<StepOutput, EngineError> {
     let stop = &generation.stop;
+    // A grammar that failed (an llguidance error) ends the sequence with the failure, and the
+    // token drawn is not part of the answer: the grammar could not vouch for it.
+    let error = generation.sampler.grammar_failure();
     let is_stop_token = stop.stop_token_ids.contains(&sampled.token)
         || (!stop.ignore_eos && tokenizer.eos_token_ids().contains(&sampled.token));
-    let (text, finish) = if is_stop_token {
+    let (text, finish) = if error.is_some() || is_stop_token {
         // Reported (it counts as generated) but not part of the text or the context.
-        (generation.text.finish(tokenizer)?, Some(FinishReason::Stop))
+        let reason = match error {
+            Some(_) => FinishReason::Error,
+            None => FinishReason::Stop,
+        };
+        (generation.text.finish(tokenizer)?, Some(reason))
     } else {
         let num_tokens = scheduler.append_token(id, sampled.token)?;
         let (mut text, hit_stop_string) = generation.text.push(tokenizer, sampled.token)?;
@@ -852,6 +886,7 @@ fn advance(
         token: sampled,
         text,
         finish,
+        error,
         speculation: generation.speculation,
     })
 }

@@ -70,6 +70,11 @@ impl Sampler {
         self.grammar.as_ref().is_some_and(Grammar::is_complete)
     }
 
+    /// Why the grammar of a constrained request cannot go on, once it failed.
+    pub fn grammar_failure(&self) -> Option<String> {
+        self.grammar.as_ref().and_then(Grammar::failure)
+    }
+
     /// Records tokens generated elsewhere (a prefill worker's first token, tokens streamed before
     /// a failover) as if sampled here: penalties count them and the random stream advances past
     /// them, so the continuation is the one a single sampler would have produced.
@@ -234,11 +239,13 @@ fn log_sum_exp(logits: &[f32]) -> f32 {
         .ln() as f32
 }
 
-/// The `n` largest logits, largest first.
+/// The `n` largest logits, largest first; never a token that cannot be drawn (−∞: one a
+/// grammar forbids), so there are fewer where fewer are allowed.
 fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
     let mut v: Vec<(u32, f32)> = logits
         .iter()
         .enumerate()
+        .filter(|&(_, &l)| l != f32::NEG_INFINITY)
         .map(|(i, &l)| (i as u32, l))
         .collect();
     let n = n.min(v.len());
@@ -547,20 +554,61 @@ mod tests {
         assert!(SamplingParams::default().validate().is_ok());
     }
 
+    /// The tiny fixture's tokenizer (384 ids, `</s>` = 2 ends a sequence) and its grammar
+    /// compiler.
+    fn tiny_grammars() -> (
+        duet_model::tokenizer::Tokenizer,
+        duet_model::grammar::GrammarCompiler,
+    ) {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tiny-llama/tokenizer.json");
+        let tokenizer = duet_model::tokenizer::Tokenizer::from_hf_file(&path)
+            .unwrap()
+            .with_special_ids(Some(1), &[2]);
+        let compiler = duet_model::grammar::GrammarCompiler::new(&tokenizer, 384).unwrap();
+        (tokenizer, compiler)
+    }
+
+    /// Under a grammar, `top_logprobs` lists only tokens the grammar allows (fewer than asked
+    /// where fewer are allowed), never a masked one at −∞.
+    #[test]
+    fn top_logprobs_under_a_grammar_list_only_allowed_tokens() {
+        use duet_model::params::Constraint;
+        let (_, compiler) = tiny_grammars();
+        let constraint = Constraint::Regex("a|b".into());
+        let allowed: Vec<u32> = {
+            let mut logits = vec![0f32; 384];
+            compiler.compile(&constraint).unwrap().mask(&mut logits);
+            (0..384u32)
+                .filter(|&t| logits[t as usize].is_finite())
+                .collect()
+        };
+        assert!(
+            (1..5).contains(&allowed.len()),
+            "the test needs fewer allowed tokens than asked for: {allowed:?}"
+        );
+        let params = SamplingParams {
+            logprobs: 5,
+            constraint: Some(constraint.clone()),
+            ..SamplingParams::greedy()
+        };
+        let mut sampler =
+            Sampler::new(params, &[]).with_grammar(compiler.compile(&constraint).unwrap());
+        let mut logits = duet_model::synthetic::Uniform::new(4).values(384);
+        let out = sampler.sample(&mut logits).logprobs.unwrap();
+        let mut listed: Vec<u32> = out.top.iter().map(|t| t.0).collect();
+        listed.sort_unstable();
+        assert_eq!(listed, allowed);
+        assert!(out.top.iter().all(|t| t.1.is_finite()), "{:?}", out.top);
+    }
+
     /// A constrained sampler draws only what its grammar allows, at any temperature, and says
     /// when the grammar is complete; a sampler that records the first tokens (a failover's
     /// replay) draws the rest exactly as the original did, grammar and random stream alike.
     #[test]
     fn a_grammar_holds_every_draw_and_a_replay_continues_it() {
-        use duet_model::grammar::GrammarCompiler;
         use duet_model::params::Constraint;
-        use duet_model::tokenizer::Tokenizer;
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/tiny-llama/tokenizer.json");
-        let tokenizer = Tokenizer::from_hf_file(&path)
-            .unwrap()
-            .with_special_ids(Some(1), &[2]);
-        let compiler = GrammarCompiler::new(&tokenizer, 384).unwrap();
+        let (tokenizer, compiler) = tiny_grammars();
         let constraint = Constraint::Regex("(ab|cd){3}".into());
         let params = SamplingParams {
             temperature: 1.5,

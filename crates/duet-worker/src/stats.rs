@@ -28,6 +28,8 @@ pub struct Snapshot {
     pub reservations: usize,
     /// Sequences preempted (their KV given up, recomputed later) since the engine started.
     pub preemptions: u64,
+    /// Drafts cut before a token outside the model's vocabulary since the engine started.
+    pub out_of_vocab_drafts: u64,
     /// Speculative decoding since the engine started: sequence-steps, drafted and accepted
     /// tokens.
     pub speculation: Speculation,
@@ -44,6 +46,8 @@ pub struct Counters {
     pub requests_served: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub prefix_hit_tokens: AtomicU64,
+    /// Requests whose grammar failed part way (ended with finish_reason error).
+    pub grammar_failures: AtomicU64,
     /// Tokens computed by each engine step.
     pub step_tokens: Histogram,
     /// Wall time of each engine step.
@@ -141,6 +145,7 @@ impl Default for Counters {
             requests_served: AtomicU64::default(),
             prompt_tokens: AtomicU64::default(),
             prefix_hit_tokens: AtomicU64::default(),
+            grammar_failures: AtomicU64::default(),
             step_tokens: histogram(
                 "duet_iteration_tokens_total",
                 "Tokens computed by one engine step (prompt and decode tokens).",

@@ -56,6 +56,8 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
         let state = self.state.clone();
         let engine = &state.engine;
         let (params, stop) = check(&req, engine.info())?;
+        // Off the engine thread, before the request is anywhere near it.
+        let grammar = engine.compile(&params).await?;
         let id = engine.next_id();
         // Frees whatever the request holds on the engine thread once its stream goes away
         // (finished, failed, or dropped by a cancelling client).
@@ -71,6 +73,7 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
             resumed,
             cache_salt: req.cache_salt.clone(),
             params,
+            grammar,
             stop,
             kv_out: None,
             events,
@@ -191,6 +194,7 @@ impl Responses {
         };
         if let Some(reason) = out.finish {
             msg.finish_reason = v1::FinishReason::from(reason) as i32;
+            msg.error = out.error.unwrap_or_default();
             msg.usage = Some(v1::Usage {
                 prompt_tokens: self.prompt_tokens,
                 completion_tokens: self.completion_tokens + self.already_generated,

@@ -476,3 +476,42 @@ async fn scrape(addr: std::net::SocketAddr) -> String {
     stream.read_to_string(&mut body).await.unwrap();
     body
 }
+
+/// A request whose grammar fails part way (a failover replaying a token the grammar forbids)
+/// ends with finish_reason ERROR and the reason, counted in `duet_grammar_failures_total`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grammar_that_fails_ends_the_stream_with_the_error() {
+    let metrics = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let url = start_with_metrics(&[], Some(metrics)).await;
+    let mut req = request(
+        v1::PrefillPlan {
+            local: true,
+            prefill_workers: vec![],
+        },
+        20,
+    );
+    // "1" and then "a" were streamed by a decode worker that died: "a" breaks the grammar.
+    req.prompt_token_ids
+        .extend([3 + u32::from(b'1'), 3 + u32::from(b'a')]);
+    req.already_generated = 2;
+    req.already_sent_text_bytes = 2;
+    req.sampling.as_mut().unwrap().constraint = Some(v1::Constraint {
+        kind: Some(v1::constraint::Kind::Regex("[0-9]{8}".into())),
+    });
+    let (_, last) = collect(&url, req).await;
+    assert_eq!(last.finish_reason, v1::FinishReason::Error as i32);
+    assert!(!last.error.is_empty());
+    let scraped = scrape(metrics).await;
+    let port = url.rsplit(':').next().unwrap();
+    let counted = scraped.lines().find(|l| {
+        l.starts_with("duet_grammar_failures_total{")
+            && l.contains(&format!("engine=\"decode-test-{port}\""))
+    });
+    assert!(
+        counted.is_some_and(|l| l.ends_with(" 1")),
+        "{counted:?} in\n{scraped}"
+    );
+}

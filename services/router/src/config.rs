@@ -298,7 +298,7 @@ impl Default for RoutingOptions {
             kv_link_mib_per_s: 1024,
             max_queued_requests: 256,
             max_prompt_bytes: None,
-            max_constraint_bytes: 64 * 1024,
+            max_constraint_bytes: duet_model::params::DEFAULT_MAX_CONSTRAINT_BYTES,
             max_request_bytes: 4 * 1024 * 1024,
             stats_interval_ms: 500,
             unhealthy_after_failures: 3,

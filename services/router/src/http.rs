@@ -226,6 +226,7 @@ async fn generate(
     let mut messages = front.state.start(req, deadline).await?;
     if !reply.answer.stream {
         let whole = gather(messages).await?;
+        failed(&whole)?;
         reply.id = whole.request_id.clone();
         return Ok(reply.whole(&front.state, &whole));
     }
@@ -292,6 +293,10 @@ impl Streaming {
                         {
                             self.pending.push_back(self.reply.usage_chunk(u));
                         }
+                        if let Err(e) = failed(&m) {
+                            self.pending
+                                .push_back(json_event(&HttpError::from(e).envelope()));
+                        }
                         true
                     } else {
                         false
@@ -317,6 +322,18 @@ impl Streaming {
             }
         }
     }
+}
+
+/// A generation that ended with finish_reason `error`, as the error its client is told: the
+/// answer of a call that is not streamed, an error event after a stream's last chunk.
+fn failed(m: &v1::GenerateResponse) -> Result<(), RouterError> {
+    if m.finish_reason == v1::FinishReason::Error as i32 {
+        return Err(RouterError::Internal(format!(
+            "the generation failed part way: {}",
+            m.error
+        )));
+    }
+    Ok(())
 }
 
 fn json_event(value: &impl serde::Serialize) -> Event {

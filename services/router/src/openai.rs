@@ -749,6 +749,7 @@ pub fn finish_reason(m: &v1::GenerateResponse) -> Option<&'static str> {
         v1::FinishReason::Stop => Some("stop"),
         v1::FinishReason::Length => Some("length"),
         v1::FinishReason::Aborted => Some("abort"),
+        v1::FinishReason::Error => Some("error"),
     }
 }
 

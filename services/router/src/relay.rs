@@ -390,6 +390,7 @@ impl Progress {
             finish_reason: msg.finish_reason,
             usage: None,
             timings: None,
+            error: msg.error,
         };
         if finished {
             let worker_usage = msg.usage.unwrap_or_default();

@@ -209,6 +209,7 @@ pub(crate) async fn gather(mut rx: Messages) -> Result<v1::GenerateResponse, Rou
         whole.logprobs.extend(m.logprobs);
         if m.finish_reason != v1::FinishReason::Unspecified as i32 {
             whole.finish_reason = m.finish_reason;
+            whole.error = m.error;
             whole.usage = m.usage;
             whole.timings = m.timings;
             return Ok(whole);

@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use duet_engine::backend::KvDtype;
 use duet_engine::engine::{Resumed, Speculation, StepOutput};
 use duet_kv::{KvDigest, KvEvent, PoolStats};
+use duet_model::grammar::Grammar;
 use duet_model::params::{FinishReason, SamplingParams, StopCriteria};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
@@ -109,6 +110,7 @@ impl ScriptedEngine {
             },
             text: String::new(),
             finish: s.finished.then_some(FinishReason::Length),
+            error: None,
             speculation: Default::default(),
         }
     }
@@ -169,6 +171,10 @@ impl ActorEngine for ScriptedEngine {
         0
     }
 
+    fn out_of_vocab_drafts(&self) -> u64 {
+        0
+    }
+
     fn speculation_totals(&self) -> Speculation {
         Speculation::default()
     }
@@ -179,6 +185,7 @@ impl ActorEngine for ScriptedEngine {
         _: Resumed,
         _: &str,
         _: SamplingParams,
+        _: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<SeqId, EngineError> {
         let cached = self.cached;
@@ -219,6 +226,7 @@ impl ActorEngine for ScriptedEngine {
         reservation: KvReservation,
         _: Sampled,
         _: SamplingParams,
+        _: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<(SeqId, StepOutput), EngineError> {
         self.release(reservation)?;
@@ -314,6 +322,7 @@ fn request(
         resumed: Resumed::default(),
         cache_salt: String::new(),
         params: SamplingParams::default(),
+        grammar: None,
         stop: StopCriteria {
             max_tokens,
             ..StopCriteria::default()
