@@ -672,7 +672,7 @@ fn pad_vocabulary_rows(src: &std::path::Path, dst: &std::path::Path, rows: usize
 /// A draft model of the target's tokenizer whose logits are padded past it could propose ids
 /// the target has no row for: it is refused at load, naming both sizes.
 #[test]
-fn a_draft_model_with_more_logits_than_the_target_is_refused_at_load() {
+fn a_draft_model_with_more_logits_than_the_target_is_refused_at_load_and_one_with_fewer_loads() {
     let padded = tempfile::tempdir().unwrap();
     let tiny = fixtures().join("tiny-llama");
     std::fs::copy(
@@ -696,4 +696,7 @@ fn a_draft_model_with_more_logits_than_the_target_is_refused_at_load() {
         .expect("refused")
         .to_string();
     assert!(err.contains("vocab_size 400, the target's 384"), "{err}");
+    // Fewer padding rows than the target's, with its tokenizer, is a draft model that fits (as
+    // Qwen2.5-0.5B for Qwen2.5-7B): its ids are all ids of the target.
+    duet_cpu::load_engine(padded.path(), options(SpeculativeMode::Draft(tiny.clone()))).unwrap();
 }
