@@ -81,15 +81,20 @@ pub enum LocalFallback {
     Failed,
     /// This worker had no room to reserve the prompt's KV for a transfer.
     NoReservation,
+    /// The plan named only prefill workers this worker does not accept (neither its --prefill
+    /// nor a prefill card of its cluster): asking them would send the prompt, and the cluster
+    /// token, to an address of the caller's choosing.
+    RefusedPlan,
 }
 
 impl LocalFallback {
-    pub const ALL: [LocalFallback; 5] = [
+    pub const ALL: [LocalFallback; 6] = [
         LocalFallback::RefusedPush,
         LocalFallback::Unreachable,
         LocalFallback::Saturated,
         LocalFallback::Failed,
         LocalFallback::NoReservation,
+        LocalFallback::RefusedPlan,
     ];
 
     /// Why a failed prefill call failed.
@@ -110,6 +115,7 @@ impl LocalFallback {
             LocalFallback::Saturated => "saturated",
             LocalFallback::Failed => "failed",
             LocalFallback::NoReservation => "no_reservation",
+            LocalFallback::RefusedPlan => "refused_plan",
         }
     }
 
@@ -128,6 +134,11 @@ impl LocalFallback {
             LocalFallback::Failed => "the prefill call failed (its error is logged above)",
             LocalFallback::NoReservation => {
                 "this worker's KV cache had no room to reserve the prompt for a transfer"
+            }
+            LocalFallback::RefusedPlan => {
+                "the router planned prefill workers this worker does not accept: name them with \
+                 --prefill ADDR (DUET_PREFILL_WORKERS), or run every service in one cluster \
+                 (--etcd)"
             }
         }
     }
@@ -187,7 +198,7 @@ impl Default for Counters {
                         "duet_local_prefill_fallbacks_total",
                         "Prompts a decode worker prefilled itself although its plan named prefill \
                          workers, by reason (refused_push, unreachable, saturated, failed, \
-                         no_reservation).",
+                         no_reservation, refused_plan).",
                     ),
                     &["reason"],
                 )
@@ -255,6 +266,13 @@ impl Counters {
                 reason.advice()
             );
         }
+    }
+
+    /// Prompts prefilled here for `reason` since start.
+    pub fn local_prefill_fallbacks(&self, reason: LocalFallback) -> u64 {
+        self.local_prefill_fallbacks
+            .with_label_values(&[reason.as_str()])
+            .get()
     }
 
     /// One request's KV transfer failed.
@@ -390,6 +408,9 @@ impl Identity {
             transfer_bytes_out: c.transfer_bytes(Direction::Out),
             prefill_tokens_per_s: snap.prefill_tokens_per_s,
             kv_block_bytes: engine.info().wire.layout.block_bytes() as u64,
+            // What a decode worker accepts in a plan is its service's to say.
+            accepted_prefill_workers: None,
+            refused_prefill_plans: c.local_prefill_fallbacks(LocalFallback::RefusedPlan),
         }
     }
 }

@@ -11,9 +11,9 @@ use duet_model::model_path::ModelArgs;
 use duet_proto::{ClusterAuth, TlsArgs};
 use duet_telemetry::MetricsArgs;
 
-use crate::policy::{PolicyParams, RoutingPolicy};
 use crate::routing::RoutingParams;
 use crate::worker::HealthPolicy;
+use duet_routing::{PolicyParams, RoutingPolicy};
 
 /// How the router is run: where it listens, which workers it routes to, the model it serves
 /// (config, tokenizer and chat template only; never the weights) and its limits.

@@ -568,6 +568,10 @@ async fn health(State(front): State<Arc<HttpFront>>) -> (StatusCode, Json<serde_
             "status": if ready { "ready" } else { "unavailable" },
             "decode_workers_up": decode_up,
             "prefill_workers_up": prefill_up,
+            // Prefill workers a decode worker refuses in a plan (a cluster started with
+            // mismatched flags), and the plans it prefilled itself for that reason.
+            "refused_prefill": pools.refused_prefill(),
+            "refused_prefill_plans": pools.refused_prefill_plans(),
         })),
     )
 }

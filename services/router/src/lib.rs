@@ -20,7 +20,6 @@ pub mod kv_feed;
 pub mod kv_index;
 pub mod metrics;
 pub mod openai;
-pub mod policy;
 mod relay;
 pub mod routing;
 pub mod service;
@@ -138,6 +137,10 @@ pub async fn serve(
         Duration::from_secs(config.membership_resync_s.max(1)),
     );
     let syncer = tokio::spawn(sync_pools(state.clone(), membership));
+    let refusals = {
+        let state = state.clone();
+        tokio::spawn(async move { state.pools.warn_of_refused_prefill().await })
+    };
     let _metrics = duet_telemetry::metrics::Registration::new(&state.metrics);
     let local = listener.local_addr().ok();
     tracing::info!(
@@ -190,6 +193,7 @@ pub async fn serve(
     let result = edge.service(generation).serve(listener, shutdown).await;
     follower.abort();
     syncer.abort();
+    refusals.abort();
     if let Some(http) = http {
         http.await
             .context("the HTTP front panicked")?

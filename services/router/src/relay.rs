@@ -21,11 +21,11 @@ use tracing::Instrument;
 
 use crate::error::{RouterError, is_retryable};
 use crate::metrics::{Outcome, RouterMetrics, error_type};
-use crate::policy::NoRoute;
 use crate::routing::{Pools, RouteRequest};
 use crate::service::RouterState;
 use crate::validate::ValidRequest;
 use crate::worker::{Planned, Worker};
+use duet_routing::NoRoute;
 
 /// One admitted request.
 pub(crate) struct Job {
