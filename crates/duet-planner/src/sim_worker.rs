@@ -95,8 +95,9 @@ impl SimWorker {
         kv.record_events();
         Self {
             role,
-            // Drafts are not simulated: no step reaches past its decode rows by drafting.
-            scheduler: Scheduler::new(kv, max_step_tokens, 0),
+            // Drafts are not simulated: no step reaches past its decode rows by drafting, so
+            // no draft token is checked against a vocabulary.
+            scheduler: Scheduler::new(kv, max_step_tokens, 0, usize::MAX),
             machine,
             inbox: Vec::new(),
             in_turn: false,
@@ -226,7 +227,12 @@ mod tests {
 
     #[test]
     fn a_plan_is_costed_as_chunks_and_rows() {
-        let mut s = Scheduler::new(KvCacheManager::new(64, 16, SIM_FINGERPRINT), 64, 0);
+        let mut s = Scheduler::new(
+            KvCacheManager::new(64, 16, SIM_FINGERPRINT),
+            64,
+            0,
+            usize::MAX,
+        );
         s.add_sequence(0, (0..40).collect(), "").unwrap();
         s.add_sequence(1, (100..104).collect(), "").unwrap();
         let plan = s.plan_step(&mut |_, _| Vec::new()).unwrap();

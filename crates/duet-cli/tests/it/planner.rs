@@ -4,11 +4,9 @@
 //! is refused naming the line, the field or the flag.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn duet() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_duet"))
-}
+use crate::duet;
 
 fn tiny() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama")
@@ -241,7 +239,7 @@ fn bad_planner_input_names_its_line_field_or_flag() {
     // A profile measured elsewhere: another model, device or thread count.
     let measured = dir.path().join("measured.json");
     let mut p: serde_json::Value = serde_json::from_str(include_str!(
-        "../../../bench/results/planner/profile-h200-llama3-8b.json"
+        "../../../../bench/results/planner/profile-h200-llama3-8b.json"
     ))
     .unwrap();
     std::fs::write(&measured, p.to_string()).unwrap();
