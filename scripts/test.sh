@@ -30,4 +30,5 @@ cargo build --release --locked --workspace --bins --features cuda
 ./target/release/duet model fetch
 cargo test --release --locked --workspace --features cuda
 ./scripts/test-kernels-emulated.sh
+BIN_DIR=target/release ./scripts/gpu-verify.sh --dry-run
 ./scripts/test-deploy.sh
