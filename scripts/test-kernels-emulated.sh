@@ -16,17 +16,9 @@ trap 'rm -rf "$BUILD"' EXIT
 python3 -c 'import numpy' 2>/dev/null || { echo "python3 with numpy is required" >&2; exit 1; }
 
 # Build: emu.o once, then one shared library per kernel file, in parallel.
-"$CXX" -std=c++17 -O2 -fPIC -c "$EMU/emu.cpp" -o "$BUILD/emu.o"
 names=()
-for cu in "$KERNELS"/*.cu; do
-    name=$(basename "$cu" .cu)
-    names+=("$name")
-    (
-        python3 "$EMU/gen.py" --kernels "$KERNELS" "$cu" "$BUILD/t_$name.cpp" &&
-        "$CXX" -std=c++17 -O2 -fPIC -shared -I"$EMU" "$BUILD/t_$name.cpp" "$BUILD/emu.o" -o "$BUILD/lib_$name.so"
-    ) >"$BUILD/build_$name.log" 2>&1 &
-done
-wait
+for cu in "$KERNELS"/*.cu; do names+=("$(basename "$cu" .cu)"); done
+CXX="$CXX" "$EMU/build-lib.sh" "$KERNELS" "$BUILD" "${names[@]}" || true
 
 export DUET_EMU_BUILD="$BUILD" PYTHONDONTWRITEBYTECODE=1
 failed=0

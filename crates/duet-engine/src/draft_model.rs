@@ -145,7 +145,8 @@ impl<B: Backend> DraftModel<B> {
         }];
         let logits = self.runner.forward(&plan, |_| &cache.tokens, &mut |_| {})?;
         let token = argmax(logits.row(0));
-        self.runner.end_step(logits, &plan);
+        drop(logits);
+        self.runner.end_step(&plan);
         Ok(token)
     }
 

@@ -13,13 +13,14 @@ use duet_kv::{BlockPool, KvCacheManager};
 
 use crate::EngineError;
 use crate::backend::{Backend, CpuKernels, KvDtype, KvDtypeChoice, KvLayout};
-use crate::device::Device;
+use crate::device::{Device, Switch};
 use crate::draft_model::DraftModel;
 use crate::generation::TextStream;
 use crate::grammars::Grammars;
 use crate::llama::Llama;
 use crate::model_runner::{ModelRunner, release_freed_heap};
 use crate::sampling::Sampler;
+use crate::sampling_steps::RowSampling;
 use crate::scheduler::Scheduler;
 use crate::speculator::{DraftLength, NgramSpeculator, SpeculativeMode};
 use duet_model::chat::{ChatMessage, ChatTemplate};
@@ -98,6 +99,20 @@ pub struct EngineOptions {
     /// saves. With as many sequences decoding, nobody drafts.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_SPECULATIVE_MAX_STEP_ROWS", default_value_t = EngineOptions::default().speculative_max_step_rows))]
     pub speculative_max_step_rows: usize,
+    /// On a GPU: each decode step's batch bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to
+    /// --max-step-tokens) is captured once as a CUDA graph and replayed, on or off. Off until
+    /// it has run on a GPU (docs/gpu.md).
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_CUDA_GRAPHS", value_enum, default_value_t = EngineOptions::default().cuda_graphs))]
+    pub cuda_graphs: Switch,
+    /// On a GPU: tokens drawn on the device, the same bits as the CPU sampler (so only tokens,
+    /// not logits, come to the host), on or off. Off until it has run on a GPU.
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_DEVICE_SAMPLING", value_enum, default_value_t = EngineOptions::default().device_sampling))]
+    pub device_sampling: Switch,
+    /// On a GPU: fused kernels (the QKV projection's output through RoPE into the KV cache in
+    /// one launch; norms and attention writing the next product's bf16 operand), on or off.
+    /// Off until they have run on a GPU.
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_FUSED_KERNELS", value_enum, default_value_t = EngineOptions::default().fused_kernels))]
+    pub fused_kernels: Switch,
 }
 
 #[cfg(feature = "cli")]
@@ -123,6 +138,9 @@ impl Default for EngineOptions {
             speculative: SpeculativeMode::Off,
             num_speculative_tokens: 8,
             speculative_max_step_rows: 8,
+            cuda_graphs: Switch::Off,
+            device_sampling: Switch::Off,
+            fused_kernels: Switch::Off,
         }
     }
 }
@@ -143,6 +161,9 @@ impl EngineOptions {
             speculative,
             num_speculative_tokens,
             speculative_max_step_rows,
+            cuda_graphs,
+            device_sampling,
+            fused_kernels,
         } = self;
         let kv_dtype =
             clap::ValueEnum::to_possible_value(kv_dtype).expect("every KV dtype is a flag value");
@@ -158,6 +179,9 @@ impl EngineOptions {
             format!("--speculative={speculative}"),
             format!("--num-speculative-tokens={num_speculative_tokens}"),
             format!("--speculative-max-step-rows={speculative_max_step_rows}"),
+            format!("--cuda-graphs={cuda_graphs}"),
+            format!("--device-sampling={device_sampling}"),
+            format!("--fused-kernels={fused_kernels}"),
         ]
         .into_iter()
         .map(Into::into)
@@ -694,6 +718,11 @@ impl<B: Backend> Engine<B> {
         if plan.is_empty() {
             return Ok(Vec::new());
         }
+        if self.runner.model().backend().samples_on_device()
+            && plan.iter().all(|p| p.draft.is_empty())
+        {
+            return self.step_sampled_on_device(&plan, on_layer);
+        }
         let constrained: Vec<&mut Sampler> = match self.overlap_grammar_masks {
             true => self
                 .seqs
@@ -753,7 +782,71 @@ impl<B: Backend> Engine<B> {
                 out.speculation = generation.speculation;
             }
         }
-        self.runner.end_step(logits, &plan);
+        drop(logits);
+        self.runner.end_step(&plan);
+        Ok(outputs)
+    }
+
+    /// A step of `plan` (no drafts) whose tokens the backend draws on the device: each sequence
+    /// the step completes hands its sampler's state over ([`Sampler::row`]) and accepts the token
+    /// drawn, which equals what [`Sampler::sample`] draws from the same logits.
+    fn step_sampled_on_device(
+        &mut self,
+        plan: &[PlannedSeq],
+        on_layer: &mut dyn FnMut(&LayerDone<'_, B>),
+    ) -> Result<Vec<StepOutput>, EngineError> {
+        let max_positions = self.config().max_position_embeddings;
+        // The sequences the step completes: the rows whose logits the model runner asks for.
+        let completes: Vec<bool> = plan
+            .iter()
+            .map(|p| {
+                let tokens = self
+                    .scheduler
+                    .tokens(p.seq)
+                    .expect("planned sequences exist");
+                p.start_pos + p.len == tokens.len()
+            })
+            .collect();
+        for (p, _) in plan.iter().zip(&completes).filter(|(_, c)| **c) {
+            let g = self.seqs.get_mut(&p.seq).expect("planned sequences exist");
+            g.sampler.prepare_mask();
+        }
+        let (runner, scheduler, seqs) = (&mut self.runner, &self.scheduler, &self.seqs);
+        let rows: Vec<RowSampling<'_>> = plan
+            .iter()
+            .zip(&completes)
+            .filter(|(_, c)| **c)
+            .map(|(p, _)| seqs[&p.seq].sampler.row())
+            .collect();
+        let sampled = runner.forward_sampled(
+            plan,
+            |seq| scheduler.tokens(seq).expect("planned sequences exist"),
+            on_layer,
+            &rows,
+        )?;
+        let mut sampled = sampled.into_iter();
+        let mut outputs = Vec::new();
+        for p in plan {
+            if !self.scheduler.record_computed(p)? {
+                continue; // a prompt chunk; no token yet
+            }
+            let token = sampled.next().ok_or_else(|| {
+                EngineError::Device("the device drew fewer tokens than the step completed".into())
+            })?;
+            let generation = self.seqs.get_mut(&p.seq).expect("planned sequences exist");
+            generation.sampler.accept(token.token);
+            generation.speculation.steps += 1;
+            self.speculation_totals.steps += 1;
+            outputs.push(advance(
+                generation,
+                p.seq,
+                token,
+                &mut self.scheduler,
+                &self.tokenizer,
+                max_positions,
+            )?);
+        }
+        self.runner.end_step(plan);
         Ok(outputs)
     }
 

@@ -15,6 +15,7 @@ pub mod llama;
 pub mod model_runner;
 pub mod moe;
 pub mod sampling;
+pub mod sampling_steps;
 pub mod scheduler;
 pub mod speculator;
 

@@ -154,28 +154,16 @@ impl Grammar {
 
     /// Sets the logits of every token the grammar does not allow next to −∞.
     pub fn mask(&mut self, logits: &mut [f32]) {
-        let allowed = match self.next_mask.take() {
-            Some(prepared) => prepared,
-            None => self.allowed(),
-        };
-        // A word of the mask at a time: most are all clear (or all set) under a grammar.
-        for (&word, chunk) in allowed.as_slice().iter().zip(logits.chunks_mut(32)) {
-            match word {
-                0 => chunk.fill(f32::NEG_INFINITY),
-                u32::MAX => {}
-                _ => {
-                    for (bit, logit) in chunk.iter_mut().enumerate() {
-                        if word >> bit & 1 == 0 {
-                            *logit = f32::NEG_INFINITY;
-                        }
-                    }
-                }
-            }
+        self.prepare_mask();
+        if let Some(allowed) = self.prepared_mask() {
+            mask_logits(allowed, logits);
         }
-        // Logits past the mask's words (none when the vocabularies agree) are not allowed.
-        if let Some(rest) = logits.get_mut(allowed.as_slice().len() * 32..) {
-            rest.fill(f32::NEG_INFINITY);
-        }
+    }
+
+    /// The tokens allowed next as bits (bit `t % 32` of word `t / 32`), once
+    /// [`Self::prepare_mask`] has computed them; `None` before.
+    pub fn prepared_mask(&self) -> Option<&[u32]> {
+        self.next_mask.as_ref().map(|m| m.as_slice())
     }
 
     /// Moves past `token` (sampled under [`Self::mask`], or replayed after a failover).
@@ -195,6 +183,28 @@ impl Grammar {
     /// Why the grammar cannot go on, once it failed (llguidance's message).
     pub fn failure(&self) -> Option<String> {
         self.matcher.get_error()
+    }
+}
+
+/// Sets every logit whose bit in `allowed` (bit `t % 32` of word `t / 32`) is clear to −∞, and
+/// every logit past the bitmap's words (none when the vocabularies agree).
+pub fn mask_logits(allowed: &[u32], logits: &mut [f32]) {
+    // A word at a time: most are all clear (or all set) under a grammar.
+    for (&word, chunk) in allowed.iter().zip(logits.chunks_mut(32)) {
+        match word {
+            0 => chunk.fill(f32::NEG_INFINITY),
+            u32::MAX => {}
+            _ => {
+                for (bit, logit) in chunk.iter_mut().enumerate() {
+                    if word >> bit & 1 == 0 {
+                        *logit = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+    if let Some(rest) = logits.get_mut(allowed.len() * 32..) {
+        rest.fill(f32::NEG_INFINITY);
     }
 }
 

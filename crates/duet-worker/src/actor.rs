@@ -111,8 +111,8 @@ impl Shipping {
             return;
         }
         let table = &p.block_table;
-        let mut read = |i: usize, out: &mut Vec<u8>| {
-            done.append_kv_block(table[i], out)
+        let mut read = |blocks: Range<usize>, out: &mut Vec<u8>| {
+            done.append_kv_blocks(&table[blocks], out)
                 .map_err(|e| TransferError::Cache(e.to_string()))
         };
         let sent = self.sender.send_layer_from(
@@ -121,7 +121,7 @@ impl Shipping {
             &mut LayerSource {
                 block_table: table,
                 device: done.device(),
-                read_block: &mut read,
+                read_blocks: &mut read,
             },
         );
         // A device failure fails the step, and with it the request, unsent.

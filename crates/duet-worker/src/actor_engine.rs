@@ -15,8 +15,8 @@ pub trait LayerKv {
     fn layer(&self) -> usize;
     /// Every sequence's share of the step.
     fn plan(&self) -> &[PlannedSeq];
-    /// Appends this layer's KV of physical `block` in the wire layout.
-    fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError>;
+    /// Appends this layer's KV of physical `blocks`, one after another, in the wire layout.
+    fn append_kv_blocks(&self, blocks: &[u32], out: &mut Vec<u8>) -> Result<(), EngineError>;
     /// The backend and KV store (`&B`, `&B::KvStore`), for transports that copy device memory
     /// themselves (cuda-ipc downcasts them).
     fn device(&self) -> Option<(&dyn std::any::Any, &dyn std::any::Any)> {
@@ -33,8 +33,8 @@ impl<B: Backend + 'static> LayerKv for LayerDone<'_, B> {
         self.plan
     }
 
-    fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError> {
-        LayerDone::append_kv_block(self, block, out)
+    fn append_kv_blocks(&self, blocks: &[u32], out: &mut Vec<u8>) -> Result<(), EngineError> {
+        LayerDone::append_kv_blocks(self, blocks, out)
     }
 
     fn device(&self) -> Option<(&dyn std::any::Any, &dyn std::any::Any)> {

@@ -138,7 +138,7 @@ impl WorkerArgs {
 mod tests {
     use clap::Parser;
     use duet_engine::backend::{CpuKernels, KvDtypeChoice};
-    use duet_engine::device::Device;
+    use duet_engine::device::{Device, Switch};
     use duet_engine::speculator::SpeculativeMode;
 
     use super::*;
@@ -191,6 +191,9 @@ mod tests {
                 speculative: SpeculativeMode::Draft("models dir/draft.gguf".into()),
                 num_speculative_tokens: 6,
                 speculative_max_step_rows: 5,
+                cuda_graphs: Switch::On,
+                device_sampling: Switch::On,
+                fused_kernels: Switch::On,
             },
             kv_transport: TransportChoice::Nccl,
             request_timeout_ms: 6,

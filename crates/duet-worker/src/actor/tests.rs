@@ -11,7 +11,7 @@ use duet_model::grammar::Grammar;
 use duet_model::params::{FinishReason, SamplingParams, StopCriteria};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-use duet_transfer::transport::ReadBlock;
+use duet_transfer::transport::ReadBlocks;
 
 use super::*;
 use crate::KvOut;
@@ -130,8 +130,10 @@ impl LayerKv for ScriptedLayer<'_> {
         self.plan
     }
 
-    fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError> {
-        out.extend([self.layer as u8, block as u8]);
+    fn append_kv_blocks(&self, blocks: &[u32], out: &mut Vec<u8>) -> Result<(), EngineError> {
+        for &block in blocks {
+            out.extend([self.layer as u8, block as u8]);
+        }
         Ok(())
     }
 }
@@ -291,12 +293,10 @@ impl KvSender for RecordingSender {
         &mut self,
         layer: usize,
         blocks: Range<usize>,
-        read_block: &mut ReadBlock<'_>,
+        read_blocks: &mut ReadBlocks<'_>,
     ) -> Result<(), TransferError> {
         let mut bytes = Vec::new();
-        for b in blocks.clone() {
-            read_block(b, &mut bytes)?;
-        }
+        read_blocks(blocks.clone(), &mut bytes)?;
         self.0.lock().unwrap().layers.push((layer, blocks, bytes));
         Ok(())
     }
