@@ -13,32 +13,13 @@
 //!   next index. Text that may be the start of a marker is held until it is known not to be;
 //!   whitespace before a call, between calls and after the last is not content.
 //!
-//! The whole (unstreamed) answer of `auto` is this stream read in one piece, so the two agree.
+//! The whole (unstreamed) answer of `auto` is this stream read in one piece, so the two agree
+//! ([`whole_answer`]).
 
 use duet_model::tool_calls::ToolCallFormat;
-use serde::Serialize;
 
-use crate::openai::{CalledFunction, ToolAnswer, ToolCall, call_id, parse_call};
-
-/// One entry of a chunk's `delta.tool_calls`.
-#[derive(Debug, PartialEq, Serialize)]
-pub struct ToolCallChunk {
-    /// Which call of the answer it belongs to.
-    pub index: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub id: Option<String>,
-    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
-    pub kind: Option<&'static str>,
-    pub function: FunctionChunk,
-}
-
-#[derive(Debug, PartialEq, Serialize)]
-pub struct FunctionChunk {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-    /// The next piece of the arguments' JSON text.
-    pub arguments: String,
-}
+use super::request::ToolAnswer;
+use super::wire::{CalledFunction, FunctionChunk, ToolCall, ToolCallChunk};
 
 /// What a piece of the answer's text adds to the stream.
 #[derive(Debug, Default, PartialEq)]
@@ -331,6 +312,57 @@ impl ToolCallStream {
     }
 }
 
+/// The id of a tool call a request's answer makes: the `index`th (0 for the first).
+pub fn call_id(request_id: &str, index: u32) -> String {
+    match index {
+        0 => format!("call_{request_id}"),
+        n => format!("call_{request_id}_{n}"),
+    }
+}
+
+/// The function's name and its arguments' JSON text of a call written as
+/// `{"name": …, "arguments": …}` (missing arguments: none, `{}`).
+pub fn parse_call(text: &str) -> Option<(String, String)> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let arguments = v
+        .get("arguments")
+        .map_or_else(|| "{}".into(), |a| a.to_string());
+    Some((v.get("name")?.as_str()?.to_string(), arguments))
+}
+
+/// A finished answer's content and calls. A named or `required` call whose text is not a whole
+/// call (generation stopped by `max_tokens`) answers in text.
+pub fn whole_answer(
+    answer: &ToolAnswer,
+    text: &str,
+    request_id: &str,
+) -> (Option<String>, Vec<ToolCall>) {
+    let call = match answer {
+        ToolAnswer::Text => None,
+        ToolAnswer::Named(name) => serde_json::from_str::<serde_json::Value>(text)
+            .ok()
+            .map(|_| (name.clone(), text.to_string())),
+        ToolAnswer::Required => parse_call(text),
+        ToolAnswer::Auto(_) => {
+            if let Some(stream) = ToolCallStream::new(answer, request_id) {
+                return stream.read_whole(text);
+            }
+            None
+        }
+    };
+    match call {
+        Some((name, arguments)) => (
+            None,
+            vec![ToolCall {
+                id: call_id(request_id, 0),
+                kind: "function",
+                function: CalledFunction { name, arguments },
+            }],
+        ),
+        None => (Some(text.to_string()), Vec::new()),
+    }
+}
+
 /// The function's name and where its arguments object opens, once the head of a call has
 /// reached that brace (`{"name": "f", "arguments": {`).
 fn split_head(head: &str) -> Option<(String, usize)> {
@@ -574,6 +606,54 @@ mod tests {
                 chunks[0].function.arguments.as_str()
             ),
             (Some("g"), "{}")
+        );
+    }
+
+    /// A finished answer's calls: a named function's text is its arguments, a `required`
+    /// answer's text names the call, `auto` reads the markup; a cut or plain answer is content.
+    #[test]
+    fn whole_answers_are_read_into_calls() {
+        let (content, calls) = whole_answer(
+            &ToolAnswer::Named("weather".into()),
+            r#"{"city":"Paris"}"#,
+            "7",
+        );
+        let call = &calls[0];
+        assert_eq!(
+            (content, call.id.as_str(), call.function.name.as_str()),
+            (None, "call_7", "weather")
+        );
+        assert_eq!(call.function.arguments, r#"{"city":"Paris"}"#);
+        let (_, calls) = whole_answer(
+            &ToolAnswer::Required,
+            r#"{"name":"time","arguments":{}}"#,
+            "8",
+        );
+        assert_eq!(
+            (
+                calls[0].function.name.as_str(),
+                calls[0].function.arguments.as_str()
+            ),
+            ("time", "{}")
+        );
+        let cut = r#"{"name":"time","argu"#;
+        let (content, calls) = whole_answer(&ToolAnswer::Required, cut, "9");
+        assert_eq!((content.as_deref(), calls.len()), (Some(cut), 0));
+        let (content, calls) = whole_answer(&ToolAnswer::Text, "{}", "9");
+        assert_eq!((content.as_deref(), calls.len()), (Some("{}"), 0));
+        let (content, calls) = whole_answer(
+            &HERMES,
+            "Looking.\n<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>",
+            "9",
+        );
+        assert_eq!(content.as_deref(), Some("Looking."));
+        assert_eq!(
+            (
+                calls[0].id.as_str(),
+                calls[0].function.name.as_str(),
+                calls[0].function.arguments.as_str()
+            ),
+            ("call_9", "time", "{}")
         );
     }
 }

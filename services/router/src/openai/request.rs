@@ -1,14 +1,19 @@
-//! OpenAI's wire format: the request and response bodies of `/v1/completions`,
-//! `/v1/chat/completions` and `/v1/models`, the error envelope, and the conversions between
-//! them and `duet.v1` messages. Nothing here serves or routes (that is `http.rs`); a request
-//! becomes a `GenerateRequest` and the router core validates it as it validates a gRPC call.
+//! A request of the OpenAI front as the core takes it: a `/v1/completions` or
+//! `/v1/chat/completions` body becomes a `GenerateRequest`, which the core validates as it
+//! validates a gRPC call, and an [`Answer`] that says how the front writes the answer. Tools
+//! become a constraint here: a named function or `required` hold the call to the tools'
+//! schemas; `auto` lets the model write calls in its own markup (read back in
+//! [`super::tool_stream`]).
 
+use duet_model::chat::ChatTemplate;
 use duet_model::tokenizer::Tokenizer;
 use duet_model::tool_calls::{ToolCallFormat, call_schema};
 use duet_proto::v1;
-use serde::{Deserialize, Serialize};
 
-use crate::tool_stream::{ToolCallChunk, ToolCallStream};
+use super::wire::{
+    ChatRequest, Common, CompletionRequest, Content, FunctionTool, Message, Prompt, ResponseFormat,
+    Stop, Unserved,
+};
 
 /// A request the OpenAI front refuses before it reaches the router core (the core's own checks
 /// cover the rest): answered 400, or 404 for a model this router does not serve.
@@ -27,111 +32,73 @@ pub enum OpenAiError {
     },
 }
 
-fn invalid(param: &'static str, message: impl Into<String>) -> OpenAiError {
+pub(super) fn invalid(param: &'static str, message: impl Into<String>) -> OpenAiError {
     OpenAiError::Invalid {
         param,
         message: message.into(),
     }
 }
 
-/// `stream_options`.
-#[derive(Clone, Copy, Debug, Default, Deserialize)]
-pub struct StreamOptions {
-    /// Send one more chunk before `[DONE]` with the request's `usage` (and no choices).
-    #[serde(default)]
-    pub include_usage: bool,
+/// `--tool-call-parser`: how `tool_choice: "auto"` finds the model's calls in its answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ToolCallParser {
+    /// The markup the chat template teaches, if duet reads it.
+    #[default]
+    Detect,
+    /// `<tool_call>{"name": …, "arguments": …}</tool_call>` (Hermes, Qwen 2.5 and 3).
+    Hermes,
+    /// No parser: `tool_choice: "auto"` is refused.
+    None,
 }
 
-/// `stop`: one string or a list.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Stop {
-    One(String),
-    Many(Vec<String>),
+impl std::fmt::Display for ToolCallParser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let value = clap::ValueEnum::to_possible_value(self).expect("no variant is skipped");
+        f.write_str(value.get_name())
+    }
 }
 
-/// `prompt` of `/v1/completions`: text or token ids, alone or in a batch (a batch must hold
-/// exactly one prompt: `n` and batches are 1 here).
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Prompt {
-    Text(String),
-    Texts(Vec<String>),
-    Tokens(Vec<u32>),
-    TokenLists(Vec<Vec<u32>>),
-}
-
-/// What both endpoints share: sampling, limits, stop conditions, streaming. duet's own
-/// sampling fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`) are accepted as vLLM
-/// accepts them.
-#[derive(Debug, Default, Deserialize)]
-pub struct Common {
-    pub model: String,
-    pub max_tokens: Option<u32>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub seed: Option<i64>,
-    pub stop: Option<Stop>,
-    pub n: Option<u32>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    #[serde(default)]
-    pub stream: bool,
-    pub stream_options: Option<StreamOptions>,
-    pub top_k: Option<i32>,
-    pub min_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    #[serde(default)]
-    pub ignore_eos: bool,
-    /// Tenant isolation of the prefix cache (duet's `cache_salt`).
-    #[serde(default)]
-    pub cache_salt: String,
-    /// Structured outputs: `text`, `json_object` or `json_schema`.
-    pub response_format: Option<ResponseFormat>,
-    /// A regular expression the whole answer matches (vLLM's field).
-    pub guided_regex: Option<String>,
-    /// A Lark grammar the answer follows (vLLM's field; llguidance's Lark dialect).
-    pub guided_grammar: Option<String>,
-    /// `false` opts the request out of the decode worker's speculative decoding (duet's
-    /// `speculative`; the answer is the same either way).
-    pub speculative: Option<bool>,
-    #[serde(flatten)]
-    pub unserved: Unserved,
-}
-
-/// `response_format`.
-#[derive(Debug, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum ResponseFormat {
-    Text,
-    JsonObject,
-    JsonSchema { json_schema: JsonSchemaFormat },
-}
-
-/// `response_format.json_schema`. duet always holds the answer to the schema (`strict` or not).
-#[derive(Debug, Deserialize)]
-pub struct JsonSchemaFormat {
-    pub name: Option<String>,
-    pub schema: Option<serde_json::Value>,
-    pub strict: Option<bool>,
-}
-
-/// One of a chat request's `tools`.
-#[derive(Debug, Deserialize)]
-pub struct Tool {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub function: FunctionTool,
-}
-
-#[derive(Debug, Deserialize, Serialize)]
-pub struct FunctionTool {
-    pub name: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub description: Option<String>,
-    /// The arguments' JSON Schema; absent: an object with no properties.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub parameters: Option<serde_json::Value>,
+impl ToolCallParser {
+    /// How `tool_choice: "auto"` is served for a chat template: the markup calls are read in
+    /// (this parser's, or the one the template teaches). Refused, with why, when the template
+    /// does not show the model its tools (it could not call them), teaches no markup duet
+    /// reads, or the markup's delimiters are special tokens of `tokenizer` (answers' text
+    /// leaves those out, so no call could be read).
+    pub fn auto_tool_calls(
+        self,
+        chat: &ChatTemplate,
+        tokenizer: &Tokenizer,
+    ) -> Result<ToolCallFormat, String> {
+        if self == ToolCallParser::None {
+            return Err("the router runs with --tool-call-parser=none".into());
+        }
+        if !chat.shows_tools() {
+            return Err(
+                "its chat template does not show the model the tools (give one that does with \
+                 --chat-template)"
+                    .into(),
+            );
+        }
+        let format = match self {
+            ToolCallParser::Hermes => ToolCallFormat::Hermes,
+            _ => ToolCallFormat::detect(chat.source()).ok_or_else(|| {
+                "its chat template teaches no tool-call markup duet reads (Hermes `<tool_call>`); \
+                 name one with --tool-call-parser"
+                    .to_string()
+            })?,
+        };
+        let special = tokenizer.special_tokens();
+        let (open, close) = format.delimiters();
+        if let Some(token) = [open, close]
+            .into_iter()
+            .find(|d| special.iter().any(|s| s == d))
+        {
+            return Err(format!(
+                "`{token}` is a special token of its tokenizer, which answers' text leaves out"
+            ));
+        }
+        Ok(format)
+    }
 }
 
 /// How a chat answer is returned: as the message's text, or as a call of a tool whose arguments
@@ -146,18 +113,6 @@ pub enum ToolAnswer {
     Required,
     /// `tool_choice: "auto"`: the model answers in text, and may write calls in this markup.
     Auto(ToolCallFormat),
-}
-
-/// OpenAI fields duet does not serve. A request setting one to anything but its "off" value is
-/// refused, naming it, rather than answered as if the field were absent (free text where JSON
-/// or a tool call was asked for).
-#[derive(Debug, Default, Deserialize)]
-pub struct Unserved {
-    logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
-    functions: Option<Vec<serde_json::Value>>,
-    function_call: Option<serde_json::Value>,
-    suffix: Option<String>,
-    best_of: Option<u32>,
 }
 
 impl Unserved {
@@ -184,63 +139,6 @@ impl Unserved {
         }
         Ok(())
     }
-}
-
-/// `POST /v1/completions`.
-#[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
-    pub prompt: Prompt,
-    /// Alternatives per generated token (0..=20 here; OpenAI allows 5).
-    pub logprobs: Option<u32>,
-    #[serde(default)]
-    pub echo: bool,
-    #[serde(flatten)]
-    pub common: Common,
-}
-
-/// One part of a message's content; only text parts are served.
-#[derive(Debug, Deserialize)]
-pub struct ContentPart {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub text: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Content {
-    Text(String),
-    Parts(Vec<ContentPart>),
-}
-
-#[derive(Debug, Deserialize)]
-pub struct Message {
-    pub role: String,
-    pub content: Option<Content>,
-    /// The calls an assistant turn made.
-    pub tool_calls: Option<Vec<MessageToolCall>>,
-    /// On a `tool` turn: the call it answers.
-    pub tool_call_id: Option<String>,
-}
-
-/// A call in an assistant turn of the conversation, as the answer that made it returned it.
-#[derive(Debug, Deserialize)]
-pub struct MessageToolCall {
-    pub id: String,
-    #[serde(rename = "type", default = "function_kind")]
-    pub kind: String,
-    pub function: MessageFunction,
-}
-
-fn function_kind() -> String {
-    "function".into()
-}
-
-#[derive(Debug, Deserialize)]
-pub struct MessageFunction {
-    pub name: String,
-    /// The arguments as JSON text.
-    pub arguments: String,
 }
 
 impl Message {
@@ -283,24 +181,6 @@ impl Message {
             tool_call_id,
         })
     }
-}
-
-/// `POST /v1/chat/completions`.
-#[derive(Debug, Deserialize)]
-pub struct ChatRequest {
-    pub messages: Vec<Message>,
-    /// Newer name of `max_tokens`; wins when both are set.
-    pub max_completion_tokens: Option<u32>,
-    #[serde(default)]
-    pub logprobs: bool,
-    pub top_logprobs: Option<u32>,
-    /// Extra variables for the chat template (vLLM's field; e.g. `{"enable_thinking": false}`).
-    pub chat_template_kwargs: Option<serde_json::Value>,
-    pub tools: Option<Vec<Tool>>,
-    /// `none`, `auto`, `required` or `{"type": "function", "function": {"name": …}}`.
-    pub tool_choice: Option<serde_json::Value>,
-    #[serde(flatten)]
-    pub common: Common,
 }
 
 /// What the HTTP front needs to answer a request once the core accepted it.
@@ -616,71 +496,6 @@ fn auto(
     ))
 }
 
-/// The id of a tool call a request's answer makes: the `index`th (0 for the first).
-pub fn call_id(request_id: &str, index: u32) -> String {
-    match index {
-        0 => format!("call_{request_id}"),
-        n => format!("call_{request_id}_{n}"),
-    }
-}
-
-/// The function's name and its arguments' JSON text of a call written as
-/// `{"name": …, "arguments": …}` (missing arguments: none, `{}`).
-pub fn parse_call(text: &str) -> Option<(String, String)> {
-    let v: serde_json::Value = serde_json::from_str(text).ok()?;
-    let arguments = v
-        .get("arguments")
-        .map_or_else(|| "{}".into(), |a| a.to_string());
-    Some((v.get("name")?.as_str()?.to_string(), arguments))
-}
-
-/// One call in a chat answer's `tool_calls`.
-#[derive(Debug, Serialize)]
-pub struct ToolCall {
-    pub id: String,
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    pub function: CalledFunction,
-}
-
-#[derive(Debug, Serialize)]
-pub struct CalledFunction {
-    pub name: String,
-    /// The arguments as JSON text.
-    pub arguments: String,
-}
-
-impl ToolAnswer {
-    /// A finished answer's content and calls. A named or `required` call whose text is not a
-    /// whole call (generation stopped by `max_tokens`) answers in text.
-    pub fn answer(&self, text: &str, request_id: &str) -> (Option<String>, Vec<ToolCall>) {
-        let call = match self {
-            ToolAnswer::Text => None,
-            ToolAnswer::Named(name) => serde_json::from_str::<serde_json::Value>(text)
-                .ok()
-                .map(|_| (name.clone(), text.to_string())),
-            ToolAnswer::Required => parse_call(text),
-            ToolAnswer::Auto(_) => {
-                if let Some(stream) = ToolCallStream::new(self, request_id) {
-                    return stream.read_whole(text);
-                }
-                None
-            }
-        };
-        match call {
-            Some((name, arguments)) => (
-                None,
-                vec![ToolCall {
-                    id: call_id(request_id, 0),
-                    kind: "function",
-                    function: CalledFunction { name, arguments },
-                }],
-            ),
-            None => (Some(text.to_string()), Vec::new()),
-        }
-    }
-}
-
 fn text_of(content: Option<&Content>) -> Result<String, OpenAiError> {
     match content {
         None => Ok(String::new()),
@@ -698,239 +513,10 @@ fn text_of(content: Option<&Content>) -> Result<String, OpenAiError> {
     }
 }
 
-/// `usage`, with the prompt tokens served from the prefix cache and what speculative decoding
-/// did.
-#[derive(Clone, Debug, Serialize)]
-pub struct Usage {
-    pub prompt_tokens: u32,
-    pub completion_tokens: u32,
-    pub total_tokens: u32,
-    pub prompt_tokens_details: PromptTokensDetails,
-    pub completion_tokens_details: CompletionTokensDetails,
-}
-
-/// Speculative decoding's drafts in OpenAI's predicted-output fields (drafted tokens the model
-/// also sampled, and the others), and duet's `decode_steps` (the decode worker's steps that
-/// generated the answer).
-#[derive(Clone, Debug, Serialize)]
-pub struct CompletionTokensDetails {
-    pub accepted_prediction_tokens: u32,
-    pub rejected_prediction_tokens: u32,
-    pub decode_steps: u32,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct PromptTokensDetails {
-    pub cached_tokens: u32,
-}
-
-impl From<&v1::Usage> for Usage {
-    fn from(u: &v1::Usage) -> Self {
-        Usage {
-            prompt_tokens: u.prompt_tokens,
-            completion_tokens: u.completion_tokens,
-            total_tokens: u.prompt_tokens + u.completion_tokens,
-            prompt_tokens_details: PromptTokensDetails {
-                cached_tokens: u.cached_prompt_tokens,
-            },
-            completion_tokens_details: CompletionTokensDetails {
-                accepted_prediction_tokens: u.accepted_draft_tokens,
-                rejected_prediction_tokens: u.draft_tokens.saturating_sub(u.accepted_draft_tokens),
-                decode_steps: u.decode_steps,
-            },
-        }
-    }
-}
-
-/// `finish_reason` of a message: `None` until the last one.
-pub fn finish_reason(m: &v1::GenerateResponse) -> Option<&'static str> {
-    match v1::FinishReason::try_from(m.finish_reason).unwrap_or_default() {
-        v1::FinishReason::Unspecified => None,
-        v1::FinishReason::Stop => Some("stop"),
-        v1::FinishReason::Length => Some("length"),
-        v1::FinishReason::Aborted => Some("abort"),
-    }
-}
-
-/// `logprobs` of a `/v1/completions` choice.
-#[derive(Debug, Default, Serialize)]
-pub struct CompletionLogprobs {
-    pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<serde_json::Map<String, serde_json::Value>>,
-}
-
-impl CompletionLogprobs {
-    pub fn new(tokenizer: &Tokenizer, logprobs: &[v1::TokenLogprobs], top: u32) -> Self {
-        let mut out = Self::default();
-        for l in logprobs {
-            out.tokens.push(token_text(tokenizer, l.token_id));
-            out.token_logprobs.push(l.logprob);
-            out.top_logprobs.push(
-                l.top
-                    .iter()
-                    .take(top as usize)
-                    .map(|t| (token_text(tokenizer, t.token_id), t.logprob.into()))
-                    .collect(),
-            );
-        }
-        out
-    }
-}
-
-/// One token as `/v1/chat/completions` reports its logprob.
-#[derive(Debug, Serialize)]
-pub struct TokenLogprob {
-    pub token: String,
-    pub logprob: f32,
-    pub bytes: Vec<u8>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub top_logprobs: Option<Vec<TokenLogprob>>,
-}
-
-/// `logprobs` of a chat choice.
-#[derive(Debug, Serialize)]
-pub struct ChatLogprobs {
-    pub content: Vec<TokenLogprob>,
-}
-
-impl ChatLogprobs {
-    pub fn new(tokenizer: &Tokenizer, logprobs: &[v1::TokenLogprobs], top: u32) -> Self {
-        let entry = |id: u32, logprob: f32, top_logprobs| TokenLogprob {
-            token: token_text(tokenizer, id),
-            bytes: tokenizer.token_bytes(id).unwrap_or_default(),
-            logprob,
-            top_logprobs,
-        };
-        ChatLogprobs {
-            content: logprobs
-                .iter()
-                .map(|l| {
-                    let alternatives = l
-                        .top
-                        .iter()
-                        .take(top as usize)
-                        .map(|t| entry(t.token_id, t.logprob, None))
-                        .collect();
-                    entry(l.token_id, l.logprob, Some(alternatives))
-                })
-                .collect(),
-        }
-    }
-}
-
-/// A token's text on its own (special tokens included, as OpenAI shows them).
-fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
-    tokenizer.decode(&[id], false).unwrap_or_default()
-}
-
-#[derive(Debug, Serialize)]
-pub struct CompletionChoice {
-    pub index: u32,
-    pub text: String,
-    pub finish_reason: Option<&'static str>,
-    pub logprobs: Option<CompletionLogprobs>,
-}
-
-/// A `/v1/completions` answer, or one chunk of its stream (`object` says which).
-#[derive(Debug, Serialize)]
-pub struct Completion {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<CompletionChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-}
-
-#[derive(Debug, Default, Serialize)]
-pub struct ChatMessageOut {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub role: Option<&'static str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub content: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tool_calls: Option<ToolCalls>,
-}
-
-/// A message's `tool_calls`: the whole calls of an answer, or what a chunk of a stream adds.
-#[derive(Debug, Serialize)]
-#[serde(untagged)]
-pub enum ToolCalls {
-    Whole(Vec<ToolCall>),
-    Chunk(Vec<ToolCallChunk>),
-}
-
-#[derive(Debug, Serialize)]
-pub struct ChatChoice {
-    pub index: u32,
-    /// The whole answer (`chat.completion`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub message: Option<ChatMessageOut>,
-    /// What this chunk adds (`chat.completion.chunk`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub delta: Option<ChatMessageOut>,
-    pub finish_reason: Option<&'static str>,
-    pub logprobs: Option<ChatLogprobs>,
-}
-
-/// A `/v1/chat/completions` answer, or one chunk of its stream.
-#[derive(Debug, Serialize)]
-pub struct ChatCompletion {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<ChatChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-}
-
-impl ChatCompletion {
-    /// An answer that `called` a tool finishes with `tool_calls` where it would have stopped.
-    pub fn calling(mut self, called: bool) -> Self {
-        for choice in &mut self.choices {
-            if called && choice.finish_reason == Some("stop") {
-                choice.finish_reason = Some("tool_calls");
-            }
-        }
-        self
-    }
-}
-
-/// `GET /v1/models`.
-#[derive(Debug, Serialize)]
-pub struct ModelList {
-    pub object: &'static str,
-    pub data: Vec<ModelCard>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct ModelCard {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub owned_by: &'static str,
-}
-
-/// OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}`.
-#[derive(Debug, Serialize)]
-pub struct ErrorEnvelope {
-    pub error: ErrorBody,
-}
-
-#[derive(Debug, Serialize)]
-pub struct ErrorBody {
-    pub message: String,
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    pub param: Option<&'static str>,
-    pub code: Option<&'static str>,
-}
-
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
 
     /// A chat request to a router whose model writes Hermes tool calls.
@@ -1090,30 +676,13 @@ mod tests {
         r.constraint.as_ref().and_then(|c| c.kind.clone())
     }
 
-    /// `speculative: false` opts out; the usage reports the drafts in OpenAI's fields.
+    /// `speculative: false` opts out.
     #[test]
-    fn speculation_is_asked_for_and_reported() {
+    fn speculation_is_asked_for() {
         let (r, _) = completion(r#"{"model":"m","prompt":"a","speculative":false}"#).unwrap();
         assert_eq!(r.speculative, Some(false));
         let (r, _) = completion(r#"{"model":"m","prompt":"a"}"#).unwrap();
         assert_eq!(r.speculative, None);
-        let usage = Usage::from(&v1::Usage {
-            prompt_tokens: 5,
-            completion_tokens: 9,
-            decode_steps: 4,
-            draft_tokens: 8,
-            accepted_draft_tokens: 5,
-            ..Default::default()
-        });
-        let json = serde_json::to_value(&usage).unwrap();
-        assert_eq!(
-            json["completion_tokens_details"],
-            serde_json::json!({
-                "accepted_prediction_tokens": 5,
-                "rejected_prediction_tokens": 3,
-                "decode_steps": 4
-            })
-        );
     }
 
     /// `response_format`, `guided_regex` and `guided_grammar` become the request's constraint,
@@ -1246,40 +815,6 @@ mod tests {
                 other => panic!("{fields}: {other:?}"),
             }
         }
-        let (content, calls) =
-            ToolAnswer::Named("weather".into()).answer(r#"{"city":"Paris"}"#, "7");
-        let call = &calls[0];
-        assert_eq!(
-            (content, call.id.as_str(), call.function.name.as_str()),
-            (None, "call_7", "weather")
-        );
-        assert_eq!(call.function.arguments, r#"{"city":"Paris"}"#);
-        let (_, calls) = ToolAnswer::Required.answer(r#"{"name":"time","arguments":{}}"#, "8");
-        assert_eq!(
-            (
-                calls[0].function.name.as_str(),
-                calls[0].function.arguments.as_str()
-            ),
-            ("time", "{}")
-        );
-        let cut = r#"{"name":"time","argu"#;
-        let (content, calls) = ToolAnswer::Required.answer(cut, "9");
-        assert_eq!((content.as_deref(), calls.len()), (Some(cut), 0));
-        let (content, calls) = ToolAnswer::Text.answer("{}", "9");
-        assert_eq!((content.as_deref(), calls.len()), (Some("{}"), 0));
-        let (content, calls) = ToolAnswer::Auto(ToolCallFormat::Hermes).answer(
-            "Looking.\n<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>",
-            "9",
-        );
-        assert_eq!(content.as_deref(), Some("Looking."));
-        assert_eq!(
-            (
-                calls[0].id.as_str(),
-                calls[0].function.name.as_str(),
-                calls[0].function.arguments.as_str()
-            ),
-            ("call_9", "time", "{}")
-        );
     }
 
     /// An assistant turn's `tool_calls` and a tool turn's `tool_call_id` reach the core; a
@@ -1328,5 +863,73 @@ mod tests {
                 other => panic!("{messages}: {other:?}"),
             }
         }
+    }
+
+    /// `auto` is served where the chat template shows the tools and its markup is read (by
+    /// `--tool-call-parser`, or read off the template), and refused with why everywhere else.
+    #[test]
+    fn auto_tool_calls_need_a_template_that_shows_tools_and_a_markup() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/chat-templates");
+        let hermes =
+            ChatTemplate::new(&std::fs::read_to_string(dir.join("hermes-tools.jinja")).unwrap())
+                .unwrap();
+        let blind = ChatTemplate::chatml();
+        let json_calls = ChatTemplate::new(
+            "{% for t in tools %}{{ t | tojson }}{% endfor %}{% for m in messages %}\
+             {{ m.content }}{% endfor %}",
+        )
+        .unwrap();
+        let tokenizer = crate::openai::server::tests::tiny_tokenizer();
+        assert_eq!(
+            ToolCallParser::Detect.auto_tool_calls(&hermes, &tokenizer),
+            Ok(ToolCallFormat::Hermes)
+        );
+        assert_eq!(
+            ToolCallParser::Hermes.auto_tool_calls(&json_calls, &tokenizer),
+            Ok(ToolCallFormat::Hermes)
+        );
+        for (chat, parser, why) in [
+            (&hermes, ToolCallParser::None, "--tool-call-parser=none"),
+            (
+                &json_calls,
+                ToolCallParser::Detect,
+                "teaches no tool-call markup",
+            ),
+            (
+                &blind,
+                ToolCallParser::Detect,
+                "does not show the model the tools",
+            ),
+            (
+                &blind,
+                ToolCallParser::Hermes,
+                "does not show the model the tools",
+            ),
+        ] {
+            let e = parser.auto_tool_calls(chat, &tokenizer).unwrap_err();
+            assert!(e.contains(why), "{parser:?}: {e}");
+        }
+        // A tokenizer whose `<tool_call>` is a special token: answers' text would lack it.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+                .unwrap();
+        json["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+            "id": 384, "content": "<tool_call>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}));
+        let file = std::env::temp_dir().join(format!(
+            "duet-special-tool-call-{}.json",
+            std::process::id()
+        ));
+        std::fs::write(&file, json.to_string()).unwrap();
+        let special = Tokenizer::from_hf_file(&file).unwrap();
+        std::fs::remove_file(&file).unwrap();
+        let e = ToolCallParser::Detect
+            .auto_tool_calls(&hermes, &special)
+            .unwrap_err();
+        assert!(e.contains("`<tool_call>` is a special token"), "{e}");
     }
 }

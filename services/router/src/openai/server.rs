@@ -1,0 +1,652 @@
+//! The OpenAI-compatible HTTP front of the router (axum): `/v1/completions` and
+//! `/v1/chat/completions` (whole, or streamed as server-sent events ending with `[DONE]`),
+//! `/v1/models`, `/health` and `/live`; its API-key layer; and the tool-call format requests
+//! are answered in ([`ServedModel::auto_tool_calls`]).
+//!
+//! A call is admitted against the same in-flight limit as the gRPC API, turned into a
+//! `GenerateRequest` ([`super::request`]) and handed to the core through its door
+//! ([`Core::start`]), as `Generate`/`Complete` are. Errors are mapped here, once, from the
+//! core's gRPC code to an HTTP status in OpenAI's envelope. A client that disconnects drops the
+//! response, and with it the request's channel: the relay ends and cancels the call on every
+//! worker.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use duet_model::tokenizer::Tokenizer;
+use duet_model::tool_calls::ToolCallFormat;
+use duet_proto::InFlightLimitLayer;
+use duet_proto::serve::{Protocol, TraceContextLayer};
+use duet_proto::v1;
+use tokio::time::Instant;
+use tonic::Code;
+
+use super::request::{Answer, OpenAiError};
+use super::response::{Endpoint, Reply, json_event};
+use super::tool_stream::ToolCallStream;
+use super::wire::{ChatRequest, CompletionRequest, ErrorBody, ErrorEnvelope, ModelCard, ModelList};
+use crate::api_keys::{AUTHORIZATION, ApiKeys};
+use crate::door::{Core, Item, Messages, finish_reason, gather};
+use crate::error::RouterError;
+use crate::https::TlsListener;
+
+/// Seconds a client told 429 should wait before retrying.
+const RETRY_AFTER_SECONDS: &str = "1";
+
+/// What the front knows of the model it serves.
+#[derive(Clone, Debug)]
+pub struct ServedModel {
+    /// Every name requests may give as `model` (the first is the model's).
+    pub names: Vec<String>,
+    /// Writes tokens' text (logprobs).
+    pub tokenizer: Tokenizer,
+    /// The markup the model's tool calls are read in under `tool_choice: "auto"`, or why
+    /// `auto` is not served ([`super::request::ToolCallParser::auto_tool_calls`]).
+    pub auto_tool_calls: Result<ToolCallFormat, String>,
+}
+
+/// What every handler shares.
+pub struct HttpFront<C> {
+    pub core: Arc<C>,
+    pub model: ServedModel,
+    /// The gRPC edge's limit on calls in flight, shared.
+    pub limit: InFlightLimitLayer,
+    /// Deadline of every call (HTTP clients send none the router reads).
+    pub request_timeout: Duration,
+}
+
+/// The HTTP front's routes; bodies past `max_body_bytes` are refused with 413. Completions
+/// continue the caller's trace (its `traceparent` header). With `keys`, the `/v1/` routes
+/// answer 401 to calls without one of them (before the body is read).
+pub fn app<C: Core>(
+    front: Arc<HttpFront<C>>,
+    max_body_bytes: usize,
+    keys: Option<Arc<ApiKeys>>,
+) -> axum::Router {
+    let api = axum::Router::new()
+        .route("/v1/completions", post(completions::<C>))
+        .route("/v1/chat/completions", post(chat_completions::<C>))
+        .route_layer(TraceContextLayer(Protocol::Http))
+        .route("/v1/models", get(models::<C>));
+    let api = match keys {
+        Some(keys) => api.route_layer(axum::middleware::from_fn_with_state(keys, require_api_key)),
+        None => api,
+    };
+    api.route("/health", get(health::<C>))
+        .route("/live", get(live))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(front)
+}
+
+/// Serves `app` on `listener` (HTTPS with `tls`, else plain HTTP) until `shutdown` resolves.
+pub async fn serve(
+    app: axum::Router,
+    listener: tokio::net::TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    match tls {
+        Some(tls) => {
+            axum::serve(TlsListener::new(listener, tls)?, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+    }
+}
+
+/// The API-key check, an axum middleware on the `/v1/` routes: 401 in OpenAI's error envelope.
+async fn require_api_key(
+    State(keys): State<Arc<ApiKeys>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let value = request.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
+    match keys.check(value) {
+        Ok(()) => next.run(request).await,
+        Err(e) => HttpError::from(RouterError::from(e)).into_response(),
+    }
+}
+
+/// Everything a call can fail with, answered in OpenAI's envelope.
+#[derive(Debug, thiserror::Error)]
+pub enum HttpError {
+    #[error(transparent)]
+    Request(#[from] OpenAiError),
+    #[error(transparent)]
+    Router(#[from] RouterError),
+    /// The body was not JSON of the right shape, not JSON at all, or too large.
+    #[error("{}", .0.body_text())]
+    Body(#[from] JsonRejection),
+}
+
+impl HttpError {
+    fn status_type_code(&self) -> (StatusCode, &'static str, Option<&'static str>) {
+        match self {
+            HttpError::Request(OpenAiError::Invalid { .. }) => {
+                (StatusCode::BAD_REQUEST, "invalid_request_error", None)
+            }
+            HttpError::Request(OpenAiError::UnknownModel { .. }) => (
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("model_not_found"),
+            ),
+            HttpError::Body(r) => (r.status(), "invalid_request_error", None),
+            HttpError::Router(e) => match e.code() {
+                Code::InvalidArgument | Code::OutOfRange => {
+                    (StatusCode::BAD_REQUEST, "invalid_request_error", None)
+                }
+                Code::NotFound => (StatusCode::NOT_FOUND, "invalid_request_error", None),
+                Code::Unauthenticated => (
+                    StatusCode::UNAUTHORIZED,
+                    "invalid_request_error",
+                    Some("invalid_api_key"),
+                ),
+                Code::ResourceExhausted => (
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    Some("overloaded"),
+                ),
+                Code::Unavailable => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "server_error",
+                    Some("unavailable"),
+                ),
+                Code::DeadlineExceeded => (
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "server_error",
+                    Some("deadline_exceeded"),
+                ),
+                _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+            },
+        }
+    }
+
+    fn envelope(&self) -> ErrorEnvelope {
+        let (_, kind, code) = self.status_type_code();
+        let param = match self {
+            HttpError::Request(OpenAiError::Invalid { param, .. }) => Some(*param),
+            HttpError::Request(OpenAiError::UnknownModel { .. }) => Some("model"),
+            _ => None,
+        };
+        ErrorEnvelope {
+            error: ErrorBody {
+                message: self.to_string(),
+                kind,
+                param,
+                code,
+            },
+        }
+    }
+}
+
+impl IntoResponse for HttpError {
+    fn into_response(self) -> Response {
+        let (status, _, _) = self.status_type_code();
+        let mut response = (status, Json(self.envelope())).into_response();
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from_static(RETRY_AFTER_SECONDS),
+            );
+        }
+        response
+    }
+}
+
+async fn completions<C: Core>(
+    State(front): State<Arc<HttpFront<C>>>,
+    headers: HeaderMap,
+    body: Result<Json<CompletionRequest>, JsonRejection>,
+) -> Result<Response, HttpError> {
+    let Json(body) = body?;
+    let (req, answer) = body.to_generate(&front.model.names)?;
+    let model = body.common.model.clone();
+    generate(front, &headers, req, Endpoint::Completions, answer, &model).await
+}
+
+async fn chat_completions<C: Core>(
+    State(front): State<Arc<HttpFront<C>>>,
+    headers: HeaderMap,
+    body: Result<Json<ChatRequest>, JsonRejection>,
+) -> Result<Response, HttpError> {
+    let Json(body) = body?;
+    let auto_tool_calls = front.model.auto_tool_calls.as_ref();
+    let (req, answer) = body.to_generate(
+        &front.model.names,
+        auto_tool_calls.copied().map_err(String::as_str),
+    )?;
+    let model = body.common.model.clone();
+    generate(front, &headers, req, Endpoint::Chat, answer, &model).await
+}
+
+/// Admits, starts and answers one generation, whole or streamed; the answer names the model as
+/// the request did (any of the served names).
+async fn generate<C: Core>(
+    front: Arc<HttpFront<C>>,
+    headers: &HeaderMap,
+    mut req: v1::GenerateRequest,
+    endpoint: Endpoint,
+    answer: Answer,
+    model: &str,
+) -> Result<Response, HttpError> {
+    let mut reply = Reply::new(endpoint, answer, model);
+    let permit = front.limit.try_admit().map_err(RouterError::from)?;
+    if let Some(id) = headers.get("x-request-id").and_then(|v| v.to_str().ok()) {
+        req.request_id = id.to_string();
+    }
+    let deadline = Instant::now() + front.request_timeout;
+    let mut messages = front.core.start(req, deadline).await?;
+    if !reply.answer.stream {
+        let whole = gather(messages).await?;
+        reply.id = whole.request_id.clone();
+        return Ok(reply.whole(&front.model.tokenizer, &whole));
+    }
+    // The first message decides the status: an error before any token keeps its own.
+    let first = messages.recv().await.unwrap_or_else(|| {
+        Err(RouterError::Internal(
+            "the generation ended without a message".into(),
+        ))
+    })?;
+    reply.id = first.request_id.clone();
+    reply.tool_stream = ToolCallStream::new(&reply.answer.tools, &reply.id);
+    let mut pending = VecDeque::new();
+    if let Some(role) = reply.role_chunk() {
+        pending.push_back(role);
+    }
+    let stream = Streaming {
+        front,
+        messages,
+        reply,
+        first: Some(Ok(first)),
+        pending,
+        done: false,
+        _permit: permit,
+    };
+    let events = futures::stream::unfold(stream, |mut s| async move {
+        let event = s.next().await?;
+        Some((Ok::<_, Infallible>(event), s))
+    });
+    Ok(Sse::new(events).into_response())
+}
+
+/// A streamed answer: its events are made as the core's messages arrive.
+struct Streaming<C> {
+    front: Arc<HttpFront<C>>,
+    messages: Messages,
+    reply: Reply,
+    first: Option<Item>,
+    pending: VecDeque<Event>,
+    done: bool,
+    /// Counts the call in flight until the stream ends or the client leaves.
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl<C: Core> Streaming<C> {
+    async fn next(&mut self) -> Option<Event> {
+        loop {
+            if let Some(e) = self.pending.pop_front() {
+                return Some(e);
+            }
+            if self.done {
+                return None;
+            }
+            let item = match self.first.take() {
+                Some(item) => Some(item),
+                None => self.messages.recv().await,
+            };
+            let finished = match item {
+                Some(Ok(m)) => {
+                    let chunk = self.reply.chunk(&self.front.model.tokenizer, &m);
+                    self.pending.push_back(chunk);
+                    if finish_reason(&m).is_some() {
+                        if let Some(u) =
+                            m.usage.as_ref().filter(|_| self.reply.answer.include_usage)
+                        {
+                            self.pending.push_back(self.reply.usage_chunk(u));
+                        }
+                        true
+                    } else {
+                        false
+                    }
+                }
+                Some(Err(e)) => {
+                    self.pending
+                        .push_back(json_event(&HttpError::from(e).envelope()));
+                    true
+                }
+                None => {
+                    let e = RouterError::Internal(
+                        "the generation ended without a final message".into(),
+                    );
+                    self.pending
+                        .push_back(json_event(&HttpError::from(e).envelope()));
+                    true
+                }
+            };
+            if finished {
+                self.pending.push_back(Event::default().data("[DONE]"));
+                self.done = true;
+            }
+        }
+    }
+}
+
+async fn models<C: Core>(State(front): State<Arc<HttpFront<C>>>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list",
+        data: front
+            .model
+            .names
+            .iter()
+            .map(|name| ModelCard {
+                id: name.clone(),
+                object: "model",
+                created: 0,
+                owned_by: "duet",
+            })
+            .collect(),
+    })
+}
+
+/// Ready (200) when a decode worker is routable and so is a prefill path: a prefill worker, or
+/// none configured (every prompt prefills on its decode worker). 503 otherwise.
+async fn health<C: Core>(
+    State(front): State<Arc<HttpFront<C>>>,
+) -> (StatusCode, Json<serde_json::Value>) {
+    let r = front.core.readiness();
+    let status = if r.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(serde_json::json!({
+            "status": if r.ready { "ready" } else { "unavailable" },
+            "decode_workers_up": r.decode_workers_up,
+            "prefill_workers_up": r.prefill_workers_up,
+        })),
+    )
+}
+
+/// The process answers: 200 whatever its workers' state.
+async fn live() -> &'static str {
+    "ok"
+}
+
+async fn not_found() -> Response {
+    let envelope = ErrorEnvelope {
+        error: ErrorBody {
+            message: "no such endpoint".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        },
+    };
+    (StatusCode::NOT_FOUND, Json(envelope)).into_response()
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::path::Path;
+    use std::sync::Mutex;
+
+    use axum::body::Body;
+    use tokio::sync::mpsc;
+    use tower::Service;
+
+    use super::*;
+    use crate::door::Readiness;
+    use crate::validate::ValidationError;
+
+    /// A core whose generations answer with the scripted messages, in order.
+    #[derive(Default)]
+    pub(crate) struct ScriptedCore {
+        answers: Mutex<VecDeque<Result<Vec<v1::GenerateResponse>, RouterError>>>,
+        /// Every request started, as the front made it.
+        pub started: Mutex<Vec<v1::GenerateRequest>>,
+        ready: bool,
+    }
+
+    impl ScriptedCore {
+        pub(crate) fn answering(
+            answers: impl IntoIterator<Item = Result<Vec<v1::GenerateResponse>, RouterError>>,
+        ) -> Self {
+            Self {
+                answers: Mutex::new(answers.into_iter().collect()),
+                ready: true,
+                ..Default::default()
+            }
+        }
+    }
+
+    impl Core for ScriptedCore {
+        async fn start(
+            &self,
+            req: v1::GenerateRequest,
+            _deadline: Instant,
+        ) -> Result<Messages, RouterError> {
+            self.started.lock().unwrap().push(req);
+            let messages = self
+                .answers
+                .lock()
+                .unwrap()
+                .pop_front()
+                .expect("scripted")?;
+            let (tx, rx) = mpsc::channel(messages.len().max(1));
+            for m in messages {
+                tx.try_send(Ok(m)).unwrap();
+            }
+            Ok(rx)
+        }
+
+        async fn tokenize(
+            &self,
+            _req: v1::TokenizeRequest,
+        ) -> Result<v1::TokenizeResponse, RouterError> {
+            Err(RouterError::Internal("not scripted".into()))
+        }
+
+        fn readiness(&self) -> Readiness {
+            Readiness {
+                decode_workers_up: usize::from(self.ready),
+                prefill_workers_up: 0,
+                ready: self.ready,
+            }
+        }
+    }
+
+    pub(crate) fn tiny_tokenizer() -> Tokenizer {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+        duet_model::model_files::open_model(&dir)
+            .expect("tiny-llama opens")
+            .tokenizer
+    }
+
+    /// The messages of an answer in `pieces` of text (one token each) that ends with `finish`.
+    pub(crate) fn answer(pieces: &[&str], finish: v1::FinishReason) -> Vec<v1::GenerateResponse> {
+        let last = pieces.len() - 1;
+        pieces
+            .iter()
+            .enumerate()
+            .map(|(i, text)| v1::GenerateResponse {
+                request_id: "7".into(),
+                text: text.to_string(),
+                token_ids: vec![5],
+                finish_reason: if i == last { finish as i32 } else { 0 },
+                usage: (i == last).then(|| v1::Usage {
+                    prompt_tokens: 3,
+                    completion_tokens: pieces.len() as u32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    /// The front over `core`, serving the model as `m`, with tool calls read in Hermes markup.
+    pub(crate) fn front_app(core: Arc<ScriptedCore>, limit: usize) -> axum::Router {
+        let front = HttpFront {
+            core,
+            model: ServedModel {
+                names: vec!["m".into()],
+                tokenizer: tiny_tokenizer(),
+                auto_tool_calls: Ok(ToolCallFormat::Hermes),
+            },
+            limit: InFlightLimitLayer::new(limit),
+            request_timeout: Duration::from_secs(60),
+        };
+        app(Arc::new(front), 1 << 20, None)
+    }
+
+    /// One call: the status and the body.
+    pub(crate) async fn call(
+        app: &mut axum::Router,
+        method: &str,
+        path: &str,
+        body: &str,
+    ) -> (StatusCode, axum::http::HeaderMap, String) {
+        let request = axum::http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_string()))
+            .unwrap();
+        let response = app.call(request).await.unwrap();
+        let (parts, body) = response.into_parts();
+        let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+        (
+            parts.status,
+            parts.headers,
+            String::from_utf8(bytes.to_vec()).unwrap(),
+        )
+    }
+
+    /// The JSON of each `data:` event of a stream, up to `[DONE]` (which must end it).
+    pub(crate) fn events(body: &str) -> Vec<serde_json::Value> {
+        let data: Vec<&str> = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        assert_eq!(data.last(), Some(&"[DONE]"), "{body}");
+        data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect()
+    }
+
+    const CHAT: &str = r#"{"model":"m","messages":[{"role":"user","content":"Hi"}]"#;
+
+    /// A chat answer whole and streamed: the same text, its role first when streamed, the
+    /// finish reason and usage; the request reaches the core as a conversation.
+    #[tokio::test]
+    async fn a_chat_answer_is_the_cores_text_whole_and_streamed() {
+        let core = Arc::new(ScriptedCore::answering([
+            Ok(answer(&["Hel", "lo"], v1::FinishReason::Stop)),
+            Ok(answer(&["Hel", "lo"], v1::FinishReason::Length)),
+        ]));
+        let mut app = front_app(core.clone(), 8);
+        let (status, _, body) = call(
+            &mut app,
+            "POST",
+            "/v1/chat/completions",
+            &format!("{CHAT}}}"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let whole: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(whole["object"], "chat.completion");
+        assert_eq!(whole["id"], "chatcmpl-7");
+        assert_eq!(whole["choices"][0]["message"]["content"], "Hello");
+        assert_eq!(whole["choices"][0]["finish_reason"], "stop");
+        assert_eq!(whole["usage"]["total_tokens"], 5);
+        let started = core.started.lock().unwrap()[0].clone();
+        assert_eq!(started.messages[0].content, "Hi");
+        let (status, _, body) = call(
+            &mut app,
+            "POST",
+            "/v1/chat/completions",
+            &format!(r#"{CHAT},"stream":true}}"#),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        let chunks = events(&body);
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+        let text: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(text, "Hello");
+        assert_eq!(
+            chunks.last().unwrap()["choices"][0]["finish_reason"],
+            "length"
+        );
+    }
+
+    /// The core's errors and the front's own refusals, each as its status in OpenAI's envelope.
+    #[tokio::test]
+    async fn errors_are_answered_with_their_status_in_the_envelope() {
+        let core = Arc::new(ScriptedCore::answering([
+            Err(RouterError::Invalid(ValidationError::EmptyPrompt)),
+            Err(RouterError::NoDecodeWorker(None)),
+            Err(RouterError::DeadlineExceeded(Duration::from_millis(1))),
+        ]));
+        let mut app = front_app(core, 8);
+        let chat = format!("{CHAT}}}");
+        for (status, kind) in [
+            (StatusCode::BAD_REQUEST, "invalid_request_error"),
+            (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
+            (StatusCode::GATEWAY_TIMEOUT, "server_error"),
+        ] {
+            let (got, _, body) = call(&mut app, "POST", "/v1/chat/completions", &chat).await;
+            assert_eq!(got, status, "{body}");
+            let e: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(e["error"]["type"], kind, "{body}");
+            assert!(
+                e["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty())
+            );
+        }
+        let (got, _, body) = call(
+            &mut app,
+            "POST",
+            "/v1/chat/completions",
+            r#"{"model":"x","messages":[{"role":"user","content":"Hi"}]}"#,
+        )
+        .await;
+        assert_eq!(got, StatusCode::NOT_FOUND);
+        assert!(body.contains("model_not_found"), "{body}");
+        let (got, _, body) = call(&mut app, "POST", "/v1/completions", r#"{"model":"m"}"#).await;
+        assert_eq!(got, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        let (got, _, _) = call(&mut app, "GET", "/nowhere", "").await;
+        assert_eq!(got, StatusCode::NOT_FOUND);
+        let mut full = front_app(Arc::new(ScriptedCore::default()), 0);
+        let (got, headers, _) = call(&mut full, "POST", "/v1/chat/completions", &chat).await;
+        assert_eq!(got, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(headers[header::RETRY_AFTER], "1");
+        let (got, _, body) = call(&mut full, "GET", "/health", "").await;
+        assert_eq!(got, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        let (got, _, body) = call(&mut app, "GET", "/health", "").await;
+        assert_eq!(got, StatusCode::OK, "{body}");
+        let (got, _, body) = call(&mut app, "GET", "/v1/models", "").await;
+        assert_eq!(got, StatusCode::OK);
+        assert!(body.contains(r#""id":"m""#), "{body}");
+    }
+}
