@@ -65,6 +65,12 @@ pub enum ValidationError {
     /// A constraint that does not compile or cannot produce any token.
     #[error(transparent)]
     Constraint(#[from] GrammarError),
+    /// A `Constraint` message with no kind set (it would run unconstrained).
+    #[error(
+        "constraint: no kind set; set one of json_schema, json_object, regex or lark (or leave \
+         the constraint out)"
+    )]
+    ConstraintWithoutKind,
 }
 
 /// A validated request: what the decode worker needs.
@@ -194,12 +200,10 @@ impl PromptModel {
         Ok(ids)
     }
 
-    /// Checks that a request's constraint fits the limit and compiles, before anything is
-    /// queued (the workers compile it again to use it).
-    fn check_constraint(&self, c: &v1::Constraint) -> Result<Option<Constraint>, ValidationError> {
-        let Some(constraint) = constraint_from_wire(c) else {
-            return Ok(None);
-        };
+    /// Checks that a request's constraint names a kind, fits the limit and compiles, before
+    /// anything is queued (the workers compile it again to use it).
+    fn check_constraint(&self, c: &v1::Constraint) -> Result<Constraint, ValidationError> {
+        let constraint = constraint_from_wire(c).ok_or(ValidationError::ConstraintWithoutKind)?;
         if constraint.text_bytes() > self.max_constraint_bytes {
             return Err(ValidationError::ConstraintTooLong {
                 len: constraint.text_bytes(),
@@ -215,7 +219,7 @@ impl PromptModel {
             reason: reason.clone(),
         })?;
         compiler.compile(&constraint)?;
-        Ok(Some(constraint))
+        Ok(constraint)
     }
 
     /// What a prompt must fit.
@@ -291,7 +295,7 @@ impl PromptModel {
             });
         }
         let constraint = match &req.constraint {
-            Some(c) => self.check_constraint(c)?,
+            Some(c) => Some(self.check_constraint(c)?),
             None => None,
         };
         let sampling = v1::SamplingParams {
@@ -715,7 +719,8 @@ mod tests {
     }
 
     /// A constraint is compiled before anything is queued: a good one travels to the workers,
-    /// a bad one, or one past --max-constraint-bytes, is refused with the reason.
+    /// a bad one, one past --max-constraint-bytes, or one of no kind (which would run
+    /// unconstrained) is refused with the reason.
     #[test]
     fn constraints_are_checked_before_queueing() {
         use v1::constraint::Kind;
@@ -751,7 +756,15 @@ mod tests {
             constraint: Some(v1::Constraint { kind: None }),
             ..req()
         };
-        assert_eq!(m.validate(&none, || 1).unwrap().sampling.constraint, None);
+        assert_err(&m, none, &["constraint: no kind set", "json_schema"]);
+        // A keyword llguidance does not implement is refused by name.
+        assert_err(
+            &m,
+            with(Kind::JsonSchema(
+                r#"{"type":"array","items":{"type":"integer"},"uniqueItems":true}"#.into(),
+            )),
+            &["json_schema", "uniqueItems"],
+        );
     }
 
     #[test]
