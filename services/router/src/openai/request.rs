@@ -6,9 +6,11 @@
 //! [`super::tool_stream`]).
 
 use duet_model::chat::ChatTemplate;
+use duet_model::json_schema;
 use duet_model::tokenizer::Tokenizer;
 use duet_model::tool_calls::{ToolCallFormat, call_schema};
 use duet_proto::v1;
+use v1::constraint::Kind;
 
 use super::wire::{
     ChatRequest, Common, CompletionRequest, Content, FunctionTool, Message, Prompt, ResponseFormat,
@@ -239,18 +241,26 @@ impl Common {
 
     /// The grammar `response_format`, `guided_regex` or `guided_grammar` asks for (one at most).
     fn constraint(&self) -> Result<Option<v1::Constraint>, OpenAiError> {
-        use v1::constraint::Kind;
         let format = match &self.response_format {
             None | Some(ResponseFormat::Text) => None,
+            Some(ResponseFormat::JsonObject) if self.whitespace_flexible => {
+                Some(self.json(serde_json::json!({"type": "object"})))
+            }
             Some(ResponseFormat::JsonObject) => Some(Kind::JsonObject(true)),
-            Some(ResponseFormat::JsonSchema { json_schema }) => {
-                let schema = json_schema.schema.as_ref().ok_or_else(|| {
+            Some(ResponseFormat::JsonSchema {
+                json_schema: format,
+            }) => {
+                let mut schema = format.schema.clone().ok_or_else(|| {
                     invalid(
                         "response_format",
                         "response_format.json_schema.schema is required",
                     )
                 })?;
-                Some(Kind::JsonSchema(schema.to_string()))
+                // OpenAI's strict mode: only the listed properties.
+                if format.strict == Some(true) {
+                    json_schema::close_objects(&mut schema);
+                }
+                Some(self.json(schema))
             }
         };
         let kinds: Vec<(&'static str, Kind)> = [
@@ -278,6 +288,34 @@ impl Common {
                 ),
             )),
         }
+    }
+
+    /// A JSON Schema constraint, its whitespace flexible where the request asks.
+    fn json(&self, mut schema: serde_json::Value) -> Kind {
+        if self.whitespace_flexible {
+            json_schema::flexible_whitespace(&mut schema);
+        }
+        Kind::JsonSchema(schema.to_string())
+    }
+
+    /// Refuses `whitespace_flexible` on a request whose answer is not held to a JSON Schema.
+    fn check_whitespace(
+        &self,
+        req: &v1::GenerateRequest,
+        tools: &ToolAnswer,
+    ) -> Result<(), OpenAiError> {
+        let json = matches!(
+            req.constraint.as_ref().and_then(|c| c.kind.as_ref()),
+            Some(Kind::JsonSchema(_) | Kind::JsonObject(_))
+        ) || matches!(tools, ToolAnswer::Auto(_));
+        if self.whitespace_flexible && !json {
+            return Err(invalid(
+                "whitespace_flexible",
+                "whitespace_flexible applies to JSON answers only (response_format json_object or \
+                 json_schema, or tools)",
+            ));
+        }
+        Ok(())
     }
 
     fn answer(&self, top_logprobs: Option<u32>) -> Answer {
@@ -326,7 +364,9 @@ impl CompletionRequest {
         req.max_tokens = self.common.max_tokens;
         req.logprobs = self.logprobs.unwrap_or(0);
         let top = self.logprobs.filter(|&n| n > 0);
-        Ok((req, self.common.answer(top)))
+        let answer = self.common.answer(top);
+        self.common.check_whitespace(&req, &answer.tools)?;
+        Ok((req, answer))
     }
 }
 
@@ -368,6 +408,7 @@ impl ChatRequest {
         req.logprobs = top.map_or(0, |n| n.max(1));
         let mut answer = self.common.answer(top);
         answer.tools = self.tool_call(&mut req, auto_tool_calls)?;
+        self.common.check_whitespace(&req, &answer.tools)?;
         Ok((req, answer))
     }
 
@@ -401,10 +442,14 @@ impl ChatRequest {
                 "one constraint per request: tools and a response format are both set",
             ));
         }
+        // A call's arguments hold only the properties its schema lists (unless it allows more).
         let parameters = |f: &FunctionTool| {
-            f.parameters
+            let mut schema = f
+                .parameters
                 .clone()
-                .unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}))
+                .unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}));
+            json_schema::close_objects(&mut schema);
+            schema
         };
         let call = || {
             call_schema(
@@ -414,10 +459,7 @@ impl ChatRequest {
             )
         };
         let (constraint, answer) = match choice {
-            Some(c) if c == "required" => (
-                v1::constraint::Kind::JsonSchema(call().to_string()),
-                ToolAnswer::Required,
-            ),
+            Some(c) if c == "required" => (self.common.json(call()), ToolAnswer::Required),
             Some(c) if c["type"] == "function" => {
                 let name = c["function"]["name"].as_str().unwrap_or_default();
                 let tool = tools
@@ -430,13 +472,13 @@ impl ChatRequest {
                         )
                     })?;
                 (
-                    v1::constraint::Kind::JsonSchema(parameters(&tool.function).to_string()),
+                    self.common.json(parameters(&tool.function)),
                     ToolAnswer::Named(name.to_string()),
                 )
             }
             // Free text, and calls in the model's markup held to the tools' schemas.
-            None => auto(auto_tool_calls, call)?,
-            Some(c) if c == "auto" => auto(auto_tool_calls, call)?,
+            None => auto(auto_tool_calls, call, self.common.whitespace_flexible)?,
+            Some(c) if c == "auto" => auto(auto_tool_calls, call, self.common.whitespace_flexible)?,
             Some(c) => {
                 return Err(invalid(
                     "tool_choice",
@@ -480,7 +522,8 @@ fn only_functions(param: &'static str, what: &str, kind: &str) -> Result<(), Ope
 fn auto(
     format: Result<ToolCallFormat, &str>,
     call: impl FnOnce() -> serde_json::Value,
-) -> Result<(v1::constraint::Kind, ToolAnswer), OpenAiError> {
+    whitespace_flexible: bool,
+) -> Result<(Kind, ToolAnswer), OpenAiError> {
     let format = format.map_err(|why| {
         invalid(
             "tool_choice",
@@ -490,10 +533,11 @@ fn auto(
             ),
         )
     })?;
-    Ok((
-        v1::constraint::Kind::Lark(format.grammar(&call())),
-        ToolAnswer::Auto(format),
-    ))
+    let mut call = call();
+    if whitespace_flexible {
+        json_schema::flexible_whitespace(&mut call);
+    }
+    Ok((Kind::Lark(format.grammar(&call)), ToolAnswer::Auto(format)))
 }
 
 fn text_of(content: Option<&Content>) -> Result<String, OpenAiError> {
@@ -812,6 +856,97 @@ mod tests {
         ] {
             match chat_with(fields) {
                 Err(OpenAiError::Invalid { param: p, .. }) => assert_eq!(p, param, "{fields}"),
+                other => panic!("{fields}: {other:?}"),
+            }
+        }
+    }
+
+    /// Tool arguments and `strict` schemas hold only the properties they list (plain JSON
+    /// Schema allows any others); `whitespace_flexible` lets any JSON answer have whitespace,
+    /// and is refused where the answer is not JSON.
+    #[test]
+    fn tool_arguments_and_strict_schemas_are_closed_and_whitespace_is_asked_for() {
+        let schema_of = |r: &v1::GenerateRequest| -> serde_json::Value {
+            match kind(r) {
+                Some(Kind::JsonSchema(text)) => serde_json::from_str(&text).unwrap(),
+                other => panic!("{other:?}"),
+            }
+        };
+        let weather = r#"{"type":"function","function":{"name":"weather","parameters":{
+            "type":"object","properties":{"city":{"type":"string"},
+            "at":{"type":"object","properties":{"day":{"type":"integer"}}}}}}}"#;
+        let ask = |fields: &str| {
+            chat(&format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{fields}}}"#
+            ))
+        };
+        let (r, _) = ask(&format!(
+            r#""tools":[{weather}],"tool_choice":{{"type":"function","function":{{"name":"weather"}}}}"#
+        ))
+        .unwrap();
+        let named = schema_of(&r);
+        assert_eq!(named["additionalProperties"], false, "{named}");
+        assert_eq!(named["properties"]["at"]["additionalProperties"], false);
+        assert!(
+            named.get("x-guidance").is_none(),
+            "compact is the compiler's default"
+        );
+        let (r, _) = ask(&format!(r#""tools":[{weather}],"tool_choice":"required""#)).unwrap();
+        let required = schema_of(&r);
+        assert_eq!(
+            required["anyOf"][0]["properties"]["arguments"]["additionalProperties"],
+            false
+        );
+        let (r, _) = ask(&format!(r#""tools":[{weather}]"#)).unwrap();
+        let Some(Kind::Lark(grammar)) = kind(&r) else {
+            panic!("{r:?}")
+        };
+        // The call's object, and both of its arguments' objects.
+        assert_eq!(
+            grammar.matches(r#""additionalProperties":false"#).count(),
+            3,
+            "{grammar}"
+        );
+        let format = |strict: bool| {
+            format!(
+                r#""response_format":{{"type":"json_schema","json_schema":{{"name":"p",
+                "strict":{strict},"schema":{{"type":"object","properties":{{"a":{{}}}}}}}}}}"#
+            )
+        };
+        let (r, _) = ask(&format(true)).unwrap();
+        assert_eq!(schema_of(&r)["additionalProperties"], false);
+        let (r, _) = ask(&format(false)).unwrap();
+        assert!(schema_of(&r).get("additionalProperties").is_none());
+        // Flexible whitespace where asked, for every kind of JSON answer.
+        let flexible =
+            |r: &v1::GenerateRequest| schema_of(r)["x-guidance"]["whitespace_flexible"] == true;
+        let (r, _) = ask(&format!(r#"{},"whitespace_flexible":true"#, format(false))).unwrap();
+        assert!(flexible(&r));
+        let (r, _) =
+            ask(r#""response_format":{"type":"json_object"},"whitespace_flexible":true"#).unwrap();
+        assert!(flexible(&r) && schema_of(&r)["type"] == "object");
+        let (r, _) = ask(&format!(
+            r#""tools":[{weather}],"tool_choice":"required","whitespace_flexible":true"#
+        ))
+        .unwrap();
+        assert!(flexible(&r));
+        let (r, _) = ask(&format!(
+            r#""tools":[{weather}],"whitespace_flexible":true"#
+        ))
+        .unwrap();
+        let Some(Kind::Lark(grammar)) = kind(&r) else {
+            panic!("{r:?}")
+        };
+        assert!(
+            grammar.contains(r#""whitespace_flexible":true"#),
+            "{grammar}"
+        );
+        for fields in [
+            r#""whitespace_flexible":true"#,
+            r#""guided_regex":"a+","whitespace_flexible":true"#,
+        ] {
+            match ask(fields) {
+                Err(OpenAiError::Invalid { param, .. }) => assert_eq!(param, "whitespace_flexible"),
                 other => panic!("{fields}: {other:?}"),
             }
         }

@@ -599,6 +599,116 @@ pub(crate) mod tests {
         );
     }
 
+    /// Under a named or `required` tool choice the answer is always a call, whole and streamed,
+    /// and one cut short by `max_tokens` says `length`; a schema-held answer cut short too.
+    #[tokio::test]
+    async fn a_tool_call_cut_short_is_still_a_call_that_says_length() {
+        let tools = r#""tools":[{"type":"function","function":{"name":"get_weather",
+            "parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}]"#;
+        let named = r#""tool_choice":{"type":"function","function":{"name":"get_weather"}}"#;
+        let cases = [
+            (
+                named,
+                &["{\"city\":", "\"Par"][..],
+                "get_weather",
+                "{\"city\":\"Par",
+            ),
+            (
+                r#""tool_choice":"required""#,
+                &["{\"name\":\"get_wea"][..],
+                "get_wea",
+                "",
+            ),
+            (
+                r#""tool_choice":"required""#,
+                &["{\"name\":\"get_weather\",", "\"arguments\":{\"ci"][..],
+                "get_weather",
+                "{\"ci",
+            ),
+        ];
+        for (choice, pieces, name, arguments) in cases {
+            let core = Arc::new(ScriptedCore::answering([
+                Ok(answer(pieces, v1::FinishReason::Length)),
+                Ok(answer(pieces, v1::FinishReason::Length)),
+            ]));
+            let mut app = front_app(core, 8);
+            let body = format!("{CHAT},{tools},{choice}");
+            let (status, _, whole) = call(
+                &mut app,
+                "POST",
+                "/v1/chat/completions",
+                &format!("{body}}}"),
+            )
+            .await;
+            assert_eq!(status, StatusCode::OK, "{whole}");
+            let whole: serde_json::Value = serde_json::from_str(&whole).unwrap();
+            let choice_out = &whole["choices"][0];
+            assert_eq!(choice_out["finish_reason"], "length", "{whole}");
+            assert!(choice_out["message"]["content"].is_null(), "{whole}");
+            let call_out = &choice_out["message"]["tool_calls"][0];
+            assert_eq!(call_out["function"]["name"], name, "{whole}");
+            assert_eq!(call_out["function"]["arguments"], arguments, "{whole}");
+            let (_, _, streamed) = call(
+                &mut app,
+                "POST",
+                "/v1/chat/completions",
+                &format!(r#"{body},"stream":true}}"#),
+            )
+            .await;
+            let chunks = events(&streamed);
+            assert!(
+                chunks.iter().all(|c| c["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .is_none_or(str::is_empty)),
+                "{streamed}"
+            );
+            let deltas: Vec<&serde_json::Value> = chunks
+                .iter()
+                .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+                .flatten()
+                .collect();
+            assert_eq!(deltas[0]["function"]["name"], name, "{streamed}");
+            let joined: String = deltas
+                .iter()
+                .filter_map(|d| d["function"]["arguments"].as_str())
+                .collect();
+            assert_eq!(joined, arguments, "{streamed}");
+            assert_eq!(
+                chunks.last().unwrap()["choices"][0]["finish_reason"],
+                "length",
+                "{streamed}"
+            );
+        }
+        // Not cut: the call finishes with `tool_calls`.
+        let core = Arc::new(ScriptedCore::answering([Ok(answer(
+            &["{\"city\":\"Paris\"}"],
+            v1::FinishReason::Stop,
+        ))]));
+        let mut app = front_app(core, 8);
+        let (_, _, whole) = call(
+            &mut app,
+            "POST",
+            "/v1/chat/completions",
+            &format!("{CHAT},{tools},{named}}}"),
+        )
+        .await;
+        assert!(whole.contains(r#""finish_reason":"tool_calls""#), "{whole}");
+        // A schema-held answer cut short says `length` too.
+        let core = Arc::new(ScriptedCore::answering([Ok(answer(
+            &["{\"a\":1"],
+            v1::FinishReason::Length,
+        ))]));
+        let mut app = front_app(core, 8);
+        let (_, _, whole) = call(
+            &mut app,
+            "POST",
+            "/v1/chat/completions",
+            &format!(r#"{CHAT},"response_format":{{"type":"json_object"}}}}"#),
+        )
+        .await;
+        assert!(whole.contains(r#""finish_reason":"length""#), "{whole}");
+    }
+
     /// The core's errors and the front's own refusals, each as its status in OpenAI's envelope.
     #[tokio::test]
     async fn errors_are_answered_with_their_status_in_the_envelope() {

@@ -66,6 +66,10 @@ pub struct Common {
     /// `false` opts the request out of the decode worker's speculative decoding (duet's
     /// `speculative`; the answer is the same either way).
     pub speculative: Option<bool>,
+    /// A JSON answer (`response_format`, tools) may have any whitespace between its tokens
+    /// (llguidance's option of that name); by default it has none.
+    #[serde(default)]
+    pub whitespace_flexible: bool,
     #[serde(flatten)]
     pub unserved: Unserved,
 }
@@ -79,7 +83,8 @@ pub enum ResponseFormat {
     JsonSchema { json_schema: JsonSchemaFormat },
 }
 
-/// `response_format.json_schema`. duet always holds the answer to the schema (`strict` or not).
+/// `response_format.json_schema`. duet always holds the answer to the schema; `strict` also
+/// closes its objects (only the listed properties, unless the schema allows more).
 #[derive(Debug, Deserialize)]
 pub struct JsonSchemaFormat {
     pub name: Option<String>,
