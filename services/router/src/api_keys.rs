@@ -1,5 +1,6 @@
 //! API keys of the public API (`--api-keys-file`): every `Generation` call carries
-//! `authorization: Bearer KEY` metadata, every OpenAI HTTP call under `/v1/` the same header,
+//! `authorization: Bearer KEY` metadata, every OpenAI HTTP call (all but `/health` and `/live`)
+//! the same header,
 //! or is refused (UNAUTHENTICATED / HTTP 401) before it is read any further. Health, liveness
 //! and reflection stay open. Keys are compared in constant time, against every key. The gRPC
 //! check is here ([`RequireApiKey`]); the HTTP front's middleware calls [`ApiKeys::check`].

@@ -26,7 +26,8 @@ pub struct RouterConfig {
     pub listen: SocketAddr,
 
     /// Address to serve the OpenAI-compatible HTTP API on (`/v1/completions`,
-    /// `/v1/chat/completions`, `/v1/models`, `/health`, `/live`); HTTPS with --tls-cert.
+    /// `/v1/chat/completions`, `/v1/models`, `/tokenize`, `/detokenize`, `/health`, `/live`);
+    /// HTTPS with --tls-cert.
     /// Unset: no HTTP API.
     #[arg(long, value_name = "ADDR", env = "DUET_HTTP_LISTEN")]
     pub http_listen: Option<SocketAddr>,
@@ -84,7 +85,7 @@ pub struct RouterConfig {
 
     /// File of the API keys the public API requires (one key a line; empty lines and lines
     /// starting with `#` skipped): gRPC `Generation` calls carry `authorization: Bearer KEY`
-    /// metadata, OpenAI HTTP calls under `/v1/` the same header, or are refused with
+    /// metadata, OpenAI HTTP calls (all but `/health` and `/live`) the same header, or are refused with
     /// UNAUTHENTICATED / HTTP 401. Health, liveness and reflection stay open. Unset: no key
     /// needed.
     #[arg(long, value_name = "PATH", env = "DUET_API_KEYS_FILE")]

@@ -167,23 +167,13 @@ pub async fn serve(
                 .await
                 .with_context(|| format!("cannot listen for HTTP on {addr}"))?;
             tracing::info!(addr = %addr, tls = tls.is_some(), "OpenAI-compatible HTTP API serving");
-            let auto_tool_calls = config
-                .routing
-                .tool_call_parser
-                .auto_tool_calls(&state.model.chat, &state.model.tokenizer);
-            match &auto_tool_calls {
-                Ok(format) => {
-                    tracing::info!(format = format.name(), "tool_choice auto reads tool calls")
-                }
-                Err(why) => tracing::info!("tool_choice auto is refused: {why}"),
-            }
             let front = Arc::new(HttpFront {
                 core: state.clone(),
-                model: ServedModel {
-                    names: state.served_names.clone(),
-                    tokenizer: state.model.tokenizer.clone(),
-                    auto_tool_calls,
-                },
+                model: ServedModel::new(
+                    state.served_names.clone(),
+                    &state.model,
+                    config.routing.tool_call_parser,
+                ),
                 limit: edge.in_flight_limit(),
                 request_timeout,
             });

@@ -13,8 +13,8 @@ use duet_proto::v1;
 use v1::constraint::Kind;
 
 use super::wire::{
-    ChatRequest, Common, CompletionRequest, Content, FunctionTool, Message, Prompt, ResponseFormat,
-    Stop, Unserved,
+    ChatRequest, Common, CompletionRequest, Content, DetokenizeRequest, FunctionTool, Message,
+    Prompt, ResponseFormat, Stop, TokenizeRequest, Tool, Unserved,
 };
 
 /// A request the OpenAI front refuses before it reaches the router core (the core's own checks
@@ -199,12 +199,7 @@ impl Common {
     /// Checks what the core does not know about (model, `n`) and fills the shared fields of
     /// `req`.
     fn apply(&self, served: &[String], req: &mut v1::GenerateRequest) -> Result<(), OpenAiError> {
-        if !served.contains(&self.model) {
-            return Err(OpenAiError::UnknownModel {
-                asked: self.model.clone(),
-                served: served.join("`, `"),
-            });
-        }
+        check_model(&self.model, served)?;
         if let Some(n) = self.n.filter(|&n| n != 1) {
             return Err(invalid(
                 "n",
@@ -330,9 +325,11 @@ impl Common {
 
 impl CompletionRequest {
     /// The request as the router core takes it.
+    /// Token ids past `vocab_size` are refused here, naming `prompt`.
     pub fn to_generate(
         &self,
         served: &[String],
+        vocab_size: u32,
     ) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
         let mut req = v1::GenerateRequest::default();
         self.common.apply(served, &mut req)?;
@@ -361,6 +358,7 @@ impl CompletionRequest {
                 req.token_ids = v[0].clone();
             }
         }
+        check_token_ids("prompt", &req.token_ids, vocab_size)?;
         req.max_tokens = self.common.max_tokens;
         req.logprobs = self.logprobs.unwrap_or(0);
         let top = self.logprobs.filter(|&n| n > 0);
@@ -492,17 +490,140 @@ impl ChatRequest {
         req.constraint = Some(v1::Constraint {
             kind: Some(constraint),
         });
-        let mut variables = match self.chat_template_kwargs.as_ref() {
-            Some(serde_json::Value::Object(m)) => m.clone(),
-            _ => serde_json::Map::new(),
-        };
-        let functions: Vec<serde_json::Value> = tools
-            .iter()
-            .map(|t| serde_json::json!({"type": "function", "function": t.function}))
-            .collect();
-        variables.insert("tools".into(), functions.into());
-        req.chat_template_kwargs = serde_json::Value::Object(variables).to_string();
+        req.chat_template_kwargs = with_tools(self.chat_template_kwargs.as_ref(), tools);
         Ok(answer)
+    }
+}
+
+/// The chat template's variables: `chat_template_kwargs` (an object), with `tools` the tools'
+/// functions as HF's templates take them.
+fn with_tools(kwargs: Option<&serde_json::Value>, tools: &[Tool]) -> String {
+    let mut variables = match kwargs {
+        Some(serde_json::Value::Object(m)) => m.clone(),
+        _ => serde_json::Map::new(),
+    };
+    let functions: Vec<serde_json::Value> = tools
+        .iter()
+        .map(|t| serde_json::json!({"type": "function", "function": t.function}))
+        .collect();
+    variables.insert("tools".into(), functions.into());
+    serde_json::Value::Object(variables).to_string()
+}
+
+/// Refuses a `model` this router does not serve (any of its names).
+fn check_model(asked: &str, served: &[String]) -> Result<(), OpenAiError> {
+    if served.iter().any(|s| s == asked) {
+        return Ok(());
+    }
+    Err(OpenAiError::UnknownModel {
+        asked: asked.to_string(),
+        served: served.join("`, `"),
+    })
+}
+
+/// Refuses token ids outside the vocabulary, naming `param` and the first bad one.
+pub fn check_token_ids(
+    param: &'static str,
+    ids: &[u32],
+    vocab_size: u32,
+) -> Result<(), OpenAiError> {
+    match ids.iter().enumerate().find(|&(_, &id)| id >= vocab_size) {
+        Some((i, id)) => Err(invalid(
+            param,
+            format!(
+                "{param}[{i}] = {id} is outside the vocabulary (valid ids are 0..{vocab_size})"
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+impl DetokenizeRequest {
+    /// Refuses a model this router does not serve and ids outside the vocabulary.
+    pub fn check(&self, served: &[String], vocab_size: u32) -> Result<(), OpenAiError> {
+        if let Some(model) = &self.model {
+            check_model(model, served)?;
+        }
+        check_token_ids("tokens", &self.tokens, vocab_size)
+    }
+}
+
+impl TokenizeRequest {
+    /// The request as the core's Tokenize takes it: a prompt, or messages rendered as a chat
+    /// request's are (with its `chat_template_kwargs` and `tools`). duet tokenizes as it
+    /// generates: options asking for anything else are refused, naming them.
+    pub fn to_core(&self, served: &[String]) -> Result<v1::TokenizeRequest, OpenAiError> {
+        if let Some(model) = &self.model {
+            check_model(model, served)?;
+        }
+        if self.add_special_tokens == Some(false) {
+            return Err(invalid(
+                "add_special_tokens",
+                "add_special_tokens=false is not supported: duet tokenizes as it generates, with \
+                 the special tokens the model adds",
+            ));
+        }
+        if self.continue_final_message {
+            return Err(invalid(
+                "continue_final_message",
+                "continue_final_message is not supported",
+            ));
+        }
+        let tools = self.tools.as_deref().unwrap_or_default();
+        for t in tools {
+            only_functions("tools", "tools", &t.kind)?;
+        }
+        let kwargs = self.chat_template_kwargs.as_ref().filter(|v| !v.is_null());
+        match (&self.prompt, &self.messages) {
+            (Some(prompt), None) => {
+                for (param, set) in [
+                    ("chat_template_kwargs", kwargs.is_some()),
+                    ("tools", !tools.is_empty()),
+                    (
+                        "add_generation_prompt",
+                        self.add_generation_prompt.is_some(),
+                    ),
+                ] {
+                    if set {
+                        return Err(invalid(param, format!("{param} applies to messages only")));
+                    }
+                }
+                Ok(v1::TokenizeRequest {
+                    text: prompt.clone(),
+                    ..Default::default()
+                })
+            }
+            (None, Some(messages)) => {
+                if messages.is_empty() {
+                    return Err(invalid("messages", "messages must not be empty"));
+                }
+                if self.add_generation_prompt == Some(false) {
+                    return Err(invalid(
+                        "add_generation_prompt",
+                        "add_generation_prompt=false is not supported: messages are rendered as \
+                         a chat request's, with the generation prompt",
+                    ));
+                }
+                Ok(v1::TokenizeRequest {
+                    messages: messages
+                        .iter()
+                        .enumerate()
+                        .map(|(i, m)| m.to_wire(i))
+                        .collect::<Result<_, OpenAiError>>()?,
+                    chat_template_kwargs: match (kwargs, tools.is_empty()) {
+                        (_, false) => with_tools(kwargs, tools),
+                        (Some(vars), true) => vars.to_string(),
+                        (None, true) => String::new(),
+                    },
+                    ..Default::default()
+                })
+            }
+            (Some(_), Some(_)) => Err(invalid(
+                "messages",
+                "give either a prompt or messages, not both",
+            )),
+            (None, None) => Err(invalid("prompt", "give a prompt or messages to tokenize")),
+        }
     }
 }
 
@@ -580,7 +701,7 @@ mod tests {
     fn completion(json: &str) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
         serde_json::from_str::<CompletionRequest>(json)
             .unwrap()
-            .to_generate(&["m".to_string(), "alias".to_string()])
+            .to_generate(&["m".to_string(), "alias".to_string()], 384)
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The OpenAI-compatible HTTP front of the router (axum): `/v1/completions` and
 //! `/v1/chat/completions` (whole, or streamed as server-sent events ending with `[DONE]`),
-//! `/v1/models`, `/health` and `/live`; its API-key layer; and the tool-call format requests
-//! are answered in ([`ServedModel::auto_tool_calls`]).
+//! `/v1/models`, vLLM's `/tokenize` and `/detokenize`, `/health` and `/live`; its API-key
+//! layer; and the tool-call format requests are answered in ([`ServedModel::auto_tool_calls`]).
 //!
 //! A call is admitted against the same in-flight limit as the gRPC API, turned into a
 //! `GenerateRequest` ([`super::request`]) and handed to the core through its door
@@ -31,14 +31,18 @@ use duet_proto::v1;
 use tokio::time::Instant;
 use tonic::Code;
 
-use super::request::{Answer, OpenAiError};
+use super::request::{Answer, OpenAiError, ToolCallParser};
 use super::response::{Endpoint, Reply, json_event};
 use super::tool_stream::ToolCallStream;
-use super::wire::{ChatRequest, CompletionRequest, ErrorBody, ErrorEnvelope, ModelCard, ModelList};
+use super::wire::{
+    ChatRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorBody,
+    ErrorEnvelope, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+};
 use crate::api_keys::{AUTHORIZATION, ApiKeys};
 use crate::door::{Core, Item, Messages, finish_reason, gather};
 use crate::error::RouterError;
 use crate::https::TlsListener;
+use crate::validate::PromptModel;
 
 /// Seconds a client told 429 should wait before retrying.
 const RETRY_AFTER_SECONDS: &str = "1";
@@ -48,11 +52,36 @@ const RETRY_AFTER_SECONDS: &str = "1";
 pub struct ServedModel {
     /// Every name requests may give as `model` (the first is the model's).
     pub names: Vec<String>,
-    /// Writes tokens' text (logprobs).
+    /// Writes tokens' text (logprobs, `/detokenize`).
     pub tokenizer: Tokenizer,
+    /// Valid token ids are `0..vocab_size`.
+    pub vocab_size: u32,
+    /// Tokens of one sequence, prompt plus generated.
+    pub context_length: u32,
     /// The markup the model's tool calls are read in under `tool_choice: "auto"`, or why
     /// `auto` is not served ([`super::request::ToolCallParser::auto_tool_calls`]).
     pub auto_tool_calls: Result<ToolCallFormat, String>,
+}
+
+impl ServedModel {
+    /// The front's view of `model`, served under `names`; `parser` says how `tool_choice:
+    /// "auto"` is read (logged).
+    pub fn new(names: Vec<String>, model: &PromptModel, parser: ToolCallParser) -> Self {
+        let auto_tool_calls = parser.auto_tool_calls(&model.chat, &model.tokenizer);
+        match &auto_tool_calls {
+            Ok(format) => {
+                tracing::info!(format = format.name(), "tool_choice auto reads tool calls")
+            }
+            Err(why) => tracing::info!("tool_choice auto is refused: {why}"),
+        }
+        Self {
+            names,
+            tokenizer: model.tokenizer.clone(),
+            vocab_size: model.vocab_size,
+            context_length: model.context_length,
+            auto_tool_calls,
+        }
+    }
 }
 
 /// What every handler shares.
@@ -66,8 +95,9 @@ pub struct HttpFront<C> {
 }
 
 /// The HTTP front's routes; bodies past `max_body_bytes` are refused with 413. Completions
-/// continue the caller's trace (its `traceparent` header). With `keys`, the `/v1/` routes
-/// answer 401 to calls without one of them (before the body is read).
+/// continue the caller's trace (its `traceparent` header). With `keys`, the API's routes (all
+/// but `/health` and `/live`) answer 401 to calls without one of them (before the body is
+/// read).
 pub fn app<C: Core>(
     front: Arc<HttpFront<C>>,
     max_body_bytes: usize,
@@ -77,7 +107,9 @@ pub fn app<C: Core>(
         .route("/v1/completions", post(completions::<C>))
         .route("/v1/chat/completions", post(chat_completions::<C>))
         .route_layer(TraceContextLayer(Protocol::Http))
-        .route("/v1/models", get(models::<C>));
+        .route("/v1/models", get(models::<C>))
+        .route("/tokenize", post(tokenize::<C>))
+        .route("/detokenize", post(detokenize::<C>));
     let api = match keys {
         Some(keys) => api.route_layer(axum::middleware::from_fn_with_state(keys, require_api_key)),
         None => api,
@@ -215,7 +247,7 @@ async fn completions<C: Core>(
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Response, HttpError> {
     let Json(body) = body?;
-    let (req, answer) = body.to_generate(&front.model.names)?;
+    let (req, answer) = body.to_generate(&front.model.names, front.model.vocab_size)?;
     let model = body.common.model.clone();
     generate(front, &headers, req, Endpoint::Completions, answer, &model).await
 }
@@ -347,6 +379,42 @@ impl<C: Core> Streaming<C> {
     }
 }
 
+/// `POST /tokenize`: the prompt's tokens as a generation would take them (admitted against the
+/// in-flight limit: tokenizing is the core's work).
+async fn tokenize<C: Core>(
+    State(front): State<Arc<HttpFront<C>>>,
+    body: Result<Json<TokenizeRequest>, JsonRejection>,
+) -> Result<Json<TokenizeResponse>, HttpError> {
+    let Json(body) = body?;
+    let req = body.to_core(&front.model.names)?;
+    let _permit = front.limit.try_admit().map_err(RouterError::from)?;
+    let r = front.core.tokenize(req).await?;
+    Ok(Json(TokenizeResponse {
+        count: r.token_ids.len(),
+        max_model_len: front.model.context_length,
+        tokens: r.token_ids,
+        token_strs: body.return_token_strs.then_some(r.tokens),
+    }))
+}
+
+/// `POST /detokenize`: the tokens' text, special tokens included.
+async fn detokenize<C: Core>(
+    State(front): State<Arc<HttpFront<C>>>,
+    body: Result<Json<DetokenizeRequest>, JsonRejection>,
+) -> Result<Json<DetokenizeResponse>, HttpError> {
+    let Json(body) = body?;
+    body.check(&front.model.names, front.model.vocab_size)?;
+    let prompt = front
+        .model
+        .tokenizer
+        .decode(&body.tokens, false)
+        .map_err(|e| OpenAiError::Invalid {
+            param: "tokens",
+            message: format!("tokens: {e}"),
+        })?;
+    Ok(Json(DetokenizeResponse { prompt }))
+}
+
 async fn models<C: Core>(State(front): State<Arc<HttpFront<C>>>) -> Json<ModelList> {
     Json(ModelList {
         object: "list",
@@ -421,6 +489,8 @@ pub(crate) mod tests {
         answers: Mutex<VecDeque<Result<Vec<v1::GenerateResponse>, RouterError>>>,
         /// Every request started, as the front made it.
         pub started: Mutex<Vec<v1::GenerateRequest>>,
+        /// Every request tokenized.
+        tokenized: Mutex<Vec<v1::TokenizeRequest>>,
         ready: bool,
     }
 
@@ -456,11 +526,22 @@ pub(crate) mod tests {
             Ok(rx)
         }
 
+        /// The text's bytes as ids, or one id per message (its content's length).
         async fn tokenize(
             &self,
-            _req: v1::TokenizeRequest,
+            req: v1::TokenizeRequest,
         ) -> Result<v1::TokenizeResponse, RouterError> {
-            Err(RouterError::Internal("not scripted".into()))
+            let token_ids: Vec<u32> = if req.messages.is_empty() {
+                req.text.bytes().map(u32::from).collect()
+            } else {
+                req.messages
+                    .iter()
+                    .map(|m| m.content.len() as u32)
+                    .collect()
+            };
+            let tokens = token_ids.iter().map(|id| format!("<{id}>")).collect();
+            self.tokenized.lock().unwrap().push(req);
+            Ok(v1::TokenizeResponse { token_ids, tokens })
         }
 
         fn readiness(&self) -> Readiness {
@@ -507,6 +588,8 @@ pub(crate) mod tests {
             model: ServedModel {
                 names: vec!["m".into()],
                 tokenizer: tiny_tokenizer(),
+                vocab_size: 384,
+                context_length: 256,
                 auto_tool_calls: Ok(ToolCallFormat::Hermes),
             },
             limit: InFlightLimitLayer::new(limit),
@@ -707,6 +790,116 @@ pub(crate) mod tests {
         )
         .await;
         assert!(whole.contains(r#""finish_reason":"length""#), "{whole}");
+    }
+
+    /// `/tokenize` takes a prompt or messages (the template's variables with them) and answers
+    /// the core's tokens, their count and the context; `/detokenize` gives the tokens' text;
+    /// bad input is 400 naming the field.
+    #[tokio::test]
+    async fn tokenize_and_detokenize_answer_as_vllm_and_name_bad_fields() {
+        let core = Arc::new(ScriptedCore::answering([]));
+        let mut app = front_app(core.clone(), 8);
+        let (status, _, body) = call(
+            &mut app,
+            "POST",
+            "/tokenize",
+            r#"{"model":"m","prompt":"Hi"}"#,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let r: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            r,
+            serde_json::json!({"count": 2, "max_model_len": 256, "tokens": [72, 105],
+                                         "token_strs": null})
+        );
+        let (_, _, body) = call(
+            &mut app,
+            "POST",
+            "/tokenize",
+            r#"{"messages":[{"role":"user","content":"abc"}],"return_token_strs":true,
+                "chat_template_kwargs":{"x":1},"tools":[{"type":"function","function":{"name":"f"}}]}"#,
+        )
+        .await;
+        let r: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            (&r["tokens"], &r["token_strs"]),
+            (&serde_json::json!([3]), &serde_json::json!(["<3>"]))
+        );
+        let asked = core.tokenized.lock().unwrap()[1].clone();
+        let vars: serde_json::Value = serde_json::from_str(&asked.chat_template_kwargs).unwrap();
+        assert_eq!(
+            (&vars["x"], &vars["tools"][0]["function"]["name"]),
+            (&serde_json::json!(1), &serde_json::json!("f"))
+        );
+        let (status, _, body) = call(
+            &mut app,
+            "POST",
+            "/detokenize",
+            r#"{"model":"m","tokens":[75,108]}"#,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let text = tiny_tokenizer().decode(&[75, 108], false).unwrap();
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&body).unwrap()["prompt"],
+            text
+        );
+        for (path, body, param) in [
+            ("/tokenize", r#"{"model":"m"}"#, "prompt"),
+            (
+                "/tokenize",
+                r#"{"prompt":"a","messages":[{"role":"user","content":"b"}]}"#,
+                "messages",
+            ),
+            ("/tokenize", r#"{"messages":[]}"#, "messages"),
+            (
+                "/tokenize",
+                r#"{"prompt":"a","add_special_tokens":false}"#,
+                "add_special_tokens",
+            ),
+            (
+                "/tokenize",
+                r#"{"prompt":"a","tools":[{"type":"function","function":{"name":"f"}}]}"#,
+                "tools",
+            ),
+            (
+                "/tokenize",
+                r#"{"messages":[{"role":"user","content":"b"}],"add_generation_prompt":false}"#,
+                "add_generation_prompt",
+            ),
+            ("/detokenize", r#"{"tokens":[1,384]}"#, "tokens"),
+            (
+                "/v1/completions",
+                r#"{"model":"m","prompt":[1,2,999]}"#,
+                "prompt",
+            ),
+        ] {
+            let (status, _, answer) = call(&mut app, "POST", path, body).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {body}: {answer}");
+            let e: serde_json::Value = serde_json::from_str(&answer).unwrap();
+            assert_eq!(e["error"]["param"], param, "{path} {body}: {answer}");
+        }
+        let (status, _, answer) =
+            call(&mut app, "POST", "/detokenize", r#"{"tokens":[1,384]}"#).await;
+        assert!(
+            status == StatusCode::BAD_REQUEST && answer.contains("tokens[1] = 384"),
+            "{answer}"
+        );
+        let (status, _, _) = call(
+            &mut app,
+            "POST",
+            "/tokenize",
+            r#"{"model":"x","prompt":"a"}"#,
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        let (status, _, answer) =
+            call(&mut app, "POST", "/detokenize", r#"{"tokens":["a"]}"#).await;
+        assert!(
+            status == StatusCode::UNPROCESSABLE_ENTITY && answer.contains("tokens[0]"),
+            "{answer}"
+        );
     }
 
     /// The core's errors and the front's own refusals, each as its status in OpenAI's envelope.

@@ -1,5 +1,6 @@
 //! OpenAI's wire format: the request and response bodies of `/v1/completions`,
-//! `/v1/chat/completions`, `/v1/models`, `/tokenize` and `/detokenize`, and the error envelope.
+//! `/v1/chat/completions`, `/v1/models`, and vLLM's `/tokenize` and `/detokenize`, and the error
+//! envelope.
 //! Serde types only: what a request asks of the core is read in [`super::request`], answers
 //! are written in [`super::response`].
 
@@ -374,4 +375,45 @@ pub struct FunctionChunk {
     pub name: Option<String>,
     /// The next piece of the arguments' JSON text.
     pub arguments: String,
+}
+
+/// `POST /tokenize` (vLLM's and SGLang's): a prompt, or a conversation through the chat
+/// template.
+#[derive(Debug, Deserialize)]
+pub struct TokenizeRequest {
+    /// When given, one of the served names.
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<Message>>,
+    pub add_generation_prompt: Option<bool>,
+    pub add_special_tokens: Option<bool>,
+    #[serde(default)]
+    pub continue_final_message: bool,
+    pub chat_template_kwargs: Option<serde_json::Value>,
+    pub tools: Option<Vec<Tool>>,
+    /// Also answer each token's string (special tokens by their names).
+    #[serde(default)]
+    pub return_token_strs: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TokenizeResponse {
+    pub count: usize,
+    /// The model's context length.
+    pub max_model_len: u32,
+    pub tokens: Vec<u32>,
+    pub token_strs: Option<Vec<String>>,
+}
+
+/// `POST /detokenize`.
+#[derive(Debug, Deserialize)]
+pub struct DetokenizeRequest {
+    pub model: Option<String>,
+    pub tokens: Vec<u32>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct DetokenizeResponse {
+    /// The tokens' text, special tokens included.
+    pub prompt: String,
 }
