@@ -6,10 +6,12 @@
 //! marked as such, so text never matches them); the compiler is built once per model and shared
 //! by every request. A grammar that is complete ends its sequence (see [`Grammar::is_complete`]):
 //! no end-of-sequence token is needed. One that fails part way (an llguidance error: a limit
-//! passed, a token it cannot take) ends it too, with the reason ([`Grammar::failure`]).
+//! passed, a token it cannot take) ends it too, with the reason ([`Grammar::failure`]). JSON
+//! Schemas are compiled as duet holds them ([`json_schema::with_defaults`]).
 
 use std::sync::Arc;
 
+use crate::json_schema;
 use crate::params::Constraint;
 use crate::tokenizer::Tokenizer;
 use llguidance::api::TopLevelGrammar;
@@ -90,11 +92,11 @@ impl GrammarCompiler {
             Constraint::JsonSchema(text) => {
                 let schema: serde_json::Value = serde_json::from_str(text)
                     .map_err(|e| invalid(format!("the schema is not JSON: {e}")))?;
-                TopLevelGrammar::from_json_schema(schema)
+                TopLevelGrammar::from_json_schema(json_schema::with_defaults(schema))
             }
-            Constraint::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
-            }
+            Constraint::JsonObject => TopLevelGrammar::from_json_schema(
+                json_schema::with_defaults(serde_json::json!({"type": "object"})),
+            ),
             Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Constraint::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
         };

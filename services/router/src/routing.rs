@@ -358,7 +358,7 @@ impl Pools {
             fingerprint: fingerprint.as_deref(),
             exclude: req.exclude,
             deadline_left: req.deadline_left,
-            random: crate::validate::random_u64(),
+            random: crate::ids::random_u64(),
         };
         let placed = duet_routing::select(&self.params.policy, &ask, &decode_now, &prefill_now)
             .inspect_err(|e| {
