@@ -16,6 +16,7 @@ use crate::backend::{Backend, CpuKernels, KvDtype, KvDtypeChoice, KvLayout};
 use crate::device::Device;
 use crate::draft_model::DraftModel;
 use crate::generation::TextStream;
+use crate::kv_tiers::{KvTierOptions, settle_kv_moves};
 use crate::llama::Llama;
 use crate::model_runner::{ModelRunner, release_freed_heap};
 use crate::sampling::Sampler;
@@ -97,6 +98,9 @@ pub struct EngineOptions {
     /// saves. With as many sequences decoding, nobody drafts.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_SPECULATIVE_MAX_STEP_ROWS", default_value_t = EngineOptions::default().speculative_max_step_rows))]
     pub speculative_max_step_rows: usize,
+    /// The tiers below the KV pool (host memory, disk).
+    #[cfg_attr(feature = "cli", command(flatten))]
+    pub kv_tiers: KvTierOptions,
 }
 
 #[cfg(feature = "cli")]
@@ -122,6 +126,7 @@ impl Default for EngineOptions {
             speculative: SpeculativeMode::Off,
             num_speculative_tokens: 8,
             speculative_max_step_rows: 8,
+            kv_tiers: KvTierOptions::default(),
         }
     }
 }
@@ -142,6 +147,7 @@ impl EngineOptions {
             speculative,
             num_speculative_tokens,
             speculative_max_step_rows,
+            kv_tiers,
         } = self;
         let kv_dtype =
             clap::ValueEnum::to_possible_value(kv_dtype).expect("every KV dtype is a flag value");
@@ -159,6 +165,7 @@ impl EngineOptions {
             format!("--speculative-max-step-rows={speculative_max_step_rows}"),
         ]
         .into_iter()
+        .chain(kv_tiers.to_args())
         .map(Into::into)
         .collect()
     }
@@ -288,7 +295,14 @@ impl<B: Backend> Engine<B> {
             kv_dtype,
             options.block_size,
         );
-        let kv_cache = KvCacheManager::new(num_blocks, options.block_size, &fingerprint);
+        let mut kv_cache = KvCacheManager::new(num_blocks, options.block_size, &fingerprint);
+        let block_bytes = runner.kv_block_bytes() * kv_layout.num_layers;
+        if let Some(lower) = options
+            .kv_tiers
+            .build(&kv_layout, block_bytes, &fingerprint)?
+        {
+            kv_cache = kv_cache.with_lower_tiers(lower);
+        }
         let engine = Self {
             runner,
             scheduler: Scheduler::new(
@@ -350,6 +364,22 @@ impl<B: Backend> Engine<B> {
     /// longer shared).
     pub fn clear_prefix_cache(&mut self) {
         self.scheduler.kv_cache_mut().clear_prefix_cache();
+    }
+
+    /// The counts of each tier below the KV pool, fastest first (none without tiers).
+    pub fn kv_tier_stats(&self) -> Vec<duet_kv::TierStats> {
+        self.scheduler.kv_cache().tier_stats()
+    }
+
+    /// The prefill speed measured now (prompt tokens per second), for the cost model that
+    /// weighs loading a block from a tier against computing it again.
+    pub fn set_prefill_rate(&mut self, tokens_per_s: f64) {
+        self.scheduler.kv_cache_mut().set_prefill_rate(tokens_per_s);
+    }
+
+    /// Moves KV the cache manager owes between the device store and the tiers below.
+    fn settle_kv_moves(&mut self) -> Result<(), EngineError> {
+        settle_kv_moves(&mut self.runner, self.scheduler.kv_cache_mut())
     }
 
     /// Starts recording prefix-cache events (see [`take_kv_events`](Self::take_kv_events)).
@@ -435,7 +465,9 @@ impl<B: Backend> Engine<B> {
             &tokens[prompt_len..],
             resumed.sent_text_bytes,
         )?;
-        let num_cached = self.scheduler.add_sequence(id, tokens, cache_salt)?;
+        let added = self.scheduler.add_sequence(id, tokens, cache_salt);
+        self.settle_kv_moves()?;
+        let num_cached = added?;
         self.seqs.insert(
             id,
             OutputState {
@@ -492,7 +524,9 @@ impl<B: Backend> Engine<B> {
         cache_salt: &str,
     ) -> Result<KvReservation, EngineError> {
         self.check_prompt(tokens, 1)?;
-        Ok(self.scheduler.kv_cache_mut().reserve(tokens, cache_salt)?)
+        let reserved = self.scheduler.kv_cache_mut().reserve(tokens, cache_salt);
+        self.settle_kv_moves()?;
+        Ok(reserved?)
     }
 
     /// Frees a reservation that will not be used (cancelled request, expired lease, failed
@@ -666,7 +700,11 @@ impl<B: Backend> Engine<B> {
                     Vec::new()
                 }),
             }
-        })?;
+        });
+        // Blocks the plan took may have been evicted: their KV moves down before it is
+        // overwritten.
+        self.settle_kv_moves()?;
+        let plan = plan?;
         if let Some(e) = draft_failure {
             return Err(e);
         }

@@ -10,6 +10,7 @@ pub mod draft_model;
 pub mod engine;
 pub mod error;
 pub mod generation;
+pub mod kv_tiers;
 pub mod llama;
 pub mod model_runner;
 pub mod moe;

@@ -165,6 +165,7 @@ impl<E: ActorEngine> Actor<E> {
             prefill_tokens_per_s: 0.0,
             preemptions: 0,
             speculation: Default::default(),
+            kv_tiers: engine.kv_tier_stats(),
         }));
         engine.record_kv_events();
         Self {
@@ -563,6 +564,9 @@ impl<E: ActorEngine> Actor<E> {
             Err(e) => return self.step_failed(e),
         };
         self.prefill_rate.measured(prompt_tokens, started.elapsed());
+        // The cost model weighs loading a block from a tier against computing it at this rate.
+        self.engine
+            .set_prefill_rate(self.prefill_rate.tokens_per_s());
         self.counters
             .step_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -631,6 +635,7 @@ impl<E: ActorEngine> Actor<E> {
             prefill_tokens_per_s: self.prefill_rate.tokens_per_s(),
             preemptions: self.engine.preemptions(),
             speculation: self.engine.speculation_totals(),
+            kv_tiers: self.engine.kv_tier_stats(),
         });
     }
 }

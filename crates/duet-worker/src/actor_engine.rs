@@ -6,7 +6,7 @@ use duet_engine::backend::{Backend, KvLayout};
 use duet_engine::engine::{
     Engine, KvReservation, LayerDone, PlannedSeq, Resumed, SeqId, Speculation, StepOutput,
 };
-use duet_kv::{KvDigest, KvEvent, PoolStats};
+use duet_kv::{KvDigest, KvEvent, PoolStats, TierStats};
 use duet_model::params::{Sampled, SamplingParams, StopCriteria};
 
 /// One layer's K/V, finished during a step.
@@ -45,6 +45,8 @@ impl<B: Backend + 'static> LayerKv for LayerDone<'_, B> {
 pub trait ActorEngine {
     fn kv_layout(&self) -> KvLayout;
     fn pool_stats(&self) -> PoolStats;
+    fn kv_tier_stats(&self) -> Vec<TierStats>;
+    fn set_prefill_rate(&mut self, tokens_per_s: f64);
     fn record_kv_events(&mut self);
     fn take_kv_events(&mut self) -> (Vec<KvEvent>, KvDigest);
     fn has_work(&self) -> bool;
@@ -85,6 +87,14 @@ impl<B: Backend + 'static> ActorEngine for Engine<B> {
 
     fn pool_stats(&self) -> PoolStats {
         self.block_pool().stats()
+    }
+
+    fn kv_tier_stats(&self) -> Vec<TierStats> {
+        Engine::kv_tier_stats(self)
+    }
+
+    fn set_prefill_rate(&mut self, tokens_per_s: f64) {
+        Engine::set_prefill_rate(self, tokens_per_s)
     }
 
     fn record_kv_events(&mut self) {

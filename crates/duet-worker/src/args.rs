@@ -130,6 +130,7 @@ mod tests {
     use clap::Parser;
     use duet_engine::backend::{CpuKernels, KvDtypeChoice};
     use duet_engine::device::Device;
+    use duet_engine::kv_tiers::KvTierOptions;
     use duet_engine::speculator::SpeculativeMode;
 
     use super::*;
@@ -182,6 +183,11 @@ mod tests {
                 speculative: SpeculativeMode::Draft("models dir/draft.gguf".into()),
                 num_speculative_tokens: 6,
                 speculative_max_step_rows: 5,
+                kv_tiers: KvTierOptions {
+                    kv_offload_tokens: 4096,
+                    kv_disk_dir: Some("kv dir/blocks".into()),
+                    kv_disk_bytes: 123_456,
+                },
             },
             kv_transport: TransportChoice::Nccl,
             request_timeout_ms: 6,

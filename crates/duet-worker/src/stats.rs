@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use duet_engine::engine::Speculation;
-use duet_kv::PoolStats;
+use duet_kv::{PoolStats, TierStats};
 use duet_proto::v1;
 use duet_telemetry::metrics;
 use prometheus::core::Collector;
@@ -15,7 +15,7 @@ use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts};
 use crate::EngineHandle;
 
 /// The engine thread's state after its last turn.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Snapshot {
     /// Measured prefill speed (0 until a step computed prompt tokens).
     pub prefill_tokens_per_s: f64,
@@ -31,6 +31,8 @@ pub struct Snapshot {
     /// Speculative decoding since the engine started: sequence-steps, drafted and accepted
     /// tokens.
     pub speculation: Speculation,
+    /// The tiers below the KV pool, fastest first (none unless configured).
+    pub kv_tiers: Vec<TierStats>,
 }
 
 /// Counters and gauges shared by the services and the engine thread. The histograms and
@@ -336,7 +338,7 @@ impl Published {
     }
 
     pub(crate) fn get(&self) -> Snapshot {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
@@ -385,8 +387,30 @@ impl Identity {
             transfer_bytes_out: c.transfer_bytes(Direction::Out),
             prefill_tokens_per_s: snap.prefill_tokens_per_s,
             kv_block_bytes: engine.info().wire.layout.block_bytes() as u64,
+            kv_tiers: snap
+                .kv_tiers
+                .iter()
+                .filter_map(tier_stats_to_wire)
+                .collect(),
         }
     }
+}
+
+/// A tier's counts as `Stats` reports them.
+fn tier_stats_to_wire(t: &TierStats) -> Option<v1::KvTierStats> {
+    Some(v1::KvTierStats {
+        tier: v1::KvTier::from(t.tier?) as i32,
+        capacity_blocks: t.capacity_blocks as u64,
+        blocks: t.blocks as u64,
+        hits: t.hits,
+        bytes_loaded: t.bytes_loaded,
+        load_seconds: t.load_seconds,
+        stored: t.stored,
+        bytes_stored: t.bytes_stored,
+        cost_model_misses: t.cost_model_misses,
+        corrupt: t.corrupt,
+        load_bytes_per_s: t.load_bytes_per_s,
+    })
 }
 
 #[cfg(test)]

@@ -339,8 +339,13 @@ impl Pools {
         let overlap = self
             .index
             .prefix_matches(&hashes[..hashes.len().min(usable)], now);
-        let snapshot =
-            |w: &Arc<Worker>| w.snapshot(overlap.get(&w.slot()).copied().unwrap_or(0) * block_size);
+        // A prefix held below a worker's pool counts for what loading it saves there.
+        let snapshot = |w: &Arc<Worker>| {
+            let saved = overlap
+                .get(&w.slot())
+                .map_or(0, |m| m.saved_tokens(block_size, &w.tier_worth()));
+            w.snapshot(saved)
+        };
         let decode_now: Vec<WorkerSnapshot> = decode.iter().map(snapshot).collect();
         let prefill_now: Vec<WorkerSnapshot> = prefill.iter().map(snapshot).collect();
         let ask = PolicyRequest {
@@ -812,6 +817,7 @@ mod tests {
                 seq: 0,
                 block_hashes: hashes[..10].to_vec(),
                 last: true,
+                ..Default::default()
             }),
             ..Default::default()
         };
@@ -922,6 +928,7 @@ mod tests {
                 seq: 0,
                 block_hashes: hashes,
                 last: true,
+                ..Default::default()
             }),
             ..Default::default()
         };

@@ -148,6 +148,12 @@ impl ActorEngine for ScriptedEngine {
 
     fn record_kv_events(&mut self) {}
 
+    fn kv_tier_stats(&self) -> Vec<duet_kv::TierStats> {
+        Vec::new()
+    }
+
+    fn set_prefill_rate(&mut self, _: f64) {}
+
     fn take_kv_events(&mut self) -> (Vec<KvEvent>, KvDigest) {
         (std::mem::take(&mut self.kv_events), KvDigest::default())
     }
@@ -205,6 +211,7 @@ impl ActorEngine for ScriptedEngine {
             cached_blocks: (self.cached / BLOCK_SIZE).min(blocks),
             num_tokens: tokens.len(),
             hash_seed: 0,
+            reused: false,
         })
     }
 
