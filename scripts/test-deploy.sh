@@ -317,6 +317,10 @@ rejected "a NetworkPolicy peer typo" "at '/networkPolicy/router/from/0': additio
   --set-json 'networkPolicy.router.from=[{"podselector":{}}]'
 rejected "an extra volume without a name" "at '/decode/extraVolumes/0': missing property 'name'" \
   --set-json 'decode.extraVolumes=[{"emptyDir":{}}]'
+rejected "peer pulls on the prefill pool" "at '/prefill/kvTiers/peerPull': value must be false" \
+  --set prefill.kvTiers.peerPull=true
+rejected "a disk tier of no bytes" "at '/decode/kvTiers/disk/bytes': minimum: got 0, want 1" \
+  --set decode.kvTiers.disk.bytes=0
 rejected "a serving signal without metrics" \
   "at '/decode/autoscaling': missing property 'decode.autoscaling.metric other than cpu needs metrics.enabled" \
   --set metrics.enabled=false --set decode.autoscaling.enabled=true

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use duet_cluster::ClusterArgs;
-use duet_decode_worker::DecodeConfig;
+use duet_decode_worker::{DecodeConfig, PeerPullArgs};
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
@@ -77,6 +77,8 @@ pub struct ServeBenchArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineOptions,
+    #[command(flatten)]
+    pub peer_pull: PeerPullArgs,
     /// Closed loop: this many requests in flight at all times.
     #[arg(long, default_value_t = 1, conflicts_with = "rate")]
     pub concurrency: usize,
@@ -458,6 +460,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                         engine: args.engine.clone(),
                         ..WorkerArgs::default()
                     },
+                    peer_pull: args.peer_pull.clone(),
                     ..DecodeConfig::default()
                 },
                 prefill_workers: prefill,

@@ -37,7 +37,7 @@ enum Command {
     },
     /// Generate text from a prompt, streaming it as it is made (in this process, or through a
     /// running cluster with --server).
-    Generate(generate::GenerateArgs),
+    Generate(Box<generate::GenerateArgs>),
     /// Run a whole cluster on loopback: router + prefill + decode workers.
     Up(Box<up::UpArgs>),
     /// One gRPC health check of a duet service (exit 0 when SERVING): for exec probes of
@@ -59,7 +59,7 @@ enum ModelCommand {
 #[derive(Subcommand)]
 enum BenchCommand {
     /// Prefill and decode throughput of the engine alone (no services).
-    Engine(bench_engine::EngineBenchArgs),
+    Engine(Box<bench_engine::EngineBenchArgs>),
     /// Load a cluster through its router: TTFT, TPOT, ITL, end-to-end latency, SLO attainment,
     /// goodput; disaggregated and colocated side by side.
     Serve(Box<bench_serve::ServeBenchArgs>),
@@ -84,14 +84,14 @@ fn main() {
         Command::Model {
             command: ModelCommand::Fetch(args),
         } => fetch::run(args),
-        Command::Generate(args) => generate::run(args),
+        Command::Generate(args) => generate::run(*args),
         Command::Up(args) => up::run(*args),
         Command::Health(args) => health::run(args),
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => {
             let given = given(&matches, &["bench", "engine"], "kv_cache_tokens");
-            bench_engine::run(args, given)
+            bench_engine::run(*args, given)
         }
         Command::Bench {
             command: BenchCommand::Serve(args),

@@ -535,6 +535,50 @@ impl<B: Backend> Engine<B> {
         Ok(self.scheduler.kv_cache_mut().release(reservation)?)
     }
 
+    /// Makes a reservation of `tokens` (whole blocks) whose KV was pulled from a peer a cached
+    /// prefix here, and frees it.
+    pub fn cache_reservation(
+        &mut self,
+        tokens: &[u32],
+        reservation: KvReservation,
+    ) -> Result<(), EngineError> {
+        Ok(self
+            .scheduler
+            .kv_cache_mut()
+            .cache_reservation(tokens, reservation)?)
+    }
+
+    /// The KV of blocks `blocks` of the prefix of `tokens` (whole blocks) held here, in the
+    /// pool or brought up from below: every layer in transfer layout, one `Vec` per block.
+    /// `None` unless every block before `blocks.end` is held. What a peer's pull is sent.
+    pub fn read_prefix(
+        &mut self,
+        tokens: &[u32],
+        cache_salt: &str,
+        blocks: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<Vec<u8>>>, EngineError> {
+        let end = (blocks.end * self.options.block_size).min(tokens.len());
+        let pinned = self
+            .scheduler
+            .kv_cache_mut()
+            .pin_prefix(&tokens[..end], cache_salt);
+        let read = self.settle_kv_moves().and_then(|()| {
+            if pinned.len() < blocks.end {
+                return Ok(None);
+            }
+            let bytes = self.runner.kv_block_bytes() * self.runner.kv_layout().num_layers;
+            let mut out = Vec::with_capacity(blocks.len());
+            for &block in &pinned[blocks] {
+                let mut kv = vec![0; bytes];
+                self.runner.read_block(block, &mut kv)?;
+                out.push(kv);
+            }
+            Ok(Some(out))
+        });
+        self.scheduler.kv_cache_mut().unpin(&pinned)?;
+        read
+    }
+
     /// Starts generating for a prompt whose KV was written into `reservation` by a prefill
     /// worker, which also sampled `first`. Returns the sequence and the output for `first`
     /// (which may already finish it).

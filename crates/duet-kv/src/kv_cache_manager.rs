@@ -470,6 +470,38 @@ impl KvCacheManager {
     pub fn release(&mut self, reservation: KvReservation) -> Result<(), KvError> {
         self.pool.release(&reservation.blocks)
     }
+
+    /// Makes a filled reservation of `tokens` (whole blocks, pulled from a peer) a cached
+    /// prefix: registers its blocks' hashes and frees it. The blocks are admitted below (a peer
+    /// held them: they were reused).
+    pub fn cache_reservation(
+        &mut self,
+        tokens: &[u32],
+        reservation: KvReservation,
+    ) -> Result<(), KvError> {
+        let hashes = block_hashes(reservation.hash_seed, tokens, self.block_size());
+        let filled = reservation.blocks.iter().zip(&hashes);
+        for (&block, &hash) in filled.skip(reservation.cached_blocks) {
+            if self.pool.register_hash(block, hash)? {
+                self.pool.mark_admitted(block);
+            }
+        }
+        self.pool.release(&reservation.blocks)
+    }
+
+    /// Takes references to the blocks of the longest held prefix of `tokens`' full blocks,
+    /// bringing blocks up from below as a prompt would (their bytes wait in
+    /// [`take_moves`](Self::take_moves)): what a peer's pull reads. Give them back with
+    /// [`unpin`](Self::unpin).
+    pub fn pin_prefix(&mut self, tokens: &[u32], cache_salt: &str) -> Vec<BlockId> {
+        let hashes = block_hashes(self.hash_seed(cache_salt), tokens, self.block_size());
+        self.take_prefix(&hashes)
+    }
+
+    /// Gives back blocks [pinned](Self::pin_prefix).
+    pub fn unpin(&mut self, blocks: &[BlockId]) -> Result<(), KvError> {
+        self.pool.release(blocks)
+    }
 }
 
 fn tracked(seqs: &mut HashMap<SeqId, SeqKv>, seq: SeqId) -> Result<&mut SeqKv, KvError> {
@@ -810,6 +842,24 @@ mod tests {
                 assert_eq!(dev.blocks[&r.blocks[i]], kv_of(&prompt, i));
             }
             kv.release(r).unwrap();
+        }
+
+        #[test]
+        fn a_pulled_reservation_becomes_a_cached_prefix_and_pins_hold_blocks() {
+            let mut kv = tiered(4, 4);
+            let prefix = tokens(8);
+            let r = kv.reserve(&prefix, "").unwrap();
+            assert_eq!((r.blocks.len(), r.cached_blocks), (2, 0));
+            kv.cache_reservation(&prefix, r).unwrap();
+            let hashes = block_hashes(kv.hash_seed(""), &prefix, BS);
+            assert_eq!(kv.pool().cached_prefix_len(&hashes), 2);
+            // A pin holds the blocks in use until unpinned, and only for the right salt.
+            assert!(kv.pin_prefix(&prefix, "other").is_empty());
+            let pinned = kv.pin_prefix(&tokens(12), "");
+            assert_eq!(pinned.len(), 2, "the prefix held, not the prompt asked");
+            assert_eq!(kv.pool().stats().in_use, 2);
+            kv.unpin(&pinned).unwrap();
+            assert_eq!(kv.pool().stats().in_use, 0);
         }
     }
 }

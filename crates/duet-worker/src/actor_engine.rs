@@ -64,6 +64,17 @@ pub trait ActorEngine {
     fn remove_sequence(&mut self, seq: SeqId) -> Result<(), EngineError>;
     fn reserve(&mut self, tokens: &[u32], cache_salt: &str) -> Result<KvReservation, EngineError>;
     fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError>;
+    fn cache_reservation(
+        &mut self,
+        tokens: &[u32],
+        reservation: KvReservation,
+    ) -> Result<(), EngineError>;
+    fn read_prefix(
+        &mut self,
+        tokens: &[u32],
+        cache_salt: &str,
+        blocks: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<Vec<u8>>>, EngineError>;
     fn add_prefilled(
         &mut self,
         prompt: Vec<u32>,
@@ -142,6 +153,23 @@ impl<B: Backend + 'static> ActorEngine for Engine<B> {
 
     fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError> {
         Engine::release(self, reservation)
+    }
+
+    fn cache_reservation(
+        &mut self,
+        tokens: &[u32],
+        reservation: KvReservation,
+    ) -> Result<(), EngineError> {
+        Engine::cache_reservation(self, tokens, reservation)
+    }
+
+    fn read_prefix(
+        &mut self,
+        tokens: &[u32],
+        cache_salt: &str,
+        blocks: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<Vec<u8>>>, EngineError> {
+        Engine::read_prefix(self, tokens, cache_salt, blocks)
     }
 
     fn add_prefilled(

@@ -351,7 +351,7 @@ impl WorkerMetrics {
 }
 
 /// The families the counters keep themselves (histograms, per-transport vectors).
-fn labelled_collectors(c: &Counters) -> [&dyn Collector; 6] {
+fn labelled_collectors(c: &Counters) -> [&dyn Collector; 7] {
     [
         &c.step_tokens,
         &c.step_seconds,
@@ -359,6 +359,7 @@ fn labelled_collectors(c: &Counters) -> [&dyn Collector; 6] {
         &c.kv_transfer_seconds,
         &c.kv_transfer_failures,
         &c.local_prefill_fallbacks,
+        &c.kv_peer_pulls,
     ]
 }
 

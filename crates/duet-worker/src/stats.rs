@@ -62,6 +62,44 @@ pub struct Counters {
     pub local_prefill_fallbacks: IntCounterVec,
     /// The fallback reasons logged so far (each is logged once, then only counted).
     fallbacks_logged: Mutex<HashSet<LocalFallback>>,
+    /// Prefix pulls from peers, by `outcome` ([`PullOutcome`]).
+    pub kv_peer_pulls: IntCounterVec,
+}
+
+/// How a decode worker's pull of a prefix from a peer ended; every outcome but `pulled` falls
+/// back to computing the prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PullOutcome {
+    /// The prefix arrived, checked, and is cached here.
+    Pulled,
+    /// The peer no longer held the whole prefix.
+    Missing,
+    /// The pull took longer than computing the prefix would have.
+    Slow,
+    /// The call or a check failed (the peer died mid-stream, a checksum, the reservation).
+    Failed,
+    /// The router named a peer that is not a decode worker of this cluster.
+    Refused,
+}
+
+impl PullOutcome {
+    pub const ALL: [PullOutcome; 5] = [
+        PullOutcome::Pulled,
+        PullOutcome::Missing,
+        PullOutcome::Slow,
+        PullOutcome::Failed,
+        PullOutcome::Refused,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PullOutcome::Pulled => "pulled",
+            PullOutcome::Missing => "missing",
+            PullOutcome::Slow => "slow",
+            PullOutcome::Failed => "failed",
+            PullOutcome::Refused => "refused",
+        }
+    }
 }
 
 /// Why a decode worker prefilled a prompt itself instead of on the prefill workers its plan
@@ -196,6 +234,21 @@ impl Default for Counters {
                 family
             },
             fallbacks_logged: Mutex::default(),
+            kv_peer_pulls: {
+                let family = IntCounterVec::new(
+                    Opts::new(
+                        "duet_kv_peer_pulls_total",
+                        "Prefixes a decode worker pulled from a peer instead of computing them, by \
+                         outcome (pulled; missing, slow, failed, refused: computed instead).",
+                    ),
+                    &["outcome"],
+                )
+                .expect("valid counter");
+                for o in PullOutcome::ALL {
+                    family.with_label_values(&[o.as_str()]);
+                }
+                family
+            },
         }
     }
 }
@@ -219,6 +272,20 @@ impl Direction {
 impl Counters {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Prefix pulls that ended with `outcome`.
+    pub fn pulls(&self, outcome: PullOutcome) -> u64 {
+        self.kv_peer_pulls
+            .with_label_values(&[outcome.as_str()])
+            .get()
+    }
+
+    /// Counts a prefix pull that ended with `outcome`.
+    pub fn pulled(&self, outcome: PullOutcome) {
+        self.kv_peer_pulls
+            .with_label_values(&[outcome.as_str()])
+            .inc();
     }
 
     /// One request's KV moved: `bytes` over `transport` in `seconds`.
@@ -391,6 +458,12 @@ impl Identity {
                 .kv_tiers
                 .iter()
                 .filter_map(tier_stats_to_wire)
+                .collect(),
+            // Whether it pulls is a decode worker's flag; its service sets it.
+            kv_peer_pull: false,
+            kv_peer_pulls: PullOutcome::ALL
+                .iter()
+                .map(|o| (o.as_str().into(), c.pulls(*o)))
                 .collect(),
         }
     }

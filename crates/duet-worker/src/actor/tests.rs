@@ -220,6 +220,20 @@ impl ActorEngine for ScriptedEngine {
         Ok(())
     }
 
+    fn cache_reservation(&mut self, _: &[u32], r: KvReservation) -> Result<(), EngineError> {
+        self.release(r)
+    }
+
+    fn read_prefix(
+        &mut self,
+        _: &[u32],
+        _: &str,
+        blocks: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<Vec<u8>>>, EngineError> {
+        // Every block holds its own index.
+        Ok(Some(blocks.map(|b| vec![b as u8]).collect()))
+    }
+
     fn add_prefilled(
         &mut self,
         prompt: Vec<u32>,
