@@ -4,6 +4,7 @@ mod bandwidth;
 mod bench_engine;
 mod bench_gpu;
 mod bench_kv_dtype;
+mod bench_kv_pull;
 mod bench_serve;
 mod bench_structured;
 mod bench_transfer;
@@ -74,6 +75,9 @@ enum BenchCommand {
     /// What structured outputs cost: TPOT of a batch decoding under a nested JSON Schema
     /// against the same batch unconstrained, token for token.
     Structured(Box<bench_structured::StructuredBenchArgs>),
+    /// A prefix pulled from a peer decode worker against the same length computed: the
+    /// second worker's time to first token both ways.
+    KvPull(Box<bench_kv_pull::KvPullBenchArgs>),
 }
 
 fn main() {
@@ -108,6 +112,9 @@ fn main() {
         Command::Bench {
             command: BenchCommand::Structured(args),
         } => bench_structured::run_bench(*args),
+        Command::Bench {
+            command: BenchCommand::KvPull(args),
+        } => bench_kv_pull::run(*args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
