@@ -94,5 +94,26 @@ if $bin/duet bench engine --device cuda --json-out "$out/bench-engine-cuda.json"
   row "duet bench engine --device cuda" DONE "$out/bench-engine-cuda.json"
 else row "duet bench engine --device cuda" FAIL "$(tail -1 "$out/bench.log")"; fi
 
+# --- KV tiers (issue 84) ------------------------------------------------------------------------
+# The tiers below the KV pool and peer pulls on the GPU, through the generic path (blocks copied
+# device to pageable host memory; a pinned host tier and CUDA IPC pulls are not built yet): a
+# multi-turn chat without and with a host tier, and a 2,000-token prefix pulled from a peer
+# decode worker against computed (both workers on the one GPU). A pool of 0.25% of the GPU
+# (~8-15k tokens) holds a third to a half of the 16 conversations (~27k tokens).
+gpu_idle
+if $bin/duet bench serve --launch colocated --device cuda --workload shared-prefix --groups 4 \
+    --users 4 --turns 5 --system-tokens 1024 --question-tokens 64 --output-tokens 64 --concurrency 4 \
+    --interleave --gpu-memory-fraction 0.0025 --kv-offload-tokens 65536 \
+    --compare-kv-tiers --json-out "$out/kv-tiers.json" >"$out/kv-tiers.log" 2>&1; then
+  row "KV tiers on the GPU: turns 2+ TTFT, with/without" DONE "$(grep -h 'with tiers' "$out/kv-tiers.log")"
+  row "  host tier restore" INFO "$(grep -h 'host tier' "$out/kv-tiers.log")"
+else row "KV tiers on the GPU" FAIL "$(tail -1 "$out/kv-tiers.log")"; fi
+gpu_idle
+if $bin/duet bench kv-pull --device cuda --gpu-memory-fraction 0.2 --prefix-tokens 2000 \
+    --json-out "$out/kv-pull.json" >"$out/kv-pull.log" 2>&1; then
+  row "KV pull from a peer on the GPU (2,000 tokens)" DONE "$(head -1 "$out/kv-pull.log")"
+else row "KV pull from a peer on the GPU" FAIL "$(tail -1 "$out/kv-pull.log")"; fi
+# --- end of KV tiers ------------------------------------------------------------------------------
+
 printf '\n%-58s %-6s %s\n' check result detail
 printf '%s\n' "${rows[@]}"
