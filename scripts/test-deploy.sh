@@ -354,6 +354,10 @@ rejected "an extra volume without a name" "at '/decode/extraVolumes/0': missing 
 rejected "the GIE picker without metrics" \
   "at '/gie': missing property 'gie.enabled needs metrics.enabled" \
   --set gie.enabled=true --set metrics.enabled=false
+rejected "peer pulls on the prefill pool" "at '/prefill/kvTiers/peerPull': value must be false" \
+  --set prefill.kvTiers.peerPull=true
+rejected "a disk tier of no bytes" "at '/decode/kvTiers/disk/bytes': minimum: got 0, want 1" \
+  --set decode.kvTiers.disk.bytes=0
 rejected "a serving signal without metrics" \
   "at '/decode/autoscaling': missing property 'decode.autoscaling.metric other than cpu needs metrics.enabled" \
   --set metrics.enabled=false --set decode.autoscaling.enabled=true

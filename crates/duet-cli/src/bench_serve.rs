@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use duet_cluster::ClusterArgs;
-use duet_decode_worker::DecodeConfig;
+use duet_decode_worker::{DecodeConfig, PeerPullArgs};
+use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_planner::arrivals::{ArrivalClock, Arrivals};
 use duet_planner::report::{
@@ -49,6 +50,9 @@ pub struct ServeBenchArgs {
     pub tls_ca: Option<PathBuf>,
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Peer pulls on the launched clusters' decode workers.
+    #[command(flatten)]
+    pub peer_pull: PeerPullArgs,
     /// Also measure the engine alone (in this process, before the first cluster and after each)
     /// decoding a batch of --concurrency sequences from the mean --prompt-tokens for the mean
     /// --output-tokens steps, and prefilling one prompt of that length; report each run's output
@@ -61,6 +65,11 @@ pub struct ServeBenchArgs {
     /// Write an SVG chart of the latency percentiles here (FILE.svg).
     #[arg(long)]
     pub plot_out: Option<PathBuf>,
+    /// Launch every cluster twice, with the tiers below the KV pool as the engine flags set
+    /// them (--kv-offload-tokens, --kv-disk-dir) and with none, and compare the two: TTFT of
+    /// turns 2 and later, and output throughput.
+    #[arg(long, conflicts_with = "server")]
+    pub compare_kv_tiers: bool,
     /// Launch one disaggregated cluster per routing policy listed (instead of the router's
     /// --routing), to compare them on the same workload.
     #[arg(long, value_enum, value_delimiter = ',')]
@@ -138,6 +147,37 @@ pub struct RunReport {
     pub chaos: Option<ChaosReport>,
     /// Speculative decoding over successful requests, from their usage.
     pub speculation: SpeculationReport,
+    /// Multi-turn workloads: each turn's TTFT, and that of every turn after the first.
+    pub turns: Vec<TurnReport>,
+    pub later_turns_ttft_ms: Option<Percentiles>,
+    /// Launched clusters: the tiers below the workers' KV pools over the run, and the prefix
+    /// pulls between decode workers.
+    pub kv_tiers: Vec<TierReport>,
+    pub peer_pulls: BTreeMap<String, u64>,
+}
+
+/// One turn of the conversations.
+#[derive(Clone, Debug, Serialize)]
+pub struct TurnReport {
+    /// 1 for the first.
+    pub turn: usize,
+    pub requests: usize,
+    pub ttft_ms: Percentiles,
+}
+
+/// One tier below the KV pool, over every worker of a launched cluster.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct TierReport {
+    pub tier: String,
+    /// Blocks brought up instead of computed, their bytes and the time that took.
+    pub hits: u64,
+    pub bytes_loaded: u64,
+    pub load_seconds: f64,
+    /// bytes_loaded ÷ load_seconds, in GB/s.
+    pub restore_gb_per_s: f64,
+    pub bytes_stored: u64,
+    pub cost_model_misses: u64,
+    pub corrupt: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -232,7 +272,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
     };
     // Workers a fault names must exist in every cluster, before any is launched.
     if let Some(spec) = &chaos_spec {
-        for (design, _) in arms(&args) {
+        for (design, _, _) in arms(&args) {
             let prefill = args.shape.prefill_workers_of(design);
             chaos::plan(
                 spec,
@@ -255,12 +295,22 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         );
     } else {
         measure_engine(&mut engine_alone)?;
-        for (design, policy) in arms(&args) {
+        for (design, policy, tiers) in arms(&args) {
             let prefill = args.shape.prefill_workers_of(design);
             let routing = args.shape.routing_of(design);
             let mut name = format!("{design:?}").to_lowercase();
             if let Some(policy) = policy {
                 name = format!("{name}/{policy}");
+            }
+            let engine = match tiers {
+                Some(true) | None => args.shape.engine.clone(),
+                Some(false) => EngineOptions {
+                    kv_tiers: Default::default(),
+                    ..args.shape.engine.clone()
+                },
+            };
+            if let Some(on) = tiers {
+                name = format!("{name}/{}", if on { "tiers" } else { "no-tiers" });
             }
             let membership = ClusterArgs {
                 cluster: format!("{}-{}", args.membership.cluster, name.replace('/', "-")),
@@ -278,7 +328,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 },
                 prefill: PrefillConfig {
                     worker: WorkerArgs {
-                        engine: args.shape.engine.clone(),
+                        engine: engine.clone(),
                         kv_transport: args.shape.kv_transport,
                         ..WorkerArgs::default()
                     },
@@ -286,10 +336,11 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 },
                 decode: DecodeConfig {
                     worker: WorkerArgs {
-                        engine: args.shape.engine.clone(),
+                        engine,
                         kv_transport: args.shape.kv_transport,
                         ..WorkerArgs::default()
                     },
+                    peer_pull: args.peer_pull.clone(),
                     ..DecodeConfig::default()
                 },
                 prefill_workers: prefill,
@@ -305,7 +356,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 args.shape.decode_workers
             );
             let mut cluster = Cluster::start(&spec)?;
-            runs.push(match &chaos_spec {
+            let mut run = match &chaos_spec {
                 None => {
                     runtime
                         .block_on(drive(&args, arrivals, cluster.router, &jobs, &name))?
@@ -314,7 +365,9 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 Some(spec) => {
                     chaos_run(&args, arrivals, &runtime, &mut cluster, spec, &jobs, &name)?
                 }
-            });
+            };
+            (run.kv_tiers, run.peer_pulls) = runtime.block_on(tier_reports(&cluster));
+            runs.push(run);
             drop(cluster);
             measure_engine(&mut engine_alone)?;
         }
@@ -326,6 +379,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         }
     }
     serve_report::print_ttft_split(runs.iter().map(|r| &r.summary));
+    print_turns_and_tiers(&runs);
     if let Some(e) = &engine_alone {
         let list = |v: &[f64]| {
             v.iter()
@@ -432,8 +486,9 @@ fn chaos_run(
     let load_done = AtomicBool::new(false);
     let router = cluster.router;
     let start = Instant::now();
+    let disk = args.shape.engine.kv_tiers.kv_disk_dir.as_deref();
     let (load, injected) = std::thread::scope(|scope| {
-        let injector = scope.spawn(|| chaos::inject(cluster, &faults, start, &load_done));
+        let injector = scope.spawn(|| chaos::inject(cluster, &faults, start, &load_done, disk));
         let load = runtime.block_on(drive(args, arrivals, router, jobs, design));
         load_done.store(true, Ordering::Relaxed);
         (load, injector.join())
@@ -504,9 +559,15 @@ async fn solo_runs(router: SocketAddr, jobs: &[Job], design: &str) -> Result<Vec
     Ok(out)
 }
 
-/// The clusters to launch, in order: each design, and for a disaggregated one each policy of
-/// --compare-routing (or the router's own --routing).
-fn arms(args: &ServeBenchArgs) -> Vec<(Design, Option<RoutingPolicy>)> {
+/// The clusters to launch, in order: each design, for a disaggregated one each policy of
+/// --compare-routing (or the router's own --routing), and with --compare-kv-tiers each without
+/// and then with the tiers below the KV pool (`Some(false)`, `Some(true)`; `None`: as
+/// configured, not compared).
+fn arms(args: &ServeBenchArgs) -> Vec<(Design, Option<RoutingPolicy>, Option<bool>)> {
+    let tiers: &[Option<bool>] = match args.compare_kv_tiers {
+        true => &[Some(false), Some(true)],
+        false => &[None],
+    };
     args.shape
         .launch
         .iter()
@@ -518,6 +579,7 @@ fn arms(args: &ServeBenchArgs) -> Vec<(Design, Option<RoutingPolicy>)> {
                 .collect(),
             _ => vec![(design, None)],
         })
+        .flat_map(|(design, policy)| tiers.iter().map(move |&t| (design, policy, t)))
         .collect()
 }
 
@@ -575,6 +637,12 @@ async fn drive(
     // Closed loop: when the first client found the queue empty (the drain begins).
     let drain_start = std::sync::OnceLock::new();
     let by_job: Vec<Vec<Sample>> = match arrivals {
+        Arrivals::Closed { concurrency }
+            if args.workload.workload == WorkloadShape::SharedPrefix
+                && args.workload.shared_prefix.interleave =>
+        {
+            interleaved(jobs, concurrency.max(1), &channel, &done, &drain_start).await
+        }
         Arrivals::Closed { concurrency } => {
             let next = Arc::new(AtomicUsize::new(0));
             let drain_start = &drain_start;
@@ -646,7 +714,139 @@ async fn drive(
         info.block_size as usize,
         args,
     );
+    let mut report = report;
+    (report.turns, report.later_turns_ttft_ms) = turn_reports(&by_job);
     Ok((report, by_job))
+}
+
+/// Each turn's TTFT over the successful requests of that turn, and that of every turn after the
+/// first; none for a workload of single requests.
+fn turn_reports(by_job: &[Vec<Sample>]) -> (Vec<TurnReport>, Option<Percentiles>) {
+    let turns = by_job.iter().map(Vec::len).max().unwrap_or(0);
+    if turns < 2 {
+        return (Vec::new(), None);
+    }
+    let of_turn = |t: usize| by_job.iter().filter_map(move |j| j.get(t)).filter(|s| s.ok);
+    let reports = (0..turns)
+        .map(|t| TurnReport {
+            turn: t + 1,
+            requests: of_turn(t).count(),
+            ttft_ms: percentiles(of_turn(t).map(|s| s.ttft_ms)),
+        })
+        .collect();
+    let later = percentiles((1..turns).flat_map(of_turn).map(|s| s.ttft_ms));
+    (reports, Some(later))
+}
+
+/// The tiers below the KV pools of `cluster`'s workers, summed per tier, and the decode
+/// workers' prefix pulls by outcome.
+async fn tier_reports(cluster: &Cluster) -> (Vec<TierReport>, BTreeMap<String, u64>) {
+    let mut tiers: BTreeMap<i32, TierReport> = BTreeMap::new();
+    let mut pulls = BTreeMap::new();
+    for &addr in &cluster.workers() {
+        let Ok(s) = chaos::stats(addr, &cluster.token).await else {
+            continue;
+        };
+        for t in &s.kv_tiers {
+            let name = v1::KvTier::try_from(t.tier).map_or("unknown", |k| k.as_str_name());
+            let r = tiers.entry(t.tier).or_insert_with(|| TierReport {
+                tier: name.trim_start_matches("KV_TIER_").to_lowercase(),
+                ..TierReport::default()
+            });
+            r.hits += t.hits;
+            r.bytes_loaded += t.bytes_loaded;
+            r.load_seconds += t.load_seconds;
+            r.bytes_stored += t.bytes_stored;
+            r.cost_model_misses += t.cost_model_misses;
+            r.corrupt += t.corrupt;
+        }
+        for (outcome, n) in &s.kv_peer_pulls {
+            *pulls.entry(outcome.clone()).or_insert(0) += n;
+        }
+    }
+    let tiers = tiers
+        .into_values()
+        .map(|mut r| {
+            if r.load_seconds > 0.0 {
+                r.restore_gb_per_s = r.bytes_loaded as f64 / r.load_seconds / 1e9;
+            }
+            r
+        })
+        .collect();
+    (tiers, pulls)
+}
+
+/// Users taking turns (`--interleave`): `clients` clients take turns from the front of a queue
+/// holding every conversation's first turn, and a conversation's next turn (its prompt, answer and
+/// next question) joins the back once its answer arrives; a failed turn ends the conversation.
+/// Each job's samples, turn by turn.
+async fn interleaved(
+    jobs: &[Job],
+    clients: usize,
+    channel: &tonic::transport::Channel,
+    done: &Progress,
+    drain_start: &std::sync::OnceLock<Instant>,
+) -> Vec<Vec<Sample>> {
+    struct Turn {
+        job: usize,
+        turn: usize,
+        prompt: Prompt,
+    }
+    let queue = std::sync::Mutex::new(
+        jobs.iter()
+            .enumerate()
+            .map(|(job, j)| Turn {
+                job,
+                turn: 0,
+                prompt: j.prompt.clone(),
+            })
+            .collect::<std::collections::VecDeque<_>>(),
+    );
+    let samples = std::sync::Mutex::new(vec![Vec::new(); jobs.len()]);
+    // Turns taken and not yet answered: while any is, the queue may still grow.
+    let in_flight = AtomicUsize::new(0);
+    let client = || async {
+        loop {
+            let next = {
+                let mut q = queue.lock().unwrap_or_else(|e| e.into_inner());
+                let next = q.pop_front();
+                if next.is_some() {
+                    in_flight.fetch_add(1, Ordering::SeqCst);
+                }
+                next
+            };
+            let Some(Turn { job, turn, prompt }) = next else {
+                if in_flight.load(Ordering::SeqCst) == 0 {
+                    let _ = drain_start.set(Instant::now());
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                continue;
+            };
+            let s = one_request(channel.clone(), &prompt, jobs[job].max_tokens).await;
+            done.inc(1);
+            let question = jobs[job].follow_ups.get(turn).filter(|_| s.ok);
+            if let (Some(question), Prompt::Tokens(mut tokens)) = (question, prompt) {
+                tokens.extend_from_slice(&s.token_ids);
+                tokens.extend_from_slice(question);
+                let next = Turn {
+                    job,
+                    turn: turn + 1,
+                    prompt: Prompt::Tokens(tokens),
+                };
+                queue
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push_back(next);
+            }
+            samples.lock().unwrap_or_else(|e| e.into_inner())[job].push(s);
+            // After the next turn is queued: a client finding the queue empty with nothing in
+            // flight is done.
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+    };
+    futures::future::join_all((0..clients).map(|_| client())).await;
+    samples.into_inner().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A job's turns, one after another (each turn's prompt is the previous turn's prompt, its
@@ -810,6 +1010,10 @@ fn summarize(
         }),
         first_error: samples.iter().find_map(|s| s.error.clone()),
         chaos: None,
+        turns: Vec::new(),
+        later_turns_ttft_ms: None,
+        kv_tiers: Vec::new(),
+        peer_pulls: BTreeMap::new(),
         speculation: {
             let sum = |f: fn(&Sample) -> u32| ok.iter().map(|s| f(s) as u64).sum::<u64>();
             let steps = sum(|s| s.decode_steps);
@@ -824,6 +1028,83 @@ fn summarize(
                 tokens_per_step: rate((steps + accepted) as f64, steps as f64),
             }
         },
+    }
+}
+
+/// Each run's TTFT by turn and its tiers; with --compare-kv-tiers, each pair's ratios.
+fn print_turns_and_tiers(runs: &[RunReport]) {
+    for r in runs {
+        if let Some(later) = &r.later_turns_ttft_ms {
+            let by_turn: Vec<String> = r
+                .turns
+                .iter()
+                .map(|t| format!("{}: {:.1}", t.turn, t.ttft_ms.p50))
+                .collect();
+            let flat = match (r.turns.get(1), r.turns.last()) {
+                (Some(second), Some(last)) if second.ttft_ms.p50 > 0.0 => format!(
+                    "; turn {}/turn 2 = {:.2}×",
+                    last.turn,
+                    last.ttft_ms.p50 / second.ttft_ms.p50
+                ),
+                _ => String::new(),
+            };
+            println!(
+                "{:<27} TTFT p50 by turn (ms) {}; turns 2+: p50 {:.1}, p90 {:.1}{flat}",
+                r.summary.design,
+                by_turn.join(", "),
+                later.p50,
+                later.p90
+            );
+        }
+        for t in &r.kv_tiers {
+            println!(
+                "{:<27} {} tier: {} blocks brought up, {:.1} MB in {:.3} s ({:.2} GB/s); {:.1} MB moved down; {} cost-model misses; {} corrupt",
+                r.summary.design,
+                t.tier,
+                t.hits,
+                t.bytes_loaded as f64 / 1e6,
+                t.load_seconds,
+                t.restore_gb_per_s,
+                t.bytes_stored as f64 / 1e6,
+                t.cost_model_misses,
+                t.corrupt
+            );
+        }
+        let pulls: Vec<String> = r
+            .peer_pulls
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(o, n)| format!("{o} {n}"))
+            .collect();
+        if !pulls.is_empty() {
+            println!(
+                "{:<27} prefix pulls: {}",
+                r.summary.design,
+                pulls.join(", ")
+            );
+        }
+    }
+    for pair in runs.windows(2) {
+        let (off, on) = (&pair[0], &pair[1]);
+        let Some(base) = off.summary.design.strip_suffix("/no-tiers") else {
+            continue;
+        };
+        if on.summary.design != format!("{base}/tiers") {
+            continue;
+        }
+        let later = match (&off.later_turns_ttft_ms, &on.later_turns_ttft_ms) {
+            (Some(a), Some(b)) if a.p50 > 0.0 => format!(
+                "turns 2+ TTFT p50 = {:.2}× without them ({:.1} against {:.1} ms); ",
+                b.p50 / a.p50,
+                b.p50,
+                a.p50
+            ),
+            _ => String::new(),
+        };
+        println!(
+            "{base:<27} with tiers: {later}output tok/s = {:.3}× without them",
+            on.summary.output_tokens_per_s / off.summary.output_tokens_per_s.max(f64::MIN_POSITIVE)
+        );
     }
 }
 

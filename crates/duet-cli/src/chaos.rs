@@ -1,11 +1,13 @@
 //! `duet bench serve --chaos`: faults injected into a launched cluster's worker processes while
-//! the load runs (SIGKILL, SIGSTOP then SIGCONT, restart on the same port), and what a user must
-//! never see afterwards: failed requests, streams whose tokens differ from the same prompt's solo
-//! greedy run (repeats or gaps at a failover), and KV blocks still held once the load is over.
+//! the load runs (SIGKILL, SIGSTOP then SIGCONT, restart on the same port, every block file of a
+//! worker's disk tier damaged), and what a user must never see afterwards: failed requests,
+//! streams whose tokens differ from the same prompt's solo greedy run (repeats or gaps at a
+//! failover, KV read from a damaged file), and KV blocks still held once the load is over.
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -27,6 +29,8 @@ pub struct ChaosArgs {
     /// SIGCONT after +DURATION; restart = SIGTERM, then started again on the same port), or
     /// `random:N` (N faults at seeded random times and workers over the expected run). Faults
     /// run one at a time: one whose time comes while the previous one recovers waits for it.
+    /// `corrupt:WORKER@TIME` flips a byte in every block file of the worker's disk tier
+    /// (--kv-disk-dir): each must be found bad when read, counted, and recomputed.
     #[arg(
         long,
         value_name = "SPEC",
@@ -76,6 +80,8 @@ pub enum Action {
     Stop { resume_after: Duration },
     /// SIGTERM (SIGKILL if it has not exited within [`TERM_GRACE`]), then started again.
     Restart,
+    /// A byte flipped in every block file of the worker's disk tier.
+    CorruptKv,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,6 +125,7 @@ impl fmt::Display for Fault {
             } => ("kill", format!("+{}", s(d))),
             Action::Stop { resume_after } => ("stop", format!("+{}", s(resume_after))),
             Action::Restart => ("restart", String::new()),
+            Action::CorruptKv => ("corrupt", String::new()),
         };
         write!(f, "{name}:{}@{}{tail}", self.worker, s(self.at))
     }
@@ -200,9 +207,13 @@ impl ChaosSpec {
                     ("restart", Some(_)) => {
                         return Err(bad("restart takes no +DURATION".into()));
                     }
+                    ("corrupt", None) => Action::CorruptKv,
+                    ("corrupt", Some(_)) => {
+                        return Err(bad("corrupt takes no +DURATION".into()));
+                    }
                     (other, _) => {
                         return Err(bad(format!(
-                            "unknown action `{other}` (kill, stop or restart)"
+                            "unknown action `{other}` (kill, stop, restart or corrupt)"
                         )));
                     }
                 };
@@ -327,6 +338,7 @@ pub fn inject(
     faults: &[Fault],
     start: Instant,
     load_done: &AtomicBool,
+    kv_disk_dir: Option<&Path>,
 ) -> Vec<Injected> {
     let (prefill, decode) = (cluster.prefill.len(), cluster.decode.len());
     let mut injected = Vec::new();
@@ -340,7 +352,7 @@ pub fn inject(
         let at = start.elapsed();
         let result = process_index(fault.worker, prefill, decode)
             .map_err(anyhow::Error::msg)
-            .and_then(|i| apply(cluster, i, fault.action));
+            .and_then(|i| apply(cluster, i, fault.action, kv_disk_dir));
         eprintln!(
             "chaos: {fault} at {:.1}s{}",
             at.as_secs_f64(),
@@ -359,8 +371,19 @@ pub fn inject(
     injected
 }
 
-fn apply(cluster: &mut Cluster, index: usize, action: Action) -> Result<()> {
+fn apply(
+    cluster: &mut Cluster,
+    index: usize,
+    action: Action,
+    kv_disk_dir: Option<&Path>,
+) -> Result<()> {
     match action {
+        Action::CorruptKv => {
+            let dir = kv_disk_dir.context("corrupt needs a disk tier (--kv-disk-dir)")?;
+            let pid = cluster.process_id(index)?;
+            let files = corrupt_tier_files(dir, pid)?;
+            eprintln!("chaos: {files} block files of process {pid} damaged");
+        }
         Action::Kill { back_after } => {
             cluster.kill_process(index)?;
             if let Some(d) = back_after {
@@ -388,6 +411,38 @@ fn apply(cluster: &mut Cluster, index: usize, action: Action) -> Result<()> {
     Ok(())
 }
 
+/// Flips a byte in the middle of every block file of process `pid`'s disk tier (its directory
+/// `duet-kv-<pid>-<n>` inside `dir`); how many files.
+fn corrupt_tier_files(dir: &Path, pid: u32) -> Result<usize> {
+    let mut files = 0;
+    let prefix = format!("duet-kv-{pid}-");
+    for tier in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let tier = tier?.path();
+        let ours = tier
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(&prefix));
+        if !ours {
+            continue;
+        }
+        for file in std::fs::read_dir(&tier)? {
+            let file = file?.path();
+            // A file the worker removes meanwhile is simply not damaged.
+            let Ok(mut bytes) = std::fs::read(&file) else {
+                continue;
+            };
+            let mid = bytes.len() / 2;
+            if let Some(b) = bytes.get_mut(mid) {
+                *b ^= 0x40;
+                if std::fs::write(&file, &bytes).is_ok() {
+                    files += 1;
+                }
+            }
+        }
+    }
+    Ok(files)
+}
+
 /// Starts an exited worker again and waits until it answers `Stats`.
 fn start_again(cluster: &mut Cluster, index: usize) -> Result<()> {
     cluster.respawn_process(index)?;
@@ -409,7 +464,7 @@ fn start_again(cluster: &mut Cluster, index: usize) -> Result<()> {
     })
 }
 
-async fn stats(worker: SocketAddr, token: &ClusterToken) -> Result<v1::StatsResponse> {
+pub async fn stats(worker: SocketAddr, token: &ClusterToken) -> Result<v1::StatsResponse> {
     // Launched clusters serve plaintext (the bench launches no TLS cluster).
     let auth = duet_proto::PeerAuth {
         token: Some(token.clone()),
@@ -712,6 +767,7 @@ mod tests {
             ("kill:decode0@-1s", "not a duration"),
             ("stop:decode0@5s", "stop needs +DURATION"),
             ("restart:decode0@5s+2s", "restart takes no +DURATION"),
+            ("corrupt:decode0@5s+1s", "corrupt takes no +DURATION"),
             ("kill decode0", "ACTION:WORKER@TIME"),
             ("random:0", "positive count"),
             ("random:x", "positive count"),
@@ -724,7 +780,7 @@ mod tests {
 
     #[test]
     fn a_fault_prints_as_it_parses() {
-        let text = "kill:decode0@5s+2s,stop:prefill1@8s+3s,restart:decode1@12s,kill:decode0@1s+never,stop:decode1@3478ms+2127ms";
+        let text = "kill:decode0@5s+2s,stop:prefill1@8s+3s,restart:decode1@12s,kill:decode0@1s+never,stop:decode1@3478ms+2127ms,corrupt:decode1@14s";
         let ChaosSpec::Faults(faults) = ChaosSpec::parse(text, BACK).unwrap() else {
             panic!("faults expected")
         };
@@ -801,5 +857,23 @@ mod tests {
             check_stream(&reference, &[10, 11, 12, 13, 14, 15, 16, 17, 18]),
             StreamCheck::Differs { at: 8 }
         );
+    }
+
+    #[test]
+    fn corrupting_a_worker_damages_only_its_own_tier_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ours, theirs) = (
+            dir.path().join("duet-kv-7-0"),
+            dir.path().join("duet-kv-77-0"),
+        );
+        for d in [&ours, &theirs] {
+            std::fs::create_dir(d).unwrap();
+            for name in ["a.kvb", "b.kvb"] {
+                std::fs::write(d.join(name), [0u8; 8]).unwrap();
+            }
+        }
+        assert_eq!(corrupt_tier_files(dir.path(), 7).unwrap(), 2);
+        assert_eq!(std::fs::read(ours.join("a.kvb")).unwrap()[4], 0x40);
+        assert_eq!(std::fs::read(theirs.join("a.kvb")).unwrap(), [0u8; 8]);
     }
 }

@@ -339,6 +339,17 @@ impl Cluster {
         Ok(())
     }
 
+    /// The operating system's id of one service process; `index` as for
+    /// [`Self::kill_process`].
+    pub fn process_id(&self, index: usize) -> Result<u32> {
+        Ok(self
+            .children
+            .get(index)
+            .context("no such process")?
+            .child
+            .id())
+    }
+
     /// Every worker's address in process order: prefill workers, then decode workers.
     pub fn workers(&self) -> Vec<SocketAddr> {
         self.prefill.iter().chain(&self.decode).copied().collect()

@@ -4,6 +4,7 @@ mod bandwidth;
 mod bench_engine;
 mod bench_gpu;
 mod bench_kv_dtype;
+mod bench_kv_pull;
 mod bench_serve;
 mod bench_structured;
 mod bench_transfer;
@@ -42,7 +43,7 @@ enum Command {
     },
     /// Generate text from a prompt, streaming it as it is made (in this process, or through a
     /// running cluster with --server).
-    Generate(generate::GenerateArgs),
+    Generate(Box<generate::GenerateArgs>),
     /// Run a whole cluster on loopback: router + prefill + decode workers.
     Up(Box<up::UpArgs>),
     /// One gRPC health check of a duet service (exit 0 when SERVING): for exec probes of
@@ -74,7 +75,7 @@ enum ModelCommand {
 #[derive(Subcommand)]
 enum BenchCommand {
     /// Prefill and decode throughput of the engine alone (no services).
-    Engine(bench_engine::EngineBenchArgs),
+    Engine(Box<bench_engine::EngineBenchArgs>),
     /// Load a cluster through its router: TTFT, TPOT, ITL, end-to-end latency, SLO attainment,
     /// goodput; disaggregated and colocated side by side.
     Serve(Box<bench_serve::ServeBenchArgs>),
@@ -89,6 +90,9 @@ enum BenchCommand {
     /// What structured outputs cost: TPOT of a batch decoding under a nested JSON Schema
     /// against the same batch unconstrained, token for token.
     Structured(Box<bench_structured::StructuredBenchArgs>),
+    /// A prefix pulled from a peer decode worker against the same length computed: the
+    /// second worker's time to first token both ways.
+    KvPull(Box<bench_kv_pull::KvPullBenchArgs>),
 }
 
 fn main() {
@@ -99,7 +103,7 @@ fn main() {
         Command::Model {
             command: ModelCommand::Fetch(args),
         } => fetch::run(args),
-        Command::Generate(args) => generate::run(args),
+        Command::Generate(args) => generate::run(*args),
         Command::Up(args) => up::run(*args),
         Command::Health(args) => health::run(args),
         Command::Profile(args) => profile::run(*args),
@@ -109,7 +113,7 @@ fn main() {
             command: BenchCommand::Engine(args),
         } => {
             let given = given(&matches, &["bench", "engine"], "kv_cache_tokens");
-            bench_engine::run(args, given)
+            bench_engine::run(*args, given)
         }
         Command::Bench {
             command: BenchCommand::Serve(args),
@@ -126,6 +130,9 @@ fn main() {
         Command::Bench {
             command: BenchCommand::Structured(args),
         } => bench_structured::run_bench(*args),
+        Command::Bench {
+            command: BenchCommand::KvPull(args),
+        } => bench_kv_pull::run(*args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

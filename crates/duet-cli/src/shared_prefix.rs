@@ -28,6 +28,12 @@ pub struct SharedPrefixArgs {
     /// Tokens of each question.
     #[arg(long, default_value_t = 32)]
     pub question_tokens: usize,
+    /// Users take turns (closed loop): every conversation's first turn is queued, and a
+    /// conversation's next turn joins the back of the queue when its answer arrives, so the other
+    /// users' turns come between, as with users who read and think before they answer. Without
+    /// it each client runs one conversation's turns back to back.
+    #[arg(long)]
+    pub interleave: bool,
 }
 
 /// One user's conversation: the first prompt (system prompt and first question), then a question
@@ -113,6 +119,7 @@ mod tests {
             turns: 3,
             system_tokens: 10,
             question_tokens: 4,
+            interleave: false,
         };
         let mut n = 0;
         let c = args.conversations(&mut || {

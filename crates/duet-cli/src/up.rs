@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use duet_cluster::ClusterArgs;
-use duet_decode_worker::DecodeConfig;
+use duet_decode_worker::{DecodeConfig, PeerPullArgs};
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_prefill_worker::PrefillConfig;
@@ -56,6 +56,8 @@ pub struct UpArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineOptions,
+    #[command(flatten)]
+    pub peer_pull: PeerPullArgs,
     /// KV transport between the pools: auto (CUDA IPC between GPU processes on one node, else
     /// gRPC), grpc, cuda-ipc or nccl (see duet-prefill --help).
     #[arg(long, env = "DUET_KV_TRANSPORT", default_value_t = TransportChoice::Auto)]
@@ -118,6 +120,7 @@ pub fn run(args: UpArgs) -> Result<()> {
                 max_constraint_bytes: args.routing.max_constraint_bytes,
                 ..WorkerArgs::default()
             },
+            peer_pull: args.peer_pull.clone(),
             ..DecodeConfig::default()
         },
         prefill_workers: args.prefill_workers,

@@ -17,6 +17,7 @@ use crate::device::{Device, Switch};
 use crate::draft_model::DraftModel;
 use crate::generation::TextStream;
 use crate::grammars::Grammars;
+use crate::kv_tiers::{KvTierOptions, settle_kv_moves};
 use crate::llama::Llama;
 use crate::model_runner::{ModelRunner, release_freed_heap};
 use crate::sampling::Sampler;
@@ -113,6 +114,9 @@ pub struct EngineOptions {
     /// Off until they have run on a GPU.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_FUSED_KERNELS", value_enum, default_value_t = EngineOptions::default().fused_kernels))]
     pub fused_kernels: Switch,
+    /// The tiers below the KV pool (host memory, disk).
+    #[cfg_attr(feature = "cli", command(flatten))]
+    pub kv_tiers: KvTierOptions,
 }
 
 #[cfg(feature = "cli")]
@@ -141,6 +145,7 @@ impl Default for EngineOptions {
             cuda_graphs: Switch::Off,
             device_sampling: Switch::Off,
             fused_kernels: Switch::Off,
+            kv_tiers: KvTierOptions::default(),
         }
     }
 }
@@ -164,6 +169,7 @@ impl EngineOptions {
             cuda_graphs,
             device_sampling,
             fused_kernels,
+            kv_tiers,
         } = self;
         let kv_dtype =
             clap::ValueEnum::to_possible_value(kv_dtype).expect("every KV dtype is a flag value");
@@ -184,6 +190,7 @@ impl EngineOptions {
             format!("--fused-kernels={fused_kernels}"),
         ]
         .into_iter()
+        .chain(kv_tiers.to_args())
         .map(Into::into)
         .collect()
     }
@@ -314,7 +321,14 @@ impl<B: Backend> Engine<B> {
             kv_dtype,
             options.block_size,
         );
-        let kv_cache = KvCacheManager::new(num_blocks, options.block_size, &fingerprint);
+        let mut kv_cache = KvCacheManager::new(num_blocks, options.block_size, &fingerprint);
+        let block_bytes = runner.kv_block_bytes() * kv_layout.num_layers;
+        if let Some(lower) = options
+            .kv_tiers
+            .build(&kv_layout, block_bytes, &fingerprint)?
+        {
+            kv_cache = kv_cache.with_lower_tiers(lower);
+        }
         let (tokenizer, vocab_size) = (files.tokenizer, files.config.vocab_size);
         let grammars = Grammars::new(tokenizer.clone(), vocab_size);
         let engine = Self {
@@ -379,6 +393,22 @@ impl<B: Backend> Engine<B> {
     /// longer shared).
     pub fn clear_prefix_cache(&mut self) {
         self.scheduler.kv_cache_mut().clear_prefix_cache();
+    }
+
+    /// The counts of each tier below the KV pool, fastest first (none without tiers).
+    pub fn kv_tier_stats(&self) -> Vec<duet_kv::TierStats> {
+        self.scheduler.kv_cache().tier_stats()
+    }
+
+    /// The prefill speed measured now (prompt tokens per second), for the cost model that
+    /// weighs loading a block from a tier against computing it again.
+    pub fn set_prefill_rate(&mut self, tokens_per_s: f64) {
+        self.scheduler.kv_cache_mut().set_prefill_rate(tokens_per_s);
+    }
+
+    /// Moves KV the cache manager owes between the device store and the tiers below.
+    fn settle_kv_moves(&mut self) -> Result<(), EngineError> {
+        settle_kv_moves(&mut self.runner, self.scheduler.kv_cache_mut())
     }
 
     /// Starts recording prefix-cache events (see [`take_kv_events`](Self::take_kv_events)).
@@ -474,7 +504,9 @@ impl<B: Backend> Engine<B> {
             &tokens[prompt_len..],
             resumed.sent_text_bytes,
         )?;
-        let num_cached = self.scheduler.add_sequence(id, tokens, cache_salt)?;
+        let added = self.scheduler.add_sequence(id, tokens, cache_salt);
+        self.settle_kv_moves()?;
+        let num_cached = added?;
         self.seqs.insert(
             id,
             OutputState {
@@ -535,13 +567,59 @@ impl<B: Backend> Engine<B> {
         cache_salt: &str,
     ) -> Result<KvReservation, EngineError> {
         self.check_prompt(tokens, 1)?;
-        Ok(self.scheduler.kv_cache_mut().reserve(tokens, cache_salt)?)
+        let reserved = self.scheduler.kv_cache_mut().reserve(tokens, cache_salt);
+        self.settle_kv_moves()?;
+        Ok(reserved?)
     }
 
     /// Frees a reservation that will not be used (cancelled request, expired lease, failed
     /// transfer).
     pub fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError> {
         Ok(self.scheduler.kv_cache_mut().release(reservation)?)
+    }
+
+    /// Makes a reservation of `tokens` (whole blocks) whose KV was pulled from a peer a cached
+    /// prefix here, and frees it.
+    pub fn cache_reservation(
+        &mut self,
+        tokens: &[u32],
+        reservation: KvReservation,
+    ) -> Result<(), EngineError> {
+        Ok(self
+            .scheduler
+            .kv_cache_mut()
+            .cache_reservation(tokens, reservation)?)
+    }
+
+    /// The KV of blocks `blocks` of the prefix of `tokens` (whole blocks) held here, in the
+    /// pool or brought up from below: every layer in transfer layout, one `Vec` per block.
+    /// `None` unless every block before `blocks.end` is held. What a peer's pull is sent.
+    pub fn read_prefix(
+        &mut self,
+        tokens: &[u32],
+        cache_salt: &str,
+        blocks: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<Vec<u8>>>, EngineError> {
+        let end = (blocks.end * self.options.block_size).min(tokens.len());
+        let pinned = self
+            .scheduler
+            .kv_cache_mut()
+            .pin_prefix(&tokens[..end], cache_salt);
+        let read = self.settle_kv_moves().and_then(|()| {
+            if pinned.len() < blocks.end {
+                return Ok(None);
+            }
+            let bytes = self.runner.kv_block_bytes() * self.runner.kv_layout().num_layers;
+            let mut out = Vec::with_capacity(blocks.len());
+            for &block in &pinned[blocks] {
+                let mut kv = vec![0; bytes];
+                self.runner.read_block(block, &mut kv)?;
+                out.push(kv);
+            }
+            Ok(Some(out))
+        });
+        self.scheduler.kv_cache_mut().unpin(&pinned)?;
+        read
     }
 
     /// Starts generating for a prompt whose KV was written into `reservation` by a prefill
@@ -711,7 +789,11 @@ impl<B: Backend> Engine<B> {
                     Vec::new()
                 }),
             }
-        })?;
+        });
+        // Blocks the plan took may have been evicted: their KV moves down before it is
+        // overwritten.
+        self.settle_kv_moves()?;
+        let plan = plan?;
         if let Some(e) = draft_failure {
             return Err(e);
         }

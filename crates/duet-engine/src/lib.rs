@@ -11,6 +11,7 @@ pub mod engine;
 pub mod error;
 pub mod generation;
 pub mod grammars;
+pub mod kv_tiers;
 pub mod llama;
 pub mod model_runner;
 pub mod moe;

@@ -109,6 +109,37 @@ impl<B: Backend> ModelRunner<B> {
         self.model.backend().sync()
     }
 
+    /// Copies every layer of one block out, in transfer layout, layer after layer (`out` is
+    /// [`KvLayout::block_bytes`] long): what a tier below the pool holds.
+    pub fn read_block(&self, block: u32, out: &mut [u8]) -> Result<(), EngineError> {
+        let layer_bytes = self.whole_block_bytes(out.len())?;
+        for (layer, part) in out.chunks_exact_mut(layer_bytes).enumerate() {
+            self.read_kv_block(layer, block, part)?;
+        }
+        Ok(())
+    }
+
+    /// Writes every layer of one block from what [`read_block`](Self::read_block) gave.
+    pub fn write_block(&mut self, block: u32, data: &[u8]) -> Result<(), EngineError> {
+        let layer_bytes = self.whole_block_bytes(data.len())?;
+        for (layer, part) in data.chunks_exact(layer_bytes).enumerate() {
+            self.write_kv_block(layer, block, part)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of one layer of a block, checking that `len` is a whole block.
+    fn whole_block_bytes(&self, len: usize) -> Result<usize, EngineError> {
+        let layer_bytes = self.kv_block_bytes();
+        if len != layer_bytes * self.kv_layout.num_layers {
+            return Err(EngineError::InvalidBatch(format!(
+                "a whole KV block is {} layers of {layer_bytes} bytes, not {len} bytes",
+                self.kv_layout.num_layers
+            )));
+        }
+        Ok(layer_bytes)
+    }
+
     fn check_block(&self, layer: usize, block: u32, len: usize) -> Result<(), EngineError> {
         let l = self.kv_layout;
         if layer >= l.num_layers || block as usize >= l.num_blocks || len != self.kv_block_bytes() {

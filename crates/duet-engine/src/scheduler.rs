@@ -658,7 +658,7 @@ mod tests {
         assert!(
             !events
                 .iter()
-                .any(|e| matches!(e, duet_kv::KvEvent::Removed(_))),
+                .any(|e| matches!(e, duet_kv::KvEvent::Removed { .. })),
             "{events:?}"
         );
         assert_eq!(s.kv_cache().pool().stats().cached, 1);

@@ -11,10 +11,16 @@
 //! While [recording](BlockPool::record_events), every change to the set of findable hashes is
 //! appended to a list of [`KvEvent`]s (one per block, never per token) that the owner drains
 //! between steps, and the pool keeps a [`KvDigest`] of that set.
+//!
+//! With tiers below it, the pool also [tracks evictions](BlockPool::track_evictions): each cached
+//! block it evicts is listed ([`Eviction`]) with whether it was *admitted* (reused, or marked so
+//! by its owner), so the owner can copy an admitted block's KV down before its slot is written
+//! again. An admitted block's eviction is not reported as removed: the owner reports where it
+//! went.
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::{BlockHash, SeqId};
+use crate::{BlockHash, SeqId, Tier};
 
 /// Index of a block in the pool (and in the KV storage that mirrors it).
 pub type BlockId = u32;
@@ -33,19 +39,37 @@ pub enum KvError {
     DuplicateSequence(SeqId),
 }
 
-/// A change to the set of block hashes a pool can find (what a router indexes).
+/// A change to the set of (block hash, tier) pairs a worker holds (what a router indexes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvEvent {
-    /// A full block became findable under this hash.
+    /// A full block's KV was computed (or received) into the device pool.
     Stored(BlockHash),
-    /// The block under this hash was evicted.
-    Removed(BlockHash),
-    /// Every hash was forgotten.
+    /// The block left tier `from` and is now held in `to`, below it.
+    MovedDown {
+        hash: BlockHash,
+        from: Tier,
+        to: Tier,
+    },
+    /// The block was loaded into the device pool from `from`, which keeps its copy.
+    BroughtUp { hash: BlockHash, from: Tier },
+    /// The block left `tier`.
+    Removed { hash: BlockHash, tier: Tier },
+    /// Every block of every tier was forgotten.
     Cleared,
 }
 
-/// The set of findable hashes in brief: how many, and their XOR. Two copies of a set that
-/// differ almost surely differ here.
+/// A cached block the pool evicted to reuse its slot (see [`BlockPool::track_evictions`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Eviction {
+    pub block: BlockId,
+    pub hash: BlockHash,
+    /// Reused (or marked admitted): its KV should move down before the slot is written.
+    pub admitted: bool,
+}
+
+/// The set of held blocks in brief: how many, and the XOR of their keys (a block's hash in the
+/// device pool, see [`Tier::digest_key`] below it). Two copies of a set that differ almost surely
+/// differ here.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KvDigest {
     pub block_count: u64,
@@ -70,6 +94,8 @@ struct BlockMeta {
     hash: Option<BlockHash>,
     /// Position in the LRU order while cached.
     lru_tick: Option<u64>,
+    /// Worth moving down when evicted (see [`Eviction::admitted`]).
+    admitted: bool,
 }
 
 /// Counts for metrics and admission decisions.
@@ -93,6 +119,8 @@ pub struct BlockPool {
     /// Events not drained yet; `None` while not recording.
     events: Option<Vec<KvEvent>>,
     digest: KvDigest,
+    /// Evictions not drained yet; `None` while not tracking.
+    evictions: Option<Vec<Eviction>>,
 }
 
 impl BlockPool {
@@ -110,6 +138,29 @@ impl BlockPool {
             in_use: 0,
             events: None,
             digest: KvDigest::default(),
+            evictions: None,
+        }
+    }
+
+    /// Starts listing evicted cached blocks (for [`take_evictions`](Self::take_evictions)).
+    pub fn track_evictions(&mut self) {
+        self.evictions.get_or_insert_with(Vec::new);
+    }
+
+    /// The evictions since the last call (none when not tracking).
+    pub fn take_evictions(&mut self) -> Vec<Eviction> {
+        self.evictions
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Marks a block holding a registered hash as worth moving down when evicted.
+    pub fn mark_admitted(&mut self, block: BlockId) {
+        if let Some(meta) = self.blocks.get_mut(block as usize)
+            && meta.hash.is_some()
+        {
+            meta.admitted = true;
         }
     }
 
@@ -128,10 +179,12 @@ impl BlockPool {
         self.digest
     }
 
+    /// Records a change of the device pool's hashes.
     fn changed(&mut self, event: KvEvent) {
         match event {
-            KvEvent::Stored(h) => self.digest.toggle(h, true),
-            KvEvent::Removed(h) => self.digest.toggle(h, false),
+            KvEvent::Stored(h) | KvEvent::BroughtUp { hash: h, .. } => self.digest.toggle(h, true),
+            KvEvent::Removed { hash, .. } => self.digest.toggle(hash, false),
+            KvEvent::MovedDown { .. } => {}
             KvEvent::Cleared => self.digest = KvDigest::default(),
         }
         if let Some(events) = &mut self.events {
@@ -203,9 +256,31 @@ impl BlockPool {
             .expect("available() counted a cached block");
         let meta = &mut self.blocks[id as usize];
         meta.lru_tick = None;
-        if let Some(h) = meta.hash.take() {
-            self.by_hash.remove(&h);
-            self.changed(KvEvent::Removed(h));
+        let admitted = std::mem::take(&mut meta.admitted);
+        if let Some(hash) = meta.hash.take() {
+            self.by_hash.remove(&hash);
+            match &mut self.evictions {
+                Some(evictions) => {
+                    evictions.push(Eviction {
+                        block: id,
+                        hash,
+                        admitted,
+                    });
+                    if admitted {
+                        // Where it goes is the owner's event to report.
+                        self.digest.toggle(hash, false);
+                    } else {
+                        self.changed(KvEvent::Removed {
+                            hash,
+                            tier: Tier::Device,
+                        });
+                    }
+                }
+                None => self.changed(KvEvent::Removed {
+                    hash,
+                    tier: Tier::Device,
+                }),
+            }
         }
         id
     }
@@ -234,6 +309,7 @@ impl BlockPool {
                     meta.lru_tick = Some(tick);
                     self.lru.insert(tick, b);
                 } else {
+                    meta.admitted = false;
                     self.free.push(b);
                 }
             }
@@ -245,6 +321,30 @@ impl BlockPool {
     /// by [`lookup_prefix`](Self::lookup_prefix). If another block already holds this content,
     /// this one stays anonymous (it is freed normally later). Returns whether it was registered.
     pub fn register_hash(&mut self, block: BlockId, hash: BlockHash) -> Result<bool, KvError> {
+        self.register(block, hash, KvEvent::Stored(hash))
+    }
+
+    /// Registers a block whose KV was loaded from tier `from` below the pool (see
+    /// [`register_hash`](Self::register_hash)); it is admitted (it came from below).
+    pub fn register_loaded(
+        &mut self,
+        block: BlockId,
+        hash: BlockHash,
+        from: Tier,
+    ) -> Result<bool, KvError> {
+        let registered = self.register(block, hash, KvEvent::BroughtUp { hash, from })?;
+        if registered {
+            self.blocks[block as usize].admitted = true;
+        }
+        Ok(registered)
+    }
+
+    fn register(
+        &mut self,
+        block: BlockId,
+        hash: BlockHash,
+        event: KvEvent,
+    ) -> Result<bool, KvError> {
         self.check(block)?;
         if self.blocks[block as usize].ref_count == 0 {
             return Err(KvError::NotInUse(block));
@@ -254,7 +354,7 @@ impl BlockPool {
         }
         self.by_hash.insert(hash, block);
         self.blocks[block as usize].hash = Some(hash);
-        self.changed(KvEvent::Stored(hash));
+        self.changed(event);
         Ok(true)
     }
 
@@ -282,6 +382,8 @@ impl BlockPool {
                 self.in_use += 1;
             }
             meta.ref_count += 1;
+            // Found again: reused, so worth keeping below when evicted.
+            meta.admitted = true;
             out.push(id);
         }
         out
@@ -304,7 +406,9 @@ impl BlockPool {
             self.free.push(id);
         }
         for (_, id) in self.by_hash.drain() {
-            self.blocks[id as usize].hash = None;
+            let meta = &mut self.blocks[id as usize];
+            meta.hash = None;
+            meta.admitted = false;
         }
         self.changed(KvEvent::Cleared);
     }
@@ -502,7 +606,13 @@ mod tests {
         let b = pool.allocate(1).unwrap();
         assert_eq!(
             pool.take_events(),
-            [KvEvent::Stored(2), KvEvent::Removed(1)]
+            [
+                KvEvent::Stored(2),
+                KvEvent::Removed {
+                    hash: 1,
+                    tier: Tier::Device
+                }
+            ]
         );
         assert_eq!(pool.digest().block_count, 1);
         pool.release(&b).unwrap();
@@ -510,5 +620,67 @@ mod tests {
         assert_eq!(pool.take_events(), [KvEvent::Cleared]);
         assert_eq!(pool.digest(), KvDigest::default());
         assert!(pool.take_events().is_empty(), "drained");
+    }
+
+    #[test]
+    fn evictions_list_admitted_blocks_for_their_owner_to_move_down() {
+        let mut pool = BlockPool::new(4, 16);
+        pool.record_events();
+        pool.track_evictions();
+        let a = pool.allocate(4).unwrap();
+        for (i, &b) in a.iter().take(3).enumerate() {
+            pool.register_hash(b, 10 + i as u64).unwrap();
+        }
+        pool.mark_admitted(a[1]);
+        pool.mark_admitted(a[3]); // anonymous: nothing to admit
+        pool.release(&a).unwrap();
+        // Found again: reused.
+        let hit = pool.lookup_prefix(&[12]);
+        pool.release(&hit).unwrap();
+        pool.take_events();
+        pool.allocate(4).unwrap();
+        let evicted = |block, hash, admitted| Eviction {
+            block,
+            hash,
+            admitted,
+        };
+        assert_eq!(
+            pool.take_evictions(),
+            [
+                evicted(a[0], 10, false),
+                evicted(a[1], 11, true),
+                evicted(a[2], 12, true)
+            ]
+        );
+        assert_eq!(
+            pool.take_events(),
+            [KvEvent::Removed {
+                hash: 10,
+                tier: Tier::Device
+            }],
+            "where an admitted block went is its owner's to report"
+        );
+        assert_eq!(pool.digest(), KvDigest::default());
+        assert!(pool.take_evictions().is_empty(), "drained");
+    }
+
+    #[test]
+    fn a_loaded_block_is_brought_up_and_admitted() {
+        let mut pool = BlockPool::new(1, 16);
+        pool.record_events();
+        pool.track_evictions();
+        let b = pool.allocate(1).unwrap();
+        assert!(pool.register_loaded(b[0], 5, Tier::Disk).unwrap());
+        assert_eq!(
+            pool.take_events(),
+            [KvEvent::BroughtUp {
+                hash: 5,
+                from: Tier::Disk
+            }]
+        );
+        assert_eq!(pool.digest().hash_xor, 5);
+        pool.release(&b).unwrap();
+        pool.allocate(1).unwrap();
+        assert!(pool.take_evictions()[0].admitted);
     }
 }

@@ -2,13 +2,30 @@
 //! cached prefix blocks), registers the content hashes of blocks as they fill, frees them, and
 //! holds blocks for KV arriving from another worker ([`KvReservation`]). A scheduler sees a
 //! sequence's blocks only as [`KvBlocks`].
+//!
+//! With [tiers below the pool](KvCacheManager::with_lower_tiers), a prefix is looked up in the
+//! device pool and then below it: a block found below is brought up (read from its tier into a
+//! fresh device block) where the cost model says loading beats recomputing. The bytes themselves
+//! move through the engine, which owns the device store: after every call that may evict or
+//! load it takes the [`KvMoves`] owed (copies down of evicted blocks first, then the loaded
+//! blocks to write) before any step or transfer writes a block.
+//!
+//! **Admission.** An evicted block moves down only if it is *admitted*: it was found again in
+//! the pool (reused), came from below, or belongs to a sequence whose prompt reused KV (a
+//! prefix found in any tier, or a block this worker computed before and let go, remembered as a
+//! ghost). The unit of reuse in chats and agent loops is the growing prefix: each turn's new
+//! blocks extend a prefix that was just reused and are the next turn's prefix. Gating each
+//! block on its own second use (vLLM's "seen twice") would keep a turn's blocks below only from
+//! their third use on, after they were evicted and recomputed once; gating on the prefix keeps
+//! them from the first turn that showed reuse, while a workload without any reuse (every prompt
+//! new) writes nothing below and pays nothing.
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
+use std::time::Instant;
 
 use crate::{
-    BlockHash, BlockId, BlockPool, BlockTable, KvDigest, KvError, KvEvent, block_hashes,
-    next_block_hash, request_hash_seed,
+    BlockHash, BlockId, BlockPool, BlockTable, KvDigest, KvError, KvEvent, LowerTiers, Tier,
+    TierStats, block_hashes, next_block_hash, request_hash_seed,
 };
 
 /// Identifies a sequence (one request) among those whose blocks a manager tracks.
@@ -42,6 +59,29 @@ pub struct KvReservation {
     pub num_tokens: usize,
     /// Seed of the prompt's prefix hashes (the request's cache salt).
     pub hash_seed: u64,
+    /// The prompt reused KV held here (its blocks are admitted below when evicted).
+    pub reused: bool,
+}
+
+/// KV the engine owes the tiers (see [`KvCacheManager::take_moves`]).
+#[derive(Debug, Default)]
+pub struct KvMoves {
+    /// Evicted blocks whose KV moves down: read each before its slot is written, then hand it
+    /// to [`KvCacheManager::store_below`].
+    pub spills: Vec<(BlockId, BlockHash)>,
+    /// Blocks brought up: write each into the device store before a step reads it.
+    pub loads: Vec<BlockLoad>,
+}
+
+/// A block's KV read from a tier below, to write into device block `block`.
+#[derive(Debug)]
+pub struct BlockLoad {
+    pub block: BlockId,
+    pub tier: Tier,
+    /// Every layer's K and V, in the transfer layout.
+    pub bytes: Vec<u8>,
+    /// Seconds the tier read took.
+    pub read_seconds: f64,
 }
 
 struct SeqKv {
@@ -51,6 +91,8 @@ struct SeqKv {
     /// Seed of those hashes: the model's, with the request's cache salt. Kept when the blocks are
     /// freed: a preempted sequence fills new blocks with the same content.
     hash_seed: u64,
+    /// Its prompt reused KV: the blocks it fills are admitted below.
+    reused: bool,
 }
 
 pub struct KvCacheManager {
@@ -58,6 +100,11 @@ pub struct KvCacheManager {
     /// Seeds every prefix hash, so that only KV of the same model and geometry is shared.
     model_fingerprint: String,
     seqs: HashMap<SeqId, SeqKv>,
+    lower: Option<LowerTiers>,
+    /// Events in order: the pool's, moved here before each event of the tiers below.
+    events: Vec<KvEvent>,
+    spills: Vec<(BlockId, BlockHash)>,
+    loads: Vec<BlockLoad>,
 }
 
 impl KvCacheManager {
@@ -66,6 +113,87 @@ impl KvCacheManager {
             pool: BlockPool::new(num_blocks, block_size),
             model_fingerprint: model_fingerprint.to_string(),
             seqs: HashMap::new(),
+            lower: None,
+            events: Vec::new(),
+            spills: Vec::new(),
+            loads: Vec::new(),
+        }
+    }
+
+    /// Puts `lower` below the pool: admitted blocks move there when evicted and prefixes are
+    /// brought back up from there.
+    pub fn with_lower_tiers(mut self, lower: LowerTiers) -> Self {
+        self.pool.track_evictions();
+        self.lower = Some(lower);
+        self
+    }
+
+    /// The counts of each tier below the pool, fastest first (none without tiers).
+    pub fn tier_stats(&self) -> Vec<TierStats> {
+        self.lower
+            .as_ref()
+            .map(LowerTiers::stats)
+            .unwrap_or_default()
+    }
+
+    /// The prefill speed measured now, for the cost model.
+    pub fn set_prefill_rate(&mut self, tokens_per_s: f64) {
+        if let Some(lower) = &mut self.lower {
+            lower.cost_model_mut().set_prefill_rate(tokens_per_s);
+        }
+    }
+
+    /// Moves the pool's events so far behind those already taken, keeping their order with the
+    /// events of the tiers below.
+    fn flush_pool_events(&mut self) {
+        self.events.extend(self.pool.take_events());
+    }
+
+    /// The copies the engine owes: evicted admitted blocks to read and [store
+    /// below](Self::store_below) (before their slots are written), then loaded blocks to write.
+    /// Call after every call that may allocate ([`add_sequence`](Self::add_sequence),
+    /// [`reserve`](Self::reserve), [`allocate_slots`](Self::allocate_slots)), whatever it
+    /// returned.
+    pub fn take_moves(&mut self) -> KvMoves {
+        for e in self.pool.take_evictions() {
+            match (e.admitted, &mut self.lower) {
+                (true, Some(_)) => self.spills.push((e.block, e.hash)),
+                (false, Some(lower)) => lower.remember(e.hash),
+                (_, None) => {}
+            }
+        }
+        KvMoves {
+            spills: std::mem::take(&mut self.spills),
+            loads: std::mem::take(&mut self.loads),
+        }
+    }
+
+    /// The KV of an evicted block (every layer, transfer layout), read from the device before
+    /// its slot was written: it moves down.
+    pub fn store_below(&mut self, hash: BlockHash, block: &[u8]) {
+        self.flush_pool_events();
+        if let Some(lower) = &mut self.lower {
+            lower.store(hash, block, &mut self.events);
+        }
+    }
+
+    /// An evicted block whose KV could not be read from the device: it is gone.
+    pub fn spill_failed(&mut self, hash: BlockHash) {
+        self.flush_pool_events();
+        self.events.push(KvEvent::Removed {
+            hash,
+            tier: Tier::Device,
+        });
+        if let Some(lower) = &mut self.lower {
+            lower.remember(hash);
+        }
+    }
+
+    /// `blocks` blocks were brought up from `tier` in `seconds` (tier reads and device
+    /// writes): for the metrics and the cost model.
+    pub fn loaded(&mut self, tier: Tier, blocks: usize, seconds: f64) {
+        if let Some(lower) = &mut self.lower {
+            lower.loaded(tier, blocks, seconds);
         }
     }
 
@@ -89,15 +217,87 @@ impl KvCacheManager {
         self.pool.record_events();
     }
 
-    /// The prefix-cache events since the last call, and the digest after them.
+    /// The prefix-cache events since the last call (every tier), and the digest after them.
     pub fn take_events(&mut self) -> (Vec<KvEvent>, KvDigest) {
-        (self.pool.take_events(), self.pool.digest())
+        self.flush_pool_events();
+        let mut digest = self.pool.digest();
+        if let Some(lower) = &self.lower {
+            let below = lower.digest();
+            digest.block_count += below.block_count;
+            digest.hash_xor ^= below.hash_xor;
+        }
+        (std::mem::take(&mut self.events), digest)
     }
 
-    /// Forgets every cached prefix block (blocks held by sequences keep their KV but are no
-    /// longer shared).
+    /// Forgets every cached prefix block, in every tier (blocks held by sequences keep their KV
+    /// but are no longer shared).
     pub fn clear_prefix_cache(&mut self) {
+        // Blocks evicted before are forgotten too: none moves down.
+        let loads = std::mem::take(&mut self.loads);
+        self.take_moves();
+        self.loads = loads;
+        if let Some(lower) = &mut self.lower {
+            lower.clear();
+        }
         self.pool.clear_cache();
+    }
+
+    /// Takes the longest prefix of `hashes` held here: blocks in the pool are shared; blocks
+    /// below it are brought up into fresh blocks where the cost model says loading beats
+    /// recomputing (their bytes wait in [`take_moves`](Self::take_moves)). Stops at the first
+    /// block held nowhere, not worth loading, unreadable, or without a free block.
+    fn take_prefix(&mut self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        let mut blocks = self.pool.lookup_prefix(hashes);
+        if self.lower.is_none() {
+            return blocks;
+        }
+        while let Some(&hash) = hashes.get(blocks.len()) {
+            // A block evicted from the pool may be followed by one still in it.
+            if let Some(&block) = self.pool.lookup_prefix(&[hash]).first() {
+                blocks.push(block);
+                continue;
+            }
+            let lower = self.lower.as_mut().expect("checked above");
+            let Some(tier) = lower.find(hash) else {
+                break;
+            };
+            if !lower.decide(tier) {
+                break;
+            }
+            let Ok(fresh) = self.pool.allocate(1) else {
+                break;
+            };
+            self.flush_pool_events();
+            let lower = self.lower.as_mut().expect("checked above");
+            let mut bytes = vec![0; lower.block_bytes()];
+            let started = Instant::now();
+            let found = lower.load(hash, &mut bytes, &mut self.events);
+            let read_seconds = started.elapsed().as_secs_f64();
+            let registered = found.map(|tier| self.pool.register_loaded(fresh[0], hash, tier));
+            let Some(Ok(true)) = registered else {
+                // Unreadable below (dropped there): recomputed. The fresh block goes back.
+                let _ = self.pool.release(&fresh);
+                break;
+            };
+            self.loads.push(BlockLoad {
+                block: fresh[0],
+                tier: found.expect("registered"),
+                bytes,
+                read_seconds,
+            });
+            blocks.push(fresh[0]);
+        }
+        blocks
+    }
+
+    /// Whether a prompt of these block hashes reuses KV held here: a prefix found (`cached`
+    /// blocks), or a block this worker computed before and let go.
+    fn reuses(&self, hashes: &[BlockHash], cached: usize) -> bool {
+        cached > 0
+            || self
+                .lower
+                .as_ref()
+                .is_some_and(|l| hashes.iter().any(|&h| l.seen_before(h)))
     }
 
     /// Starts tracking a sequence of `tokens`, taking the cached blocks of its longest cached
@@ -110,21 +310,23 @@ impl KvCacheManager {
     ) -> Result<&KvBlocks, KvError> {
         let bs = self.pool.block_size();
         let hash_seed = self.hash_seed(cache_salt);
-        let Entry::Vacant(entry) = self.seqs.entry(seq) else {
+        if self.seqs.contains_key(&seq) {
             return Err(KvError::DuplicateSequence(seq));
-        };
+        }
         let mut hashes = block_hashes(hash_seed, tokens, bs);
         // Leave at least one token to compute: its logits give the next output token.
         let usable = hashes.len().min(tokens.len().saturating_sub(1) / bs);
-        let cached = self.pool.lookup_prefix(&hashes[..usable]);
+        let cached = self.take_prefix(&hashes[..usable]);
+        let reused = self.reuses(&hashes, cached.len());
         hashes.truncate(cached.len());
-        let seq_kv = entry.insert(SeqKv {
+        let seq_kv = self.seqs.entry(seq).or_insert(SeqKv {
             blocks: KvBlocks {
                 num_cached: cached.len(),
                 table: BlockTable::from_blocks(cached),
             },
             hashes,
             hash_seed,
+            reused,
         });
         Ok(&seq_kv.blocks)
     }
@@ -150,6 +352,7 @@ impl KvCacheManager {
                 },
                 hashes: Vec::new(),
                 hash_seed: reservation.hash_seed,
+                reused: reservation.reused,
             },
         );
         if let Err(e) = self.cache_full_blocks(seq, tokens, tokens.len()) {
@@ -221,7 +424,11 @@ impl KvCacheManager {
                 prev.unwrap_or(0),
                 &tokens[b * bs..(b + 1) * bs],
             );
-            self.pool.register_hash(s.blocks.table.blocks()[b], h)?;
+            let block = s.blocks.table.blocks()[b];
+            self.pool.register_hash(block, h)?;
+            if s.reused {
+                self.pool.mark_admitted(block);
+            }
             s.hashes.push(h);
             prev = Some(h);
         }
@@ -251,8 +458,9 @@ impl KvCacheManager {
         let bs = self.block_size();
         let hash_seed = self.hash_seed(cache_salt);
         let hashes = block_hashes(hash_seed, tokens, bs);
-        let mut blocks = self.pool.lookup_prefix(&hashes);
+        let mut blocks = self.take_prefix(&hashes);
         let cached_blocks = blocks.len();
+        let reused = self.reuses(&hashes, cached_blocks);
         match self
             .pool
             .allocate(tokens.len().div_ceil(bs) - cached_blocks)
@@ -268,12 +476,45 @@ impl KvCacheManager {
             cached_blocks,
             num_tokens: tokens.len(),
             hash_seed,
+            reused,
         })
     }
 
     /// Frees a reservation that will not be used.
     pub fn release(&mut self, reservation: KvReservation) -> Result<(), KvError> {
         self.pool.release(&reservation.blocks)
+    }
+
+    /// Makes a filled reservation of `tokens` (whole blocks, pulled from a peer) a cached
+    /// prefix: registers its blocks' hashes and frees it. The blocks are admitted below (a peer
+    /// held them: they were reused).
+    pub fn cache_reservation(
+        &mut self,
+        tokens: &[u32],
+        reservation: KvReservation,
+    ) -> Result<(), KvError> {
+        let hashes = block_hashes(reservation.hash_seed, tokens, self.block_size());
+        let filled = reservation.blocks.iter().zip(&hashes);
+        for (&block, &hash) in filled.skip(reservation.cached_blocks) {
+            if self.pool.register_hash(block, hash)? {
+                self.pool.mark_admitted(block);
+            }
+        }
+        self.pool.release(&reservation.blocks)
+    }
+
+    /// Takes references to the blocks of the longest held prefix of `tokens`' full blocks,
+    /// bringing blocks up from below as a prompt would (their bytes wait in
+    /// [`take_moves`](Self::take_moves)): what a peer's pull reads. Give them back with
+    /// [`unpin`](Self::unpin).
+    pub fn pin_prefix(&mut self, tokens: &[u32], cache_salt: &str) -> Vec<BlockId> {
+        let hashes = block_hashes(self.hash_seed(cache_salt), tokens, self.block_size());
+        self.take_prefix(&hashes)
+    }
+
+    /// Gives back blocks [pinned](Self::pin_prefix).
+    pub fn unpin(&mut self, blocks: &[BlockId]) -> Result<(), KvError> {
+        self.pool.release(blocks)
     }
 }
 
@@ -344,7 +585,7 @@ mod tests {
         assert_eq!(kv.allocate_free_slots(1, 6).unwrap(), 8, "already held");
         let (events, _) = kv.take_events();
         assert!(
-            !events.iter().any(|e| matches!(e, KvEvent::Removed(_))),
+            !events.iter().any(|e| matches!(e, KvEvent::Removed { .. })),
             "{events:?}"
         );
     }
@@ -454,5 +695,204 @@ mod tests {
         kv.cache_full_blocks(0, &t, 8).unwrap();
         let hashes = block_hashes(kv.hash_seed(""), &t, BS);
         assert_eq!(kv.pool().cached_prefix_len(&hashes), 2);
+    }
+
+    mod tiers {
+        use super::*;
+        use crate::HostTier;
+
+        const BYTES: usize = 8;
+
+        fn tiered(num_blocks: usize, host_blocks: usize) -> KvCacheManager {
+            let lower = LowerTiers::new(
+                vec![Box::new(HostTier::new(host_blocks, BYTES))],
+                BS,
+                BYTES,
+                64,
+            );
+            manager(num_blocks).with_lower_tiers(lower)
+        }
+
+        /// Block `i`'s KV of `tokens` as a device would hold it.
+        fn kv_of(tokens: &[u32], i: usize) -> Vec<u8> {
+            let sum: u32 = tokens[..(i + 1) * BS].iter().sum();
+            sum.to_le_bytes().repeat(BYTES / 4)
+        }
+
+        /// The device store beside a manager, and the engine's part.
+        #[derive(Default)]
+        struct Device {
+            blocks: HashMap<BlockId, Vec<u8>>,
+            spilled: usize,
+        }
+
+        impl Device {
+            /// What the engine does after each call that may allocate.
+            fn settle(&mut self, kv: &mut KvCacheManager) {
+                let moves = kv.take_moves();
+                for (block, hash) in moves.spills {
+                    kv.store_below(hash, &self.blocks[&block]);
+                    self.spilled += 1;
+                }
+                for load in moves.loads {
+                    kv.loaded(load.tier, 1, load.read_seconds);
+                    self.blocks.insert(load.block, load.bytes);
+                }
+            }
+
+            /// Runs a prompt through, computing what was not cached; its cached tokens.
+            fn run(&mut self, kv: &mut KvCacheManager, seq: SeqId, t: &[u32], salt: &str) -> usize {
+                let cached = kv.add_sequence(seq, t, salt).map(|b| b.num_cached());
+                self.settle(kv);
+                let cached = cached.unwrap();
+                for (i, &b) in kv.blocks(seq).unwrap().ids().iter().enumerate() {
+                    assert_eq!(
+                        self.blocks[&b],
+                        kv_of(t, i),
+                        "block {i} came up with other KV"
+                    );
+                }
+                let allocated = kv.allocate_slots(seq, t.len()).map(|b| b.ids().to_vec());
+                self.settle(kv);
+                for (i, &b) in allocated.unwrap().iter().enumerate().skip(cached) {
+                    if (i + 1) * BS <= t.len() {
+                        self.blocks.insert(b, kv_of(t, i));
+                    }
+                }
+                kv.cache_full_blocks(seq, t, t.len()).unwrap();
+                kv.remove(seq).unwrap();
+                cached * BS
+            }
+        }
+
+        fn tokens_from(start: u32, n: u32) -> Vec<u32> {
+            (start..start + n).collect()
+        }
+
+        /// A manager of `num_blocks` over a host tier of 4 blocks, where `prompt` (2 full
+        /// blocks) was computed, reused from the pool under `salt`, then evicted by a prompt of
+        /// `num_blocks` blocks: its blocks moved down.
+        fn reused_then_evicted(
+            num_blocks: usize,
+            prompt: &[u32],
+            salt: &str,
+        ) -> (KvCacheManager, Device) {
+            let mut kv = tiered(num_blocks, 4);
+            kv.record_events();
+            let mut dev = Device::default();
+            dev.run(&mut kv, 0, prompt, salt);
+            assert_eq!(dev.run(&mut kv, 1, prompt, salt), 8, "reused from the pool");
+            let other = tokens_from(100, 4 * num_blocks as u32);
+            dev.run(&mut kv, 2, &other, "");
+            assert_eq!(dev.spilled, 2, "the reused blocks moved down");
+            (kv, dev)
+        }
+
+        #[test]
+        fn a_reused_prefix_moves_down_when_evicted_and_comes_back_up() {
+            let chat = tokens(9);
+            let (mut kv, mut dev) = reused_then_evicted(3, &chat, "");
+            let hashes = block_hashes(kv.hash_seed(""), &chat, BS);
+            let (events, _) = kv.take_events();
+            for &h in &hashes {
+                assert!(events.contains(&KvEvent::MovedDown {
+                    hash: h,
+                    from: Tier::Device,
+                    to: Tier::Host
+                }));
+            }
+            // Its next turn finds them below and brings them up (checked by `run`).
+            let next_turn = tokens(12);
+            assert_eq!(dev.run(&mut kv, 3, &next_turn, ""), 8);
+            let (events, digest) = kv.take_events();
+            for &h in &hashes {
+                assert!(events.contains(&KvEvent::BroughtUp {
+                    hash: h,
+                    from: Tier::Host
+                }));
+            }
+            let host = kv.tier_stats()[0];
+            assert_eq!((host.hits, host.stored), (2, 2));
+            // Brought up, the blocks keep their copy below: both tiers count in the digest.
+            assert_eq!(digest.block_count as usize, kv.pool().stats().cached + 2);
+        }
+
+        #[test]
+        fn prompts_without_reuse_write_nothing_below() {
+            let mut kv = tiered(3, 4);
+            let mut dev = Device::default();
+            for seq in 0..20 {
+                dev.run(&mut kv, seq, &tokens_from(1000 * seq as u32, 12), "");
+            }
+            assert_eq!(dev.spilled, 0);
+            assert_eq!(kv.tier_stats()[0].stored, 0);
+        }
+
+        #[test]
+        fn a_prompt_computed_before_and_let_go_counts_as_reused() {
+            let mut kv = tiered(3, 4);
+            let mut dev = Device::default();
+            let prompt = tokens(9);
+            dev.run(&mut kv, 0, &prompt, "");
+            // Evicted unadmitted: gone, but remembered.
+            dev.run(&mut kv, 1, &tokens_from(100, 12), "");
+            assert_eq!(dev.spilled, 0);
+            // Computed again: now its blocks are admitted, and move down when evicted.
+            assert_eq!(dev.run(&mut kv, 2, &prompt, ""), 0);
+            dev.run(&mut kv, 3, &tokens_from(200, 12), "");
+            assert_eq!(dev.spilled, 2);
+            assert_eq!(dev.run(&mut kv, 4, &prompt, ""), 8);
+        }
+
+        #[test]
+        fn salts_separate_the_tiers_below() {
+            let prompt = tokens(9);
+            let (mut kv, mut dev) = reused_then_evicted(3, &prompt, "tenant-a");
+            assert_eq!(dev.run(&mut kv, 3, &prompt, "tenant-b"), 0);
+            assert_eq!(dev.run(&mut kv, 4, &prompt, ""), 0);
+            assert_eq!(dev.run(&mut kv, 5, &prompt, "tenant-a"), 8);
+        }
+
+        #[test]
+        fn blocks_below_are_recomputed_where_that_is_faster() {
+            let prompt = tokens(9);
+            let (mut kv, mut dev) = reused_then_evicted(3, &prompt, "");
+            // A worker computing 16 tokens in well under the measured load time.
+            kv.loaded(Tier::Host, 1, 1.0);
+            kv.set_prefill_rate(1e6);
+            assert_eq!(dev.run(&mut kv, 3, &prompt, ""), 0);
+            assert_eq!(kv.tier_stats()[0].cost_model_misses, 1);
+        }
+
+        #[test]
+        fn reservations_bring_prefixes_up_too() {
+            let prompt = tokens(9);
+            let (mut kv, mut dev) = reused_then_evicted(4, &prompt, "");
+            let r = kv.reserve(&prompt, "").unwrap();
+            dev.settle(&mut kv);
+            assert_eq!((r.cached_blocks, r.reused), (2, true));
+            for i in 0..2 {
+                assert_eq!(dev.blocks[&r.blocks[i]], kv_of(&prompt, i));
+            }
+            kv.release(r).unwrap();
+        }
+
+        #[test]
+        fn a_pulled_reservation_becomes_a_cached_prefix_and_pins_hold_blocks() {
+            let mut kv = tiered(4, 4);
+            let prefix = tokens(8);
+            let r = kv.reserve(&prefix, "").unwrap();
+            assert_eq!((r.blocks.len(), r.cached_blocks), (2, 0));
+            kv.cache_reservation(&prefix, r).unwrap();
+            let hashes = block_hashes(kv.hash_seed(""), &prefix, BS);
+            assert_eq!(kv.pool().cached_prefix_len(&hashes), 2);
+            // A pin holds the blocks in use until unpinned, and only for the right salt.
+            assert!(kv.pin_prefix(&prefix, "other").is_empty());
+            let pinned = kv.pin_prefix(&tokens(12), "");
+            assert_eq!(pinned.len(), 2, "the prefix held, not the prompt asked");
+            assert_eq!(kv.pool().stats().in_use, 2);
+            kv.unpin(&pinned).unwrap();
+            assert_eq!(kv.pool().stats().in_use, 0);
+        }
     }
 }

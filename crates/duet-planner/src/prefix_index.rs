@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use duet_kv::{BlockHash, KvEvent};
+use duet_kv::{BlockHash, KvEvent, Tier};
 
 #[derive(Default)]
 struct Holders {
@@ -42,14 +42,24 @@ impl PrefixIndex {
     /// Applies a worker's KV events.
     pub fn apply(&mut self, worker: u32, events: &[KvEvent]) {
         for e in events {
+            // The simulated router scores what the device pools hold (simulated workers have no
+            // tiers below them, and a block moved down is no longer in the pool).
             match *e {
-                KvEvent::Stored(h) => {
+                KvEvent::Stored(h) | KvEvent::BroughtUp { hash: h, .. } => {
                     let holders = self.blocks.entry(h).or_default();
                     if !holders.stored.contains(&worker) {
                         holders.stored.push(worker);
                     }
                 }
-                KvEvent::Removed(h) => {
+                KvEvent::Removed {
+                    hash: h,
+                    tier: Tier::Device,
+                }
+                | KvEvent::MovedDown {
+                    hash: h,
+                    from: Tier::Device,
+                    ..
+                } => {
                     if let Some(holders) = self.blocks.get_mut(&h) {
                         holders.stored.retain(|&w| w != worker);
                         if holders.is_empty() {
@@ -57,6 +67,7 @@ impl PrefixIndex {
                         }
                     }
                 }
+                KvEvent::Removed { .. } | KvEvent::MovedDown { .. } => {}
                 KvEvent::Cleared => {
                     self.blocks.retain(|_, holders| {
                         holders.stored.retain(|&w| w != worker);
@@ -147,10 +158,42 @@ mod tests {
         out.sort();
         assert_eq!(out, [(0, 3), (1, 4)]);
         index.expire(6.0);
-        index.apply(0, &[KvEvent::Removed(2)]);
+        index.apply(
+            0,
+            &[KvEvent::Removed {
+                hash: 2,
+                tier: Tier::Device,
+            }],
+        );
         index.prefix_matches(&[1, 2, 3, 4], 6.0, &mut out);
         out.sort();
         assert_eq!(out, [(0, 1), (1, 1)]);
+        // A block moved down from a pool is no longer in it; one below that leaves is no news.
+        index.apply(
+            0,
+            &[
+                KvEvent::Removed {
+                    hash: 1,
+                    tier: Tier::Host,
+                },
+                KvEvent::MovedDown {
+                    hash: 3,
+                    from: Tier::Device,
+                    to: Tier::Host,
+                },
+            ],
+        );
+        index.prefix_matches(&[1, 2, 3, 4], 6.0, &mut out);
+        out.sort();
+        assert_eq!(out, [(0, 1), (1, 1)]);
+        index.apply(
+            0,
+            &[KvEvent::BroughtUp {
+                hash: 3,
+                from: Tier::Host,
+            }],
+        );
+        assert!(index.blocks[&3].stored.contains(&0));
         index.apply(1, &[KvEvent::Cleared]);
         index.prefix_matches(&[1], 6.0, &mut out);
         assert_eq!(out, [(0, 1)]);

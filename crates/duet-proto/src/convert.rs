@@ -1,7 +1,8 @@
 //! Conversions between the worker protocol's messages and the model's request types, in one
 //! place: chat messages, sampling parameters and stop criteria, sampled tokens with their
-//! log-probabilities, and finish reasons.
+//! log-probabilities, finish reasons, and KV events with their tiers.
 
+use duet_kv::{KvEvent, Tier};
 use duet_model::chat::{ChatMessage, ChatToolCall};
 use duet_model::params::{
     Constraint, FinishReason, Logprobs, Sampled, SamplingParams, StopCriteria,
@@ -222,6 +223,117 @@ mod tests {
         assert_eq!(
             v1::FinishReason::from(FinishReason::Length),
             v1::FinishReason::Length
+        );
+    }
+}
+
+impl From<Tier> for v1::KvTier {
+    fn from(t: Tier) -> Self {
+        match t {
+            Tier::Device => v1::KvTier::Device,
+            Tier::Host => v1::KvTier::Host,
+            Tier::Disk => v1::KvTier::Disk,
+        }
+    }
+}
+
+/// A tier off the wire; `None` for one this build does not know.
+pub fn tier_from_wire(t: i32) -> Option<Tier> {
+    Some(match v1::KvTier::try_from(t).ok()? {
+        v1::KvTier::Device => Tier::Device,
+        v1::KvTier::Host => Tier::Host,
+        v1::KvTier::Disk => Tier::Disk,
+    })
+}
+
+/// Event number `seq` as the wire carries it.
+pub fn kv_event_to_wire(seq: u64, e: KvEvent) -> v1::KvEvent {
+    use v1::KvEventKind as Kind;
+    let (kind, block_hash, tier, from) = match e {
+        KvEvent::Stored(h) => (Kind::BlockStored, h, Tier::Device, Tier::Device),
+        KvEvent::MovedDown { hash, from, to } => (Kind::BlockMovedDown, hash, to, from),
+        KvEvent::BroughtUp { hash, from } => (Kind::BlockBroughtUp, hash, Tier::Device, from),
+        KvEvent::Removed { hash, tier } => (Kind::BlockRemoved, hash, tier, Tier::Device),
+        KvEvent::Cleared => (Kind::Cleared, 0, Tier::Device, Tier::Device),
+    };
+    v1::KvEvent {
+        seq,
+        kind: kind as i32,
+        block_hash,
+        tier: v1::KvTier::from(tier) as i32,
+        from_tier: v1::KvTier::from(from) as i32,
+    }
+}
+
+/// An event off the wire; `None` for a kind or tier this build does not know (its effect is
+/// unknown).
+pub fn kv_event_from_wire(e: &v1::KvEvent) -> Option<KvEvent> {
+    use v1::KvEventKind as Kind;
+    let (hash, tier, from) = (
+        e.block_hash,
+        tier_from_wire(e.tier)?,
+        tier_from_wire(e.from_tier)?,
+    );
+    Some(match Kind::try_from(e.kind).ok()? {
+        Kind::BlockStored => KvEvent::Stored(hash),
+        Kind::BlockMovedDown => KvEvent::MovedDown {
+            hash,
+            from,
+            to: tier,
+        },
+        Kind::BlockBroughtUp => KvEvent::BroughtUp { hash, from },
+        Kind::BlockRemoved => KvEvent::Removed { hash, tier },
+        Kind::Cleared => KvEvent::Cleared,
+        Kind::Unspecified => return None,
+    })
+}
+
+#[cfg(test)]
+mod kv_event_tests {
+    use super::*;
+
+    #[test]
+    fn kv_events_round_trip_through_the_wire() {
+        let events = [
+            KvEvent::Stored(1),
+            KvEvent::MovedDown {
+                hash: 2,
+                from: Tier::Host,
+                to: Tier::Disk,
+            },
+            KvEvent::BroughtUp {
+                hash: 3,
+                from: Tier::Disk,
+            },
+            KvEvent::Removed {
+                hash: 4,
+                tier: Tier::Host,
+            },
+            KvEvent::Cleared,
+        ];
+        for (seq, e) in events.into_iter().enumerate() {
+            let wire = kv_event_to_wire(seq as u64, e);
+            assert_eq!(wire.seq, seq as u64);
+            assert_eq!(kv_event_from_wire(&wire), Some(e));
+        }
+        let unknown = v1::KvEvent {
+            kind: 99,
+            ..kv_event_to_wire(1, KvEvent::Stored(1))
+        };
+        assert_eq!(kv_event_from_wire(&unknown), None);
+        // An event of a worker without tiers reads as before.
+        let old = v1::KvEvent {
+            seq: 1,
+            kind: v1::KvEventKind::BlockRemoved as i32,
+            block_hash: 9,
+            ..Default::default()
+        };
+        assert_eq!(
+            kv_event_from_wire(&old),
+            Some(KvEvent::Removed {
+                hash: 9,
+                tier: Tier::Device
+            })
         );
     }
 }

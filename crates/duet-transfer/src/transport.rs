@@ -53,10 +53,29 @@ impl KvWire {
 
     /// The header that opens a push of `spec`'s blocks from this (sending) side.
     pub fn header(&self, spec: &PushSpec) -> v1::KvHeader {
+        self.header_of(
+            spec.reservation_id,
+            spec.request_id.clone(),
+            spec.blocks.clone(),
+            spec.num_tokens,
+            spec.sender_worker_id.clone(),
+        )
+    }
+
+    /// The header of `blocks` of reservation `key` (covering `num_tokens` tokens) sent by
+    /// worker `sender` over gRPC: a push's, or a pull's answer.
+    pub fn header_of(
+        &self,
+        key: ReservationKey,
+        request_id: String,
+        blocks: Range<usize>,
+        num_tokens: usize,
+        sender: String,
+    ) -> v1::KvHeader {
         let l = &self.layout;
         v1::KvHeader {
-            reservation_id: spec.reservation_id.to_wire(),
-            request_id: spec.request_id.clone(),
+            reservation_id: key.to_wire(),
+            request_id,
             model_fingerprint: self.fingerprint.clone(),
             block_size: l.block_size as u32,
             num_layers: l.num_layers as u32,
@@ -64,11 +83,11 @@ impl KvWire {
             head_dim: l.head_dim as u32,
             dtype: l.dtype.name().into(),
             layout: duet_proto::KV_WIRE_LAYOUT.into(),
-            first_block: spec.blocks.start as u32,
-            total_blocks: spec.blocks.len() as u32,
-            total_bytes: (l.num_layers * spec.blocks.len() * self.block_bytes()) as u64,
-            num_tokens: spec.num_tokens as u32,
-            sender_worker_id: spec.sender_worker_id.clone(),
+            first_block: blocks.start as u32,
+            total_blocks: blocks.len() as u32,
+            total_bytes: (l.num_layers * blocks.len() * self.block_bytes()) as u64,
+            num_tokens: num_tokens as u32,
+            sender_worker_id: sender,
             transport: v1::TransportKind::Grpc as i32,
         }
     }

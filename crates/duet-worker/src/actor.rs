@@ -67,6 +67,21 @@ pub enum Command {
     Activate { request: Request, first: Sampled },
     /// The request is gone (client cancelled, deadline, failure): free whatever it holds.
     Cancel(RequestId),
+    /// The KV of blocks `blocks` of the prefix of `tokens` held here, for a peer's pull (see
+    /// `Engine::read_prefix`): one `Vec` per block, `None` unless every block is held.
+    ReadPrefix {
+        tokens: Vec<u32>,
+        cache_salt: String,
+        blocks: Range<usize>,
+        reply: oneshot::Sender<Result<Option<Vec<Vec<u8>>>, WorkerError>>,
+    },
+    /// The reservation of request `id`, filled by a pull of `tokens` (whole blocks), becomes a
+    /// cached prefix here.
+    CachePulled {
+        id: RequestId,
+        tokens: Vec<u32>,
+        reply: oneshot::Sender<Result<(), WorkerError>>,
+    },
 }
 
 /// The blocks of a reservation, as a prefill worker needs them.
@@ -166,6 +181,7 @@ impl<E: ActorEngine> Actor<E> {
             preemptions: 0,
             out_of_vocab_drafts: 0,
             speculation: Default::default(),
+            kv_tiers: engine.kv_tier_stats(),
         }));
         engine.record_kv_events();
         Self {
@@ -267,7 +283,31 @@ impl<E: ActorEngine> Actor<E> {
                     self.remove(seq);
                 }
             }
+            Command::ReadPrefix {
+                tokens,
+                cache_salt,
+                blocks,
+                reply,
+            } => {
+                let read = self.engine.read_prefix(&tokens, &cache_salt, blocks);
+                let _ = reply.send(read.map_err(WorkerError::from));
+            }
+            Command::CachePulled { id, tokens, reply } => {
+                let _ = reply.send(self.cache_pulled(id, &tokens));
+            }
         }
+    }
+
+    fn cache_pulled(&mut self, id: RequestId, tokens: &[u32]) -> Result<(), WorkerError> {
+        let r = self.reservations.remove(&id).ok_or_else(|| {
+            WorkerError::NotFound(format!(
+                "reservation {id} expired before its pull completed"
+            ))
+        })?;
+        if let Some((key, _)) = r.holder {
+            self.keys.remove(&key);
+        }
+        Ok(self.engine.cache_reservation(tokens, r.kv)?)
     }
 
     /// One turn after the commands: expire leases, step, publish.
@@ -569,6 +609,9 @@ impl<E: ActorEngine> Actor<E> {
             Err(e) => return self.step_failed(e),
         };
         self.prefill_rate.measured(prompt_tokens, started.elapsed());
+        // The cost model weighs loading a block from a tier against computing it at this rate.
+        self.engine
+            .set_prefill_rate(self.prefill_rate.tokens_per_s());
         self.counters
             .step_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -652,6 +695,7 @@ impl<E: ActorEngine> Actor<E> {
             preemptions: self.engine.preemptions(),
             out_of_vocab_drafts: self.engine.out_of_vocab_drafts(),
             speculation: self.engine.speculation_totals(),
+            kv_tiers: self.engine.kv_tier_stats(),
         });
     }
 }

@@ -6,7 +6,7 @@ use duet_engine::backend::{Backend, KvLayout};
 use duet_engine::engine::{
     Engine, KvReservation, LayerDone, PlannedSeq, Resumed, SeqId, Speculation, StepOutput,
 };
-use duet_kv::{KvDigest, KvEvent, PoolStats};
+use duet_kv::{KvDigest, KvEvent, PoolStats, TierStats};
 use duet_model::grammar::Grammar;
 use duet_model::params::{Sampled, SamplingParams, StopCriteria};
 
@@ -46,6 +46,8 @@ impl<B: Backend + 'static> LayerKv for LayerDone<'_, B> {
 pub trait ActorEngine {
     fn kv_layout(&self) -> KvLayout;
     fn pool_stats(&self) -> PoolStats;
+    fn kv_tier_stats(&self) -> Vec<TierStats>;
+    fn set_prefill_rate(&mut self, tokens_per_s: f64);
     fn record_kv_events(&mut self);
     fn take_kv_events(&mut self) -> (Vec<KvEvent>, KvDigest);
     fn has_work(&self) -> bool;
@@ -65,6 +67,17 @@ pub trait ActorEngine {
     fn remove_sequence(&mut self, seq: SeqId) -> Result<(), EngineError>;
     fn reserve(&mut self, tokens: &[u32], cache_salt: &str) -> Result<KvReservation, EngineError>;
     fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError>;
+    fn cache_reservation(
+        &mut self,
+        tokens: &[u32],
+        reservation: KvReservation,
+    ) -> Result<(), EngineError>;
+    fn read_prefix(
+        &mut self,
+        tokens: &[u32],
+        cache_salt: &str,
+        blocks: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<Vec<u8>>>, EngineError>;
     fn add_prefilled(
         &mut self,
         prompt: Vec<u32>,
@@ -89,6 +102,14 @@ impl<B: Backend + 'static> ActorEngine for Engine<B> {
 
     fn pool_stats(&self) -> PoolStats {
         self.block_pool().stats()
+    }
+
+    fn kv_tier_stats(&self) -> Vec<TierStats> {
+        Engine::kv_tier_stats(self)
+    }
+
+    fn set_prefill_rate(&mut self, tokens_per_s: f64) {
+        Engine::set_prefill_rate(self, tokens_per_s)
     }
 
     fn record_kv_events(&mut self) {
@@ -141,6 +162,23 @@ impl<B: Backend + 'static> ActorEngine for Engine<B> {
 
     fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError> {
         Engine::release(self, reservation)
+    }
+
+    fn cache_reservation(
+        &mut self,
+        tokens: &[u32],
+        reservation: KvReservation,
+    ) -> Result<(), EngineError> {
+        Engine::cache_reservation(self, tokens, reservation)
+    }
+
+    fn read_prefix(
+        &mut self,
+        tokens: &[u32],
+        cache_salt: &str,
+        blocks: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<Vec<u8>>>, EngineError> {
+        Engine::read_prefix(self, tokens, cache_salt, blocks)
     }
 
     fn add_prefilled(

@@ -139,6 +139,7 @@ mod tests {
     use clap::Parser;
     use duet_engine::backend::{CpuKernels, KvDtypeChoice};
     use duet_engine::device::{Device, Switch};
+    use duet_engine::kv_tiers::KvTierOptions;
     use duet_engine::speculator::SpeculativeMode;
 
     use super::*;
@@ -194,6 +195,11 @@ mod tests {
                 cuda_graphs: Switch::On,
                 device_sampling: Switch::On,
                 fused_kernels: Switch::On,
+                kv_tiers: KvTierOptions {
+                    kv_offload_tokens: 4096,
+                    kv_disk_dir: Some("kv dir/blocks".into()),
+                    kv_disk_bytes: 123_456,
+                },
             },
             kv_transport: TransportChoice::Nccl,
             request_timeout_ms: 6,

@@ -3,15 +3,16 @@
 //! The engine thread drains the block pool's [`KvEvent`]s once per turn and appends them to the
 //! [`KvEventLog`] under one lock: events are per block, never per token. The log numbers them
 //! 1, 2, 3, ... for this incarnation, keeps the newest in a bounded ring buffer for ranged
-//! replay, and mirrors the set of hashes they describe for snapshots, so `KvEvents/Subscribe`
-//! ([`KvEventsService`]) never waits on the engine thread.
+//! replay, and mirrors the (block, tier) pairs they describe for snapshots, so
+//! `KvEvents/Subscribe` ([`KvEventsService`]) never waits on the engine thread.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use duet_kv::{BlockHash, KvDigest, KvEvent};
+use duet_kv::{BlockHash, HeldBlocks, KvDigest, KvEvent, Tier};
+use duet_proto::convert::kv_event_to_wire;
 use duet_proto::v1;
 use tokio::sync::{mpsc, watch};
 use tonic::{Response, Status};
@@ -22,7 +23,7 @@ pub const DEFAULT_RING_EVENTS: usize = 65_536;
 /// How often a subscriber is sent a digest by default.
 pub const DEFAULT_DIGEST_INTERVAL: Duration = Duration::from_secs(2);
 
-/// Hashes per snapshot message (8 bytes each, well inside the message limit).
+/// Hashes per snapshot message, over all tiers (8 bytes each, well inside the message limit).
 const SNAPSHOT_CHUNK: usize = 65_536;
 
 /// The numbered events of this incarnation and the set of hashes they lead to.
@@ -37,7 +38,7 @@ struct LogState {
     /// Events `last_seq - ring.len() + 1 ..= last_seq`.
     ring: VecDeque<KvEvent>,
     last_seq: u64,
-    present: HashSet<BlockHash>,
+    present: HeldBlocks,
     /// The pool's own digest after event `last_seq`.
     digest: KvDigest,
 }
@@ -54,11 +55,11 @@ pub enum Read {
     Gone,
 }
 
-/// Every block held as of event `seq`.
+/// Every (block, tier) pair held as of event `seq`.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Snapshot {
     pub seq: u64,
-    pub hashes: Vec<BlockHash>,
+    pub blocks: Vec<(BlockHash, Tier)>,
 }
 
 impl KvEventLog {
@@ -68,7 +69,7 @@ impl KvEventLog {
             state: Mutex::new(LogState {
                 ring: VecDeque::new(),
                 last_seq: 0,
-                present: HashSet::new(),
+                present: HeldBlocks::default(),
                 digest: KvDigest::default(),
             }),
             last_seq: watch::Sender::new(0),
@@ -88,15 +89,7 @@ impl KvEventLog {
         let last = {
             let mut s = self.lock();
             for e in events {
-                match e {
-                    KvEvent::Stored(h) => {
-                        s.present.insert(h);
-                    }
-                    KvEvent::Removed(h) => {
-                        s.present.remove(&h);
-                    }
-                    KvEvent::Cleared => s.present.clear(),
-                }
+                s.present.apply(e);
                 if s.ring.len() == self.capacity {
                     s.ring.pop_front();
                 }
@@ -122,7 +115,7 @@ impl KvEventLog {
             .iter()
             .skip(skip)
             .zip(from_seq..)
-            .map(|(e, seq)| wire_event(seq, *e))
+            .map(|(e, seq)| kv_event_to_wire(seq, *e))
             .collect();
         Read::Events {
             events,
@@ -134,12 +127,12 @@ impl KvEventLog {
         }
     }
 
-    /// Every hash held now, and the event it is as of.
+    /// Every (block, tier) pair held now, and the event it is as of.
     pub fn snapshot(&self) -> Snapshot {
         let s = self.lock();
         Snapshot {
             seq: s.last_seq,
-            hashes: s.present.iter().copied().collect(),
+            blocks: s.present.iter().collect(),
         }
     }
 
@@ -149,17 +142,21 @@ impl KvEventLog {
     }
 }
 
-fn wire_event(seq: u64, e: KvEvent) -> v1::KvEvent {
-    let (kind, block_hash) = match e {
-        KvEvent::Stored(h) => (v1::KvEventKind::BlockStored, h),
-        KvEvent::Removed(h) => (v1::KvEventKind::BlockRemoved, h),
-        KvEvent::Cleared => (v1::KvEventKind::Cleared, 0),
-    };
-    v1::KvEvent {
+/// One part of a snapshot: its pairs in the message's per-tier lists.
+fn snapshot_part(seq: u64, part: &[(BlockHash, Tier)], last: bool) -> v1::KvSnapshot {
+    let mut msg = v1::KvSnapshot {
         seq,
-        kind: kind as i32,
-        block_hash,
+        last,
+        ..Default::default()
+    };
+    for &(hash, tier) in part {
+        match tier {
+            Tier::Device => msg.block_hashes.push(hash),
+            Tier::Host => msg.host_block_hashes.push(hash),
+            Tier::Disk => msg.disk_block_hashes.push(hash),
+        }
     }
+    msg
 }
 
 /// `KvEvents/Subscribe` over a worker's log.
@@ -202,19 +199,15 @@ impl KvEventsService {
         tx: &mpsc::Sender<Result<v1::KvEventsMessage, Status>>,
     ) -> Option<u64> {
         let snapshot = self.log.snapshot();
-        let parts: Vec<&[BlockHash]> = if snapshot.hashes.is_empty() {
+        let parts: Vec<&[(BlockHash, Tier)]> = if snapshot.blocks.is_empty() {
             vec![&[]]
         } else {
-            snapshot.hashes.chunks(SNAPSHOT_CHUNK).collect()
+            snapshot.blocks.chunks(SNAPSHOT_CHUNK).collect()
         };
         let n = parts.len();
         for (i, part) in parts.into_iter().enumerate() {
             let msg = v1::KvEventsMessage {
-                snapshot: Some(v1::KvSnapshot {
-                    seq: snapshot.seq,
-                    block_hashes: part.to_vec(),
-                    last: i + 1 == n,
-                }),
+                snapshot: Some(snapshot_part(snapshot.seq, part, i + 1 == n)),
                 ..self.message()
             };
             tx.send(Ok(msg)).await.ok()?;
@@ -325,7 +318,13 @@ mod tests {
         assert_eq!(seqs(&log.read(1)), [1, 2]);
         assert_eq!(seqs(&log.read(2)), [2]);
         log.append(
-            vec![KvEvent::Removed(7), KvEvent::Stored(9)],
+            vec![
+                KvEvent::Removed {
+                    hash: 7,
+                    tier: Tier::Device,
+                },
+                KvEvent::Stored(9),
+            ],
             digest(2, 8 ^ 9),
         );
         // Event 1 left the ring of 3.
@@ -339,16 +338,34 @@ mod tests {
         assert_eq!(events[0].block_hash, 9);
         assert_eq!((d.seq, d.block_count, d.hash_xor), (4, 2, 8 ^ 9));
         let mut snap = log.snapshot();
-        snap.hashes.sort();
+        snap.blocks.sort();
         assert_eq!(
             snap,
             Snapshot {
                 seq: 4,
-                hashes: vec![8, 9]
+                blocks: vec![(8, Tier::Device), (9, Tier::Device)]
             }
         );
+        // A block moved down is in the snapshot's list of its tier.
+        log.append(
+            vec![KvEvent::MovedDown {
+                hash: 8,
+                from: Tier::Device,
+                to: Tier::Disk,
+            }],
+            digest(2, 9 ^ Tier::Disk.digest_key(8)),
+        );
+        let part = snapshot_part(5, &log.snapshot().blocks, true);
+        assert_eq!(
+            (
+                part.block_hashes,
+                part.host_block_hashes,
+                part.disk_block_hashes
+            ),
+            (vec![9], vec![], vec![8])
+        );
         log.append(vec![KvEvent::Cleared], digest(0, 0));
-        assert_eq!(log.snapshot().hashes, Vec::<u64>::new());
+        assert_eq!(log.snapshot().blocks, Vec::new());
     }
 
     fn edge() -> duet_proto::Edge {
@@ -436,7 +453,13 @@ mod tests {
         assert_eq!(m.events[0].block_hash, 6);
         // Gone from the ring: a snapshot.
         log.append(
-            vec![KvEvent::Removed(5), KvEvent::Stored(7)],
+            vec![
+                KvEvent::Removed {
+                    hash: 5,
+                    tier: Tier::Device,
+                },
+                KvEvent::Stored(7),
+            ],
             digest(2, 6 ^ 7),
         );
         let mut s = subscribe(42, 1).await.unwrap().into_inner();

@@ -13,6 +13,8 @@ use duet_telemetry::metrics::{ENGINE, MODEL, ROLE, Registration};
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 
+use duet_kv::TierStats;
+
 use crate::EngineHandle;
 use crate::stats::{Counters, Published, Snapshot};
 
@@ -178,6 +180,112 @@ const READS: &[Read] = &[
     ),
 ];
 
+/// A family with one metric per tier below the KV pool (label `tier`), read from the snapshot.
+struct TierRead {
+    name: &'static str,
+    help: &'static str,
+    kind: MetricType,
+    value: fn(&TierStats) -> f64,
+}
+
+const fn tier_read(
+    name: &'static str,
+    help: &'static str,
+    kind: MetricType,
+    value: fn(&TierStats) -> f64,
+) -> TierRead {
+    TierRead {
+        name,
+        help,
+        kind,
+        value,
+    }
+}
+
+const TIER_READS: &[TierRead] = &[
+    tier_read(
+        "duet_kv_tier_hits_total",
+        "KV blocks brought up from a tier below the pool instead of recomputed.",
+        MetricType::COUNTER,
+        |t| t.hits as f64,
+    ),
+    tier_read(
+        "duet_kv_tier_loaded_bytes_total",
+        "KV bytes brought up from a tier below the pool.",
+        MetricType::COUNTER,
+        |t| t.bytes_loaded as f64,
+    ),
+    tier_read(
+        "duet_kv_tier_load_seconds_total",
+        "Seconds spent bringing KV blocks up from a tier (tier read and device write).",
+        MetricType::COUNTER,
+        |t| t.load_seconds,
+    ),
+    tier_read(
+        "duet_kv_tier_stored_bytes_total",
+        "KV bytes moved down into a tier.",
+        MetricType::COUNTER,
+        |t| t.bytes_stored as f64,
+    ),
+    tier_read(
+        "duet_kv_tier_cost_model_misses_total",
+        "KV blocks found in a tier but recomputed, because the cost model found recomputing faster.",
+        MetricType::COUNTER,
+        |t| t.cost_model_misses as f64,
+    ),
+    tier_read(
+        "duet_kv_tier_corrupt_blocks_total",
+        "KV blocks found unreadable in a tier (corrupt or truncated files): misses, never served.",
+        MetricType::COUNTER,
+        |t| t.corrupt as f64,
+    ),
+    tier_read(
+        "duet_kv_tier_blocks",
+        "KV blocks held in a tier.",
+        MetricType::GAUGE,
+        |t| t.blocks as f64,
+    ),
+    tier_read(
+        "duet_kv_tier_capacity_blocks",
+        "KV blocks a tier can hold.",
+        MetricType::GAUGE,
+        |t| t.capacity_blocks as f64,
+    ),
+    tier_read(
+        "duet_kv_tier_load_bytes_per_second",
+        "The load bandwidth of a tier the cost model has fitted.",
+        MetricType::GAUGE,
+        |t| t.load_bytes_per_s,
+    ),
+];
+
+/// One metric of `value` with `labels`, of `kind`.
+fn metric(labels: Vec<LabelPair>, kind: MetricType, value: f64) -> proto::Metric {
+    let mut metric = proto::Metric::from_label(labels);
+    match kind {
+        MetricType::GAUGE => {
+            let mut g = proto::Gauge::default();
+            g.set_value(value);
+            metric.set_gauge(g);
+        }
+        _ => {
+            let mut c = proto::Counter::default();
+            c.set_value(value);
+            metric.set_counter(c);
+        }
+    }
+    metric
+}
+
+fn family(name: &str, help: &str, kind: MetricType, metrics: Vec<proto::Metric>) -> MetricFamily {
+    let mut family = MetricFamily::default();
+    family.set_name(name.into());
+    family.set_help(help.into());
+    family.set_field_type(kind);
+    family.set_metric(metrics);
+    family
+}
+
 /// A worker's families, registered with [`duet_telemetry::metrics::Registration`].
 #[derive(Clone)]
 pub struct WorkerMetrics {
@@ -220,6 +328,14 @@ impl WorkerMetrics {
         let mut descs: Vec<Desc> = READS
             .iter()
             .map(|r| Desc::new(r.name.into(), r.help.into(), vec![], const_labels.clone()))
+            .chain(TIER_READS.iter().map(|r| {
+                Desc::new(
+                    r.name.into(),
+                    r.help.into(),
+                    vec!["tier".into()],
+                    const_labels.clone(),
+                )
+            }))
             .collect::<Result<_, _>>()
             .expect("valid metric names");
         for family in labelled_collectors(&counters) {
@@ -245,7 +361,7 @@ impl WorkerMetrics {
 }
 
 /// The families the counters keep themselves (histograms, per-transport vectors).
-fn labelled_collectors(c: &Counters) -> [&dyn Collector; 6] {
+fn labelled_collectors(c: &Counters) -> [&dyn Collector; 7] {
     [
         &c.step_tokens,
         &c.step_seconds,
@@ -253,6 +369,7 @@ fn labelled_collectors(c: &Counters) -> [&dyn Collector; 6] {
         &c.kv_transfer_seconds,
         &c.kv_transfer_failures,
         &c.local_prefill_fallbacks,
+        &c.kv_peer_pulls,
     ]
 }
 
@@ -267,27 +384,26 @@ impl Collector for WorkerMetrics {
             .iter()
             .map(|r| {
                 let value = (r.value)(&snapshot, &self.counters);
-                let mut metric = proto::Metric::from_label(self.labels.clone());
-                match r.kind {
-                    MetricType::GAUGE => {
-                        let mut g = proto::Gauge::default();
-                        g.set_value(value);
-                        metric.set_gauge(g);
-                    }
-                    _ => {
-                        let mut c = proto::Counter::default();
-                        c.set_value(value);
-                        metric.set_counter(c);
-                    }
-                }
-                let mut family = MetricFamily::default();
-                family.set_name(r.name.into());
-                family.set_help(r.help.into());
-                family.set_field_type(r.kind);
-                family.set_metric(vec![metric]);
-                family
+                let metric = metric(self.labels.clone(), r.kind, value);
+                family(r.name, r.help, r.kind, vec![metric])
             })
             .collect();
+        for r in TIER_READS {
+            let metrics = snapshot
+                .kv_tiers
+                .iter()
+                .filter_map(|t| {
+                    let mut labels = self.labels.clone();
+                    let mut tier = LabelPair::default();
+                    tier.set_name("tier".into());
+                    tier.set_value(t.tier?.name().into());
+                    labels.push(tier);
+                    labels.sort_by(|a, b| a.name().cmp(b.name()));
+                    Some(metric(labels, r.kind, (r.value)(t)))
+                })
+                .collect();
+            families.push(family(r.name, r.help, r.kind, metrics));
+        }
         for collector in labelled_collectors(&self.counters) {
             for mut family in collector.collect() {
                 for metric in family.mut_metric() {
@@ -311,6 +427,7 @@ mod tests {
     #[test]
     fn every_family_has_a_duet_name_and_unique() {
         let mut names: Vec<&str> = READS.iter().map(|r| r.name).collect();
+        names.extend(TIER_READS.iter().map(|r| r.name));
         let counters = Counters::default();
         let owned: Vec<String> = labelled_collectors(&counters)
             .iter()
@@ -355,6 +472,20 @@ mod tests {
                 draft_tokens: 30,
                 accepted_draft_tokens: 20,
             },
+            kv_tiers: vec![duet_kv::TierStats {
+                tier: Some(duet_kv::Tier::Disk),
+                capacity_blocks: 100,
+                blocks: 9,
+                hits: 4,
+                bytes_loaded: 4096,
+                load_seconds: 0.5,
+                stored: 12,
+                bytes_stored: 12288,
+                cost_model_misses: 3,
+                corrupt: 1,
+                load_bytes_per_s: 8192.0,
+                ..Default::default()
+            }],
         }));
         Counters::add(&counters.prompt_tokens, 64);
         Counters::add(&counters.prefix_hit_tokens, 48);
@@ -398,6 +529,17 @@ mod tests {
         assert_eq!(counter("duet_spec_decode_num_draft_tokens_total"), 30.0);
         assert_eq!(counter("duet_spec_decode_num_accepted_tokens_total"), 20.0);
         assert_eq!(counter("duet_spec_decode_out_of_vocab_drafts_total"), 3.0);
+        let disk = find(&families, "duet_kv_tier_hits_total");
+        assert_eq!(disk.get_counter().get_value(), 4.0);
+        assert_eq!(label(disk, "tier").as_deref(), Some("disk"));
+        assert_eq!(counter("duet_kv_tier_loaded_bytes_total"), 4096.0);
+        assert_eq!(counter("duet_kv_tier_load_seconds_total"), 0.5);
+        assert_eq!(counter("duet_kv_tier_stored_bytes_total"), 12288.0);
+        assert_eq!(counter("duet_kv_tier_cost_model_misses_total"), 3.0);
+        assert_eq!(counter("duet_kv_tier_corrupt_blocks_total"), 1.0);
+        assert_eq!(gauge("duet_kv_tier_blocks"), 9.0);
+        assert_eq!(gauge("duet_kv_tier_capacity_blocks"), 100.0);
+        assert_eq!(gauge("duet_kv_tier_load_bytes_per_second"), 8192.0);
         let bytes = find(&families, "duet_kv_transfer_bytes_total");
         assert_eq!(bytes.get_counter().get_value(), 4096.0);
         assert_eq!(label(bytes, "transport").as_deref(), Some("grpc"));

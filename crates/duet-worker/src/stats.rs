@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use duet_engine::engine::Speculation;
-use duet_kv::PoolStats;
+use duet_kv::{PoolStats, TierStats};
 use duet_proto::v1;
 use duet_telemetry::metrics;
 use prometheus::core::Collector;
@@ -15,7 +15,7 @@ use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts};
 use crate::EngineHandle;
 
 /// The engine thread's state after its last turn.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Snapshot {
     /// Measured prefill speed (0 until a step computed prompt tokens).
     pub prefill_tokens_per_s: f64,
@@ -33,6 +33,8 @@ pub struct Snapshot {
     /// Speculative decoding since the engine started: sequence-steps, drafted and accepted
     /// tokens.
     pub speculation: Speculation,
+    /// The tiers below the KV pool, fastest first (none unless configured).
+    pub kv_tiers: Vec<TierStats>,
 }
 
 /// Counters and gauges shared by the services and the engine thread. The histograms and
@@ -64,6 +66,44 @@ pub struct Counters {
     pub local_prefill_fallbacks: IntCounterVec,
     /// The fallback reasons logged so far (each is logged once, then only counted).
     fallbacks_logged: Mutex<HashSet<LocalFallback>>,
+    /// Prefix pulls from peers, by `outcome` ([`PullOutcome`]).
+    pub kv_peer_pulls: IntCounterVec,
+}
+
+/// How a decode worker's pull of a prefix from a peer ended; every outcome but `pulled` falls
+/// back to computing the prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PullOutcome {
+    /// The prefix arrived, checked, and is cached here.
+    Pulled,
+    /// The peer no longer held the whole prefix.
+    Missing,
+    /// The pull took longer than computing the prefix would have.
+    Slow,
+    /// The call or a check failed (the peer died mid-stream, a checksum, the reservation).
+    Failed,
+    /// The router named a peer that is not a decode worker of this cluster.
+    Refused,
+}
+
+impl PullOutcome {
+    pub const ALL: [PullOutcome; 5] = [
+        PullOutcome::Pulled,
+        PullOutcome::Missing,
+        PullOutcome::Slow,
+        PullOutcome::Failed,
+        PullOutcome::Refused,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PullOutcome::Pulled => "pulled",
+            PullOutcome::Missing => "missing",
+            PullOutcome::Slow => "slow",
+            PullOutcome::Failed => "failed",
+            PullOutcome::Refused => "refused",
+        }
+    }
 }
 
 /// Why a decode worker prefilled a prompt itself instead of on the prefill workers its plan
@@ -210,6 +250,21 @@ impl Default for Counters {
                 family
             },
             fallbacks_logged: Mutex::default(),
+            kv_peer_pulls: {
+                let family = IntCounterVec::new(
+                    Opts::new(
+                        "duet_kv_peer_pulls_total",
+                        "Prefixes a decode worker pulled from a peer instead of computing them, by \
+                         outcome (pulled; missing, slow, failed, refused: computed instead).",
+                    ),
+                    &["outcome"],
+                )
+                .expect("valid counter");
+                for o in PullOutcome::ALL {
+                    family.with_label_values(&[o.as_str()]);
+                }
+                family
+            },
         }
     }
 }
@@ -233,6 +288,20 @@ impl Direction {
 impl Counters {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Prefix pulls that ended with `outcome`.
+    pub fn pulls(&self, outcome: PullOutcome) -> u64 {
+        self.kv_peer_pulls
+            .with_label_values(&[outcome.as_str()])
+            .get()
+    }
+
+    /// Counts a prefix pull that ended with `outcome`.
+    pub fn pulled(&self, outcome: PullOutcome) {
+        self.kv_peer_pulls
+            .with_label_values(&[outcome.as_str()])
+            .inc();
     }
 
     /// One request's KV moved: `bytes` over `transport` in `seconds`.
@@ -359,7 +428,7 @@ impl Published {
     }
 
     pub(crate) fn get(&self) -> Snapshot {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
@@ -411,8 +480,36 @@ impl Identity {
             // What a decode worker accepts in a plan is its service's to say.
             accepted_prefill_workers: None,
             refused_prefill_plans: c.local_prefill_fallbacks(LocalFallback::RefusedPlan),
+            kv_tiers: snap
+                .kv_tiers
+                .iter()
+                .filter_map(tier_stats_to_wire)
+                .collect(),
+            // Whether it pulls is a decode worker's flag; its service sets it.
+            kv_peer_pull: false,
+            kv_peer_pulls: PullOutcome::ALL
+                .iter()
+                .map(|o| (o.as_str().into(), c.pulls(*o)))
+                .collect(),
         }
     }
+}
+
+/// A tier's counts as `Stats` reports them.
+fn tier_stats_to_wire(t: &TierStats) -> Option<v1::KvTierStats> {
+    Some(v1::KvTierStats {
+        tier: v1::KvTier::from(t.tier?) as i32,
+        capacity_blocks: t.capacity_blocks as u64,
+        blocks: t.blocks as u64,
+        hits: t.hits,
+        bytes_loaded: t.bytes_loaded,
+        load_seconds: t.load_seconds,
+        stored: t.stored,
+        bytes_stored: t.bytes_stored,
+        cost_model_misses: t.cost_model_misses,
+        corrupt: t.corrupt,
+        load_bytes_per_s: t.load_bytes_per_s,
+    })
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 use std::ffi::OsString;
 use std::net::SocketAddr;
 
+use duet_engine::device::Switch;
 use duet_worker::WorkerArgs;
 
 #[derive(clap::Args, Clone, Debug, PartialEq)]
@@ -33,9 +34,36 @@ pub struct DecodeConfig {
     /// milliseconds.
     #[arg(long, env = "DUET_PREFILL_TIMEOUT_MS", default_value_t = DecodeConfig::default().prefill_timeout_ms)]
     pub prefill_timeout_ms: u64,
+    /// Pulling prefixes from peers.
+    #[command(flatten)]
+    pub peer_pull: PeerPullArgs,
     /// The flags both workers take.
     #[command(flatten)]
     pub worker: WorkerArgs,
+}
+
+/// Whether a decode worker pulls prefixes from its peers (also a flag of `duet up` and `duet
+/// bench serve`).
+#[derive(clap::Args, Clone, Debug, Default, PartialEq)]
+pub struct PeerPullArgs {
+    /// Pull a prefix another decode worker of the cluster holds (in any tier) when the router
+    /// expects moving it to beat computing it: over KvTransfer/Pull, checked as a push is
+    /// (checksums, fingerprint, the reservation bound to that peer). A pull that fails, finds
+    /// the prefix gone, or outlasts computing it falls back to computing it, counted, never
+    /// failing the request. Peers are the decode cards of this worker's cluster.
+    #[arg(long, env = "DUET_KV_PEER_PULL", value_enum, default_value_t = Switch::Off)]
+    pub kv_peer_pull: Switch,
+}
+
+impl PeerPullArgs {
+    pub fn on(&self) -> bool {
+        self.kv_peer_pull.is_on()
+    }
+
+    /// These flags as a command line.
+    pub fn to_args(&self) -> Vec<OsString> {
+        vec![format!("--kv-peer-pull={}", self.kv_peer_pull).into()]
+    }
 }
 
 /// The flags' defaults (the flags take theirs from here).
@@ -47,6 +75,7 @@ impl Default for DecodeConfig {
             prefill: Vec::new(),
             reservation_timeout_ms: 30_000,
             prefill_timeout_ms: 60_000,
+            peer_pull: PeerPullArgs::default(),
             worker: WorkerArgs::default(),
         }
     }
@@ -70,6 +99,7 @@ impl DecodeConfig {
             prefill,
             reservation_timeout_ms,
             prefill_timeout_ms,
+            peer_pull,
             worker,
         } = self;
         let mut args: Vec<OsString> = vec![
@@ -79,6 +109,7 @@ impl DecodeConfig {
         ];
         args.extend(advertise.iter().map(|a| format!("--advertise={a}").into()));
         args.extend(prefill.iter().map(|a| format!("--prefill={a}").into()));
+        args.extend(peer_pull.to_args());
         args.extend(worker.to_args());
         args
     }
@@ -112,6 +143,9 @@ mod tests {
             prefill: vec!["p:1".into(), "p:2".into()],
             reservation_timeout_ms: 1,
             prefill_timeout_ms: 2,
+            peer_pull: PeerPullArgs {
+                kv_peer_pull: Switch::On,
+            },
             worker: WorkerArgs {
                 worker_id: Some("d-7".into()),
                 request_timeout_ms: 3,

@@ -4,6 +4,7 @@
 //! with iteration-level continuous batching and streams tokens back.
 
 mod config;
+mod peer_pull;
 mod remote_prefill;
 mod service;
 
@@ -15,7 +16,7 @@ use duet_proto::v1;
 use duet_worker::{Identity, StartedWorker};
 use tokio::net::TcpListener;
 
-pub use config::DecodeConfig;
+pub use config::{DecodeConfig, PeerPullArgs};
 
 /// Loads the model and serves, registered in the cluster, until `shutdown` completes; then
 /// drains (see [`duet_worker::membership`]).
@@ -43,6 +44,7 @@ pub async fn serve(
         "KV transport offered to prefill workers"
     );
     let prefill_workers = worker.peers(Role::Prefill, &config.prefill);
+    let decode_peers = worker.peers(Role::Decode, &[]);
     let state = Arc::new(service::WorkerState {
         kv_transport,
         kv_transport_params,
@@ -52,6 +54,8 @@ pub async fn serve(
         prefill_timeout: Duration::from_millis(config.prefill_timeout_ms),
         channels: duet_proto::Channels::new(worker.peer_auth.clone()),
         prefill_workers,
+        decode_peers,
+        peer_pull: config.peer_pull.on(),
     });
     let drain = worker.edge.drain_begun();
     let services = |edge: duet_proto::Edge| {
@@ -66,7 +70,8 @@ pub async fn serve(
             v1::kv_transfer_server::KvTransferServer::new(service::TransferService {
                 state: state.clone(),
             })
-            .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+            .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
         )
         .service(v1::kv_events_server::KvEventsServer::new(
             duet_worker::kv_events::KvEventsService::new(

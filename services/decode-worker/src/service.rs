@@ -1,5 +1,6 @@
 //! The decode worker's gRPC adapter: `DecodeWorker/Decode` (owns a request from reservation to
-//! last token), `KvTransfer/Push` (KV arriving from prefill workers) and `WorkerControl/Stats`.
+//! last token), `KvTransfer/Push` (KV arriving from prefill workers), `KvTransfer/Pull` (a
+//! prefix held here, sent to a peer) and `WorkerControl/Stats`.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -34,6 +35,10 @@ pub struct WorkerState {
     pub kv_transport_params: Vec<u8>,
     /// The prefill workers a plan may name.
     pub prefill_workers: KnownPeers,
+    /// The decode workers a prefix may be pulled from.
+    pub decode_peers: KnownPeers,
+    /// Whether prefixes are pulled from peers (`--kv-peer-pull`).
+    pub peer_pull: bool,
 }
 
 #[derive(Clone)]
@@ -42,6 +47,7 @@ pub struct DecodeService {
 }
 
 type DecodeStream = Pin<Box<dyn Stream<Item = Result<v1::DecodeResponse, Status>> + Send>>;
+type PullStream = Pin<Box<dyn Stream<Item = Result<v1::KvChunk, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl v1::decode_worker_server::DecodeWorker for DecodeService {
@@ -85,6 +91,13 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
             &state.prefill_workers,
             engine.counters(),
         );
+        // A prefix a peer holds is pulled first, where the router expects that to beat
+        // computing it; whatever the pull's outcome, the request goes on.
+        if let Some(source) = req.pull.as_ref().filter(|_| state.peer_pull)
+            && resumed.generated == 0
+        {
+            crate::peer_pull::pull_prefix(&state, &req, source, id, deadline).await;
+        }
         // A resumed request (failover) is recomputed here: its prompt includes generated tokens
         // whose sampling state only this worker's engine can rebuild.
         let report = if plan.local || plan.prefill_workers.is_empty() || resumed.generated > 0 {
@@ -315,6 +328,18 @@ pub struct TransferService {
 
 #[tonic::async_trait]
 impl v1::kv_transfer_server::KvTransfer for TransferService {
+    type PullStream = PullStream;
+
+    async fn pull(
+        &self,
+        request: tonic::Request<v1::KvPullRequest>,
+    ) -> Result<Response<PullStream>, Status> {
+        let chunks = crate::peer_pull::answer(&self.state, request.into_inner()).await?;
+        Ok(Response::new(Box::pin(futures::stream::iter(
+            chunks.into_iter().map(Ok),
+        ))))
+    }
+
     async fn push(
         &self,
         request: tonic::Request<Streaming<v1::KvChunk>>,
@@ -372,6 +397,7 @@ impl v1::worker_control_server::WorkerControl for ControlService {
         stats.accepted_prefill_workers = Some(v1::AcceptedPrefillWorkers {
             addresses: s.prefill_workers.addresses(),
         });
+        stats.kv_peer_pull = s.peer_pull;
         Ok(Response::new(stats))
     }
 }

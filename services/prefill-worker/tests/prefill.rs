@@ -79,6 +79,16 @@ struct FakeDecode {
 
 #[tonic::async_trait]
 impl KvTransfer for FakeDecode {
+    type PullStream = futures::stream::Empty<Result<KvChunk, Status>>;
+
+    /// Prefill workers never pull; this decode worker holds no prefix to give.
+    async fn pull(
+        &self,
+        _: Request<duet_proto::v1::KvPullRequest>,
+    ) -> Result<Response<Self::PullStream>, Status> {
+        Err(Status::not_found("the fake decode worker holds no prefix"))
+    }
+
     async fn push(
         &self,
         request: Request<Streaming<KvChunk>>,

@@ -23,12 +23,13 @@
 //! ([`KvIndex::missed`]).
 //! Digests and snapshots compare only the exact entries.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, RwLock};
 use std::time::Instant;
 
-use duet_kv::{BlockHash, KvDigest};
+use duet_kv::{BlockHash, HeldBlocks, KvDigest, KvEvent, Presence, Tier};
+use duet_proto::convert::{kv_event_from_wire, tier_from_wire};
 use duet_proto::v1;
 
 /// The router's number for one worker (one incarnation of it).
@@ -57,56 +58,124 @@ pub enum Applied {
 struct WorkerEntry {
     incarnation: u64,
     last_seq: u64,
-    hashes: HashSet<BlockHash>,
-    digest: KvDigest,
+    held: HeldBlocks,
     /// Parts of a snapshot being received.
-    pending_snapshot: Option<(u64, Vec<BlockHash>)>,
+    pending_snapshot: Option<(u64, Vec<(BlockHash, Tier)>)>,
 }
 
 #[derive(Default)]
 struct State {
+    /// The workers holding each block, in any tier.
     by_hash: HashMap<BlockHash, Vec<WorkerSlot>>,
     workers: HashMap<WorkerSlot, WorkerEntry>,
 }
 
 impl State {
-    fn insert(&mut self, slot: WorkerSlot, hash: BlockHash) {
+    /// Applies one of `slot`'s events, keeping `by_hash` in step.
+    fn apply(&mut self, slot: WorkerSlot, event: KvEvent) {
         let entry = self.workers.entry(slot).or_default();
-        if entry.hashes.insert(hash) {
-            entry.digest.toggle(hash, true);
+        match entry.held.apply(event) {
+            Presence::Unchanged => {}
+            Presence::Added(hash) => self.by_hash.entry(hash).or_default().push(slot),
+            Presence::Removed(hash) => self.unlink(slot, hash),
+            Presence::Cleared(hashes) => hashes.into_iter().for_each(|h| self.unlink(slot, h)),
+        }
+    }
+
+    /// `slot` holds `hash` in `tier` (a snapshot's entry).
+    fn insert(&mut self, slot: WorkerSlot, hash: BlockHash, tier: Tier) {
+        if self
+            .workers
+            .entry(slot)
+            .or_default()
+            .held
+            .insert(hash, tier)
+        {
             self.by_hash.entry(hash).or_default().push(slot);
         }
     }
 
-    fn remove(&mut self, slot: WorkerSlot, hash: BlockHash) {
-        let Some(entry) = self.workers.get_mut(&slot) else {
-            return;
-        };
-        if entry.hashes.remove(&hash) {
-            entry.digest.toggle(hash, false);
-            if let Some(holders) = self.by_hash.get_mut(&hash) {
-                holders.retain(|&s| s != slot);
-                if holders.is_empty() {
-                    self.by_hash.remove(&hash);
-                }
+    fn unlink(&mut self, slot: WorkerSlot, hash: BlockHash) {
+        if let Some(holders) = self.by_hash.get_mut(&hash) {
+            holders.retain(|&s| s != slot);
+            if holders.is_empty() {
+                self.by_hash.remove(&hash);
             }
         }
     }
 
     fn clear(&mut self, slot: WorkerSlot) {
-        let Some(entry) = self.workers.get_mut(&slot) else {
-            return;
-        };
-        let hashes = std::mem::take(&mut entry.hashes);
-        entry.digest = KvDigest::default();
-        for h in hashes {
-            if let Some(holders) = self.by_hash.get_mut(&h) {
-                holders.retain(|&s| s != slot);
-                if holders.is_empty() {
-                    self.by_hash.remove(&h);
-                }
+        if self.workers.contains_key(&slot) {
+            self.apply(slot, KvEvent::Cleared);
+        }
+    }
+}
+
+/// A worker's share of a prompt's leading blocks, each counted in the fastest tier holding it
+/// there ([`Tier::index`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixMatch {
+    pub by_tier: [usize; 3],
+}
+
+impl PrefixMatch {
+    /// `blocks` leading blocks in the device pool.
+    pub fn device(blocks: usize) -> Self {
+        Self {
+            by_tier: [blocks, 0, 0],
+        }
+    }
+
+    /// Leading blocks held, in any tier.
+    pub fn blocks(&self) -> usize {
+        self.by_tier.iter().sum()
+    }
+
+    /// Prompt tokens whose prefill this match saves on its worker, net of reading them from
+    /// their tiers: each block counts its tokens times the share of its compute time that
+    /// loading it from its tier leaves saved ([`TierWorth`]).
+    pub fn saved_tokens(&self, block_size: usize, worth: &TierWorth) -> usize {
+        let saved: f64 = Tier::ALL
+            .iter()
+            .map(|t| (self.by_tier[t.index()] * block_size) as f64 * worth.saved_share[t.index()])
+            .sum();
+        saved as usize
+    }
+}
+
+/// What a block in each of a worker's tiers saves of computing it again: 1 in the device pool;
+/// below it, 1 less the time to load a block (its bytes at the load bandwidth the worker
+/// measured) over the time to compute one (its tokens at the worker's prefill rate), and 0
+/// where loading is no faster (the worker recomputes those).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TierWorth {
+    pub saved_share: [f64; 3],
+}
+
+impl Default for TierWorth {
+    /// A worker without tiers below its pool.
+    fn default() -> Self {
+        Self {
+            saved_share: [1.0, 0.0, 0.0],
+        }
+    }
+}
+
+impl TierWorth {
+    /// From a worker's stats, computing at `prefill_rate` tokens per second.
+    pub fn of(stats: &v1::StatsResponse, prefill_rate: f64) -> Self {
+        let mut worth = Self::default();
+        let compute_s = stats.block_size as f64 / prefill_rate;
+        for t in &stats.kv_tiers {
+            let Some(tier) = tier_from_wire(t.tier) else {
+                continue;
+            };
+            if t.load_bytes_per_s > 0.0 && compute_s > 0.0 {
+                let load_s = stats.kv_block_bytes as f64 / t.load_bytes_per_s;
+                worth.saved_share[tier.index()] = (1.0 - load_s / compute_s).max(0.0);
             }
         }
+        worth
     }
 }
 
@@ -186,19 +255,25 @@ impl KvIndex {
         let mut state = self.write();
         let entry = state.workers.entry(slot).or_default();
         if let Some(snapshot) = &msg.snapshot {
-            let (seq, mut hashes) = entry
+            let (seq, mut blocks) = entry
                 .pending_snapshot
                 .take()
                 .filter(|(seq, _)| *seq == snapshot.seq)
                 .unwrap_or((snapshot.seq, Vec::new()));
-            hashes.extend_from_slice(&snapshot.block_hashes);
+            for (hashes, tier) in [
+                (&snapshot.block_hashes, Tier::Device),
+                (&snapshot.host_block_hashes, Tier::Host),
+                (&snapshot.disk_block_hashes, Tier::Disk),
+            ] {
+                blocks.extend(hashes.iter().map(|&h| (h, tier)));
+            }
             if !snapshot.last {
-                entry.pending_snapshot = Some((seq, hashes));
+                entry.pending_snapshot = Some((seq, blocks));
                 return Applied::Ok;
             }
             state.clear(slot);
-            for h in hashes {
-                state.insert(slot, h);
+            for (hash, tier) in blocks {
+                state.insert(slot, hash, tier);
             }
             let entry = state.workers.get_mut(&slot).expect("cleared entry exists");
             entry.incarnation = msg.incarnation;
@@ -246,12 +321,10 @@ impl KvIndex {
                     from_seq: last_seq + 1,
                 });
             }
-            match v1::KvEventKind::try_from(e.kind) {
-                Ok(v1::KvEventKind::BlockStored) => state.insert(slot, e.block_hash),
-                Ok(v1::KvEventKind::BlockRemoved) => state.remove(slot, e.block_hash),
-                Ok(v1::KvEventKind::Cleared) => state.clear(slot),
+            match kv_event_from_wire(e) {
+                Some(event) => state.apply(slot, event),
                 // An event this router does not know: its effect is unknown, so start over.
-                _ => {
+                None => {
                     return Applied::Resubscribe(Resume {
                         incarnation: 0,
                         from_seq: 0,
@@ -274,14 +347,14 @@ impl KvIndex {
                 block_count: d.block_count,
                 hash_xor: d.hash_xor,
             };
-            if d.seq == entry.last_seq && theirs != entry.digest {
+            if d.seq == entry.last_seq && theirs != entry.held.digest() {
                 self.counters
                     .digest_mismatches
                     .fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
                     slot,
                     seq = d.seq,
-                    ours = entry.hashes.len(),
+                    ours = entry.held.pairs(),
                     theirs = d.block_count,
                     "KV index drifted from the worker's digest; asking for a snapshot"
                 );
@@ -355,17 +428,21 @@ impl KvIndex {
             return;
         };
         self.pending_mut().retain_mut(|p| {
-            if p.slots.contains(&slot) && p.hashes.iter().all(|h| entry.hashes.contains(h)) {
+            if p.slots.contains(&slot) && p.hashes.iter().all(|&h| entry.held.contains(h)) {
                 p.slots.retain(|&s| s != slot);
             }
             !p.slots.is_empty()
         });
     }
 
-    /// For each worker holding at least the first block: how many leading blocks of `hashes`
-    /// (a prompt's chained hashes) it holds, by its events or by a placement pending at `now`
-    /// (expired placements are dropped here).
-    pub fn prefix_matches(&self, hashes: &[BlockHash], now: Instant) -> HashMap<WorkerSlot, usize> {
+    /// For each worker holding at least the first block: the leading blocks of `hashes` (a
+    /// prompt's chained hashes) it holds, by tier, by its events or by a placement pending at
+    /// `now` (in its device pool; expired placements are dropped here).
+    pub fn prefix_matches(
+        &self,
+        hashes: &[BlockHash],
+        now: Instant,
+    ) -> HashMap<WorkerSlot, PrefixMatch> {
         let mut matches = self.exact_matches(hashes);
         let mut pending = self.pending_mut();
         pending.retain(|p| p.until > now);
@@ -380,33 +457,36 @@ impl KvIndex {
                 continue;
             }
             for &slot in &p.slots {
-                let n = matches.entry(slot).or_default();
-                *n = (*n).max(common);
+                let m = matches.entry(slot).or_default();
+                if common > m.blocks() {
+                    *m = PrefixMatch::device(common);
+                }
             }
         }
         matches
     }
 
     /// [`Self::prefix_matches`] by the workers' events alone.
-    fn exact_matches(&self, hashes: &[BlockHash]) -> HashMap<WorkerSlot, usize> {
+    fn exact_matches(&self, hashes: &[BlockHash]) -> HashMap<WorkerSlot, PrefixMatch> {
         let state = self.read();
-        let mut matches: HashMap<WorkerSlot, usize> = HashMap::new();
-        for (i, h) in hashes.iter().enumerate() {
-            let Some(holders) = state.by_hash.get(h) else {
+        let mut matches: HashMap<WorkerSlot, PrefixMatch> = HashMap::new();
+        for (i, &h) in hashes.iter().enumerate() {
+            let Some(holders) = state.by_hash.get(&h) else {
                 break;
             };
             let mut any = false;
             for &slot in holders {
                 // A chain: a worker counts only while it held every block before this one.
-                if let Some(n) = matches.get_mut(&slot) {
-                    if *n == i {
-                        *n += 1;
-                        any = true;
-                    }
-                } else if i == 0 {
-                    matches.insert(slot, 1);
-                    any = true;
+                if matches.get(&slot).map_or(0, PrefixMatch::blocks) != i {
+                    continue;
                 }
+                let m = matches.entry(slot).or_default();
+                let tier = state.workers[&slot]
+                    .held
+                    .best_tier(h)
+                    .expect("by_hash lists holders");
+                m.by_tier[tier.index()] += 1;
+                any = true;
             }
             if !any {
                 break;
@@ -417,12 +497,12 @@ impl KvIndex {
 
     /// Blocks indexed over all workers.
     pub fn total_blocks(&self) -> usize {
-        self.read().workers.values().map(|e| e.hashes.len()).sum()
+        self.read().workers.values().map(|e| e.held.len()).sum()
     }
 
-    /// Blocks indexed for `slot`.
+    /// Blocks indexed for `slot`, in any tier.
     pub fn blocks_of(&self, slot: WorkerSlot) -> usize {
-        self.read().workers.get(&slot).map_or(0, |e| e.hashes.len())
+        self.read().workers.get(&slot).map_or(0, |e| e.held.len())
     }
 }
 
@@ -433,19 +513,12 @@ mod tests {
     const INC: u64 = 7;
 
     fn stored(seq: u64, hash: u64) -> v1::KvEvent {
-        v1::KvEvent {
-            seq,
-            kind: v1::KvEventKind::BlockStored as i32,
-            block_hash: hash,
-        }
+        duet_proto::convert::kv_event_to_wire(seq, KvEvent::Stored(hash))
     }
 
     fn removed(seq: u64, hash: u64) -> v1::KvEvent {
-        v1::KvEvent {
-            seq,
-            kind: v1::KvEventKind::BlockRemoved as i32,
-            block_hash: hash,
-        }
+        let tier = Tier::Device;
+        duet_proto::convert::kv_event_to_wire(seq, KvEvent::Removed { hash, tier })
     }
 
     fn events(incarnation: u64, events: Vec<v1::KvEvent>) -> v1::KvEventsMessage {
@@ -463,6 +536,7 @@ mod tests {
                 seq,
                 block_hashes: hashes.to_vec(),
                 last,
+                ..Default::default()
             }),
             ..Default::default()
         }
@@ -491,6 +565,7 @@ mod tests {
         let mut m: Vec<_> = index
             .prefix_matches(hashes, Instant::now())
             .into_iter()
+            .map(|(slot, m)| (slot, m.blocks()))
             .collect();
         m.sort();
         m
@@ -542,11 +617,7 @@ mod tests {
         assert_eq!(matches(&index, &[1]), []);
         assert_eq!(index.blocks_of(1), 2);
         assert_eq!(index.apply(1, &digest(INC, 6, &[2, 3])), Applied::Ok);
-        let cleared = v1::KvEvent {
-            seq: 7,
-            kind: v1::KvEventKind::Cleared as i32,
-            block_hash: 0,
-        };
+        let cleared = duet_proto::convert::kv_event_to_wire(7, KvEvent::Cleared);
         assert_eq!(index.apply(1, &events(INC, vec![cleared])), Applied::Ok);
         assert_eq!(index.blocks_of(1), 0, "cleared is not a no-op");
         assert_eq!(index.resume(1).from_seq, 8);
@@ -607,7 +678,13 @@ mod tests {
         index.apply(1, &snapshot(INC, 2, &[1, 2], true));
         assert_eq!(index.apply(1, &digest(INC, 2, &[1, 2])), Applied::Ok);
         // Corrupt the index behind the events' back.
-        index.write().remove(1, 2);
+        index.write().apply(
+            1,
+            KvEvent::Removed {
+                hash: 2,
+                tier: Tier::Device,
+            },
+        );
         assert_eq!(index.apply(1, &digest(INC, 2, &[1, 2])), resubscribe(0, 0));
         assert_eq!(index.counters.digest_mismatches.load(Ordering::Relaxed), 1);
         // A digest past the last event received: events were lost.
@@ -626,7 +703,10 @@ mod tests {
         let later = now + std::time::Duration::from_secs(10);
         index.record_pending(&[1], vec![10, 20, 30], later);
         // Matched as far as the prompt agrees with the placement, on top of the exact index.
-        assert_eq!(index.prefix_matches(&[10, 20, 99], now)[&1], 2);
+        assert_eq!(
+            index.prefix_matches(&[10, 20, 99], now)[&1],
+            PrefixMatch::device(2)
+        );
         // Worker 1's snapshot shows two of the three blocks: still pending; then its event.
         index.apply(1, &snapshot(INC, 2, &[10, 20], true));
         assert_eq!(index.pending_count(), 1);
@@ -638,12 +718,117 @@ mod tests {
         let own = index.record_pending(&[2], vec![10, 20, 40], later);
         index.missed(2, 10, own);
         assert_eq!(index.pending_count(), 1);
-        assert_eq!(index.prefix_matches(&[10, 20, 40], now)[&2], 3);
+        assert_eq!(index.prefix_matches(&[10, 20, 40], now)[&2].blocks(), 3);
         // Expired placements match nothing and are dropped; a worker leaving drops its own.
         assert!(!index.prefix_matches(&[10, 20, 40], later).contains_key(&2));
         assert_eq!(index.pending_count(), 0);
         index.record_pending(&[3], vec![10], later);
         index.remove_worker(3);
         assert_eq!(index.pending_count(), 0);
+    }
+
+    fn tiers_snapshot(device: &[u64], host: &[u64], disk: &[u64]) -> v1::KvEventsMessage {
+        v1::KvEventsMessage {
+            incarnation: INC,
+            snapshot: Some(v1::KvSnapshot {
+                seq: 0,
+                block_hashes: device.to_vec(),
+                host_block_hashes: host.to_vec(),
+                disk_block_hashes: disk.to_vec(),
+                last: true,
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn matches_count_each_block_in_its_fastest_tier() {
+        let index = KvIndex::default();
+        index.apply(1, &tiers_snapshot(&[10], &[20, 10], &[30]));
+        let at = |index: &KvIndex| index.prefix_matches(&[10, 20, 30, 40], Instant::now())[&1];
+        assert_eq!(at(&index).by_tier, [1, 1, 1]);
+        let wire = duet_proto::convert::kv_event_to_wire;
+        let m = events(
+            INC,
+            vec![
+                // Block 10 leaves the device (a copy stays in host memory), 30 comes up.
+                wire(
+                    1,
+                    KvEvent::MovedDown {
+                        hash: 10,
+                        from: Tier::Device,
+                        to: Tier::Host,
+                    },
+                ),
+                wire(
+                    2,
+                    KvEvent::BroughtUp {
+                        hash: 30,
+                        from: Tier::Disk,
+                    },
+                ),
+                wire(3, KvEvent::Stored(40)),
+            ],
+        );
+        assert_eq!(index.apply(1, &m), Applied::Ok);
+        assert_eq!(at(&index).by_tier, [2, 2, 0]);
+        // The digest counts each (block, tier) pair: 10 host, 20 host, 30 device and disk, 40.
+        let mut digest = KvDigest::default();
+        for (h, t) in [
+            (10, Tier::Host),
+            (20, Tier::Host),
+            (30, Tier::Device),
+            (30, Tier::Disk),
+            (40, Tier::Device),
+        ] {
+            digest.toggle(t.digest_key(h), true);
+        }
+        let check = v1::KvEventsMessage {
+            incarnation: INC,
+            digest: Some(v1::KvDigest {
+                seq: 3,
+                block_count: digest.block_count,
+                hash_xor: digest.hash_xor,
+            }),
+            ..Default::default()
+        };
+        assert_eq!(index.apply(1, &check), Applied::Ok);
+        // Removed from the last tier holding it, a block is gone from the chain.
+        let gone = events(
+            INC,
+            vec![wire(
+                4,
+                KvEvent::Removed {
+                    hash: 20,
+                    tier: Tier::Host,
+                },
+            )],
+        );
+        index.apply(1, &gone);
+        assert_eq!(at(&index).by_tier, [0, 1, 0]);
+        assert_eq!(index.blocks_of(1), 3);
+    }
+
+    #[test]
+    fn a_block_below_is_worth_what_loading_it_saves_of_computing_it() {
+        let tier = |tier: Tier, load_bytes_per_s: f64| v1::KvTierStats {
+            tier: v1::KvTier::from(tier) as i32,
+            load_bytes_per_s,
+            ..Default::default()
+        };
+        // 16 tokens at 1,000 tokens/s: 16 ms a block; a block of 16 MB.
+        let stats = v1::StatsResponse {
+            block_size: 16,
+            kv_block_bytes: 16_000_000,
+            kv_tiers: vec![tier(Tier::Host, 4e9), tier(Tier::Disk, 0.5e9)],
+            ..Default::default()
+        };
+        let worth = TierWorth::of(&stats, 1000.0);
+        // Host: 4 ms to load 16 ms of compute saves 3/4; disk: 32 ms, slower than computing.
+        assert!((worth.saved_share[Tier::Host.index()] - 0.75).abs() < 1e-9);
+        assert_eq!(worth.saved_share[Tier::Disk.index()], 0.0);
+        let m = PrefixMatch { by_tier: [2, 4, 8] };
+        assert_eq!(m.saved_tokens(16, &worth), 2 * 16 + 48);
+        assert_eq!(m.saved_tokens(16, &TierWorth::default()), 32);
     }
 }

@@ -195,7 +195,7 @@ async fn run(
         let worker_id = worker.id();
         let _busy = worker.begin();
         let prompt_tokens = tokens.len() as u32;
-        let call = progress.decode_request(job, tokens, route.plan, route.fingerprint);
+        let call = progress.decode_request(job, tokens, route.plan, route.pull, route.fingerprint);
         tracing::debug!(
             request_id = %job.request_id,
             worker = %worker_id,
@@ -365,6 +365,7 @@ impl Progress {
         job: &Job,
         tokens: Vec<u32>,
         plan: v1::PrefillPlan,
+        pull: Option<v1::KvPullSource>,
         fingerprint: String,
     ) -> Request<v1::DecodeRequest> {
         let mut call = Request::new(v1::DecodeRequest {
@@ -376,6 +377,7 @@ impl Progress {
             already_sent_text_bytes: self.sent_text_bytes,
             cache_salt: job.valid.cache_salt.clone(),
             model_fingerprint: fingerprint,
+            pull,
         });
         call.set_timeout(job.deadline.saturating_duration_since(Instant::now()));
         call

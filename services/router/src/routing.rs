@@ -23,7 +23,7 @@ use duet_proto::PeerAuth;
 use duet_proto::v1;
 use tokio::sync::Notify;
 
-use crate::kv_index::{KvIndex, WorkerSlot};
+use crate::kv_index::{KvIndex, PrefixMatch, WorkerSlot};
 use crate::worker::{HealthPolicy, Planned, Worker};
 use duet_kv::BlockHash;
 use duet_routing::{
@@ -81,6 +81,56 @@ pub struct Route {
     pub planned: Planned,
     /// The prompt's blocks, recorded as held by the prefilling worker.
     pub pending: Option<PendingPlacement>,
+    /// A peer of the decode worker holding more of the prompt, to pull from (local prefill
+    /// only: a prefill worker computes the whole prompt anyway).
+    pub pull: Option<v1::KvPullSource>,
+}
+
+/// A prefix a decode worker would pull from a peer instead of computing it.
+#[derive(Debug)]
+struct PeerPull {
+    source: v1::KvPullSource,
+    /// What pulling saves of computing it, in prompt tokens.
+    saved_tokens: usize,
+}
+
+impl PeerPull {
+    /// What `w`, holding `own` of the prompt, would pull from `holder` (the decode worker
+    /// holding the most of it): the blocks it lacks, where it pulls from peers
+    /// (`--kv-peer-pull`) and moving a block over the link (`link_bytes_per_s`) beats computing
+    /// its tokens at `w`'s prefill rate. Each block counts its tokens times the share of that
+    /// time moving it leaves saved.
+    fn plan(
+        w: &Worker,
+        own: PrefixMatch,
+        holder: Option<(&Arc<Worker>, PrefixMatch)>,
+        block_size: usize,
+        link_bytes_per_s: f64,
+    ) -> Option<Self> {
+        let (holder, held) = holder?;
+        let stats = w.status().stats?;
+        if !stats.kv_peer_pull || holder.slot() == w.slot() || held.blocks() <= own.blocks() {
+            return None;
+        }
+        let rate = Some(stats.prefill_tokens_per_s)
+            .filter(|&r| r > 0.0)
+            .unwrap_or(duet_kv::PRIOR_PREFILL_TOKENS_PER_S);
+        let compute_s = block_size as f64 / rate;
+        let move_s = stats.kv_block_bytes as f64 / link_bytes_per_s.max(1.0);
+        let share = 1.0 - move_s / compute_s;
+        if share <= 0.0 {
+            return None;
+        }
+        let extra = held.blocks() - own.blocks();
+        Some(Self {
+            source: v1::KvPullSource {
+                worker_id: holder.id(),
+                address: holder.address.clone(),
+                blocks: held.blocks() as u32,
+            },
+            saved_tokens: ((extra * block_size) as f64 * share) as usize,
+        })
+    }
 }
 
 /// A prefill worker of the pools that a decode worker does not accept in a prefill plan.
@@ -348,10 +398,33 @@ impl Pools {
         let overlap = self
             .index
             .prefix_matches(&hashes[..hashes.len().min(usable)], now);
-        let snapshot =
-            |w: &Arc<Worker>| w.snapshot(overlap.get(&w.slot()).copied().unwrap_or(0) * block_size);
-        let decode_now: Vec<WorkerSnapshot> = decode.iter().map(snapshot).collect();
-        let prefill_now: Vec<WorkerSnapshot> = prefill.iter().map(snapshot).collect();
+        // A prefix held below a worker's pool counts for what loading it saves there.
+        let saved = |w: &Arc<Worker>| {
+            overlap
+                .get(&w.slot())
+                .map_or(0, |m| m.saved_tokens(block_size, &w.tier_worth()))
+        };
+        // A decode worker that pulls from peers also counts what pulling the longest prefix
+        // another decode worker holds would save.
+        let holder = decode
+            .iter()
+            .filter_map(|w| Some((w, *overlap.get(&w.slot())?)))
+            .max_by_key(|(_, m)| m.blocks());
+        let link = self.params.policy.kv_link_bytes_per_s;
+        let mut pulls: Vec<Option<PeerPull>> = decode
+            .iter()
+            .map(|w| {
+                let own = overlap.get(&w.slot()).copied().unwrap_or_default();
+                PeerPull::plan(w, own, holder, block_size, link)
+            })
+            .collect();
+        let decode_now: Vec<WorkerSnapshot> = decode
+            .iter()
+            .zip(&pulls)
+            .map(|(w, pull)| w.snapshot(saved(w) + pull.as_ref().map_or(0, |p| p.saved_tokens)))
+            .collect();
+        let prefill_now: Vec<WorkerSnapshot> =
+            prefill.iter().map(|w| w.snapshot(saved(w))).collect();
         let ask = PolicyRequest {
             tokens: n,
             block_size,
@@ -395,8 +468,13 @@ impl Pools {
                 })
                 .collect(),
         };
+        let pull = match plan.local {
+            true => pulls[placed.decode].take().map(|p| p.source),
+            false => None,
+        };
         Ok(Route {
             decode: decode[placed.decode].clone(),
+            pull,
             plan,
             fingerprint: fingerprint.unwrap_or_default(),
             decision: placed.decision,
@@ -662,6 +740,20 @@ mod tests {
         (0..n as u32).map(|j| seed * 100_000 + j).collect()
     }
 
+    /// A worker's whole snapshot: it holds `hashes` in its device pool.
+    fn snapshot_of(hashes: &[u64]) -> v1::KvEventsMessage {
+        v1::KvEventsMessage {
+            incarnation: 1,
+            snapshot: Some(v1::KvSnapshot {
+                seq: 0,
+                block_hashes: hashes.to_vec(),
+                last: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
     fn set(w: &Worker, healthy: bool, st: v1::StatsResponse) {
         w.set_status(|s| {
             s.healthy = healthy;
@@ -731,6 +823,50 @@ mod tests {
         assert!(!decode[2].healthy && decode[1].healthy);
         assert_eq!(pools.mismatched().len(), 1);
         assert_eq!(pools.block_size(), Some(16));
+    }
+
+    #[tokio::test]
+    async fn a_decode_worker_that_pulls_is_told_the_peer_holding_the_prompt() {
+        for pulls in [true, false] {
+            let pools = Pools::new(
+                &["127.0.0.1:1".into(), "127.0.0.1:2".into()],
+                &[],
+                PeerAuth::default(),
+                params(RoutingPolicy::CacheAware),
+            )
+            .unwrap();
+            // 16 tokens at 1,000 tokens/s (16 ms) against 1 MB over 1 GB/s (1 ms): pulling
+            // pays.
+            let stats = |free, pull| v1::StatsResponse {
+                kv_peer_pull: pull,
+                prefill_tokens_per_s: 1000.0,
+                kv_block_bytes: 1_000_000,
+                ..stats("fp", free, 0)
+            };
+            let (holder, other) = (&pools.decode()[0], &pools.decode()[1]);
+            set(holder, true, stats(2, true));
+            set(other, true, stats(500, pulls));
+            let tokens: Vec<u32> = (0..200).collect();
+            let seed = duet_kv::request_hash_seed("fp", "");
+            let hashes = duet_kv::block_hashes(seed, &tokens, 16);
+            let snapshot = snapshot_of(&hashes[..10]);
+            pools.index.apply(holder.slot(), &snapshot);
+            let r = route(&pools, 200, &[]).unwrap();
+            if !pulls {
+                assert!(
+                    r.pull.is_none(),
+                    "a worker that does not pull is told nothing"
+                );
+                continue;
+            }
+            assert_eq!(r.decode.address, "127.0.0.1:2");
+            assert!(r.plan.local);
+            let pull = r.pull.expect("told to pull");
+            assert_eq!(
+                (pull.worker_id, pull.address.as_str(), pull.blocks),
+                (holder.id(), "127.0.0.1:1", 10)
+            );
+        }
     }
 
     fn card(id: &str, port: u16, incarnation: u64, state: CardState, fp: &str) -> WorkerCard {
@@ -868,15 +1004,7 @@ mod tests {
         let hashes = duet_kv::block_hashes(duet_kv::request_hash_seed("fp", ""), &tokens, 16);
         // The second prefill worker holds the first 10 blocks.
         let holder = &pools.prefill()[1];
-        let snapshot = v1::KvEventsMessage {
-            incarnation: 1,
-            snapshot: Some(v1::KvSnapshot {
-                seq: 0,
-                block_hashes: hashes[..10].to_vec(),
-                last: true,
-            }),
-            ..Default::default()
-        };
+        let snapshot = snapshot_of(&hashes[..10]);
         pools.index.apply(holder.slot(), &snapshot);
         let r = route(&pools, 200, &[]).unwrap();
         assert_eq!(first_prefill(&r), "127.0.0.1:5");
@@ -978,15 +1106,7 @@ mod tests {
             .find(|w| w.address == holder)
             .unwrap();
         let hashes = duet_kv::block_hashes(duet_kv::request_hash_seed("fp", ""), &prompt, 16);
-        let snapshot = v1::KvEventsMessage {
-            incarnation: 1,
-            snapshot: Some(v1::KvSnapshot {
-                seq: 0,
-                block_hashes: hashes,
-                last: true,
-            }),
-            ..Default::default()
-        };
+        let snapshot = snapshot_of(&hashes);
         pools.index.apply(w.slot(), &snapshot);
         assert_eq!(pools.index.pending_count(), 0);
         // Without events, a placement lasts its time to live.

@@ -20,6 +20,7 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
+use crate::kv_index::TierWorth;
 use crate::kv_index::WorkerSlot;
 use duet_routing::WorkerSnapshot;
 
@@ -238,6 +239,15 @@ impl Worker {
             cached_tokens,
             accepted_prefill: stats.accepted_prefill_workers.map(|a| a.addresses.into()),
         }
+    }
+
+    /// What a block in each of its tiers saves of computing it again, by its last stats.
+    pub fn tier_worth(&self) -> TierWorth {
+        let stats = self.status().stats.unwrap_or_default();
+        let rate = Some(stats.prefill_tokens_per_s)
+            .filter(|&r| r > 0.0)
+            .unwrap_or(duet_kv::PRIOR_PREFILL_TOKENS_PER_S);
+        TierWorth::of(&stats, rate)
     }
 
     /// Its card and the card's key, when it is known from one.

@@ -12,6 +12,7 @@ mod etcd_cluster;
 mod etcd_security;
 mod failures;
 mod kv_routing;
+mod kv_tiers;
 mod membership;
 mod openai;
 mod otlp;

@@ -152,6 +152,12 @@ impl ActorEngine for ScriptedEngine {
 
     fn record_kv_events(&mut self) {}
 
+    fn kv_tier_stats(&self) -> Vec<duet_kv::TierStats> {
+        Vec::new()
+    }
+
+    fn set_prefill_rate(&mut self, _: f64) {}
+
     fn take_kv_events(&mut self) -> (Vec<KvEvent>, KvDigest) {
         (std::mem::take(&mut self.kv_events), KvDigest::default())
     }
@@ -214,12 +220,27 @@ impl ActorEngine for ScriptedEngine {
             cached_blocks: (self.cached / BLOCK_SIZE).min(blocks),
             num_tokens: tokens.len(),
             hash_seed: 0,
+            reused: false,
         })
     }
 
     fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError> {
         self.free += reservation.blocks.len();
         Ok(())
+    }
+
+    fn cache_reservation(&mut self, _: &[u32], r: KvReservation) -> Result<(), EngineError> {
+        self.release(r)
+    }
+
+    fn read_prefix(
+        &mut self,
+        _: &[u32],
+        _: &str,
+        blocks: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<Vec<u8>>>, EngineError> {
+        // Every block holds its own index.
+        Ok(Some(blocks.map(|b| vec![b as u8]).collect()))
     }
 
     fn add_prefilled(

@@ -1,7 +1,8 @@
 {{/*
 One duet Deployment (router, prefill or decode pool). Takes (dict "root" $ "component" NAME
 "pool" VALUES "cuda" BOOL "command" LIST "args" LIST "ports" LIST-OF-{name,port} "grpcPort" PORT
-"env" LIST).
+"env" LIST), and optionally "volumes" LIST and "mounts" LIST (the pod's own, besides the pool's
+extra ones).
 */}}
 {{- define "duet.deployment" -}}
 {{- $root := .root -}}
@@ -90,6 +91,9 @@ spec:
             {{- with include "duet.securityMounts" (dict "root" $root "component" .component) | trim }}
             {{- . | nindent 12 }}
             {{- end }}
+            {{- with .mounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
             {{- with $pool.extraVolumeMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -97,6 +101,9 @@ spec:
         {{- include "duet.modelVolume" $root | nindent 8 }}
         {{- with include "duet.securityVolumes" (dict "root" $root "component" .component) | trim }}
         {{- . | nindent 8 }}
+        {{- end }}
+        {{- with .volumes }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
         {{- with $pool.extraVolumes }}
         {{- toYaml . | nindent 8 }}

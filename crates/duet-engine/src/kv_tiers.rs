@@ -1,0 +1,139 @@
+//! The tiers below the engine's KV pool, as the engine builds and feeds them: host memory
+//! (`--kv-offload-tokens`) and a local directory (`--kv-disk-dir`, `--kv-disk-bytes`), off until
+//! set. The bookkeeping (admission, eviction order, cost model) is duet-kv's
+//! ([`LowerTiers`]); the bytes move here, between the device store and the tiers, because only
+//! the engine owns the store.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use duet_kv::{DiskTier, HostTier, KvCacheManager, LowerTiers, TierStore};
+
+use crate::EngineError;
+use crate::backend::{Backend, KvLayout};
+use crate::model_runner::ModelRunner;
+
+/// Default byte limit of the disk tier.
+pub const DEFAULT_DISK_BYTES: u64 = 4 << 30;
+
+/// Ghost hashes remembered per block the worker can hold (device and tiers below).
+const GHOSTS_PER_BLOCK: usize = 4;
+
+/// The tiers below the KV pool (also flags of every command that loads a model).
+#[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
+pub struct KvTierOptions {
+    /// Capacity of the host-memory tier below the KV pool, in tokens (0: none). A reused
+    /// prefix evicted from the pool moves here instead of being lost, and a prompt that finds
+    /// it here is loaded instead of prefilled again. Blocks keep the pool's element type (a
+    /// restored prefix computes the same tokens as the original).
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "DUET_KV_OFFLOAD_TOKENS", default_value_t = 0)
+    )]
+    pub kv_offload_tokens: usize,
+    /// A directory for the disk tier, below the host tier (unset: none). The worker writes its
+    /// blocks, checksummed, into a directory of its own inside it and removes that at exit.
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_KV_DISK_DIR"))]
+    pub kv_disk_dir: Option<PathBuf>,
+    /// Most bytes the disk tier's files take.
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_KV_DISK_BYTES", default_value_t = DEFAULT_DISK_BYTES))]
+    pub kv_disk_bytes: u64,
+}
+
+impl Default for KvTierOptions {
+    fn default() -> Self {
+        Self {
+            kv_offload_tokens: 0,
+            kv_disk_dir: None,
+            kv_disk_bytes: DEFAULT_DISK_BYTES,
+        }
+    }
+}
+
+impl KvTierOptions {
+    /// Whether any tier below the pool is configured.
+    pub fn any(&self) -> bool {
+        self.kv_offload_tokens > 0 || self.kv_disk_dir.is_some()
+    }
+
+    /// These options as flags (see `EngineOptions::to_args`).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args = vec![
+            format!("--kv-offload-tokens={}", self.kv_offload_tokens),
+            format!("--kv-disk-bytes={}", self.kv_disk_bytes),
+        ];
+        if let Some(dir) = &self.kv_disk_dir {
+            args.push(format!("--kv-disk-dir={}", dir.display()));
+        }
+        args
+    }
+
+    /// The tiers these options ask for, below a pool of `layout` (blocks of `block_bytes` in
+    /// transfer layout) whose model fingerprint is `fingerprint`; `None` when none is asked for.
+    pub fn build(
+        &self,
+        layout: &KvLayout,
+        block_bytes: usize,
+        fingerprint: &str,
+    ) -> Result<Option<LowerTiers>, EngineError> {
+        if !self.any() {
+            return Ok(None);
+        }
+        let mut tiers: Vec<Box<dyn TierStore>> = Vec::new();
+        let host_blocks = self.kv_offload_tokens / layout.block_size;
+        if host_blocks > 0 {
+            tiers.push(Box::new(HostTier::new(host_blocks, block_bytes)));
+        }
+        if let Some(dir) = &self.kv_disk_dir {
+            let namespace = xxhash_namespace(fingerprint);
+            let disk = DiskTier::new(dir, self.kv_disk_bytes, block_bytes, namespace)
+                .map_err(|e| EngineError::Config(e.to_string()))?;
+            tiers.push(Box::new(disk));
+        }
+        let blocks: usize =
+            layout.num_blocks + tiers.iter().map(|t| t.capacity_blocks()).sum::<usize>();
+        Ok(Some(LowerTiers::new(
+            tiers,
+            layout.block_size,
+            block_bytes,
+            blocks.saturating_mul(GHOSTS_PER_BLOCK),
+        )))
+    }
+}
+
+/// A fingerprint as the namespace the disk tier checks its files against.
+fn xxhash_namespace(fingerprint: &str) -> u64 {
+    duet_kv::hash_seed(fingerprint.as_bytes(), None)
+}
+
+/// Moves what the KV cache manager owes between the device store and the tiers below: first
+/// the KV of evicted blocks down (before anything writes their slots), then loaded blocks into
+/// their new slots. Called after every manager call that may allocate, whatever it returned.
+pub(crate) fn settle_kv_moves<B: Backend>(
+    runner: &mut ModelRunner<B>,
+    kv: &mut KvCacheManager,
+) -> Result<(), EngineError> {
+    let moves = kv.take_moves();
+    if moves.spills.is_empty() && moves.loads.is_empty() {
+        return Ok(());
+    }
+    let mut bytes = vec![0; runner.kv_block_bytes() * runner.kv_layout().num_layers];
+    let mut spills = moves.spills.into_iter();
+    while let Some((block, hash)) = spills.next() {
+        if let Err(e) = runner.read_block(block, &mut bytes) {
+            // The device failed (sticky): nothing moves down.
+            kv.spill_failed(hash);
+            spills.for_each(|(_, h)| kv.spill_failed(h));
+            return Err(e);
+        }
+        kv.store_below(hash, &bytes);
+    }
+    for load in moves.loads {
+        let started = Instant::now();
+        runner.write_block(load.block, &load.bytes)?;
+        let seconds = load.read_seconds + started.elapsed().as_secs_f64();
+        kv.loaded(load.tier, 1, seconds);
+    }
+    Ok(())
+}
