@@ -1,5 +1,6 @@
 //! `duet bench gpu`: the GPU checks and timings of `duet_device::gpu_bench`, as a table and JSON; HF
-//! transformers on the same shapes in the same run with `--compare-hf`.
+//! transformers on the same shapes in the same run with `--compare-hf` (one HF time against duet's
+//! with each prefill attention kernel).
 
 use std::path::PathBuf;
 
@@ -81,7 +82,9 @@ pub fn run(args: GpuBenchArgs) -> Result<()> {
                 };
                 println!(
                     "{:<58} {:>8.1} {:<4}  duet/HF = {ratio:.2}x",
-                    t.name, v, t.unit
+                    t.label(),
+                    v,
+                    t.unit
                 );
             }
         }

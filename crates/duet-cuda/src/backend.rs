@@ -16,7 +16,9 @@ use cudarc::driver::{
     PushKernelArg,
 };
 use duet_engine::EngineError;
-use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
+use duet_engine::backend::{
+    AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout, PrefillAttention,
+};
 use duet_engine::batch::ForwardBatch;
 use duet_model::config::ModelConfig;
 use duet_model::dequant::dequantize_row;
@@ -49,6 +51,9 @@ pub struct CudaBackend {
     /// Decode attention's per-partition results, kept across layers and steps: allocating and
     /// zeroing them in every layer of every step was three allocations, memsets and frees each.
     partition_scratch: Mutex<PartitionScratch>,
+    /// The prefill attention kernel (`--prefill-attention`); switchable between steps, so that
+    /// `duet bench gpu` compares both on one loaded model.
+    prefill_attention: Mutex<PrefillAttention>,
 }
 
 /// Per (row, head, partition): the partial output, its running max and its sum of weights.
@@ -215,7 +220,38 @@ impl CudaBackend {
             cast_scratch: Mutex::new(None),
             cast_holds: AtomicU64::new(0),
             partition_scratch: Mutex::new(PartitionScratch::default()),
+            prefill_attention: Mutex::new(PrefillAttention::default()),
         })
+    }
+
+    /// Computes prefill attention with `kernel` from the next step on. The fa kernels take more
+    /// than the default 48 KiB of shared memory a block: their limit is raised here, and a GPU
+    /// that cannot give it is an error naming the flag.
+    pub fn set_prefill_attention(&self, kernel: PrefillAttention) -> Result<(), CudaError> {
+        if kernel == PrefillAttention::Fa {
+            use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            for e in &kernels::FA_ENTRIES {
+                self.function(e.kernel)
+                    .set_attribute(
+                        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        e.smem_bytes as i32,
+                    )
+                    .map_err(|err| {
+                        CudaError::Unsupported(format!(
+                            "--prefill-attention fa needs {} KiB of shared memory a block for head \
+                             size {}, which GPU {} does not give ({err}): use --prefill-attention legacy",
+                            e.smem_bytes / 1024,
+                            e.head_dim,
+                            self.info.ordinal
+                        ))
+                    })?;
+            }
+        }
+        *self
+            .prefill_attention
+            .lock()
+            .expect("prefill attention lock") = kernel;
+        Ok(())
     }
 
     /// Activations made from host values (benchmarks and checks).
@@ -898,34 +934,7 @@ impl Backend for CudaBackend {
             });
         }
         if let Some(p) = &b.prefill {
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    p.max_len.div_ceil(PREFILL_BLOCK_M) as u32,
-                    nh as u32,
-                    p.count as u32,
-                ),
-                block_dim: (kernels::PREFILL_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // One entry point per padded head size (each with its own registers).
-            let kernel = if shape.head_dim <= 64 {
-                "prefill_attention_hd64"
-            } else if shape.head_dim <= 128 {
-                "prefill_attention_hd128"
-            } else {
-                "prefill_attention_hd256"
-            };
-            self.launch(kernel, cfg, |a| {
-                a.arg(&q.data)
-                    .arg(&kv.ptr)
-                    .arg(&p.row_start)
-                    .arg(&p.len)
-                    .arg(&p.start_pos)
-                    .arg(&b.block_tables)
-                    .arg(&p.table_offsets);
-                g.push(a);
-                a.arg(&mut out.data);
-            });
+            self.launch_prefill_attention(q, kv, p, b, &g, out);
         }
     }
 
@@ -1023,6 +1032,64 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// Causal attention of the step's prefill sequences (several new tokens each) with the kernel
+    /// `--prefill-attention` chose, one entry point per padded head size (each with its own
+    /// registers). The fa grid puts the heads first: every head of a query tile runs at once.
+    fn launch_prefill_attention(
+        &self,
+        q: &CudaActivations,
+        kv: &CudaKvStore,
+        p: &PrefillSeqs,
+        b: &CudaBatch,
+        g: &AttentionArgs,
+        out: &mut CudaActivations,
+    ) {
+        let (heads, seqs) = (g.num_heads as u32, p.count as u32);
+        let head_dim = g.head_dim as usize;
+        let kernel = *self
+            .prefill_attention
+            .lock()
+            .expect("prefill attention lock");
+        let (name, cfg) = match kernel {
+            PrefillAttention::Legacy => {
+                let name = if head_dim <= 64 {
+                    "prefill_attention_hd64"
+                } else if head_dim <= 128 {
+                    "prefill_attention_hd128"
+                } else {
+                    "prefill_attention_hd256"
+                };
+                let tiles = p.max_len.div_ceil(PREFILL_BLOCK_M) as u32;
+                let cfg = LaunchConfig {
+                    grid_dim: (tiles, heads, seqs),
+                    block_dim: (kernels::PREFILL_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                (name, cfg)
+            }
+            PrefillAttention::Fa => {
+                let e = kernels::fa_entry(head_dim);
+                let cfg = LaunchConfig {
+                    grid_dim: (heads, p.max_len.div_ceil(e.block_m) as u32, seqs),
+                    block_dim: (kernels::FA_THREADS, 1, 1),
+                    shared_mem_bytes: e.smem_bytes,
+                };
+                (e.kernel, cfg)
+            }
+        };
+        self.launch(name, cfg, |a| {
+            a.arg(&q.data)
+                .arg(&kv.ptr)
+                .arg(&p.row_start)
+                .arg(&p.len)
+                .arg(&p.start_pos)
+                .arg(&b.block_tables)
+                .arg(&p.table_offsets);
+            g.push(a);
+            a.arg(&mut out.data);
+        });
+    }
+
     /// Packs (layer, block) chunks (indices `layer * num_blocks + block`) into one buffer of
     /// bf16 bytes, in order: what the NCCL transport sends.
     pub fn pack_chunks(

@@ -8,8 +8,12 @@
 //!   greedy tokens equal, on the models given; whether a draft's positions verified in one step
 //!   are the same bits as decoded alone (speculative decoding needs it: `Backend::batch_invariant`).
 //! - Speed on a Llama-3-8B-shaped model with random bf16 weights: decode at batch 1 and at batch
-//!   64 with 1024-token contexts against the bandwidth roofline, and one 2048-token prefill
-//!   against the matrix rate.
+//!   64 with 1024-token contexts against the bandwidth roofline; one 2048- and one 8192-token
+//!   prefill, and the 2048-token prefill's attention alone, against the matrix rate; the mixed
+//!   load (`mixed_load`): the TPOT of 32 decodes while an 8192-token prompt prefills beside them
+//!   in chunks, against their TPOT alone, per step token budget.
+//! - Every check and prefill timing runs with each prefill attention kernel
+//!   (`--prefill-attention legacy` and `fa`), so one run compares them.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -30,7 +34,10 @@ use duet_model::synthetic::Uniform;
 use serde::Serialize;
 
 use crate::LoadedEngine;
+use crate::mixed_load::{MixedLoad, MixedLoadShape, mixed_load};
 use duet_cuda::backend::{CudaBackend, bf16_bits};
+use duet_engine::backend::PrefillAttention;
+use duet_engine::model_runner::ModelRunner;
 
 pub struct GpuBenchOptions {
     pub ordinal: usize,
@@ -51,10 +58,32 @@ pub struct Check {
 #[derive(Serialize)]
 pub struct Timing {
     pub name: String,
+    /// The prefill attention kernel it ran with, where it has prefill in it.
+    pub prefill_attention: Option<String>,
     pub value: f64,
     pub unit: &'static str,
     /// Share of the roofline (bandwidth for decode, matrix rate for prefill).
     pub of_roofline: f64,
+}
+
+impl Timing {
+    /// The name and, in brackets, the prefill attention kernel.
+    pub fn label(&self) -> String {
+        match &self.prefill_attention {
+            Some(kernel) => format!("{} [{kernel}]", self.name),
+            None => self.name.clone(),
+        }
+    }
+}
+
+/// The mixed load at one step token budget with one prefill attention kernel.
+#[derive(Serialize)]
+pub struct MixedLoadRun {
+    pub prefill_attention: String,
+    #[serde(flatten)]
+    pub load: MixedLoad,
+    /// TPOT while the prompt prefills over TPOT alone (the target: at most 1.5).
+    pub slowdown: f64,
 }
 
 #[derive(Serialize)]
@@ -64,6 +93,7 @@ pub struct GpuReport {
     pub bf16_tflop_per_s: f64,
     pub checks: Vec<Check>,
     pub timings: Vec<Timing>,
+    pub mixed_load: Vec<MixedLoadRun>,
 }
 
 type Result<T> = std::result::Result<T, EngineError>;
@@ -81,21 +111,29 @@ pub fn run(options: &GpuBenchOptions) -> Result<GpuReport> {
     let copy = copy_bandwidth(&backend)?;
     let tflops = matrix_rate(&backend)?;
     let mut checks = Vec::new();
-    eprintln!("[2/4] paged attention against a float64 reference");
-    for (heads, kv_heads, head_dim) in [(9, 3, 64), (32, 8, 128)] {
-        checks.push(attention_check(&backend, heads, kv_heads, head_dim)?);
+    eprintln!("[2/4] paged attention against a float64 reference, prefill by each kernel");
+    for kernel in PREFILL_KERNELS {
+        backend.set_prefill_attention(kernel)?;
+        for (heads, kv_heads, head_dim) in [(9, 3, 64), (32, 8, 128)] {
+            checks.push(attention_check(
+                &backend, kernel, heads, kv_heads, head_dim,
+            )?);
+        }
     }
-    eprintln!("[3/4] CUDA against the CPU backend");
+    eprintln!("[3/4] CUDA against the CPU backend, prefill by each kernel");
+    let ordinal = options.ordinal;
     for model in &options.models {
-        checks.push(logits_check(&backend, model)?);
-        checks.push(batch_invariance_check(&backend, model)?);
+        checks.extend(logits_checks(ordinal, model)?);
+        for kernel in PREFILL_KERNELS {
+            checks.push(batch_invariance_check(ordinal, kernel, model)?);
+        }
         checks.extend(greedy_checks(options, model)?);
     }
-    let mut timings = Vec::new();
+    let (mut timings, mut mixed) = (Vec::new(), Vec::new());
     if !options.skip_speed {
         eprintln!("[4/4] Llama-3-8B shape, random bf16 weights");
         drop(backend);
-        timings = llama3_8b_timings(options.ordinal, copy, tflops)?;
+        (timings, mixed) = llama3_8b_timings(options.ordinal, copy, tflops)?;
     }
     Ok(GpuReport {
         device,
@@ -103,7 +141,18 @@ pub fn run(options: &GpuBenchOptions) -> Result<GpuReport> {
         bf16_tflop_per_s: tflops / 1e12,
         checks,
         timings,
+        mixed_load: mixed,
     })
+}
+
+/// The prefill attention kernels every check and prefill timing runs with.
+const PREFILL_KERNELS: [PrefillAttention; 2] = [PrefillAttention::Legacy, PrefillAttention::Fa];
+
+/// A CUDA backend on GPU `ordinal` computing prefill attention with `kernel`.
+fn cuda(ordinal: usize, memory_fraction: f64, kernel: PrefillAttention) -> Result<CudaBackend> {
+    let backend = CudaBackend::new(ordinal, memory_fraction)?;
+    backend.set_prefill_attention(kernel)?;
+    Ok(backend)
 }
 
 impl GpuReport {
@@ -122,10 +171,38 @@ impl GpuReport {
             for t in &self.timings {
                 s += &format!(
                     "{:<58} {:>8.1} {:<4}{:>9.0}%\n",
-                    t.name,
+                    t.label(),
                     t.value,
                     t.unit,
                     100.0 * t.of_roofline
+                );
+            }
+        }
+        if !self.mixed_load.is_empty() {
+            s += &format!(
+                "\nmixed load: TPOT of {MIXED_DECODES} decodes ({MIXED_CONTEXT}-token contexts) while a \
+                 {MIXED_PROMPT}-token prompt prefills beside them\n{:<8} {:>12} {:>10} {:>10} {:>9} {:>10} {:>12} {:>7}\n",
+                "kernel",
+                "step tokens",
+                "alone ms",
+                "mixed ms",
+                "mixed/alone",
+                "worst ms",
+                "prefill ms",
+                "steps"
+            );
+            for m in &self.mixed_load {
+                let l = &m.load;
+                s += &format!(
+                    "{:<8} {:>12} {:>10.2} {:>10.2} {:>11.2} {:>10.2} {:>12.1} {:>7}\n",
+                    m.prefill_attention,
+                    l.step_tokens,
+                    l.tpot_alone_ms,
+                    l.tpot_mixed_ms,
+                    m.slowdown,
+                    l.worst_step_ms,
+                    l.prefill_ms,
+                    l.chunk_steps
                 );
             }
         }
@@ -198,6 +275,7 @@ fn matrix_rate(backend: &CudaBackend) -> Result<f64> {
 /// a cached prefix), compared with a float64 reference over the same bf16 values.
 fn attention_check(
     backend: &CudaBackend,
+    kernel: PrefillAttention,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -321,59 +399,71 @@ fn attention_check(
         }
     }
     let rel = (err2 / ref2).sqrt();
+    // fa's Q and P are one bf16 term each (~1e-3 from float64 by themselves); legacy's two.
+    let bound = match kernel {
+        PrefillAttention::Legacy => 1e-3,
+        PrefillAttention::Fa => 2e-3,
+    };
     Ok(Check {
-        name: format!("paged attention vs f64, {heads}/{kv_heads} heads, head_dim {head_dim}"),
-        passed: unwritten == 0 && rel <= 1e-3,
+        name: format!(
+            "paged attention vs f64, {kernel} prefill, {heads}/{kv_heads} heads, head_dim {head_dim}"
+        ),
+        passed: unwritten == 0 && rel <= bound,
         detail: format!(
-            "‖Δ‖/‖ref‖ = {rel:.2e}, {unwritten} unwritten of {}",
+            "‖Δ‖/‖ref‖ = {rel:.2e} (bound {bound:.0e}), {unwritten} unwritten of {}",
             got.len()
         ),
     })
 }
 
-/// Last-position logits of a fixed prompt on both backends.
-fn logits_check(backend_probe: &CudaBackend, path: &std::path::Path) -> Result<Check> {
-    let ordinal = backend_probe.device_info().ordinal;
+/// Last-position logits of a fixed prompt on the CPU backend and on the GPU with each prefill
+/// attention kernel.
+fn logits_checks(ordinal: usize, path: &std::path::Path) -> Result<Vec<Check>> {
     let files = open_model(path)?;
     let vocab = files.config.vocab_size as u32;
     let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let cpu = last_logits(Llama::load(CpuBackend::new(0), &files)?, &tokens)?;
-    let gpu = last_logits(
-        Llama::load(CudaBackend::new(ordinal, 0.5)?, &files)?,
-        &tokens,
-    )?;
-    let err: f64 = cpu
-        .iter()
-        .zip(&gpu)
-        .map(|(a, b)| ((a - b) as f64).powi(2))
-        .sum();
     let norm: f64 = cpu.iter().map(|a| (*a as f64).powi(2)).sum();
-    let rel = (err / norm).sqrt();
     // The token greedy sampling would pick from each.
     let argmax = duet_engine::sampling::argmax;
-    Ok(Check {
-        name: format!("logits CUDA vs CPU, {}", file_name(path)),
-        passed: rel <= 1e-2 && gpu.iter().all(|v| v.is_finite()),
-        detail: format!(
-            "‖Δ‖/‖ref‖ = {rel:.2e}, argmax {} vs {}",
-            argmax(&gpu),
-            argmax(&cpu)
-        ),
-    })
+    PREFILL_KERNELS
+        .iter()
+        .map(|&kernel| {
+            let gpu = last_logits(Llama::load(cuda(ordinal, 0.5, kernel)?, &files)?, &tokens)?;
+            let err: f64 = cpu
+                .iter()
+                .zip(&gpu)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum();
+            let rel = (err / norm).sqrt();
+            Ok(Check {
+                name: format!("logits CUDA vs CPU, {kernel} prefill, {}", file_name(path)),
+                passed: rel <= 1e-2 && gpu.iter().all(|v| v.is_finite()),
+                detail: format!(
+                    "‖Δ‖/‖ref‖ = {rel:.2e}, argmax {} vs {}",
+                    argmax(&gpu),
+                    argmax(&cpu)
+                ),
+            })
+        })
+        .collect()
 }
 
 /// Whether `Backend::batch_invariant`, which speculative decoding needs, says what the CUDA
 /// backend does: a draft's positions verified in one step beside other sequences against the
 /// same positions decoded alone. A backend that does not claim it passes either way; the detail
 /// says whether it could.
-fn batch_invariance_check(backend_probe: &CudaBackend, path: &std::path::Path) -> Result<Check> {
-    let ordinal = backend_probe.device_info().ordinal;
-    let model = Llama::load(CudaBackend::new(ordinal, 0.5)?, &open_model(path)?)?;
+fn batch_invariance_check(
+    ordinal: usize,
+    kernel: PrefillAttention,
+    path: &std::path::Path,
+) -> Result<Check> {
+    let model = Llama::load(cuda(ordinal, 0.5, kernel)?, &open_model(path)?)?;
     let claimed = model.backend().batch_invariant();
     let measured = crate::row_invariance::row_invariance(&model)?;
     Ok(Check {
         name: format!(
-            "batch_invariant ({claimed}) as measured, {}",
+            "batch_invariant ({claimed}) as measured, {kernel} prefill, {}",
             file_name(path)
         ),
         passed: !claimed || measured.holds(),
@@ -412,35 +502,45 @@ fn last_logits<B: Backend>(model: Llama<B>, tokens: &[u32]) -> Result<Vec<f32>> 
         .to_vec())
 }
 
-/// Greedy continuations on both devices through the engine (paged cache, scheduling and all).
+/// Greedy continuations through the engine (paged cache, scheduling and all) on the CPU and on
+/// the GPU with each prefill attention kernel.
 fn greedy_checks(options: &GpuBenchOptions, path: &std::path::Path) -> Result<Vec<Check>> {
-    let run = |device: Device| -> Result<Vec<Vec<u32>>> {
+    let run = |device: Device, prefill_attention: PrefillAttention| -> Result<Vec<Vec<u32>>> {
         let engine = LoadedEngine::load(
             path,
             EngineOptions {
                 device,
                 kv_cache_tokens: 4096,
+                prefill_attention,
                 ..Default::default()
             },
         )?;
         engine.run(Greedy(&options.prompts))
     };
-    let cpu = run(Device::Cpu)?;
-    let gpu = run(Device::Cuda(options.ordinal))?;
-    Ok(options
-        .prompts
-        .iter()
-        .zip(cpu.iter().zip(&gpu))
-        .map(|(prompt, (c, g))| Check {
-            name: format!("greedy tokens CUDA == CPU, {}: {prompt:?}", file_name(path)),
-            passed: c == g,
-            detail: if c == g {
-                format!("{} tokens", c.len())
-            } else {
-                format!("cpu {c:?} / cuda {g:?}")
-            },
-        })
-        .collect())
+    let cpu = run(Device::Cpu, PrefillAttention::default())?;
+    let mut checks = Vec::new();
+    for kernel in PREFILL_KERNELS {
+        let gpu = run(Device::Cuda(options.ordinal), kernel)?;
+        checks.extend(
+            options
+                .prompts
+                .iter()
+                .zip(cpu.iter().zip(&gpu))
+                .map(|(prompt, (c, g))| Check {
+                    name: format!(
+                        "greedy tokens CUDA == CPU, {kernel} prefill, {}: {prompt:?}",
+                        file_name(path)
+                    ),
+                    passed: c == g,
+                    detail: if c == g {
+                        format!("{} tokens", c.len())
+                    } else {
+                        format!("cpu {c:?} / cuda {g:?}")
+                    },
+                }),
+        );
+    }
+    Ok(checks)
 }
 
 struct Greedy<'a>(&'a [String]);
@@ -491,7 +591,18 @@ pub fn llama3_8b() -> ModelConfig {
     ModelConfig::from_hf_json(json, "llama-3-8b shape").expect("a valid config")
 }
 
-fn llama3_8b_timings(ordinal: usize, copy: f64, matrix_rate: f64) -> Result<Vec<Timing>> {
+/// The mixed load: decoding sequences, their contexts, the prompt prefilled beside them, and the
+/// step token budgets tried.
+const MIXED_DECODES: usize = 32;
+const MIXED_CONTEXT: usize = 512;
+const MIXED_PROMPT: usize = 8192;
+const MIXED_STEP_TOKENS: [usize; 5] = [256, 512, 1024, 2048, 4096];
+
+fn llama3_8b_timings(
+    ordinal: usize,
+    copy: f64,
+    matrix_rate: f64,
+) -> Result<(Vec<Timing>, Vec<MixedLoadRun>)> {
     let c = llama3_8b();
     let model = Llama::synthetic(CudaBackend::new(ordinal, 0.9)?, c.clone(), 7)?;
     let b = model.backend();
@@ -504,7 +615,11 @@ fn llama3_8b_timings(ordinal: usize, copy: f64, matrix_rate: f64) -> Result<Vec<
     // Per step every weight is read once (the embedding rows read are negligible).
     let weight_bytes = 2.0 * matmul_params;
 
-    let mut step = |seqs: usize, start: usize, len: usize| -> Result<f64> {
+    let step = |kv: &mut duet_cuda::backend::CudaKvStore,
+                seqs: usize,
+                start: usize,
+                len: usize|
+     -> Result<f64> {
         let per_seq = (start + len).div_ceil(block_size);
         let tables: Vec<Vec<u32>> = (0..seqs)
             .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
@@ -533,47 +648,81 @@ fn llama3_8b_timings(ordinal: usize, copy: f64, matrix_rate: f64) -> Result<Vec<
             c.vocab_size,
             c.max_position_embeddings,
         )?;
-        time(b, 10, || {
-            model.forward(&fb, &mut kv, &mut |_, _| {}).map(|_| ())
-        })
+        time(b, 10, || model.forward(&fb, kv, &mut |_, _| {}).map(|_| ()))
     };
 
-    let t1 = step(1, 128, 1)?;
+    let t1 = step(&mut kv, 1, 128, 1)?;
     let roof1 = (weight_bytes + 129.0 * kv_bytes_per_token) / copy;
-    let t64 = step(batch, context, 1)?;
+    let t64 = step(&mut kv, batch, context, 1)?;
     let roof64 = (weight_bytes + (batch * (context + 1)) as f64 * kv_bytes_per_token) / copy;
-    let n = 2048usize;
-    let tp = step(1, 0, n)?;
-    let attention_flops =
-        (4 * c.num_layers * c.num_heads * c.head_dim) as f64 * (n * n) as f64 / 2.0;
-    let prefill_flops = 2.0 * matmul_params * n as f64 + attention_flops;
-    let ta = prefill_attention_time(b, &c, &kv, n)?;
-    Ok(vec![
+    let mut timings = vec![
         Timing {
             name: "decode, batch 1, context 128 (tokens/s)".into(),
+            prefill_attention: None,
             value: 1.0 / t1,
             unit: "tok/s",
             of_roofline: roof1 / t1,
         },
         Timing {
             name: "decode, batch 64, context 1024 (tokens/s)".into(),
+            prefill_attention: None,
             value: batch as f64 / t64,
             unit: "tok/s",
             of_roofline: roof64 / t64,
         },
-        Timing {
-            name: "prefill, one 2048-token prompt (ms)".into(),
-            value: tp * 1e3,
-            unit: "ms",
-            of_roofline: prefill_flops / tp / matrix_rate,
-        },
-        Timing {
-            name: "  of which attention, all layers (ms)".into(),
-            value: ta * 1e3,
-            unit: "ms",
-            of_roofline: attention_flops / ta / matrix_rate,
-        },
-    ])
+    ];
+    // Causal: half of the n x n scores, two products of head_dim each.
+    let attention_flops =
+        |n: usize| (4 * c.num_layers * c.num_heads * c.head_dim) as f64 * (n * n) as f64 / 2.0;
+    for kernel in PREFILL_KERNELS {
+        b.set_prefill_attention(kernel)?;
+        for n in [2048usize, 8192] {
+            let tp = step(&mut kv, 1, 0, n)?;
+            let prefill_flops = 2.0 * matmul_params * n as f64 + attention_flops(n);
+            timings.push(Timing {
+                name: format!("prefill, one {n}-token prompt (ms)"),
+                prefill_attention: Some(kernel.to_string()),
+                value: tp * 1e3,
+                unit: "ms",
+                of_roofline: prefill_flops / tp / matrix_rate,
+            });
+            if n == 2048 {
+                let ta = prefill_attention_time(b, &c, &kv, n)?;
+                timings.push(Timing {
+                    name: "  of which attention, all layers (ms)".into(),
+                    prefill_attention: Some(kernel.to_string()),
+                    value: ta * 1e3,
+                    unit: "ms",
+                    of_roofline: attention_flops(n) / ta / matrix_rate,
+                });
+            }
+        }
+    }
+    drop(kv);
+
+    let shape = MixedLoadShape {
+        decodes: MIXED_DECODES,
+        decode_context: MIXED_CONTEXT,
+        prompt_tokens: MIXED_PROMPT,
+        alone_steps: 20,
+    };
+    // The smallest budget takes the most steps, so the most KV.
+    let blocks = shape.blocks_needed(block_size, MIXED_STEP_TOKENS[0]);
+    let layout = model.kv_layout(block_size, blocks, KvDtype::Bf16);
+    let mut runner = ModelRunner::new(model, layout)?;
+    let mut mixed = Vec::new();
+    for kernel in PREFILL_KERNELS {
+        runner.model().backend().set_prefill_attention(kernel)?;
+        for budget in MIXED_STEP_TOKENS {
+            let load = mixed_load(&mut runner, &shape, budget)?;
+            mixed.push(MixedLoadRun {
+                prefill_attention: kernel.to_string(),
+                slowdown: load.slowdown(),
+                load,
+            });
+        }
+    }
+    Ok((timings, mixed))
 }
 
 /// Seconds of the prefill attention alone for one `n`-token prompt, over every layer: the share

@@ -7,6 +7,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod gpu_bench;
+pub mod mixed_load;
 pub mod row_invariance;
 
 use std::path::Path;
@@ -88,6 +89,7 @@ fn load_cuda(
 ) -> Result<LoadedEngine, EngineError> {
     // The device first: a missing GPU is reported before a large model file is read.
     let backend = duet_cuda::backend::CudaBackend::new(ordinal, options.gpu_memory_fraction)?;
+    backend.set_prefill_attention(options.prefill_attention)?;
     let files = duet_model::model_files::open_model(path)?;
     Ok(LoadedEngine::Cuda(Engine::with_backend(
         backend, files, options,
