@@ -19,6 +19,8 @@
 //   * mma_bf16_16816: one warp's bf16 tensor-core product (sm_80 and later).
 //   * DYNAMIC_SHARED, ldmatrix_x4[_trans], cp_async_16 / cp_async_commit / cp_async_wait: dynamic
 //     shared memory and the sm_80 shared-memory instructions of the tiled attention kernels.
+//   * rope_pair: one rotary pair turned (rope.cu and qkv_rope_kv.cu share it, so the fused
+//     and the separate kernels compute the same bits).
 
 typedef unsigned short bf16;
 
@@ -96,6 +98,19 @@ __device__ __forceinline__ float block_max(float v) {
     __syncthreads();
     float r = (lane < nwarps) ? block_max_scratch[lane] : NEG_INF;
     return warp_max(r);
+}
+
+// Pair i of a head at position `pos`, rotate-half convention: the angle pos * inv_freq (f32, as
+// HF computes it), cos and sin scaled by `scale` (YaRN's attention factor; 1 otherwise).
+__device__ __forceinline__ void rope_pair(float x1, float x2, unsigned pos, float inv_freq,
+                                          float scale, float& y1, float& y2) {
+    const float angle = (float)pos * inv_freq;
+    float s, c;
+    sincosf(angle, &s, &c);
+    c *= scale;
+    s *= scale;
+    y1 = x1 * c - x2 * s;
+    y2 = x2 * c + x1 * s;
 }
 
 // d += a·b for one warp: mma.sync m16n8k16, bf16 operands, f32 accumulators (fragment layout in

@@ -9,10 +9,12 @@
 // registers (cols <= 8192 at block 256), so every input is read once; larger
 // rows re-read the part that did not fit. Other widths take a scalar path.
 //
-// rms_norm(x, w, out, cols, eps)
-// add_rms_norm(residual, delta, w, out, cols, eps)
+// rms_norm(x, w, out, out_bf16, cols, eps)
+// add_rms_norm(residual, delta, w, out, out_bf16, cols, eps)
 //   residual += delta (written back), then out = rms_norm(residual) * w.
 //   `out` may not alias `residual` or `delta`.
+// out_bf16, unless null, gets `out` rounded to bf16 as well: the next matrix product's operand,
+// which then needs no cast of its own.
 
 #define NORM_CACHE_VEC 8
 
@@ -30,11 +32,23 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 
 // Shared body. If `delta` is non-null, x is the residual stream: x += delta is
 // stored back before normalising.
+__device__ __forceinline__ void store4(float4* o4, bf16* ob, int i, float4 v) {
+    o4[i] = v;
+    if (ob) {
+        uint2 packed;
+        packed.x = pack_bf16x2(v.x, v.y);
+        packed.y = pack_bf16x2(v.z, v.w);
+        reinterpret_cast<uint2*>(ob)[i] = packed;
+    }
+}
+
 __device__ __forceinline__ void rms_norm_row(float* x_mut, const float* x, const float* delta,
-                                             const float* w, float* out, int cols, float eps) {
+                                             const float* w, float* out, bf16* out_bf16,
+                                             int cols, float eps) {
     const unsigned long long base = (unsigned long long)blockIdx.x * (unsigned long long)cols;
     const float* xr = x + base;
     float* orow = out + base;
+    bf16* obrow = out_bf16 ? out_bf16 + base : nullptr;
     float* xw = x_mut ? x_mut + base : nullptr;
     const float* dr = delta ? delta + base : nullptr;
 
@@ -80,12 +94,12 @@ __device__ __forceinline__ void rms_norm_row(float* x_mut, const float* x, const
 #pragma unroll
         for (int k = 0; k < NORM_CACHE_VEC; ++k) {
             const int i = threadIdx.x + k * stride;
-            if (i < n4) o4[i] = scale4(cache[k], inv, w4[i]);
+            if (i < n4) store4(o4, obrow, i, scale4(cache[k], inv, w4[i]));
         }
         for (int i = threadIdx.x + NORM_CACHE_VEC * stride; i < n4; i += stride) {
             // Written by this same thread above (when fused), so it is visible.
             const float4 v = d4 ? reinterpret_cast<const float4*>(xw)[i] : x4[i];
-            o4[i] = scale4(v, inv, w4[i]);
+            store4(o4, obrow, i, scale4(v, inv, w4[i]));
         }
     } else {
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -101,16 +115,17 @@ __device__ __forceinline__ void rms_norm_row(float* x_mut, const float* x, const
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
             const float v = dr ? xw[c] : xr[c];
             orow[c] = v * inv * w[c];
+            if (obrow) obrow[c] = f32_to_bf16(orow[c]);
         }
     }
 }
 
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int cols,
-                                    float eps) {
-    rms_norm_row(nullptr, x, nullptr, w, out, cols, eps);
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, bf16* out_bf16,
+                                    int cols, float eps) {
+    rms_norm_row(nullptr, x, nullptr, w, out, out_bf16, cols, eps);
 }
 
 extern "C" __global__ void add_rms_norm(float* residual, const float* delta, const float* w,
-                                        float* out, int cols, float eps) {
-    rms_norm_row(residual, residual, delta, w, out, cols, eps);
+                                        float* out, bf16* out_bf16, int cols, float eps) {
+    rms_norm_row(residual, residual, delta, w, out, out_bf16, cols, eps);
 }

@@ -19,12 +19,13 @@
 //   Empty partitions write part_max = -inf, part_sum = 0, part_out = 0.
 //
 // paged_attention_reduce(part_out, part_max, part_sum, row_ids, positions,
-//     num_heads, head_dim, max_partitions, out)
+//     num_heads, head_dim, max_partitions, out, out_bf16)
 //   Launch: grid = (num_listed_rows, num_heads), block = head_dim threads
 //   (rounding up is fine: extra threads idle), no shared memory.
 //   Combines the ceil((positions[r]+1)/512) partitions of row r = row_ids[i]
 //   with the log-sum-exp rescale and writes
-//   out[r*num_heads*head_dim + qh*head_dim + d].
+//   out[r*num_heads*head_dim + qh*head_dim + d], and the same rounded to bf16 into out_bf16
+//   unless it is null (the output projection's operand, which then needs no cast).
 //
 // Host guarantees: head_dim % 8 == 0 and head_dim <= 256 (64 and 128 are the
 // main cases; 96, 160, ... also work); num_heads % num_kv_heads == 0;
@@ -254,7 +255,8 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_partial
 extern "C" __global__ void paged_attention_reduce(const float* part_out, const float* part_max,
                                                   const float* part_sum, const unsigned* row_ids,
                                                   const unsigned* positions, int num_heads,
-                                                  int head_dim, int max_partitions, float* out) {
+                                                  int head_dim, int max_partitions, float* out,
+                                                  bf16* out_bf16) {
     const int d = threadIdx.x;
     const int qh = blockIdx.y;
     if (d >= head_dim || qh >= num_heads) return;
@@ -274,7 +276,10 @@ extern "C" __global__ void paged_attention_reduce(const float* part_out, const f
         total = fmaf(part_sum[base + p], w, total);
         acc = fmaf(part_out[(base + p) * (unsigned long long)head_dim + d], w, acc);
     }
-    out[((unsigned long long)r * (unsigned long long)num_heads + (unsigned long long)qh) *
+    const unsigned long long o =
+        ((unsigned long long)r * (unsigned long long)num_heads + (unsigned long long)qh) *
             (unsigned long long)head_dim +
-        d] = acc / total;
+        d;
+    out[o] = acc / total;
+    if (out_bf16) out_bf16[o] = f32_to_bf16(out[o]);
 }

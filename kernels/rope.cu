@@ -8,6 +8,7 @@
 //     cos, sin of angle, each times scale  (YaRN's attention factor; 1 otherwise)
 //     out[i]        = x[i] * cos - x[i+half] * sin
 //     out[i + half] = x[i+half] * cos + x[i] * sin
+//   (common.cuh's rope_pair.)
 //   Launch: grid = (rows, num_heads), block = head_dim / 2 threads (threads
 //   beyond head_dim/2 idle, so a block rounded up to a multiple of 32 is fine).
 //   No shared memory. head_dim must be even.
@@ -20,16 +21,7 @@ extern "C" __global__ void rope_rotate_half(float* x, const unsigned* positions,
     const int h = blockIdx.y;
     if (i >= half || h >= num_heads) return;
     const unsigned r = blockIdx.x;
-    const float pos = (float)positions[r];
-    const float angle = pos * inv_freq[i];
-    float s, c;
-    sincosf(angle, &s, &c);
-    c *= scale;
-    s *= scale;
     float* xh = x + ((unsigned long long)r * (unsigned long long)num_heads + (unsigned long long)h) *
                         (unsigned long long)head_dim;
-    const float x1 = xh[i];
-    const float x2 = xh[i + half];
-    xh[i] = x1 * c - x2 * s;
-    xh[i + half] = x2 * c + x1 * s;
+    rope_pair(xh[i], xh[i + half], positions[r], inv_freq[i], scale, xh[i], xh[i + half]);
 }

@@ -1,286 +1,403 @@
-// sampling.cu — greedy and stochastic token selection over f32 logits.
+// sampling.cu — one row of logits to one token, bit for bit as duet's CPU sampler
+// (crates/duet-engine/src/sampling_steps.rs, whose module doc defines every step; the
+// comments here name them). Compiled with --fmad=false: every product and sum is rounded on
+// its own, as on the host, and exp/ln are our own (sp_exp, sp_ln), not libdevice's.
 //
-// argmax_rows(logits, vocab, out_token, out_logprob)
-//   Per row r: out_token[r] = index of the max logit (lowest index on ties),
-//   out_logprob[r] = its log-softmax value = -log(sum_i exp(x_i - max)).
-//   Launch: grid.x = rows, block = 1024 threads (any multiple of 32 up to
-//   1024 works), no dynamic shared memory.
-//
-// sample_rows(logits, vocab, temperature, top_k, top_p, uniform, out_token)
-//   Per row r. Launch: grid.x = rows, block = 1024 threads (any multiple of 32
-//   up to 1024), no dynamic shared memory.
-//   * temperature[r] <= 0: argmax (as above).
-//   * otherwise p_i ∝ exp((x_i - max) / temperature[r]);
-//     1. top_k[r] > 0 (and < vocab): keep the tokens whose logit is >= the
-//        k-th largest logit;
-//     2. top_p[r] < 1: of those, keep the tokens whose logit is >= the largest
-//        threshold t such that the mass of kept tokens with logit >= t is
-//        >= top_p[r] * (mass kept by step 1), i.e. the smallest set of
-//        largest probabilities reaching top_p of the renormalised mass;
-//     3. draw: the first token, in index order over kept tokens, at which the
-//        cumulative kept mass exceeds uniform[r] * (total kept mass).
-//        Always returns a kept token (the last kept one if rounding leaves
-//        the draw past the end).
-//   Thresholds are found exactly by bisection on the order-preserving 32-bit
-//   key of the f32 logits (<= 32 block-wide count / mass passes each; no sort).
-//   Ties: every token whose logit equals the threshold logit is kept, so the
-//   kept set may exceed top_k (or the top-p minimum) by tokens tied exactly
-//   at the cut-off. Deterministic for given inputs (fixed reduction order).
-//
-// Host guarantees: 1 <= vocab < 2^24; logits contain no NaN.
+// sample_rows(logits, work, vocab, params, penalized, allowed, out)
+//   Launch: grid.x = rows, block = SP_THREADS (256) threads exactly (the canonical sum's lanes),
+//   no dynamic shared memory. Row r reads and modifies logits[r*vocab ..] (masked and penalised
+//   in place, as the CPU leaves them) and uses work[r*vocab ..] as scratch.
+//   params[r*SP_WORDS + ...] (32-bit words; f32 as bits):
+//     SP_TEMPERATURE, SP_TOP_K, SP_TOP_P, SP_MIN_P, SP_REPETITION, SP_PRESENCE, SP_FREQUENCY,
+//     SP_LOGPROBS (top-n, <= SP_MAX_TOP), SP_SEED_LO/HI, SP_POSITION_LO/HI,
+//     SP_PENALIZED_AT / SP_PENALIZED_LEN (pairs (token, times generated) at penalized[2*at ..]),
+//     SP_ALLOWED_AT / SP_ALLOWED_WORDS (the grammar's bitmap at allowed[at ..];
+//     SP_UNCONSTRAINED words: no grammar).
+//   out[r*SO_WORDS + ...]: SO_TOKEN, SO_LOGPROB (f32 bits), SO_TOP_LEN, then SP_MAX_TOP token ids
+//   at SO_TOP_IDS and their log-probabilities at SO_TOP_LOGPROBS (f32 bits).
 
-// Order-preserving map from f32 to u32 (larger float -> larger key).
-__device__ __forceinline__ unsigned float_key(float f) {
+#define SP_THREADS 256
+#define SP_WORDS 16
+#define SP_TEMPERATURE 0
+#define SP_TOP_K 1
+#define SP_TOP_P 2
+#define SP_MIN_P 3
+#define SP_REPETITION 4
+#define SP_PRESENCE 5
+#define SP_FREQUENCY 6
+#define SP_LOGPROBS 7
+#define SP_SEED_LO 8
+#define SP_SEED_HI 9
+#define SP_POSITION_LO 10
+#define SP_POSITION_HI 11
+#define SP_PENALIZED_AT 12
+#define SP_PENALIZED_LEN 13
+#define SP_ALLOWED_AT 14
+#define SP_ALLOWED_WORDS 15
+#define SP_UNCONSTRAINED 0xffffffffu
+#define SP_MAX_TOP 20
+#define SO_TOKEN 0
+#define SO_LOGPROB 1
+#define SO_TOP_LEN 2
+#define SO_TOP_IDS 3
+#define SO_TOP_LOGPROBS (SO_TOP_IDS + SP_MAX_TOP)
+#define SO_WORDS (SO_TOP_LOGPROBS + SP_MAX_TOP)
+
+// ---- exp, ln, Philox, the uniform and the exponential (sampling_steps.rs's twins) ----
+
+#define SP_LN2_HI __uint_as_float(0x3f317200u)
+#define SP_LN2_LO __uint_as_float(0x35bfbe8eu)
+#define SP_LOG2_E __uint_as_float(0x3fb8aa3bu)
+#define SP_SQRT_2 __uint_as_float(0x3fb504f3u)
+#define SP_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float sp_exp(float x) {
+    if (x != x || x < -87.0f) return 0.0f;
+    if (x > 88.0f) return SP_INF;
+    const float n = rintf(x * SP_LOG2_E);
+    const float r = (x - n * SP_LN2_HI) - n * SP_LN2_LO;
+    float q = 1.0f / 5040.0f;
+    q = q * r + 1.0f / 720.0f;
+    q = q * r + 1.0f / 120.0f;
+    q = q * r + 1.0f / 24.0f;
+    q = q * r + 1.0f / 6.0f;
+    q = q * r + 0.5f;
+    q = q * r + 1.0f;
+    q = q * r + 1.0f;
+    return q * __uint_as_float(((unsigned)((int)n + 127)) << 23);
+}
+
+__device__ __forceinline__ float sp_ln(float x) {
+    if (x != x || x == SP_INF) return x;
+    if (x <= 0.0f) return NEG_INF;
+    unsigned bits = __float_as_uint(x);
+    int e = 0;
+    if (bits < 0x00800000u) {
+        bits = __float_as_uint(x * 16777216.0f);
+        e = -24;
+    }
+    e += (int)(bits >> 23) - 127;
+    float m = __uint_as_float((bits & 0x007fffffu) | 0x3f800000u);
+    if (m > SP_SQRT_2) {
+        m *= 0.5f;
+        e += 1;
+    }
+    const float f = m - 1.0f;
+    const float s = f / (2.0f + f);
+    const float z = s * s;
+    float q = 1.0f / 11.0f;
+    q = q * z + 1.0f / 9.0f;
+    q = q * z + 1.0f / 7.0f;
+    q = q * z + 1.0f / 5.0f;
+    q = q * z + 1.0f / 3.0f;
+    q = q * z + 1.0f;
+    const float ef = (float)e;
+    return ef * SP_LN2_HI + (ef * SP_LN2_LO + 2.0f * s * q);
+}
+
+// The first word of Philox4x32-10 with counter (c0, c1, c2, 0) and key (k0, k1).
+__device__ __forceinline__ unsigned sp_philox_word0(unsigned c0, unsigned c1, unsigned c2,
+                                                    unsigned k0, unsigned k1) {
+    unsigned c3 = 0u;
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+    }
+    return c0;
+}
+
+__device__ __forceinline__ float sp_exponential(float u) {
+    if (u < 1.0f / 256.0f) return u * (1.0f + u * (0.5f + u * (1.0f / 3.0f)));
+    return 0.0f - sp_ln(1.0f - u);
+}
+
+// ---- keys and block reductions (256 threads, every thread calls, every thread gets the result) --
+
+__device__ __forceinline__ unsigned sp_total_key(float f) {
     const unsigned u = __float_as_uint(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Calls f(index, value) for every element of the row this thread owns
-// (block-strided; 16-byte loads when possible).
-template <class F>
-__device__ __forceinline__ void for_row(const float* row, int vocab, F&& f) {
-    if ((vocab & 3) == 0 && (((unsigned long long)row) & 15ull) == 0) {
-        const float4* r4 = reinterpret_cast<const float4*>(row);
-        const unsigned n4 = (unsigned)vocab >> 2;
-        for (unsigned i = threadIdx.x; i < n4; i += blockDim.x) {
-            const float4 v = r4[i];
-            f(4 * i + 0, v.x);
-            f(4 * i + 1, v.y);
-            f(4 * i + 2, v.z);
-            f(4 * i + 3, v.w);
+__device__ __forceinline__ unsigned long long sp_rank_key(float v, unsigned id) {
+    return ((unsigned long long)sp_total_key(v) << 32) | (unsigned long long)(~id);
+}
+
+// The canonical sum: `lane` is this thread's sum over its ids in order; the lanes are added
+// pairwise, lane[i] += lane[i + s] for s = 128 .. 1.
+__device__ float sp_lane_tree(float lane) {
+    __shared__ float lanes[SP_THREADS];
+    __syncthreads();  // a previous reduction may still be reading
+    lanes[threadIdx.x] = lane;
+    __syncthreads();
+    for (int s = SP_THREADS / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) lanes[threadIdx.x] += lanes[threadIdx.x + s];
+        __syncthreads();
+    }
+    return lanes[0];
+}
+
+__device__ unsigned sp_count(unsigned c) {
+    __shared__ unsigned counts[SP_THREADS];
+    __syncthreads();
+    counts[threadIdx.x] = c;
+    __syncthreads();
+    for (int s = SP_THREADS / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) counts[threadIdx.x] += counts[threadIdx.x + s];
+        __syncthreads();
+    }
+    return counts[0];
+}
+
+__device__ unsigned long long sp_max_u64(unsigned long long v) {
+    __shared__ unsigned long long keys[SP_THREADS];
+    __syncthreads();
+    keys[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = SP_THREADS / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s && keys[threadIdx.x + s] > keys[threadIdx.x])
+            keys[threadIdx.x] = keys[threadIdx.x + s];
+        __syncthreads();
+    }
+    return keys[0];
+}
+
+// fmaxf over the block (NaNs ignored, -inf when every value is NaN).
+__device__ float sp_max_f32(float v) {
+    __shared__ float values[SP_THREADS];
+    __syncthreads();
+    values[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = SP_THREADS / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s)
+            values[threadIdx.x] = fmaxf(values[threadIdx.x], values[threadIdx.x + s]);
+        __syncthreads();
+    }
+    return values[0];
+}
+
+// (value, id) with the largest value, the lowest id among equals; NaNs and "none"
+// (id = 0xffffffff) never win. Returns the id (0xffffffff: none).
+__device__ unsigned sp_argmax(float v, unsigned id) {
+    __shared__ float values[SP_THREADS];
+    __shared__ unsigned ids[SP_THREADS];
+    __syncthreads();
+    values[threadIdx.x] = v;
+    ids[threadIdx.x] = id;
+    __syncthreads();
+    for (int s = SP_THREADS / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) {
+            const float v2 = values[threadIdx.x + s];
+            const unsigned i2 = ids[threadIdx.x + s];
+            const float v1 = values[threadIdx.x];
+            const unsigned i1 = ids[threadIdx.x];
+            if (i2 != 0xffffffffu &&
+                (i1 == 0xffffffffu || v2 > v1 || (v2 == v1 && i2 < i1))) {
+                values[threadIdx.x] = v2;
+                ids[threadIdx.x] = i2;
+            }
         }
-    } else {
-        for (unsigned i = threadIdx.x; i < (unsigned)vocab; i += blockDim.x) f(i, row[i]);
+        __syncthreads();
+    }
+    return ids[0];
+}
+
+// A thread's best (value, id) so far: `x` at `i` replaces it when larger (NaN never).
+__device__ __forceinline__ void sp_consider(float& v, unsigned& id, float x, unsigned i) {
+    if (x == x && (id == 0xffffffffu || x > v)) {
+        v = x;
+        id = i;
     }
 }
 
-__device__ __forceinline__ void argmax_merge(float& v, unsigned& i, float v2, unsigned i2) {
-    if (v2 > v || (v2 == v && i2 < i)) {
-        v = v2;
-        i = i2;
-    }
-}
-
-// Block-wide (value, index) argmax, lowest index on ties. Result in all threads.
-__device__ __forceinline__ void block_argmax(float& v, unsigned& idx) {
-    __shared__ float am_v[32];
-    __shared__ unsigned am_i[32];
-    const int lane = threadIdx.x & 31;
-    const int wid = threadIdx.x >> 5;
-    const int nwarps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        argmax_merge(v, idx, __shfl_xor_sync(FULL_MASK, v, o), __shfl_xor_sync(FULL_MASK, idx, o));
-    __syncthreads();
-    if (lane == 0) {
-        am_v[wid] = v;
-        am_i[wid] = idx;
-    }
-    __syncthreads();
-    v = (lane < nwarps) ? am_v[lane] : NEG_INF;
-    idx = (lane < nwarps) ? am_i[lane] : 0xffffffffu;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        argmax_merge(v, idx, __shfl_xor_sync(FULL_MASK, v, o), __shfl_xor_sync(FULL_MASK, idx, o));
-}
-
-__device__ __forceinline__ unsigned block_min_u(unsigned v) {
-    __shared__ unsigned mn_scratch[32];
-    const int lane = threadIdx.x & 31;
-    const int wid = threadIdx.x >> 5;
-    const int nwarps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(FULL_MASK, v, o));
-    __syncthreads();
-    if (lane == 0) mn_scratch[wid] = v;
-    __syncthreads();
-    v = (lane < nwarps) ? mn_scratch[lane] : 0xffffffffu;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(FULL_MASK, v, o));
-    return v;
-}
-
-__device__ __forceinline__ unsigned block_max_u(unsigned v) {
-    __shared__ unsigned mx_scratch[32];
-    const int lane = threadIdx.x & 31;
-    const int wid = threadIdx.x >> 5;
-    const int nwarps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, o));
-    __syncthreads();
-    if (lane == 0) mx_scratch[wid] = v;
-    __syncthreads();
-    v = (lane < nwarps) ? mx_scratch[lane] : 0u;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, o));
-    return v;
-}
-
-// Exclusive prefix sum over the block in thread order; `total` gets the block
-// total (bitwise identical in every thread).
-__device__ __forceinline__ float block_exclusive_scan(float v, float& total) {
-    __shared__ float scan_scratch[32];
-    const int lane = threadIdx.x & 31;
-    const int wid = threadIdx.x >> 5;
-    const int nwarps = blockDim.x >> 5;
-    float incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const float y = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += y;
-    }
-    float excl = __shfl_up_sync(FULL_MASK, incl, 1);
-    if (lane == 0) excl = 0.0f;
-    __syncthreads();
-    if (lane == 31) scan_scratch[wid] = incl;
-    __syncthreads();
-    float before = 0.0f, all = 0.0f;
-    for (int w = 0; w < nwarps; ++w) {
-        const float s = scan_scratch[w];
-        if (w < wid) before += s;
-        all += s;
-    }
-    total = all;
-    return before + excl;
-}
-
-// Row argmax (value, lowest index); result in all threads.
-__device__ __forceinline__ void row_argmax(const float* row, int vocab, float& mval,
-                                           unsigned& midx) {
-    float v = NEG_INF;
-    unsigned idx = 0xffffffffu;
-    for_row(row, vocab, [&](unsigned i, float x) { argmax_merge(v, idx, x, i); });
-    block_argmax(v, idx);
-    if (idx >= (unsigned)vocab) idx = 0;  // only if every logit is NaN
-    mval = v;
-    midx = idx;
-}
-
-extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned* out_token,
-                                       float* out_logprob) {
+extern "C" __global__ void __launch_bounds__(SP_THREADS) sample_rows(float* logits, float* work, int vocab, const unsigned* params, const unsigned* penalized, const unsigned* allowed, unsigned* out) {
     const unsigned r = blockIdx.x;
-    const float* row = logits + (unsigned long long)r * (unsigned long long)vocab;
-    float m;
-    unsigned idx;
-    row_argmax(row, vocab, m, idx);
-    float s = 0.0f;
-    if (m != NEG_INF) for_row(row, vocab, [&](unsigned, float x) { s += expf(x - m); });
-    s = block_sum(s);
-    if (threadIdx.x == 0) {
-        out_token[r] = idx;
-        // All logits -inf: treat as uniform.
-        out_logprob[r] = (m != NEG_INF) ? -logf(s) : -logf((float)vocab);
+    const unsigned tid = threadIdx.x;
+    const unsigned V = (unsigned)vocab;
+    float* l = logits + (unsigned long long)r * V;
+    float* w = work + (unsigned long long)r * V;
+    const unsigned* p = params + (unsigned long long)r * SP_WORDS;
+    unsigned* o = out + (unsigned long long)r * SO_WORDS;
+
+    // Step 1: the grammar's mask.
+    const unsigned words = p[SP_ALLOWED_WORDS];
+    if (words != SP_UNCONSTRAINED) {
+        const unsigned* a = allowed + p[SP_ALLOWED_AT];
+        for (unsigned i = tid; i < V; i += SP_THREADS) {
+            const unsigned word = (i >> 5) < words ? a[i >> 5] : 0u;
+            if (((word >> (i & 31u)) & 1u) == 0u) l[i] = NEG_INF;
+        }
     }
-}
+    __syncthreads();
 
-extern "C" __global__ void sample_rows(const float* logits, int vocab, const float* temperature,
-                                       const int* top_k, const float* top_p, const float* uniform,
-                                       unsigned* out_token) {
-    const unsigned r = blockIdx.x;
-    const float* row = logits + (unsigned long long)r * (unsigned long long)vocab;
-    float m;
-    unsigned midx;
-    row_argmax(row, vocab, m, midx);
-    const float temp = temperature[r];
-    if (!(temp > 0.0f) || m == NEG_INF) {  // block-uniform
-        if (threadIdx.x == 0) out_token[r] = midx;
-        return;
+    // Step 2: penalties, one thread per distinct token.
+    const float rep = __uint_as_float(p[SP_REPETITION]);
+    const float presence = __uint_as_float(p[SP_PRESENCE]);
+    const float frequency = __uint_as_float(p[SP_FREQUENCY]);
+    const bool repetition = rep != 1.0f;
+    const bool additive = presence != 0.0f || frequency != 0.0f;
+    if (repetition || additive) {
+        const unsigned* pen = penalized + 2ull * p[SP_PENALIZED_AT];
+        for (unsigned j = tid; j < p[SP_PENALIZED_LEN]; j += SP_THREADS) {
+            const unsigned t = pen[2 * j];
+            const unsigned count = pen[2 * j + 1];
+            if (t >= V) continue;
+            float x = l[t];
+            if (repetition) x = x > 0.0f ? x / rep : x * rep;
+            if (additive && count > 0u) x -= presence + frequency * (float)count;
+            l[t] = x;
+        }
     }
-    const float inv_t = 1.0f / temp;
-    const int k = top_k[r];
-    const float tp = top_p[r];
-    const unsigned key_max = float_key(m);
+    __syncthreads();
 
-    // Number of tokens with key >= t.
-    auto count_ge = [&](unsigned t) {
-        float c = 0.0f;
-        for_row(row, vocab, [&](unsigned, float x) { c += (float_key(x) >= t) ? 1.0f : 0.0f; });
-        return block_sum(c);
-    };
-    // Unnormalised probability mass of tokens with key >= t.
-    auto mass_ge = [&](unsigned t) {
-        float s = 0.0f;
-        for_row(row, vocab, [&](unsigned, float x) {
-            if (float_key(x) >= t) s += expf((x - m) * inv_t);
-        });
-        return block_sum(s);
-    };
+    // Step 4's argmax (also the fallback of a draw with no score).
+    unsigned greedy;
+    {
+        float v = 0.0f;
+        unsigned id = 0xffffffffu;
+        for (unsigned i = tid; i < V; i += SP_THREADS) sp_consider(v, id, l[i], i);
+        greedy = sp_argmax(v, id);
+        if (greedy == 0xffffffffu || l[0] != l[0]) greedy = 0;
+    }
 
-    unsigned thr = 0u;  // keep tokens with key >= thr (0 keeps everything)
-
-    // ---- top-k: largest thr with count(key >= thr) >= k ----
-    if (k > 0 && k < vocab) {
-        const float kf = (float)k;
-        if (count_ge(key_max) >= kf) {
-            thr = key_max;
-        } else {
-            unsigned lo = 0u, hi = key_max;  // count(lo) >= k > count(hi)
-            while (hi - lo > 1u) {
-                const unsigned mid = lo + ((hi - lo) >> 1);
-                const float c = count_ge(mid);
-                if (c >= kf) {
-                    lo = mid;
-                    if (c == kf) break;  // exactly the top k: nothing tighter keeps k
-                } else {
-                    hi = mid;
+    unsigned token = greedy;
+    const float temperature = __uint_as_float(p[SP_TEMPERATURE]);
+    if (temperature != 0.0f) {
+        // Step 5: s = l / T; top-k as a rank-key threshold (kept: rank key >= K).
+        const float inv_t = 1.0f / temperature;
+        const unsigned k = p[SP_TOP_K];
+        unsigned long long cut = 0ull;  // the k-th largest rank key; 0 keeps every token
+        if (k > 0u && k < V) {
+            // The largest value key T with at least k tokens at or above it, bit by bit.
+            unsigned t_key = 0u;
+            for (int bit = 31; bit >= 0; --bit) {
+                const unsigned cand = t_key | (1u << bit);
+                unsigned c = 0u;
+                for (unsigned i = tid; i < V; i += SP_THREADS)
+                    c += sp_total_key(l[i] * inv_t) >= cand ? 1u : 0u;
+                if (sp_count(c) >= k) t_key = cand;
+            }
+            unsigned at_or_above = 0u, above = 0u;
+            for (unsigned i = tid; i < V; i += SP_THREADS) {
+                const unsigned key = sp_total_key(l[i] * inv_t);
+                at_or_above += key >= t_key ? 1u : 0u;
+                above += key > t_key ? 1u : 0u;
+            }
+            cut = (unsigned long long)t_key << 32;  // every token at T kept
+            if (sp_count(at_or_above) > k) {
+                // Of the tokens tied at T, the lowest ids fill the k: the last one kept is the
+                // largest id b with fewer than `need` ties below it.
+                const unsigned need = k - sp_count(above);
+                unsigned last = 0u;
+                for (int bit = 31; bit >= 0; --bit) {
+                    const unsigned cand = last | (1u << bit);
+                    if (cand > V) continue;  // uniform: every thread skips alike
+                    unsigned c = 0u;
+                    for (unsigned i = tid; i < cand; i += SP_THREADS)
+                        c += sp_total_key(l[i] * inv_t) == t_key ? 1u : 0u;
+                    if (sp_count(c) < need) last = cand;
                 }
+                cut |= (unsigned long long)(~last);
             }
-            thr = lo;
         }
+        float m = NEG_INF;
+        for (unsigned i = tid; i < V; i += SP_THREADS) {
+            const float s = l[i] * inv_t;
+            if (sp_rank_key(s, i) >= cut) m = fmaxf(m, s);
+        }
+        m = sp_max_f32(m);
+        // e over the kept tokens, min-p; w = e (kept) or -1 (not kept).
+        const float min_p = __uint_as_float(p[SP_MIN_P]);
+        for (unsigned i = tid; i < V; i += SP_THREADS) {
+            const float s = l[i] * inv_t;
+            float e = -1.0f;
+            if (sp_rank_key(s, i) >= cut) {
+                e = sp_exp(s - m);
+                if (min_p > 0.0f && !(e >= min_p)) e = -1.0f;
+            }
+            w[i] = e;
+        }
+        __syncthreads();
+        // Top-p: the largest theta whose mass of w >= theta reaches top_p of the whole.
+        float theta = 0.0f;
+        const float top_p = __uint_as_float(p[SP_TOP_P]);
+        if (top_p < 1.0f) {
+            float lane = 0.0f;
+            for (unsigned i = tid; i < V; i += SP_THREADS)
+                if (w[i] >= 0.0f) lane += w[i];
+            const float target = top_p * sp_lane_tree(lane);
+            unsigned lo = 0u, hi = 0x3f800000u;
+            while (lo < hi) {
+                const unsigned mid = lo + (hi - lo + 1u) / 2u;
+                const float th = __uint_as_float(mid);
+                float part = 0.0f;
+                for (unsigned i = tid; i < V; i += SP_THREADS)
+                    if (w[i] >= th) part += w[i];
+                if (sp_lane_tree(part) >= target) lo = mid;
+                else hi = mid - 1u;
+            }
+            theta = __uint_as_float(lo);
+        }
+        // Step 6: the exponential race over the kept tokens.
+        const unsigned seed_lo = p[SP_SEED_LO], seed_hi = p[SP_SEED_HI];
+        const unsigned pos_lo = p[SP_POSITION_LO], pos_hi = p[SP_POSITION_HI];
+        float best = 0.0f;
+        unsigned best_id = 0xffffffffu;
+        for (unsigned i = tid; i < V; i += SP_THREADS) {
+            const float e = w[i];
+            if (e >= theta && e >= 0.0f) {
+                const unsigned x = sp_philox_word0(i, pos_lo, pos_hi, seed_lo, seed_hi);
+                const float u = ((float)x + 0.5f) * (1.0f / 4294967296.0f);
+                sp_consider(best, best_id, e / sp_exponential(u), i);
+            }
+        }
+        const unsigned won = sp_argmax(best, best_id);
+        if (won != 0xffffffffu) token = won;
     }
 
-    // ---- top-p: largest t >= thr with mass(key >= t) >= tp * mass(key >= thr) ----
-    if (tp < 1.0f) {
-        const float target = tp * mass_ge(thr);
-        if (mass_ge(key_max) >= target) {
-            thr = key_max;
-        } else {
-            unsigned lo = thr, hi = key_max;  // mass(lo) >= target > mass(hi)
-            while (hi - lo > 1u) {
-                const unsigned mid = lo + ((hi - lo) >> 1);
-                if (mass_ge(mid) >= target) lo = mid;
-                else hi = mid;
+    // Step 3: log-probabilities of the penalised logits.
+    const unsigned n = p[SP_LOGPROBS] < SP_MAX_TOP ? p[SP_LOGPROBS] : SP_MAX_TOP;
+    float lse = 0.0f;
+    unsigned listed = 0u;
+    if (n > 0u) {
+        float m = NEG_INF;
+        for (unsigned i = tid; i < V; i += SP_THREADS) m = fmaxf(m, l[i]);
+        m = sp_max_f32(m);
+        float lane = 0.0f;
+        for (unsigned i = tid; i < V; i += SP_THREADS) lane += sp_exp(l[i] - m);
+        lse = m + sp_ln(sp_lane_tree(lane));
+        // The n largest rank keys, masked tokens (-inf) left out, each round below the last.
+        unsigned long long below = ~0ull;
+        for (unsigned j = 0; j < n; ++j) {
+            unsigned long long best = 0ull;
+            for (unsigned i = tid; i < V; i += SP_THREADS) {
+                const float x = l[i];
+                if (x == NEG_INF) continue;
+                const unsigned long long key = sp_rank_key(x, i);
+                if (key < below && key > best) best = key;
             }
-            thr = lo;
-        }
-    }
-
-    // ---- draw: contiguous segment per thread so a block scan gives index order ----
-    const unsigned nthreads = blockDim.x;
-    const unsigned seg = ((unsigned)vocab + nthreads - 1u) / nthreads;
-    const unsigned begin = min(threadIdx.x * seg, (unsigned)vocab);
-    const unsigned end = min(begin + seg, (unsigned)vocab);
-    float local = 0.0f;
-    unsigned last_kept = 0u;
-    bool any_kept = false;
-    for (unsigned i = begin; i < end; ++i) {
-        const float x = row[i];
-        if (float_key(x) >= thr) {
-            local += expf((x - m) * inv_t);
-            last_kept = i;
-            any_kept = true;
-        }
-    }
-    float total;
-    const float prefix = block_exclusive_scan(local, total);
-    const float target = uniform[r] * total;
-    unsigned found = 0xffffffffu;
-    if (any_kept && prefix + local > target) {
-        float c = prefix;
-        for (unsigned i = begin; i < end; ++i) {
-            const float x = row[i];
-            if (float_key(x) >= thr) {
-                c += expf((x - m) * inv_t);
-                if (c > target) {
-                    found = i;
-                    break;
-                }
+            best = sp_max_u64(best);
+            if (best == 0ull) break;
+            below = best;
+            const unsigned id = ~(unsigned)(best & 0xffffffffull);
+            if (tid == 0) {
+                o[SO_TOP_IDS + j] = id;
+                o[SO_TOP_LOGPROBS + j] = __float_as_uint(l[id] - lse);
             }
+            ++listed;
         }
     }
-    found = block_min_u(found);
-    // Rounding left the draw past the end: take the last kept token. The argmax
-    // token is always kept, so some thread has any_kept.
-    const unsigned last = block_max_u(any_kept ? last_kept : 0u);
-    if (threadIdx.x == 0) out_token[r] = (found != 0xffffffffu) ? found : last;
+    if (tid == 0) {
+        o[SO_TOKEN] = token;
+        o[SO_LOGPROB] = __float_as_uint(l[token] - lse);
+        o[SO_TOP_LEN] = listed;
+    }
 }

@@ -1,98 +1,261 @@
 #!/usr/bin/env bash
-# The GPU checks, in one run on a machine with an NVIDIA GPU (CUDA 13 driver): build here with
-#   cargo build --release --features cuda --workspace --bins && ./target/release/duet model fetch
-# then run this script where the GPU is (it needs target/release/, models/ and tests/fixtures/;
-# NVRTC and cuBLAS from the CUDA toolkit or the nvidia-* wheels on LD_LIBRARY_PATH).
-# It prints a table: greedy tokens on the GPU vs the CPU backend (tiny fixture, default model);
-# the disaggregated path on the GPU (`duet up --device cuda --processes`, one prefill and one
-# decode process on the one GPU) with the KV over CUDA IPC and over gRPC, the same tokens both
-# ways and the transfer time of each; `duet bench gpu --compare-hf` (its own table: checks,
-# rooflines, HF transformers side by side); and the engine benchmark on the GPU.
-# Logs and JSON go to $OUT (default /tmp/duet-gpu).
+# Every GPU check and timing in one run that fits a lent GPU: at most 8 minutes (the lease is 15,
+# start-up included), each step under `timeout`, every log and JSON under $OUT (default
+# /tmp/duet-gpu), a failing step recorded and the next still run, one table at the end.
+#
+#   scripts/gpu-verify.sh --pack      on the CPU machine, after
+#                                     `cargo build --profile ci --features cuda --bins`: strips the
+#                                     four binaries of $BIN_DIR (default target/ci) and packs them
+#                                     with the commit into .gpu/ (xz; the working tree and it must
+#                                     stay under the 64 MiB that travels)
+#   scripts/gpu-verify.sh             on the GPU machine, with .gpu/ carried (CUDA 13 driver; NVRTC
+#                                     and cuBLAS from /usr/local/cuda/lib64; python3 with torch)
+#   scripts/gpu-verify.sh --dry-run   on any machine (CI): the script's plumbing without a GPU: the
+#                                     files it needs, every flag it passes accepted by the binaries,
+#                                     the time budget, the pack's size and contents, the table
+#
+# Steps:
+#   1. baseline    today's path re-baselined, every switch off first: `duet bench gpu --skip-speed`
+#                  on the tiny fixtures (plain RoPE, llama3 scaling, YaRN's attention factor: RoPE
+#                  after its signature change): paged attention vs float64, logits and greedy
+#                  tokens GPU == CPU; then each switch on (--cuda-graphs, --device-sampling,
+#                  --fused-kernels): the same greedy tokens, a seeded request GPU == CPU, device
+#                  sampling bit for bit, batch invariance. The default model too when it is here.
+#   2. disagg      `duet up --device cuda --processes` on the tiny fixture, KV over cuda-ipc and
+#                  over gRPC (a layer's blocks per copy through pinned memory): a short prompt ==
+#                  CPU, a prompt prefilled remotely the same tokens both ways.
+#   3. speed       `duet bench gpu --skip-checks --compare-torch`: the Llama-3-8B shape, decode at
+#                  batch 1 and 64 with each switch off and on, prefill, the PyTorch + CUDA graphs
+#                  peer (bench/torch_decode.py). GPU_VERIFY_HF=1 adds HF transformers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bin=./target/release
+mode=run
+case "${1:-}" in
+  --pack) mode=pack ;;
+  --dry-run) mode=dry ;;
+  "") ;;
+  *) echo "usage: $0 [--pack | --dry-run]" >&2; exit 2 ;;
+esac
+
+pack=.gpu/duet-bin.tar.xz
+# Lists, as functions: the steps run in shells of their own, which inherit no arrays.
+bin_names() { echo duet duet-prefill duet-decode duet-router; }
+fixtures() { echo tests/fixtures/tiny-llama tests/fixtures/tiny-rope-llama3 tests/fixtures/tiny-rope-yarn; }
+export -f bin_names fixtures
+# Seconds per step; with the set-up they must fit the 8 minutes.
+budget_total=480
+limit_setup=20 limit_baseline=140 limit_disagg=110 limit_speed=210
+carry_limit=$((64 << 20))
+
+if [[ $mode == pack ]]; then
+  src=${BIN_DIR:-target/ci}
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  for b in $(bin_names); do
+    [[ -x $src/$b ]] || { echo "$src/$b is missing: cargo build --profile ci --features cuda --bins" >&2; exit 2; }
+    strip -o "$tmp/$b" "$src/$b"
+  done
+  git rev-parse HEAD >"$tmp/commit.txt"
+  git status --porcelain --untracked-files=no | grep -q . && echo "(with uncommitted changes)" >>"$tmp/commit.txt"
+  mkdir -p .gpu
+  tar -C "$tmp" -cJf "$pack" $(bin_names) commit.txt
+  size=$(stat -c %s "$pack")
+  tree=$(git ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+  echo "packed $pack: $((size >> 20)) MiB; with the tracked tree $(((size + tree) >> 20)) MiB of $((carry_limit >> 20))"
+  (( size + tree < carry_limit )) || { echo "over the $((carry_limit >> 20)) MiB that travels" >&2; exit 1; }
+  exit 0
+fi
+
 out=${OUT:-/tmp/duet-gpu}
 mkdir -p "$out"
-rows=()
-row() { rows+=("$(printf '%-58s %-6s %s' "$1" "$2" "$3")"); }
+export OUT=$out
+rows="$out/rows.txt"
+: >"$rows"
+row() { printf '%-62s %-6s %s\n' "$1" "$2" "$3" >>"$rows"; }
+export -f row
+export rows
+dry=false
+[[ $mode == dry ]] && dry=true
+export dry
+
+# Binaries: unpacked from the pack when it travelled, else $BIN_DIR.
+bin=${BIN_DIR:-target/ci}
+if [[ -f $pack ]]; then
+  bin="$out/bin"
+  mkdir -p "$bin"
+  tar -C "$bin" -xJf "$pack"
+fi
+export bin
+
+# The GPU machine's CUDA libraries (NVRTC, cuBLAS) before anything else.
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+# Every flag a command passes must be one the binary accepts (`--help` of its subcommand).
+check_flags() {
+  local exe=$1; shift
+  local sub=()
+  while (($#)) && [[ $1 != -* ]]; do sub+=("$1"); shift; done
+  local help
+  help=$("$exe" "${sub[@]}" --help 2>&1) || { echo "$exe ${sub[*]} --help failed: $help"; return 1; }
+  local f bad=()
+  for f in "$@"; do
+    [[ $f == --* ]] || continue
+    f=${f%%=*}
+    grep -q -- "$f\b" <<<"$help" || bad+=("$f")
+  done
+  ((${#bad[@]} == 0)) || { echo "$(basename "$exe") ${sub[*]}: unknown flags ${bad[*]}"; return 1; }
+}
+export -f check_flags
+
+# A command of a step: run it, or in a dry run check its flags and stand in for its output.
+gpu() {
+  if $dry; then
+    check_flags "$@" >&2 || return 1
+    local a
+    for a in "$@"; do
+      [[ $a == --json ]] && { echo '{"token_ids": [1, 2, 3]}'; return 0; }
+    done
+    echo "dry run: $*"
+    return 0
+  fi
+  "$@"
+}
+export -f gpu
 
 ids() { python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'; }
+export -f ids
 
-compare_generate() { # name model prompt
-  local cpu gpu
-  cpu=$($bin/duet generate --json --temperature 0 --max-tokens 24 --model "$2" --prompt "$3" --device cpu | ids)
-  gpu=$($bin/duet generate --json --temperature 0 --max-tokens 24 --model "$2" --prompt "$3" --device cuda 2>"$out/generate.err" | ids)
-  if [ -n "$gpu" ] && [ "$cpu" = "$gpu" ]; then row "greedy tokens GPU == CPU: $1" PASS "$gpu"
-  else row "greedy tokens GPU == CPU: $1" FAIL "cpu=$cpu gpu=$gpu $(tail -1 "$out/generate.err")"; fi
+# Runs step function $2 under a limit of $3 seconds; a failure or a timeout is a row, and the
+# next step runs.
+step() {
+  local name=$1 fn=$2 limit=$3 start=$SECONDS rc
+  echo "== $name (at most ${limit}s)" >&2
+  timeout --kill-after=5 "$limit" bash -o pipefail -c "$fn" >"$out/$name.log" 2>&1
+  rc=$?
+  case $rc in
+    0) row "step $name" DONE "$((SECONDS - start))s, $out/$name.log" ;;
+    124|137) row "step $name" FAIL "timed out after ${limit}s ($out/$name.log)" ;;
+    *) row "step $name" FAIL "exit $rc after $((SECONDS - start))s: $(tail -1 "$out/$name.log")" ;;
+  esac
 }
 
-# Waits until no process holds the GPU (the workers of a stopped `duet up` free it on exit).
-gpu_idle() {
-  for _ in $(seq 60); do
-    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && return 0
-    sleep 0.5
+default_model=models/SmolLM2-135M-Instruct.Q4_1.gguf
+export default_model
+
+baseline() {
+  local models=() m
+  for m in $(fixtures); do models+=(--check-model "$m"); done
+  if [[ -f $default_model ]]; then models+=(--check-model "$default_model")
+  else row "default model" "NOTRUN" "$default_model is not on this machine (98 MB: it does not travel)"; fi
+  gpu "$bin/duet" bench gpu --skip-speed "${models[@]}" --json-out "$OUT/bench-gpu-checks.json" \
+    | tee "$OUT/bench-gpu-checks.txt"
+  local rc=${PIPESTATUS[0]}
+  $dry && return "$rc"
+  # Each check as a row of its own.
+  python3 - "$OUT/bench-gpu-checks.json" <<'EOF' >>"$rows"
+import json, sys
+for c in json.load(open(sys.argv[1]))["checks"]:
+    print(f'{c["name"][:62]:<62} {"PASS" if c["passed"] else "FAIL":<6} {c["detail"][:200]}')
+EOF
+  return "$rc"
+}
+
+disagg() {
+  local model=tests/fixtures/tiny-llama port=50551
+  # ~150 tokens: over the router's local-prefill threshold (32), within the fixture's 256.
+  local long_prompt
+  long_prompt=$(python3 -c "print(' '.join(f'item {i} is {i*i % 97};' for i in range(25)))")
+  local cpu
+  cpu=$(gpu "$bin/duet" generate --json --temperature 0 --max-tokens 24 --model "$model" \
+    --prompt "The capital of France is" --device cpu | ids)
+  declare -A short long
+  local t log up
+  for t in cuda-ipc grpc; do
+    log="$OUT/up-$t.log"
+    if $dry; then
+      gpu "$bin/duet" up --processes --device cuda --model "$model" --kv-transport "$t" \
+        --listen 127.0.0.1:$port --metrics-listen 127.0.0.1:0 || return 1
+    else
+      "$bin/duet" up --processes --device cuda --model "$model" --kv-transport "$t" \
+        --listen 127.0.0.1:$port --metrics-listen 127.0.0.1:0 >"$log" 2>&1 &
+      up=$!
+      for _ in $(seq 60); do grep -q "duet is ready" "$log" && break; kill -0 $up 2>/dev/null || break; sleep 1; done
+    fi
+    short[$t]=$(gpu "$bin/duet" generate --server 127.0.0.1:$port --json --temperature 0 --max-tokens 24 \
+      --prompt "The capital of France is" | ids)
+    long[$t]=$(gpu "$bin/duet" generate --server 127.0.0.1:$port --json --temperature 0 --max-tokens 24 \
+      --prompt "$long_prompt" | ids)
+    if ! $dry; then
+      local pushed
+      pushed=$(sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -o 'KV push opened.*' | grep -o 'transport=[a-z"-]*' | sort | uniq -c | tr -s ' ' | tr '\n' ' ')
+      [[ $pushed == *"$t"* ]] && row "  prompt's KV pushed over $t" PASS "$pushed" \
+        || row "  prompt's KV pushed over $t" FAIL "pushes: ${pushed:-none} (see up-$t.log)"
+      kill $up 2>/dev/null; wait $up 2>/dev/null
+      # The workers of a stopped `duet up` free the GPU on exit.
+      for _ in $(seq 30); do [[ -z $(nvidia-smi --query-compute-apps=pid --format=csv,noheader) ]] && break; sleep 0.5; done
+    fi
+    [[ -n ${short[$t]} && ${short[$t]} == "$cpu" ]] \
+      && row "duet up --device cuda --processes ($t): short prompt == CPU" PASS "${short[$t]}" \
+      || row "duet up --device cuda --processes ($t): short prompt == CPU" FAIL "cpu=$cpu got=${short[$t]}"
   done
-  echo "the GPU is still held by: $(nvidia-smi --query-compute-apps=pid,name --format=csv,noheader)" >&2
+  [[ -n ${long[cuda-ipc]} && ${long[cuda-ipc]} == "${long[grpc]}" ]] \
+    && row "remotely prefilled prompt: same tokens over cuda-ipc and grpc" PASS "${long[grpc]}" \
+    || row "remotely prefilled prompt: same tokens over cuda-ipc and grpc" FAIL "cuda-ipc=${long[cuda-ipc]} grpc=${long[grpc]}"
 }
 
-# `duet up --device cuda --processes` with KV transport $1: greedy tokens of a short prompt (must
-# equal the CPU's; the decode worker prefills short prompts itself) and of a ~4800-token prompt
-# (prefilled by the prefill process and pushed; must be the same over both transports), the
-# transport the prefill worker used, and its KV transfer time per request.
-long_prompt=$(python3 -c "print(' '.join(f'item {i} is {i*i % 97};' for i in range(500)))")
-serve() {
-  local t=$1 log="$out/up-$1.log" port=50551
-  $bin/duet up --processes --device cuda --kv-transport "$t" --listen 127.0.0.1:$port \
-    --metrics-listen 127.0.0.1:0 >"$log" 2>&1 &
-  local up=$!
-  # Stop waiting as soon as `duet up` exits (a missing binary, a port taken): its log says why.
-  for _ in $(seq 120); do grep -q "duet is ready" "$log" && break; kill -0 $up 2>/dev/null || break; sleep 1; done
-  short[$t]=$($bin/duet generate --server 127.0.0.1:$port --json --temperature 0 --max-tokens 24 --prompt "The capital of France is" | ids)
-  long[$t]=$($bin/duet generate --server 127.0.0.1:$port --json --temperature 0 --max-tokens 24 --prompt "$long_prompt" | ids)
-  used[$t]=$(sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -o 'KV push opened.*' | grep -o 'transport=[a-z"-]*' | sort | uniq -c | tr -s ' ' | tr '\n' ' ')
-  transfer[$t]=""
-  for m in $(grep -o 'Prometheus metrics on http://[0-9.:]*' "$log" | awk '{print $4}'); do
-    transfer[$t]+=$(curl -s "$m/metrics" | awk '/^duet_kv_transfer_seconds_(sum|count)\{.*direction="out"/ {split($0,a," "); v[$1 ~ /_sum/ ? "s" : "c"]+=a[2]} END {if (v["c"]) printf "%.2f ms/request over %d requests", 1e3*v["s"]/v["c"], v["c"]}')
+speed() {
+  local peers=(--compare-torch)
+  [[ ${GPU_VERIFY_HF:-0} == 1 ]] && peers+=(--compare-hf)
+  gpu "$bin/duet" bench gpu --skip-checks "${peers[@]}" --json-out "$OUT/bench-gpu.json" \
+    | tee "$OUT/bench-gpu.txt"
+}
+export -f baseline disagg speed
+
+setup() {
+  local b
+  for b in $(bin_names); do
+    [[ -x $bin/$b ]] || { echo "$bin/$b is missing (scripts/gpu-verify.sh --pack on the build machine)"; return 1; }
   done
-  kill $up 2>/dev/null; wait $up 2>/dev/null; gpu_idle
+  for f in $(fixtures) bench/torch_decode.py bench/hf_gpu.py; do
+    [[ -e $f ]] || { echo "$f is missing"; return 1; }
+  done
+  python3 -m py_compile bench/torch_decode.py bench/hf_gpu.py || return 1
+  if $dry; then
+    (( limit_setup + limit_baseline + limit_disagg + limit_speed <= budget_total )) \
+      || { echo "the steps' limits exceed ${budget_total}s"; return 1; }
+    if [[ -f $pack ]]; then
+      local size listing
+      size=$(stat -c %s "$pack")
+      (( size < carry_limit )) || { echo "$pack is $((size >> 20)) MiB"; return 1; }
+      listing=$(tar -tJf "$pack") || { echo "$pack does not unpack"; return 1; }
+      for b in $(bin_names) commit.txt; do
+        grep -qx "$b" <<<"$listing" || { echo "$pack lacks $b"; return 1; }
+      done
+    fi
+    echo "dry run on $(uname -m), budget $((limit_setup + limit_baseline + limit_disagg + limit_speed))s of ${budget_total}s"
+  else
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    nvidia-smi | grep -o 'CUDA Version: [0-9.]*'
+    [[ -f $bin/commit.txt ]] && echo "commit $(tr '\n' ' ' <"$bin/commit.txt")"
+  fi
 }
+export -f setup
+export pack carry_limit budget_total limit_setup limit_baseline limit_disagg limit_speed
 
-# `duet up --processes` starts the worker binaries beside duet: all four must have been built.
-for b in duet duet-prefill duet-decode duet-router; do
-  [ -x "$bin/$b" ] || { echo "$bin/$b is missing: cargo build --release --features cuda --workspace --bins" >&2; exit 2; }
-done
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-compare_generate tiny tests/fixtures/tiny-llama "hello world"
-for p in "The capital of France is" "def fibonacci(n):" "1, 2, 3, 4,"; do
-  compare_generate "smollm2: $p" models/SmolLM2-135M-Instruct.Q4_1.gguf "$p"
-done
+start=$SECONDS
+step setup setup "$limit_setup"
+tee "$out/gpu.txt" <"$out/setup.log" >&2
+step baseline baseline "$limit_baseline"
+step disagg disagg "$limit_disagg"
+step speed speed "$limit_speed"
 
-declare -A short long used transfer
-cpu=$($bin/duet generate --json --temperature 0 --max-tokens 24 --prompt "The capital of France is" --device cpu | ids)
-for t in cuda-ipc grpc; do
-  serve $t
-  if [ -n "${short[$t]}" ] && [ "$cpu" = "${short[$t]}" ]; then
-    row "duet up --device cuda --processes ($t): short prompt == CPU" PASS "${short[$t]}"
-  else row "duet up --device cuda --processes ($t): short prompt == CPU" FAIL "cpu=$cpu got=${short[$t]} (see up-$t.log)"; fi
-  if [[ "${used[$t]}" == *"$t"* ]]; then row "  long prompt's KV pushed over $t" PASS "${used[$t]}"
-  else row "  long prompt's KV pushed over $t" FAIL "pushes: ${used[$t]:-none} (see up-$t.log)"; fi
-  row "  KV transfer time, $t" INFO "${transfer[$t]:-no metrics}"
-done
-if [ -n "${long[cuda-ipc]}" ] && [ "${long[cuda-ipc]}" = "${long[grpc]}" ]; then
-  row "~4800-token prompt: same tokens over cuda-ipc and grpc" PASS "${long[grpc]}"
-else row "~4800-token prompt: same tokens over cuda-ipc and grpc" FAIL "cuda-ipc=${long[cuda-ipc]} grpc=${long[grpc]}"; fi
-
-# CUDA vs CPU logits, paged attention vs a float64 reference, Llama-3-8B-shaped timings against
-# the rooflines, and HF transformers on the same shapes (its own table).
-if $bin/duet bench gpu --compare-hf --json-out "$out/bench-gpu.json" 2>&1 | tee "$out/bench-gpu.log"; then
-  row "duet bench gpu --compare-hf" PASS "$out/bench-gpu.json"
-else row "duet bench gpu --compare-hf" FAIL "$(tail -1 "$out/bench-gpu.log")"; fi
-gpu_idle
-
-if $bin/duet bench engine --device cuda --json-out "$out/bench-engine-cuda.json" >"$out/bench.log" 2>&1; then
-  row "duet bench engine --device cuda" DONE "$out/bench-engine-cuda.json"
-else row "duet bench engine --device cuda" FAIL "$(tail -1 "$out/bench.log")"; fi
-
-printf '\n%-58s %-6s %s\n' check result detail
-printf '%s\n' "${rows[@]}"
+summary="$out/summary.txt"
+{
+  cat "$out/gpu.txt"
+  [[ -f $out/speed.log ]] && grep -A40 '^timing' "$out/speed.log" | grep -v '^\[' || true
+  printf '\n%-62s %-6s %s\n' check result detail
+  cat "$rows"
+  echo "total $((SECONDS - start))s; logs and JSON in $out"
+} | tee "$summary"
+grep -q ' FAIL ' "$rows" && exit 1
+exit 0

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The deployment tests, all offline (there is no Kubernetes API server or container engine here):
 #  - the Helm chart (deploy/helm/duet): `helm lint --strict`; `helm template` with the default,
-#    CPU, GPU, external-etcd, secure and cert-manager values, each validated by
+#    CPU, GPU, external-etcd, secure, cert-manager and GIE (InferencePool) values, each validated by
 #    `kubernetes-validate --strict` against the Kubernetes 1.29 and 1.33 schemas, checked for its
 #    security wiring (secrets only as read-only mounted files, never in argv or an env value; `duet
 #    health` exec probes with TLS, gRPC probes without; certificates naming what peers dial; the
 #    workers' NetworkPolicies; the autoscalers' metrics exposed by the adapter rules) and diffed
 #    against the rendering committed under deploy/helm/rendered/ (so a chart change shows in
 #    review; the generated cluster token's random value is masked there); the generated token;
-#    the Grafana dashboard's metric names against the ones the sources export; NOTES.txt and the
+#    the Grafana dashboard's and the GIE endpoint picker's metric names against the ones the
+#    sources export; NOTES.txt and the
 #    `helm test` pod with TLS and API keys; extra volumes; bad values refused by the schema with a
 #    message;
 #  - the OCI image (scripts/build-image.sh, buildah): built from the binaries of DUET_BUILD_PROFILE's
@@ -53,13 +54,15 @@ py() { PYTHONPATH=$tools/../python python3 "$@"; }
 # --- the chart -----------------------------------------------------------------------------------
 values_files() { [ "$1" = default ] || echo "--values=$chart/values-$1.yaml"; }
 
-# kubernetes-validate has no schema for custom resources: the Prometheus Operator's ServiceMonitor
-# and cert-manager's Certificate; those warnings are expected, any other warning or error fails.
+# kubernetes-validate has no schema for custom resources: the Prometheus Operator's ServiceMonitor,
+# cert-manager's Certificate and the Gateway API Inference Extension's InferencePool; those
+# warnings are expected, any other warning or error fails.
 validate() {
   local out
   out=$(kubernetes-validate --strict --kubernetes-version "$1" --quiet "$2" 2>&1) || { echo "$out"; return 1; }
   out=$(grep -v -e "Couldn't find schema for kind ServiceMonitor with api version monitoring.coreos.com/v1 " \
-    -e "Couldn't find schema for kind Certificate with api version cert-manager.io/v1 " <<<"$out")
+    -e "Couldn't find schema for kind Certificate with api version cert-manager.io/v1 " \
+    -e "Couldn't find schema for kind InferencePool with api version inference.networking.k8s.io/v1 " <<<"$out")
   [ -z "$out" ] || { echo "$out"; return 1; }
 }
 
@@ -101,8 +104,10 @@ def files_in_secrets(name, spec, c, argv):
         check("value" not in e or not re.search(r"TOKEN|KEY|PASSWORD", e["name"]), f"{name}: a secret in env {e['name']}")
 for name, d in deployments.items():
     spec, c = d["spec"]["template"]["spec"], container(d)
-    args, command = c["args"], c["command"]
     component = d["metadata"]["labels"]["app.kubernetes.io/component"]
+    if component == "epp":
+        continue  # the GIE endpoint picker: not a duet binary (checked below)
+    args, command = c["args"], c["command"]
     files_in_secrets(name, spec, c, command + args)
     check(tls_on == any(a.startswith("--tls-cert=") for a in args), f"{name}: TLS on some services only")
     cert = certificates.get(f"{name}-tls")
@@ -162,7 +167,7 @@ if errors:
 PY
 }
 
-for values in default cpu gpu external-etcd secure cert-manager; do
+for values in default cpu gpu external-etcd secure cert-manager gie; do
   check "helm lint --strict ($values values)" helm lint --strict $(values_files $values) "$chart"
   out="$work/$values.yaml"
   if ! helm template duet "$chart" --namespace duet $(values_files $values) >"$out" 2>"$work/err"; then
@@ -226,6 +231,34 @@ if out=$(dashboard 2>&1) &&
   pass "dashboards/duet.json, in its ConfigMap for Grafana's sidecar: $out"
 else
   fail "dashboards/duet.json uses only metric names duet exports, in its ConfigMap" "$out $(cat "$work/err")"
+fi
+
+# The GIE endpoint picker: an InferencePool over the decode pods, the picker it names, and every
+# metric the picker is told to read one the decode workers export.
+gie_check() {
+  py - "$work/gie.yaml" crates/duet-worker/src/metrics.rs <<'PY'
+import re, sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+exported = set(re.findall(r'"(duet_[a-z0-9_]+)"', open(sys.argv[2]).read()))
+pool = next(d for d in docs if d["kind"] == "InferencePool")
+decode = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-decode"))
+picker = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == pool["spec"]["endpointPickerRef"]["name"])
+assert pool["spec"]["selector"]["matchLabels"].items() <= decode["spec"]["template"]["metadata"]["labels"].items(), "the pool does not select the decode pods"
+args = dict(a[2:].split("=", 1) for a in picker["spec"]["template"]["spec"]["containers"][0]["args"] if "=" in a)
+names = [args[f] for f in ("total-queued-requests-metric", "total-running-requests-metric", "kv-cache-usage-percentage-metric")]
+unknown = [n for n in names if n not in exported]
+assert not unknown, f"the picker reads metrics duet does not export: {unknown}"
+assert args["pool-name"] == pool["metadata"]["name"], args
+ports = [p["containerPort"] for p in decode["spec"]["template"]["spec"]["containers"][0]["ports"]]
+metrics = [a for a in decode["spec"]["template"]["spec"]["containers"][0]["args"] if a.startswith("--metrics-listen=")]
+assert metrics and metrics[0].endswith(":" + args["model-server-metrics-port"]), (metrics, args)
+print(", ".join(names))
+PY
+}
+if out=$(gie_check 2>&1); then
+  pass "the GIE InferencePool selects the decode pods; its picker reads their metrics port and duet's names: $out"
+else
+  fail "the GIE InferencePool selects the decode pods; its picker reads their metrics port and duet's names" "$out"
 fi
 
 # NOTES.txt (rendered only by install): how to call the release, with grpcurl and ghz; with TLS
@@ -318,6 +351,9 @@ rejected "a NetworkPolicy peer typo" "at '/networkPolicy/router/from/0': additio
   --set-json 'networkPolicy.router.from=[{"podselector":{}}]'
 rejected "an extra volume without a name" "at '/decode/extraVolumes/0': missing property 'name'" \
   --set-json 'decode.extraVolumes=[{"emptyDir":{}}]'
+rejected "the GIE picker without metrics" \
+  "at '/gie': missing property 'gie.enabled needs metrics.enabled" \
+  --set gie.enabled=true --set metrics.enabled=false
 rejected "a serving signal without metrics" \
   "at '/decode/autoscaling': missing property 'decode.autoscaling.metric other than cpu needs metrics.enabled" \
   --set metrics.enabled=false --set decode.autoscaling.enabled=true

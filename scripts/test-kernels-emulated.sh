@@ -17,18 +17,9 @@ trap 'rm -rf "$BUILD"' EXIT
 python3 -c 'import numpy' 2>/dev/null || { echo "python3 with numpy is required" >&2; exit 1; }
 
 # Build: emu.o once, then one shared library per kernel file, in parallel.
-# No _FORTIFY_SOURCE for the scheduler: its longjmp check rejects switching between fiber stacks.
-"$CXX" -std=c++17 -O2 -fPIC -U_FORTIFY_SOURCE -D_FORTIFY_SOURCE=0 -c "$EMU/emu.cpp" -o "$BUILD/emu.o"
 names=()
-for cu in "$KERNELS"/*.cu "$EMU/emu_selftest.cu"; do
-    name=$(basename "$cu" .cu)
-    names+=("$name")
-    (
-        python3 "$EMU/gen.py" --kernels "$KERNELS" "$cu" "$BUILD/t_$name.cpp" &&
-        "$CXX" -std=c++17 -O2 -fPIC -shared -I"$EMU" "$BUILD/t_$name.cpp" "$BUILD/emu.o" -o "$BUILD/lib_$name.so"
-    ) >"$BUILD/build_$name.log" 2>&1 &
-done
-wait
+for cu in "$KERNELS"/*.cu "$EMU/emu_selftest.cu"; do names+=("$(basename "$cu" .cu)"); done
+CXX="$CXX" "$EMU/build-lib.sh" "$KERNELS" "$BUILD" "${names[@]}" || true
 
 export DUET_EMU_BUILD="$BUILD" DUET_EMU_KERNELS="$(cd "$KERNELS" && pwd)" PYTHONDONTWRITEBYTECODE=1
 failed=0

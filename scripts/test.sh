@@ -77,4 +77,5 @@ stage build cargo build --profile ci --locked --workspace --bins --features cuda
 stage "model fetch" ./target/ci/duet model fetch
 stage "cargo tests" cargo test --profile ci --locked --workspace --features cuda
 stage "kernel emulation" ./scripts/test-kernels-emulated.sh
+stage "gpu script dry run" ./scripts/gpu-verify.sh --dry-run
 stage "deploy checks" ./scripts/test-deploy.sh

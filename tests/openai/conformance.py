@@ -1,4 +1,5 @@
-"""The router's OpenAI-compatible HTTP API seen through the official `openai` Python client.
+"""The router's OpenAI-compatible HTTP API seen through the official `openai` Python client (and
+vLLM's /tokenize and /detokenize, which the client does not call, over plain HTTP).
 
 Run by tests/tests/it/openai.rs against routers it starts on loopback; exits non-zero (an
 AssertionError or the client's own exception) on the first thing that is not as a user of the
@@ -317,6 +318,38 @@ for body, content_type, want in [
     assert status == want, (status, want, text[:200])
     assert json.loads(text)["error"]["message"], text
 assert create(**chat_args).choices[0].message.content == args["chat_text"]
+
+# vLLM's /tokenize and /detokenize, and a prompt of token ids: the completion prompt's tokens
+# answer as its text does (through the official client) and detokenize back to it; a chat's
+# tokens are those its completion counted, special tokens named; bad input is 400 naming the field.
+def post_json(path, body):
+    status, text = raw(args["url"] + path, json.dumps(body).encode())
+    return status, json.loads(text)
+
+
+status, tok = post_json("/tokenize", {"model": model, "prompt": args["completion_prompt"]})
+assert status == 200 and tok["count"] == len(tok["tokens"]) > 0 and tok["token_strs"] is None, tok
+assert tok["max_model_len"] > tok["count"], tok
+by_ids = main.completions.create(model=model, prompt=tok["tokens"], max_tokens=max_tokens, temperature=0)
+assert by_ids.choices[0].text == args["completion_text"], (by_ids, args)
+assert by_ids.usage.prompt_tokens == tok["count"], by_ids.usage
+status, back = post_json("/detokenize", {"model": model, "tokens": tok["tokens"]})
+assert status == 200 and back["prompt"].endswith(args["completion_prompt"]), back
+status, chat_tok = post_json(
+    "/tokenize", {"model": model, "messages": args["chat_messages"], "return_token_strs": True}
+)
+assert status == 200 and chat_tok["count"] == again.usage.prompt_tokens, (chat_tok, again.usage)
+assert len(chat_tok["token_strs"]) == chat_tok["count"] and "<|im_start|>" in chat_tok["token_strs"], chat_tok
+for path, body, param in [
+    ("/tokenize", {"model": model}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": args["chat_messages"]}, "messages"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
+    ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+]:
+    status, e = post_json(path, body)
+    assert status == 400 and e["error"]["param"] == param and e["error"]["message"], (path, body, e)
+e = expect(openai.BadRequestError, 400, main.completions.create, model=model, prompt=[1, 10**9], max_tokens=1)
+assert e.body["param"] == "prompt" and "prompt[1]" in e.body["message"], e.body
 
 # Health and liveness.
 assert raw(args["url"] + "/health", None, None, "GET")[0] == 200

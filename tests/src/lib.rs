@@ -57,6 +57,31 @@ pub async fn worker_stats(cluster: &Cluster, worker: SocketAddr) -> v1::StatsRes
         .into_inner()
 }
 
+/// One HTTP/1.1 call (`key`: its `Authorization` header): the status and the body.
+pub fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: &str,
+) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let auth = key.map_or(String::new(), |k| format!("Authorization: {k}\r\n"));
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let status = answer[9..12].parse().unwrap();
+    let body = answer.split_once("\r\n\r\n").unwrap().1.to_string();
+    (status, body)
+}
+
 /// A free loopback address for a service or a test's server to bind
 /// ([`duet_cli::cluster::free_port`]: one no other test's server or kernel-picked port takes).
 pub fn free_addr() -> SocketAddr {

@@ -798,6 +798,7 @@ impl PrefilledPrompt {
                     kv,
                     self.first.clone(),
                     SamplingParams::greedy(),
+                    None,
                     stop.clone(),
                 )?;
                 ensure!(out.finish.is_none(), "a decode copy finished at once");

@@ -1,6 +1,7 @@
-//! `duet bench gpu`: the GPU checks and timings of `duet_device::gpu_bench`, as a table and JSON; HF
-//! transformers on the same shapes in the same run with `--compare-hf` (one HF time against duet's
-//! with each prefill attention kernel).
+//! `duet bench gpu`: the GPU checks and timings of `duet_device::gpu_bench`, as a table and JSON;
+//! peers on the same shapes in the same run: HF transformers with `--compare-hf` (its 2048- and
+//! 8192-token prefills against duet's with each prefill attention kernel), a lean PyTorch decoder
+//! replayed as a CUDA graph (`bench/torch_decode.py`) with `--compare-torch`.
 
 use std::path::PathBuf;
 
@@ -29,9 +30,17 @@ pub struct GpuBenchArgs {
     /// Checks only, no Llama-3-8B-shaped timings.
     #[arg(long)]
     pub skip_speed: bool,
+    /// Timings only, no checks (scripts/gpu-verify.sh runs the checks in a step of their own).
+    #[arg(long, conflicts_with = "skip_speed")]
+    pub skip_checks: bool,
     /// Also time HF transformers on the same shapes (bench/hf_gpu.py, needs torch + transformers).
     #[arg(long)]
     pub compare_hf: bool,
+    /// Also time a lean PyTorch Llama on the same shapes (cuBLAS products, SDPA over a static KV
+    /// cache, the decode step replayed as a CUDA graph: bench/torch_decode.py, needs torch), and
+    /// print duet ÷ it.
+    #[arg(long)]
+    pub compare_torch: bool,
     /// Write the JSON report here too.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
@@ -45,7 +54,7 @@ pub fn run(args: GpuBenchArgs) -> Result<()> {
     // The device first: without one, say so before looking for models.
     duet_cuda::probe::open_device(args.gpu)?;
     let mut models = args.check_models.clone();
-    if models.is_empty() {
+    if models.is_empty() && !args.skip_checks {
         let tiny = PathBuf::from("tests/fixtures/tiny-llama");
         if tiny.exists() {
             models.push(tiny);
@@ -57,38 +66,50 @@ pub fn run(args: GpuBenchArgs) -> Result<()> {
         models,
         prompts: args.prompts.clone(),
         skip_speed: args.skip_speed,
+        skip_checks: args.skip_checks,
     })?;
     print!("{}", report.table());
     let mut json = serde_json::to_value(&report)?;
-    if args.compare_hf {
-        let out = std::process::Command::new("python3")
-            .arg("bench/hf_gpu.py")
-            .output()
-            .context("running python3 bench/hf_gpu.py")?;
-        if !out.status.success() {
-            bail!(
-                "bench/hf_gpu.py failed:\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let hf: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-        println!("\nHF transformers, same shapes, same run:");
-        for t in &report.timings {
-            if let Some(v) = hf.get(&t.name).and_then(|v| v.as_f64()) {
-                let ratio = if t.unit == "ms" {
-                    v / t.value
-                } else {
-                    t.value / v
-                };
-                println!(
-                    "{:<58} {:>8.1} {:<4}  duet/HF = {ratio:.2}x",
-                    t.label(),
-                    v,
-                    t.unit
-                );
+    let peers = [
+        (
+            args.compare_hf,
+            "bench/hf_gpu.py",
+            "HF transformers",
+            "hf_transformers",
+        ),
+        (
+            args.compare_torch,
+            "bench/torch_decode.py",
+            "PyTorch + CUDA graphs",
+            "torch_decode",
+        ),
+    ];
+    let mut peer_failures = Vec::new();
+    for (_, script, label, key) in peers.into_iter().filter(|p| p.0) {
+        // A peer that fails is reported, and the report still written.
+        match peer(script) {
+            Ok(values) => {
+                println!("\n{label}, same shapes, same run ({script}):");
+                for t in &report.timings {
+                    if let Some(v) = values.get(&t.name).and_then(|v| v.as_f64()) {
+                        let ratio = if t.unit == "ms" {
+                            v / t.value
+                        } else {
+                            t.value / v
+                        };
+                        println!(
+                            "{:<44} {:<62} {:>8.1} {:<4}  duet/peer = {ratio:.2}x",
+                            t.name, t.switches, v, t.unit
+                        );
+                    }
+                }
+                json[key] = values;
+            }
+            Err(e) => {
+                println!("\n{label}: {e:#}");
+                peer_failures.push(format!("{script}: {e:#}"));
             }
         }
-        json["hf_transformers"] = hf;
     }
     let text = serde_json::to_string_pretty(&json)?;
     if let Some(path) = &args.json_out {
@@ -97,7 +118,24 @@ pub fn run(args: GpuBenchArgs) -> Result<()> {
     if !report.all_passed() {
         bail!("a GPU check failed (see the table)");
     }
+    if !peer_failures.is_empty() {
+        bail!("a peer failed: {}", peer_failures.join("; "));
+    }
     Ok(())
+}
+
+/// A peer script's JSON object of timings under `duet bench gpu`'s timing names.
+#[cfg(feature = "cuda")]
+fn peer(script: &str) -> Result<serde_json::Value> {
+    use anyhow::{Context, bail};
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .output()
+        .with_context(|| format!("running python3 {script}"))?;
+    if !out.status.success() {
+        bail!("{script} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+    serde_json::from_slice(&out.stdout).with_context(|| format!("reading {script}'s JSON"))
 }
 
 #[cfg(not(feature = "cuda"))]

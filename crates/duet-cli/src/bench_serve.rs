@@ -13,44 +13,31 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use clap::{Args, ValueEnum};
+use clap::Args;
 use duet_cluster::ClusterArgs;
 use duet_decode_worker::DecodeConfig;
-use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
+use duet_planner::arrivals::{ArrivalClock, Arrivals};
+use duet_planner::report::{
+    Outcome, Percentiles, ServeSummary, Slo, SummaryBuilder, TtftSplit, percentiles,
+};
+use duet_planner::simulator::Design;
+use duet_planner::workload::{Job, Prompt};
 use duet_prefill_worker::PrefillConfig;
 use duet_proto::v1;
-use duet_router::policy::RoutingPolicy;
 use duet_router::{RouterConfig, RoutingOptions};
+use duet_routing::RoutingPolicy;
 use duet_worker::WorkerArgs;
 use futures::StreamExt;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::chaos::{self, ChaosArgs, ChaosReport, ChaosSpec, DifferingStream, StreamCheck};
 use crate::cluster::{Cluster, ClusterSpec};
 use crate::plot;
 use crate::progress::{Progress, Unit};
-use crate::shared_prefix::{self, Seen, SharedPrefixArgs};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Design {
-    /// Router + prefill workers + decode workers.
-    Disaggregated,
-    /// Router + one worker doing both phases (no prefill pool).
-    Colocated,
-}
-
-/// What the prompts are.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum WorkloadShape {
-    /// Distinct random prompts of --prompt-tokens (no prefix cache can help), or --dataset.
-    Random,
-    /// Groups × users of multi-turn conversations sharing each group's long system prompt (the
-    /// "Shared-prefix workload" flags); --requests and --prompt-tokens do not apply.
-    SharedPrefix,
-}
+use crate::serve_args::{ShapeArgs, WorkloadArgs, WorkloadReport, WorkloadShape};
+use crate::serve_report::{self, TableRow};
+use crate::shared_prefix::{self, Seen};
 
 #[derive(Args, Debug)]
 pub struct ServeBenchArgs {
@@ -60,59 +47,13 @@ pub struct ServeBenchArgs {
     /// PEM certificate of the CA that signed the --server router's certificate: called over TLS.
     #[arg(long, env = "DUET_TLS_CA", requires = "server")]
     pub tls_ca: Option<PathBuf>,
-    /// Designs to launch and compare when no --server is given.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Design::Disaggregated, Design::Colocated])]
-    pub launch: Vec<Design>,
-    /// Prefill workers of a launched disaggregated cluster.
-    #[arg(long, default_value_t = 1)]
-    pub prefill_workers: usize,
-    /// Decode workers of a launched cluster.
-    #[arg(long, default_value_t = 1)]
-    pub decode_workers: usize,
-    /// Run each launched cluster's services as separate processes (the `duet-router`,
-    /// `duet-prefill` and `duet-decode` binaries next to this one) instead of in this process.
-    #[arg(long, env = "DUET_BENCH_PROCESSES")]
-    pub processes: bool,
     #[command(flatten)]
     pub model: ModelArgs,
-    #[command(flatten)]
-    pub engine: EngineOptions,
-    /// Closed loop: this many requests in flight at all times.
-    #[arg(long, default_value_t = 1, conflicts_with = "rate")]
-    pub concurrency: usize,
-    /// Open loop: Poisson arrivals at this many requests per second.
-    #[arg(long)]
-    pub rate: Option<f64>,
-    /// Requests per run.
-    #[arg(long, default_value_t = 32)]
-    pub requests: usize,
-    /// Prompt length in tokens: `N` or a uniform range `A..B`.
-    #[arg(long, default_value = "128")]
-    pub prompt_tokens: Range,
-    /// Output length in tokens: `N` or `A..B` (EOS is ignored, so every request makes exactly this).
-    #[arg(long, default_value = "64")]
-    pub output_tokens: Range,
-    /// Workload from a JSONL file instead: `{"prompt": "...", "max_tokens": N}` or
-    /// `{"prompt_tokens": N, "output_tokens": M}` per line.
-    #[arg(long)]
-    pub dataset: Option<PathBuf>,
-    /// What the prompts are.
-    #[arg(long, value_enum, default_value_t = WorkloadShape::Random)]
-    pub workload: WorkloadShape,
-    /// Time-to-first-token SLO in milliseconds.
-    #[arg(long, default_value_t = 1000.0)]
-    pub ttft_slo_ms: f64,
-    /// Time-per-output-token SLO in milliseconds.
-    #[arg(long, default_value_t = 100.0)]
-    pub tpot_slo_ms: f64,
-    /// Seed of the synthetic prompts and arrival times.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
     /// Also measure the engine alone (in this process, before the first cluster and after each)
     /// decoding a batch of --concurrency sequences from the mean --prompt-tokens for the mean
     /// --output-tokens steps, and prefilling one prompt of that length; report each run's output
     /// tokens/s, TPOT and TTFT against the mean of the measurements just before and after it.
-    #[arg(long, conflicts_with_all = ["rate", "dataset", "server"])]
+    #[arg(long, conflicts_with_all = ["rate", "dataset", "server", "trace"])]
     pub compare_engine: bool,
     /// Write the JSON report here.
     #[arg(long)]
@@ -124,85 +65,18 @@ pub struct ServeBenchArgs {
     /// --routing), to compare them on the same workload.
     #[arg(long, value_enum, value_delimiter = ',')]
     pub compare_routing: Vec<RoutingPolicy>,
-    #[command(flatten, next_help_heading = "Shared-prefix workload")]
-    pub shared_prefix: SharedPrefixArgs,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
     #[command(flatten, next_help_heading = "Chaos")]
     pub chaos: ChaosArgs,
     /// Membership of the launched clusters: with --etcd, every service joins through etcd, each
     /// cluster under its own name (--cluster, then the design and the routing policy).
     #[command(flatten, next_help_heading = "Membership")]
     pub membership: ClusterArgs,
-    /// The launched routers' routing and limits (the `duet-router` flags of the same names; a
-    /// colocated cluster prefills every prompt locally whatever --local-prefill-threshold says).
-    // Last: the heading applies to every flag after it.
-    #[command(flatten, next_help_heading = "Router")]
-    pub routing: RoutingOptions,
-}
-
-impl ServeBenchArgs {
-    /// The prefill workers of a launched cluster of `design` (a colocated one has none).
-    fn prefill_workers_of(&self, design: Design) -> usize {
-        match design {
-            Design::Disaggregated => self.prefill_workers,
-            Design::Colocated => 0,
-        }
-    }
-}
-
-/// `N` or `A..B` (inclusive).
-#[derive(Clone, Copy, Debug, Serialize)]
-pub struct Range {
-    pub min: usize,
-    pub max: usize,
-}
-
-impl std::str::FromStr for Range {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let parse = |v: &str| {
-            v.trim()
-                .parse::<usize>()
-                .map_err(|_| format!("`{s}` is not N or A..B"))
-        };
-        let r = match s.split_once("..") {
-            Some((a, b)) => Range {
-                min: parse(a)?,
-                max: parse(b)?,
-            },
-            None => {
-                let n = parse(s)?;
-                Range { min: n, max: n }
-            }
-        };
-        if r.min == 0 || r.min > r.max {
-            return Err(format!("`{s}`: lengths must be positive and A <= B"));
-        }
-        Ok(r)
-    }
-}
-
-/// One request of the workload, or the first of a conversation's.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-struct Job {
-    prompt: Prompt,
-    max_tokens: u32,
-    /// The conversation's later questions: each turn's prompt is the previous turn's prompt, its
-    /// answer and the next question.
-    follow_ups: Vec<Vec<u32>>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-enum Prompt {
-    Text(String),
-    Tokens(Vec<u32>),
-}
-
-#[derive(Deserialize)]
-struct DatasetLine {
-    prompt: Option<String>,
-    max_tokens: Option<u32>,
-    prompt_tokens: Option<usize>,
-    output_tokens: Option<u32>,
+    /// The launched clusters (the flags `duet simulate` takes too).
+    // Last: its router heading applies to every flag after it.
+    #[command(flatten, next_help_heading = "Cluster")]
+    pub shape: ShapeArgs,
 }
 
 /// What was measured for one request.
@@ -242,47 +116,15 @@ impl Sample {
     }
 }
 
-/// Where the time to first token went, as the router and workers measured it.
-#[derive(Clone, Debug, Serialize)]
-pub struct TtftBreakdown {
-    /// Routing, admission and the prefill queue.
-    pub queue_ms: Percentiles,
-    pub prefill_ms: Percentiles,
-    pub transfer_ms: Percentiles,
-    /// The router's TTFT (the client's TTFT less the client-side hops).
-    pub ttft_ms: Percentiles,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct Percentiles {
-    pub p50: f64,
-    pub p90: f64,
-    pub p99: f64,
-    pub mean: f64,
-}
-
 #[derive(Clone, Debug, Serialize)]
 pub struct RunReport {
-    pub design: String,
-    pub requests: usize,
-    pub failed: usize,
-    pub duration_s: f64,
-    pub request_throughput: f64,
-    pub output_tokens_per_s: f64,
+    /// What a simulated run reports too (`duet simulate --json-out`: the same keys).
+    #[serde(flatten)]
+    pub summary: ServeSummary,
     /// Closed loop only: output tokens/s from the start until the first client found no request
     /// left to send, the window in which every client had a request in flight (the run's
     /// throughput also counts the drain at its end, where fewer and fewer streams run).
     pub full_concurrency: Option<FullConcurrency>,
-    pub ttft_ms: Percentiles,
-    pub tpot_ms: Percentiles,
-    pub itl_ms: Percentiles,
-    pub e2e_ms: Percentiles,
-    pub server_ttft_ms: TtftBreakdown,
-    pub slo_attainment: f64,
-    pub goodput_rps: f64,
-    /// Refused at once (RESOURCE_EXHAUSTED: the in-flight limit, or a TTFT estimate past the
-    /// deadline).
-    pub shed: usize,
     /// Prompt tokens found in a prefix cache ÷ prompt tokens, over successful requests.
     pub prefix_hit_rate: f64,
     /// The same, had one worker held every prefix computed before (token prompts only).
@@ -323,7 +165,7 @@ pub struct FullConcurrency {
 
 #[derive(Serialize)]
 struct Report<'a> {
-    workload: Workload<'a>,
+    workload: WorkloadReport<'a>,
     runs: Vec<RunReport>,
     engine_alone: Option<EngineAlone>,
 }
@@ -350,20 +192,6 @@ impl EngineAlone {
     }
 }
 
-#[derive(Serialize)]
-struct Workload<'a> {
-    requests: usize,
-    concurrency: Option<usize>,
-    rate: Option<f64>,
-    shape: WorkloadShape,
-    shared_prefix: Option<&'a SharedPrefixArgs>,
-    prompt_tokens: &'a Range,
-    output_tokens: &'a Range,
-    dataset: Option<String>,
-    ttft_slo_ms: f64,
-    tpot_slo_ms: f64,
-}
-
 pub fn run(args: ServeBenchArgs) -> Result<()> {
     let restart_after = Duration::from_millis(args.chaos.chaos_restart_after_ms);
     let chaos_spec = match &args.chaos.chaos {
@@ -372,14 +200,16 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         ),
         None => None,
     };
-    let jobs = workload(&args)?;
+    let arrivals = args.workload.arrivals()?;
+    args.workload.slo()?;
+    let jobs: Vec<Job> = args.workload.jobs()?.collect::<Result<_, _>>()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     let mut engine_alone = args.compare_engine.then(|| EngineAlone {
-        batch: args.concurrency,
-        context: (args.prompt_tokens.min + args.prompt_tokens.max) / 2,
-        steps: (args.output_tokens.min + args.output_tokens.max) / 2,
+        batch: args.workload.concurrency,
+        context: args.workload.prompt_tokens.mean() as usize,
+        steps: args.workload.output_tokens.mean() as usize,
         decode_tokens_per_s: Vec::new(),
         prefill_ms: Vec::new(),
     });
@@ -391,7 +221,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
             );
             let rates = crate::bench_engine::engine_alone_rates(
                 &args.model.resolve()?,
-                args.engine.clone(),
+                args.shape.engine.clone(),
                 (e.batch, e.context, e.steps),
                 2,
             )?;
@@ -403,13 +233,13 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
     // Workers a fault names must exist in every cluster, before any is launched.
     if let Some(spec) = &chaos_spec {
         for (design, _) in arms(&args) {
-            let prefill = args.prefill_workers_of(design);
+            let prefill = args.shape.prefill_workers_of(design);
             chaos::plan(
                 spec,
                 &args.chaos,
                 Duration::ZERO,
                 prefill,
-                args.decode_workers,
+                args.shape.decode_workers,
             )?;
         }
     }
@@ -418,15 +248,16 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         let addr: SocketAddr = server
             .parse()
             .with_context(|| format!("--server {server}: not host:port"))?;
-        runs.push(runtime.block_on(drive(&args, addr, &jobs, "server"))?.0);
+        runs.push(
+            runtime
+                .block_on(drive(&args, arrivals, addr, &jobs, "server"))?
+                .0,
+        );
     } else {
         measure_engine(&mut engine_alone)?;
         for (design, policy) in arms(&args) {
-            let prefill = args.prefill_workers_of(design);
-            let local_prefill_threshold = match design {
-                Design::Disaggregated => args.routing.local_prefill_threshold,
-                Design::Colocated => u32::MAX,
-            };
+            let prefill = args.shape.prefill_workers_of(design);
+            let routing = args.shape.routing_of(design);
             let mut name = format!("{design:?}").to_lowercase();
             if let Some(policy) = policy {
                 name = format!("{name}/{policy}");
@@ -439,65 +270,62 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 router: RouterConfig {
                     listen: crate::cluster::free_port(std::net::Ipv4Addr::LOCALHOST.into())?,
                     routing: RoutingOptions {
-                        local_prefill_threshold,
-                        routing: policy.unwrap_or(args.routing.routing),
-                        ..args.routing.clone()
+                        routing: policy.unwrap_or(routing.routing),
+                        ..routing
                     },
                     cluster: membership,
                     ..RouterConfig::default()
                 },
                 prefill: PrefillConfig {
                     worker: WorkerArgs {
-                        engine: args.engine.clone(),
+                        engine: args.shape.engine.clone(),
+                        kv_transport: args.shape.kv_transport,
                         ..WorkerArgs::default()
                     },
                     ..PrefillConfig::default()
                 },
                 decode: DecodeConfig {
                     worker: WorkerArgs {
-                        engine: args.engine.clone(),
+                        engine: args.shape.engine.clone(),
+                        kv_transport: args.shape.kv_transport,
                         ..WorkerArgs::default()
                     },
                     ..DecodeConfig::default()
                 },
                 prefill_workers: prefill,
-                decode_workers: args.decode_workers,
+                decode_workers: args.shape.decode_workers,
                 model: args.model.resolve()?,
-                processes: args.processes,
+                processes: args.shape.processes,
                 bin_dir: None,
                 telemetry: Default::default(),
                 auth: Default::default(),
             };
             eprintln!(
                 "launching a {name} cluster ({prefill} prefill + {} decode)",
-                args.decode_workers
+                args.shape.decode_workers
             );
             let mut cluster = Cluster::start(&spec)?;
             runs.push(match &chaos_spec {
                 None => {
                     runtime
-                        .block_on(drive(&args, cluster.router, &jobs, &name))?
+                        .block_on(drive(&args, arrivals, cluster.router, &jobs, &name))?
                         .0
                 }
-                Some(spec) => chaos_run(&args, &runtime, &mut cluster, spec, &jobs, &name)?,
+                Some(spec) => {
+                    chaos_run(&args, arrivals, &runtime, &mut cluster, spec, &jobs, &name)?
+                }
             });
             drop(cluster);
             measure_engine(&mut engine_alone)?;
         }
     }
-    print_table(&runs, &args);
+    print_table(&runs, &args.workload, arrivals);
     for r in &runs {
         if let Some(c) = &r.chaos {
-            c.print(&r.design);
+            c.print(&r.summary.design);
         }
     }
-    for r in &runs {
-        let b = &r.server_ttft_ms;
-        println!(
-            "{:<27} TTFT p50 as the servers saw it: queue {:.1} + prefill {:.1} + transfer {:.1} ms; router TTFT {:.1} ms",
-            r.design, b.queue_ms.p50, b.prefill_ms.p50, b.transfer_ms.p50, b.ttft_ms.p50
-        );
-    }
+    serve_report::print_ttft_split(runs.iter().map(|r| &r.summary));
     if let Some(e) = &engine_alone {
         let list = |v: &[f64]| {
             v.iter()
@@ -521,52 +349,43 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
                 format!(
                     "; {:.2}× while all {} streams ran (first {:.1} s)",
                     f.output_tokens_per_s / engine,
-                    args.concurrency,
+                    args.workload.concurrency,
                     f.window_s
                 )
             });
             println!(
                 "{:<27} output tok/s = {:.2}× the engine alone around it ({engine:.1} tok/s) over the run{full}",
-                r.design,
-                r.output_tokens_per_s / engine
+                r.summary.design,
+                r.summary.output_tokens_per_s / engine
             );
             // A sequence of the engine's batch gets one token per step.
             let step_ms = 1e3 * e.batch as f64 / engine;
             println!(
                 "{:<27} TPOT p50 = {:.2}× the engine's step ({step_ms:.2} ms); TTFT p50 = {:.2}× the engine's prefill ({prefill_ms:.1} ms)",
-                r.design,
-                r.tpot_ms.p50 / step_ms,
-                r.ttft_ms.p50 / prefill_ms
+                r.summary.design,
+                r.summary.tpot_ms.p50 / step_ms,
+                r.summary.ttft_ms.p50 / prefill_ms
             );
         }
     }
     let report = Report {
-        workload: Workload {
-            requests: runs.first().map_or(0, |r| r.requests),
-            shape: args.workload,
-            shared_prefix: (args.workload == WorkloadShape::SharedPrefix)
-                .then_some(&args.shared_prefix),
-            concurrency: args.rate.is_none().then_some(args.concurrency),
-            rate: args.rate,
-            prompt_tokens: &args.prompt_tokens,
-            output_tokens: &args.output_tokens,
-            dataset: args.dataset.as_ref().map(|p| p.display().to_string()),
-            ttft_slo_ms: args.ttft_slo_ms,
-            tpot_slo_ms: args.tpot_slo_ms,
-        },
+        workload: args
+            .workload
+            .report(runs.first().map_or(0, |r| r.summary.requests), arrivals),
         runs: runs.clone(),
         engine_alone,
     };
     crate::bench_engine::print_json(&report, args.json_out.as_deref())?;
     if let Some(p) = &args.plot_out {
-        plot::latency_percentiles(&runs, p)?;
+        let summaries: Vec<ServeSummary> = runs.iter().map(|r| r.summary.clone()).collect();
+        plot::latency_percentiles(&summaries, p)?;
         eprintln!("plot written to {}", p.display());
     }
     let problems: Vec<String> = runs
         .iter()
         .filter_map(|r| {
             let p = r.chaos.as_ref()?.problems()?;
-            Some(format!("{}: {p}", r.design))
+            Some(format!("{}: {p}", r.summary.design))
         })
         .collect();
     if !problems.is_empty() {
@@ -579,6 +398,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
 /// the load with the faults injected alongside, then the workers' blocks once it is over.
 fn chaos_run(
     args: &ServeBenchArgs,
+    arrivals: Arrivals,
     runtime: &tokio::runtime::Runtime,
     cluster: &mut Cluster,
     spec: &ChaosSpec,
@@ -590,9 +410,17 @@ fn chaos_run(
     // The load's expected length: the solo runs' time spread over the concurrency, or the
     // arrivals' span.
     let solo_s: f64 = solo.iter().flatten().map(|s| s.e2e_ms / 1e3).sum();
-    let window = match args.rate {
-        None => solo_s / args.concurrency.max(1) as f64,
-        Some(rate) => (jobs.len() as f64 / rate).max(solo_s / jobs.len().max(1) as f64),
+    let solo_mean_s = solo_s / jobs.len().max(1) as f64;
+    let window = match arrivals {
+        Arrivals::Closed { concurrency } => solo_s / concurrency.max(1) as f64,
+        Arrivals::Trace { speedup } => {
+            let last = jobs.last().and_then(|j| j.at).unwrap_or_default();
+            (last.as_secs_f64() / speedup).max(solo_mean_s)
+        }
+        open => {
+            let rate = open.mean_rate().expect("an open loop has a rate");
+            (jobs.len() as f64 / rate).max(solo_mean_s)
+        }
     };
     let faults = chaos::plan(
         spec,
@@ -606,7 +434,7 @@ fn chaos_run(
     let start = Instant::now();
     let (load, injected) = std::thread::scope(|scope| {
         let injector = scope.spawn(|| chaos::inject(cluster, &faults, start, &load_done));
-        let load = runtime.block_on(drive(args, router, jobs, design));
+        let load = runtime.block_on(drive(args, arrivals, router, jobs, design));
         load_done.store(true, Ordering::Relaxed);
         (load, injector.join())
     });
@@ -679,7 +507,8 @@ async fn solo_runs(router: SocketAddr, jobs: &[Job], design: &str) -> Result<Vec
 /// The clusters to launch, in order: each design, and for a disaggregated one each policy of
 /// --compare-routing (or the router's own --routing).
 fn arms(args: &ServeBenchArgs) -> Vec<(Design, Option<RoutingPolicy>)> {
-    args.launch
+    args.shape
+        .launch
         .iter()
         .flat_map(|&design| match design {
             Design::Disaggregated if !args.compare_routing.is_empty() => args
@@ -690,88 +519,6 @@ fn arms(args: &ServeBenchArgs) -> Vec<(Design, Option<RoutingPolicy>)> {
             _ => vec![(design, None)],
         })
         .collect()
-}
-
-fn workload(args: &ServeBenchArgs) -> Result<Vec<Job>> {
-    let mut rng = args.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
-    let pick = |r: &Range, next: &mut dyn FnMut() -> u64| {
-        r.min + (next() % (r.max - r.min + 1) as u64) as usize
-    };
-    if args.workload == WorkloadShape::SharedPrefix {
-        let max_tokens = args.output_tokens.max as u32;
-        let mut token = || synthetic(1, &mut next)[0];
-        return Ok(args
-            .shared_prefix
-            .conversations(&mut token)
-            .into_iter()
-            .map(|c| Job {
-                prompt: Prompt::Tokens(c.first),
-                max_tokens,
-                follow_ups: c.follow_ups,
-            })
-            .collect());
-    }
-    if let Some(path) = &args.dataset {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let mut jobs = Vec::new();
-        for (i, line) in text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-        {
-            let l: DatasetLine = serde_json::from_str(line)
-                .with_context(|| format!("{}:{}: not a dataset line", path.display(), i + 1))?;
-            let prompt = match (l.prompt, l.prompt_tokens) {
-                (Some(p), _) => Prompt::Text(p),
-                (None, Some(n)) => Prompt::Tokens(synthetic(n, &mut next)),
-                (None, None) => bail!(
-                    "{}:{}: needs `prompt` or `prompt_tokens`",
-                    path.display(),
-                    i + 1
-                ),
-            };
-            let max_tokens = l
-                .max_tokens
-                .or(l.output_tokens)
-                .unwrap_or(args.output_tokens.max as u32);
-            jobs.push(Job {
-                prompt,
-                max_tokens,
-                follow_ups: Vec::new(),
-            });
-        }
-        if jobs.is_empty() {
-            bail!("{} holds no requests", path.display());
-        }
-        return Ok(jobs
-            .into_iter()
-            .cycle()
-            .take(args.requests.max(1))
-            .collect());
-    }
-    Ok((0..args.requests)
-        .map(|_| {
-            let n = pick(&args.prompt_tokens, &mut next);
-            let out = pick(&args.output_tokens, &mut next) as u32;
-            Job {
-                prompt: Prompt::Tokens(synthetic(n, &mut next)),
-                max_tokens: out,
-                follow_ups: Vec::new(),
-            }
-        })
-        .collect())
-}
-
-/// Random token ids past the special tokens; distinct prompts, so no prefix-cache help.
-fn synthetic(n: usize, next: &mut dyn FnMut() -> u64) -> Vec<u32> {
-    (0..n).map(|_| 300 + (next() % 40_000) as u32).collect()
 }
 
 /// A channel to the router (TLS when `tls_ca` is given), its `Info`, and `jobs` with their
@@ -802,6 +549,7 @@ async fn connect(
             },
             max_tokens: j.max_tokens,
             follow_ups: j.follow_ups.iter().map(|q| fold(q)).collect(),
+            at: j.at,
         })
         .collect();
     Ok((channel, info, jobs))
@@ -810,6 +558,7 @@ async fn connect(
 /// Runs the workload against `router`: the report, and each job's samples turn by turn.
 async fn drive(
     args: &ServeBenchArgs,
+    arrivals: Arrivals,
     router: SocketAddr,
     jobs: &[Job],
     design: &str,
@@ -825,11 +574,11 @@ async fn drive(
     let start = Instant::now();
     // Closed loop: when the first client found the queue empty (the drain begins).
     let drain_start = std::sync::OnceLock::new();
-    let by_job: Vec<Vec<Sample>> = match args.rate {
-        None => {
+    let by_job: Vec<Vec<Sample>> = match arrivals {
+        Arrivals::Closed { concurrency } => {
             let next = Arc::new(AtomicUsize::new(0));
             let drain_start = &drain_start;
-            let workers = (0..args.concurrency.max(1)).map(|_| {
+            let workers = (0..concurrency.max(1)).map(|_| {
                 let (next, done, channel) = (next.clone(), done.clone(), channel.clone());
                 async move {
                     let mut out = Vec::new();
@@ -852,17 +601,14 @@ async fn drive(
             all.sort_by_key(|(i, _)| *i);
             all.into_iter().map(|(_, s)| s).collect()
         }
-        Some(rate) => {
-            let mut rng = args.seed ^ 0xA5A5_A5A5;
+        open => {
+            let mut clock = ArrivalClock::new(open, args.workload.seed);
             let mut handles = Vec::new();
-            let mut at = Duration::ZERO;
             for job in jobs {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                let u = ((rng >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
-                at += Duration::from_secs_f64(-u.ln() / rate);
-                tokio::time::sleep_until((start + at).into()).await;
+                let at = clock
+                    .next(job.at.map(|d| d.as_secs_f64()))
+                    .expect("an open loop's clock gives times");
+                tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
                 let (channel, done, job) = (channel.clone(), done.clone(), job.clone());
                 handles.push(tokio::spawn(async move {
                     conversation(channel, &job, &done).await
@@ -992,31 +738,6 @@ async fn one_request(
     s
 }
 
-/// p50, p90, p99 and mean of latencies in milliseconds, from an HDR histogram (microsecond
-/// resolution, 3 significant digits).
-fn percentiles(v: impl IntoIterator<Item = f64>) -> Percentiles {
-    let mut h = hdrhistogram::Histogram::<u64>::new(3).expect("3 significant digits is valid");
-    for ms in v {
-        // An auto-resizing histogram takes any value.
-        let _ = h.record((ms * 1e3).round().max(0.0) as u64);
-    }
-    if h.is_empty() {
-        return Percentiles {
-            p50: 0.0,
-            p90: 0.0,
-            p99: 0.0,
-            mean: 0.0,
-        };
-    }
-    let ms = |us: u64| us as f64 / 1e3;
-    Percentiles {
-        p50: ms(h.value_at_quantile(0.5)),
-        p90: ms(h.value_at_quantile(0.9)),
-        p99: ms(h.value_at_quantile(0.99)),
-        mean: h.mean() / 1e3,
-    }
-}
-
 fn summarize(
     design: &str,
     samples: &[Sample],
@@ -1025,6 +746,33 @@ fn summarize(
     block_size: usize,
     args: &ServeBenchArgs,
 ) -> RunReport {
+    let slo = Slo {
+        ttft_ms: args.workload.ttft_slo_ms,
+        tpot_ms: args.workload.tpot_slo_ms,
+    };
+    let mut summary = SummaryBuilder::default();
+    for s in samples {
+        if !s.ok {
+            summary.failed(s.code == Some(tonic::Code::ResourceExhausted));
+            continue;
+        }
+        for itl in s.itl_ms() {
+            summary.inter_token(itl);
+        }
+        let outcome = Outcome {
+            ttft_ms: s.ttft_ms,
+            tpot_ms: s.tpot_ms,
+            e2e_ms: s.e2e_ms,
+            output_tokens: s.output_tokens,
+            split: s.server.as_ref().map(|t| TtftSplit {
+                queue_ms: t.queue_ms,
+                prefill_ms: t.prefill_ms,
+                transfer_ms: t.transfer_ms,
+                ttft_ms: t.ttft_ms,
+            }),
+        };
+        summary.served(&outcome, &slo);
+    }
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
     let prompt_tokens: u64 = ok.iter().map(|s| s.prompt_tokens as u64).sum();
     let cached_tokens: u64 = ok.iter().map(|s| s.cached_tokens as u64).sum();
@@ -1051,39 +799,9 @@ fn summarize(
         .collect();
     let token_prompts: usize = in_order.iter().map(|s| s.prompt.len()).sum();
     let rate = |part: f64, whole: f64| if whole > 0.0 { part / whole } else { 0.0 };
-    let attained = ok
-        .iter()
-        .filter(|s| s.ttft_ms <= args.ttft_slo_ms && s.tpot_ms <= args.tpot_slo_ms)
-        .count();
     RunReport {
-        design: design.to_string(),
-        requests: samples.len(),
-        failed: samples.len() - ok.len(),
-        duration_s: duration,
-        request_throughput: ok.len() as f64 / duration,
-        output_tokens_per_s: ok.iter().map(|s| s.output_tokens).sum::<usize>() as f64 / duration,
+        summary: summary.build(design, duration),
         full_concurrency,
-        ttft_ms: percentiles(ok.iter().map(|s| s.ttft_ms)),
-        tpot_ms: percentiles(ok.iter().map(|s| s.tpot_ms)),
-        itl_ms: percentiles(ok.iter().flat_map(|s| s.itl_ms())),
-        e2e_ms: percentiles(ok.iter().map(|s| s.e2e_ms)),
-        server_ttft_ms: {
-            let of = |f: fn(&v1::Timings) -> f64| {
-                percentiles(ok.iter().filter_map(|s| s.server.as_ref().map(f)))
-            };
-            TtftBreakdown {
-                queue_ms: of(|t| t.queue_ms),
-                prefill_ms: of(|t| t.prefill_ms),
-                transfer_ms: of(|t| t.transfer_ms),
-                ttft_ms: of(|t| t.ttft_ms),
-            }
-        },
-        slo_attainment: attained as f64 / samples.len().max(1) as f64,
-        goodput_rps: attained as f64 / duration,
-        shed: samples
-            .iter()
-            .filter(|s| s.code == Some(tonic::Code::ResourceExhausted))
-            .count(),
         prefix_hit_rate: rate(cached_tokens as f64, prompt_tokens as f64),
         ideal_prefix_hit_rate: rate(ideal as f64, token_prompts as f64),
         cold_ttft_ms: (!cold.is_empty()).then(|| ColdTtft {
@@ -1109,82 +827,29 @@ fn summarize(
     }
 }
 
-fn print_table(runs: &[RunReport], args: &ServeBenchArgs) {
-    let prompts = match args.workload {
-        WorkloadShape::Random => format!(
-            "prompt {}..{} tokens",
-            args.prompt_tokens.min, args.prompt_tokens.max
-        ),
-        WorkloadShape::SharedPrefix => {
-            let p = &args.shared_prefix;
-            format!(
-                "shared prefix: {} groups × {} users × {} turns, {}-token system prompts, {}-token questions",
-                p.groups, p.users, p.turns, p.system_tokens, p.question_tokens
-            )
-        }
-    };
-    println!(
-        "workload: {} requests, {}, {prompts}, output {}..{} tokens; SLO: TTFT ≤ {} ms, TPOT ≤ {} ms",
-        runs.first().map_or(0, |r| r.requests),
-        match args.rate {
-            Some(r) => format!("Poisson {r} req/s"),
-            None => format!("concurrency {}", args.concurrency),
-        },
-        args.output_tokens.min,
-        args.output_tokens.max,
-        args.ttft_slo_ms,
-        args.tpot_slo_ms
-    );
-    println!(
-        "{:<27} {:>6} {:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>8} {:>9} {:>6} {:>6}",
-        "design",
-        "failed",
-        "shed",
-        "TTFT p50",
-        "TTFT p90",
-        "TTFT p99",
-        "TPOT p50",
-        "TPOT p90",
-        "ITL p99",
-        "out tok/s",
-        "full tok/s",
-        "SLO att",
-        "goodput",
-        "hit",
-        "ideal"
-    );
+fn print_table(runs: &[RunReport], workload: &WorkloadArgs, arrivals: Arrivals) {
+    let rows: Vec<TableRow> = runs
+        .iter()
+        .map(|r| TableRow {
+            summary: &r.summary,
+            full_tokens_per_s: r.full_concurrency.as_ref().map(|f| f.output_tokens_per_s),
+            hit: r.prefix_hit_rate,
+            ideal: Some(r.ideal_prefix_hit_rate),
+        })
+        .collect();
+    serve_report::print_table(&rows, workload, arrivals);
     for r in runs {
-        println!(
-            "{:<27} {:>6} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>9.2} {:>9.2} {:>9.2} {:>10.1} {:>10} {:>7.0}% {:>9.2} {:>5.0}% {:>5.0}%",
-            r.design,
-            r.failed,
-            r.shed,
-            r.ttft_ms.p50,
-            r.ttft_ms.p90,
-            r.ttft_ms.p99,
-            r.tpot_ms.p50,
-            r.tpot_ms.p90,
-            r.itl_ms.p99,
-            r.output_tokens_per_s,
-            r.full_concurrency
-                .as_ref()
-                .map_or("-".into(), |f| format!("{:.1}", f.output_tokens_per_s)),
-            r.slo_attainment * 100.0,
-            r.goodput_rps,
-            r.prefix_hit_rate * 100.0,
-            r.ideal_prefix_hit_rate * 100.0
-        );
-        if let (Some(c), WorkloadShape::SharedPrefix) = (&r.cold_ttft_ms, &args.workload) {
+        if let (Some(c), WorkloadShape::SharedPrefix) = (&r.cold_ttft_ms, &workload.workload) {
             println!(
                 "{:<27} TTFT of the {} cold requests (no earlier request had their first block): p50 {:.1}, p90 {:.1} ms",
-                r.design, c.requests, c.ttft_ms.p50, c.ttft_ms.p90
+                r.summary.design, c.requests, c.ttft_ms.p50, c.ttft_ms.p90
             );
         }
         let s = &r.speculation;
         if s.draft_tokens > 0 {
             println!(
                 "{:<27} speculation: {} of {} drafted tokens accepted ({:.0}%), {:.2} tokens per decode step",
-                r.design,
+                r.summary.design,
                 s.accepted_draft_tokens,
                 s.draft_tokens,
                 s.acceptance_rate * 100.0,

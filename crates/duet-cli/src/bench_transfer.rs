@@ -34,9 +34,9 @@ pub struct TransferBenchArgs {
 
 /// What the stand-in measured for one push.
 #[derive(Clone, Copy, Default)]
-struct Measured {
-    bytes: u64,
-    seconds: f64,
+pub(crate) struct Measured {
+    pub(crate) bytes: u64,
+    pub(crate) seconds: f64,
 }
 
 /// The stand-in's worker id: the decode worker makes its reservations for it.
@@ -110,39 +110,53 @@ impl v1::prefill_worker_server::PrefillWorker for StandIn {
     }
 }
 
-pub fn run(args: TransferBenchArgs) -> Result<()> {
-    let path = args.model.resolve()?;
-    let files = open_model(&path)?;
-    // The KV type the decode worker (default options, CPU) picks for this model.
-    let kv_dtype =
-        CpuBackend::new(1).kv_dtype(KvDtypeChoice::Auto, files.tensors.matrices_all_f32())?;
-    let config = files.config;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    runtime.block_on(async {
+/// A real decode worker in this process and the stand-in prefill worker pushing into it.
+pub(crate) struct TransferRig {
+    decode: v1::decode_worker_client::DecodeWorkerClient<tonic::transport::Channel>,
+    prefill_addr: std::net::SocketAddr,
+    last: Arc<Mutex<Measured>>,
+    vocab: u32,
+    pushes: u32,
+}
+
+impl TransferRig {
+    /// Starts both for `model`, with room for prompts of up to `max_tokens`.
+    pub(crate) async fn start(model: &std::path::Path, max_tokens: usize) -> Result<Self> {
+        let files = open_model(model)?;
+        // The KV type the decode worker (default options, CPU) picks for this model.
+        let kv_dtype =
+            CpuBackend::new(1).kv_dtype(KvDtypeChoice::Auto, files.tensors.matrices_all_f32())?;
+        let config = files.config;
         let engine = EngineOptions {
             threads: 1,
             block_size: 16,
-            kv_cache_tokens: (args.prompt_tokens + 64).next_multiple_of(16) * 2,
+            kv_cache_tokens: (max_tokens + 64).next_multiple_of(16) * 2,
             max_step_tokens: 512,
             ..Default::default()
         };
+        // The stand-in's address first: the decode worker accepts it in a plan (--prefill).
+        let prefill_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let prefill_addr = prefill_listener.local_addr()?;
         let decode_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let decode_addr = decode_listener.local_addr()?;
         let decode = duet_decode_worker::DecodeConfig {
             listen: decode_addr,
+            prefill: vec![prefill_addr.to_string()],
             worker: duet_worker::WorkerArgs {
                 engine: engine.clone(),
-                ..duet_worker::WorkerArgs::for_model(path.clone())
+                ..duet_worker::WorkerArgs::for_model(model.to_path_buf())
             },
             ..Default::default()
         };
-        tokio::spawn(duet_decode_worker::serve(decode, decode_listener, std::future::pending()));
+        tokio::spawn(duet_decode_worker::serve(
+            decode,
+            decode_listener,
+            std::future::pending(),
+        ));
         let url = format!("http://{decode_addr}");
         let fingerprint = loop {
-            if let Ok(mut c) = v1::worker_control_client::WorkerControlClient::connect(url.clone()).await
+            if let Ok(mut c) =
+                v1::worker_control_client::WorkerControlClient::connect(url.clone()).await
                 && let Ok(s) = c.stats(v1::StatsRequest {}).await
             {
                 break s.into_inner().model_fingerprint;
@@ -165,36 +179,71 @@ pub fn run(args: TransferBenchArgs) -> Result<()> {
             transport: GrpcTransport::default(),
             last: last.clone(),
         };
-        let prefill_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let prefill_addr = prefill_listener.local_addr()?;
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(v1::prefill_worker_server::PrefillWorkerServer::new(stand_in))
+                .add_service(v1::prefill_worker_server::PrefillWorkerServer::new(
+                    stand_in,
+                ))
                 .serve_with_incoming(duet_proto::incoming(prefill_listener)),
         );
+        Ok(Self {
+            decode: v1::decode_worker_client::DecodeWorkerClient::connect(url).await?,
+            prefill_addr,
+            last,
+            vocab: config.vocab_size as u32,
+            pushes: 0,
+        })
+    }
 
-        let mut decode_client = v1::decode_worker_client::DecodeWorkerClient::connect(url).await?;
+    /// The push of a fresh `tokens`-token prompt's KV: its bytes and time.
+    pub(crate) async fn push(&mut self, tokens: usize) -> Result<Measured> {
+        self.pushes += 1;
+        let r = self.pushes;
+        // A different prompt each time: nothing is found in the decode worker's prefix cache.
+        let prompt: Vec<u32> = (0..tokens as u32)
+            .map(|i| 300 + (i * 7919 + r * 31) % 40_000 % (self.vocab - 300))
+            .collect();
+        let req = v1::DecodeRequest {
+            request_id: format!("transfer-{r}"),
+            prompt_token_ids: prompt,
+            sampling: Some(v1::SamplingParams {
+                max_tokens: 1,
+                top_p: 1.0,
+                ..Default::default()
+            }),
+            plan: Some(v1::PrefillPlan {
+                local: false,
+                prefill_workers: vec![v1::PrefillTarget {
+                    worker_id: STAND_IN.into(),
+                    address: self.prefill_addr.to_string(),
+                }],
+            }),
+            ..Default::default()
+        };
+        let mut stream = self.decode.decode(req).await?.into_inner();
+        let mut local = false;
+        while let Some(msg) = stream.next().await {
+            local |= msg?.timings.is_some_and(|t| t.prefill_local);
+        }
+        anyhow::ensure!(
+            !local,
+            "the transfer failed and the decode worker prefilled locally"
+        );
+        Ok(*self.last.lock().unwrap())
+    }
+}
+
+pub fn run(args: TransferBenchArgs) -> Result<()> {
+    let path = args.model.resolve()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let mut rig = TransferRig::start(&path, args.prompt_tokens).await?;
         let mut best = Measured { bytes: 0, seconds: f64::INFINITY };
         for r in 0..args.repeats {
-            // A different prompt each time: nothing is found in the decode worker's prefix cache.
-            let prompt: Vec<u32> = (0..args.prompt_tokens as u32).map(|i| 300 + (i * 7919 + r as u32 * 31) % 40_000 % (config.vocab_size as u32 - 300)).collect();
-            let req = v1::DecodeRequest {
-                request_id: format!("transfer-{r}"),
-                prompt_token_ids: prompt,
-                sampling: Some(v1::SamplingParams { max_tokens: 1, top_p: 1.0, ..Default::default() }),
-                plan: Some(v1::PrefillPlan {
-                    local: false,
-                    prefill_workers: vec![v1::PrefillTarget { worker_id: STAND_IN.into(), address: prefill_addr.to_string() }],
-                }),
-                ..Default::default()
-            };
-            let mut stream = decode_client.decode(req).await?.into_inner();
-            let mut local = false;
-            while let Some(msg) = stream.next().await {
-                local |= msg?.timings.is_some_and(|t| t.prefill_local);
-            }
-            anyhow::ensure!(!local, "the transfer failed and the decode worker prefilled locally");
-            let m = *last.lock().unwrap();
+            let m = rig.push(args.prompt_tokens).await?;
             eprintln!("transfer {}: {} bytes in {:.1} ms ({:.2} GB/s)", r + 1, m.bytes, m.seconds * 1e3, m.bytes as f64 / m.seconds / 1e9);
             if m.seconds < best.seconds {
                 best = m;

@@ -179,6 +179,9 @@ fn generate_local<B: Backend>(args: GenerateArgs, mut engine: Engine<B>) -> Resu
                 draft_tokens: count(s.draft_tokens),
                 accepted_draft_tokens: count(s.accepted_draft_tokens),
             };
+            if let Some(error) = out.error {
+                anyhow::bail!("the generation failed: {error}");
+            }
             if let Some(reason) = out.finish {
                 break 'steps reason;
             }
@@ -385,6 +388,7 @@ async fn run_remote(args: GenerateArgs, server: String) -> Result<()> {
         match v1::FinishReason::try_from(msg.finish_reason) {
             Ok(v1::FinishReason::Stop) => finish = "stop".into(),
             Ok(v1::FinishReason::Length) => finish = "length".into(),
+            Ok(v1::FinishReason::Error) => anyhow::bail!("the generation failed: {}", msg.error),
             _ => {}
         }
     }

@@ -11,9 +11,14 @@ mod chaos;
 mod fetch;
 mod generate;
 mod health;
+mod plan;
 mod plot;
+mod profile;
 mod progress;
+mod serve_args;
+mod serve_report;
 mod shared_prefix;
+mod simulate;
 mod up;
 
 use duet_cli::cluster;
@@ -43,6 +48,16 @@ enum Command {
     /// One gRPC health check of a duet service (exit 0 when SERVING): for exec probes of
     /// ports that require a client certificate.
     Health(health::HealthArgs),
+    /// Measure the engine on this device (prefill over tokens × cached prefix, decode over
+    /// batch × context, KV transfer per transport) and fit DistServe's latency forms: the
+    /// profile `duet simulate` and `duet plan` time clusters by.
+    Profile(Box<profile::ProfileArgs>),
+    /// Simulate a cluster from a profile: the router's real policy and the engine's real
+    /// scheduler, timed by the profile; the flags of `duet bench serve`, and its JSON report.
+    Simulate(Box<simulate::SimulateArgs>),
+    /// Search placements (colocated, every prefill:decode split, step budgets) for the most
+    /// goodput per device by simulation, as DistServe does; write the winner as Helm values.
+    Plan(Box<plan::PlanArgs>),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -87,6 +102,9 @@ fn main() {
         Command::Generate(args) => generate::run(args),
         Command::Up(args) => up::run(*args),
         Command::Health(args) => health::run(args),
+        Command::Profile(args) => profile::run(*args),
+        Command::Simulate(args) => simulate::run(*args),
+        Command::Plan(args) => plan::run(*args),
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => {

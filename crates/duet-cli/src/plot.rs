@@ -1,4 +1,4 @@
-//! `duet bench serve --plot-out FILE.svg`: the runs' latency percentiles as an SVG chart
+//! `duet bench serve --plot-out FILE.svg` (and `duet simulate --plot-out`): the runs' latency percentiles as an SVG chart
 //! (plotters): time to first token and time per output token side by side, p50 / p90 / p99 bars
 //! per design, with axes, labels and a legend.
 
@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use plotters::prelude::*;
 
-use crate::bench_serve::RunReport;
+use duet_planner::report::ServeSummary;
 
 const SIZE: (u32, u32) = (1000, 460);
 const QUANTILES: [&str; 3] = ["p50", "p90", "p99"];
@@ -18,7 +18,7 @@ const COLORS: [RGBColor; 3] = [
 ];
 
 /// Writes the chart of `runs` to `out` (an `.svg` path).
-pub fn latency_percentiles(runs: &[RunReport], out: &Path) -> Result<()> {
+pub fn latency_percentiles(runs: &[ServeSummary], out: &Path) -> Result<()> {
     if out.extension().is_none_or(|e| e != "svg") {
         bail!(
             "--plot-out {}: the chart is written as SVG; name the file *.svg",
@@ -30,9 +30,9 @@ pub fn latency_percentiles(runs: &[RunReport], out: &Path) -> Result<()> {
         .with_context(|| format!("writing the chart {}", out.display()))
 }
 
-type Metric = fn(&RunReport) -> [f64; 3];
+type Metric = fn(&ServeSummary) -> [f64; 3];
 
-fn draw(runs: &[RunReport], out: &Path) -> Result<(), Box<dyn std::error::Error>> {
+fn draw(runs: &[ServeSummary], out: &Path) -> Result<(), Box<dyn std::error::Error>> {
     let root = SVGBackend::new(out, SIZE).into_drawing_area();
     root.fill(&WHITE)?;
     let root = root.titled("Latency percentiles by design", ("sans-serif", 22))?;

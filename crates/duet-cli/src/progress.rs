@@ -11,6 +11,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 pub enum Unit {
     Bytes,
     Requests,
+    /// Points of a measurement grid.
+    Measurements,
 }
 
 pub struct Progress {
@@ -31,6 +33,9 @@ impl Progress {
             let template = match unit {
                 Unit::Bytes => "{msg} {wide_bar} {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
                 Unit::Requests => "{msg} {wide_bar} {pos}/{len} requests ({elapsed})",
+                Unit::Measurements => {
+                    "{msg} {wide_bar} {pos}/{len} measurements ({elapsed}, {eta} left)"
+                }
             };
             let bar = ProgressBar::new(total);
             bar.set_style(ProgressStyle::with_template(template).expect("valid template"));
@@ -75,6 +80,7 @@ impl Progress {
                 self.total as f64 / (1 << 20) as f64
             ),
             Unit::Requests => format!("{pct}% ({done} of {} requests)", self.total),
+            Unit::Measurements => format!("{pct}% ({done} of {} measurements)", self.total),
         }
     }
 }

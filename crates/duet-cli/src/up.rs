@@ -105,6 +105,7 @@ pub fn run(args: UpArgs) -> Result<()> {
                 engine: args.engine.clone(),
                 kv_transport: args.kv_transport,
                 tls: args.tls.clone(),
+                max_constraint_bytes: args.routing.max_constraint_bytes,
                 ..WorkerArgs::default()
             },
             ..PrefillConfig::default()
@@ -114,6 +115,7 @@ pub fn run(args: UpArgs) -> Result<()> {
                 engine: args.engine.clone(),
                 kv_transport: args.kv_transport,
                 tls: args.tls.clone(),
+                max_constraint_bytes: args.routing.max_constraint_bytes,
                 ..WorkerArgs::default()
             },
             ..DecodeConfig::default()

@@ -14,7 +14,7 @@ use std::sync::{Arc, OnceLock};
 use crate::quant::{KernelPath, QMatrix, QuantType};
 use crate::threadpool::ThreadPool;
 use duet_engine::EngineError;
-use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
+use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout, StepRows};
 use duet_engine::batch::ForwardBatch;
 use duet_engine::engine::{Engine, EngineOptions};
 use duet_model::model_files::{RawTensor, open_model};
@@ -230,6 +230,7 @@ impl Backend for CpuBackend {
         }
     }
 
+    /// Zeros, as [`Backend::alloc_zeroed`] needs.
     fn alloc(&self, rows: usize, cols: usize) -> CpuTensor {
         CpuTensor {
             data: vec![0.0; rows * cols],
@@ -238,7 +239,15 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn embed(&self, table: &QMatrix, tokens: &[u32], out: &mut CpuTensor) {
+    fn step_rows(&self, batch: &CpuBatch<'_>) -> StepRows {
+        StepRows {
+            rows: batch.forward.num_rows(),
+            logit_rows: batch.forward.logit_rows.len(),
+        }
+    }
+
+    fn embed(&self, table: &QMatrix, batch: &CpuBatch<'_>, out: &mut CpuTensor) {
+        let tokens = &batch.forward.tokens;
         debug_assert_eq!(out.rows, tokens.len());
         for (t, row) in tokens.iter().zip(out.data.chunks_exact_mut(out.cols)) {
             table.row_f32(*t as usize, row);
@@ -390,6 +399,10 @@ impl Backend for CpuBackend {
         for &r in rows {
             out.data.extend_from_slice(x.row(r));
         }
+    }
+
+    fn gather_logit_rows(&self, x: &CpuTensor, batch: &CpuBatch<'_>, out: &mut CpuTensor) {
+        self.gather_rows(x, &batch.forward.logit_rows, out);
     }
 
     fn scatter_add_rows(

@@ -30,7 +30,14 @@ def test_decode(nh, nkv, hd, bs, ctxs, layer=1, L=2):
            c_float(scale), c_int(maxp), po, pm, ps)
     out = np.full((rows, nh * hd), POISON, np.float32)
     launch('paged_attention', 'paged_attention_reduce', (nl, nh), ((hd + 31) // 32) * 32, po, pm, ps, row_ids,
-           positions, c_int(nh), c_int(hd), c_int(maxp), out)
+           positions, c_int(nh), c_int(hd), c_int(maxp), out, c_void_p(0))
+    # With the bf16 copy: the same f32 output, and the copy its rounding.
+    out2 = np.full((rows, nh * hd), POISON, np.float32)
+    out_bf = np.full((rows, nh * hd), 0x7fa5, np.uint16)
+    launch('paged_attention', 'paged_attention_reduce', (nl, nh), ((hd + 31) // 32) * 32, po, pm, ps, row_ids,
+           positions, c_int(nh), c_int(hd), c_int(maxp), out2, out_bf)
+    listed = np.sort(row_ids)
+    bf_ok = np.array_equal(out2, out) and np.array_equal(out_bf[listed], f2bf(out[listed]))
     err, empty_ok = 0.0, True
     for i, r in enumerate(row_ids):
         ntok = positions[r] + 1
@@ -42,8 +49,8 @@ def test_decode(nh, nkv, hd, bs, ctxs, layer=1, L=2):
                          and np.all(ps.reshape(nl, nh, maxp)[i][:, used:] == 0)
                          and np.all(po.reshape(nl, nh, maxp, hd)[i][:, used:] == 0))
     untouched = bool(np.all(out[rows - 1] == POISON))
-    check(f'decode nh={nh} nkv={nkv} hd={hd} bs={bs} ctxs={ctxs}', err < 2e-5 and untouched and empty_ok,
-          f'maxerr={err:.2e} unlisted_row_untouched={untouched} empty_partitions_ok={empty_ok}')
+    check(f'decode nh={nh} nkv={nkv} hd={hd} bs={bs} ctxs={ctxs}', err < 2e-5 and untouched and empty_ok and bf_ok,
+          f'maxerr={err:.2e} unlisted_row_untouched={untouched} empty_partitions_ok={empty_ok} bf16_copy_ok={bf_ok}')
 
 
 test_decode(4, 2, 64, 16, [1, 37, 600])

@@ -1,91 +1,186 @@
 //! The CUDA backend: bf16 weights and KV cache in GPU memory, f32 activations, cuBLAS for the
-//! matrix products (bf16 in, f32 accumulate and out) and our NVRTC kernels for everything else.
+//! matrix products (bf16 in, f32 accumulate and out) and our NVRTC kernels for everything else,
+//! written once over [`Gpu`] (the driver in production, a recording GPU in the tests).
 //!
-//! All work goes to one stream in order. Ops cannot return errors (see [`Backend::sync`]): the
-//! first failure is kept, later work is skipped, and `sync` reports it.
+//! All work goes to one stream of the backend's own, in order. A step allocates nothing: its
+//! inputs (tokens, positions, slots, block tables, ...) are packed on the host and reach the GPU
+//! in one upload into a buffer of fixed capacity ([`crate::step`]); its activations come from
+//! one workspace, planned at start-up ([`Backend::reserve_step_memory`]) and handed out in order;
+//! the decode attention's partitions, the bf16 operands of the matrix products and the sampling
+//! scratch are buffers that only grow, between steps. A decode step is padded to its batch
+//! bucket (padded rows write the KV cache's scratch block), so that with `--cuda-graphs on` the
+//! same shapes are captured once as a CUDA graph and replayed. Ops cannot return errors (see
+//! [`Backend::sync`]): the first failure is kept, later work is skipped, and `sync` reports it.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::cublas::CudaBlas;
-use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
-};
 use duet_engine::EngineError;
 use duet_engine::backend::{
-    AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout, PrefillAttention,
+    AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout, PrefillAttention, StepMemoryPlan,
+    StepRows,
 };
 use duet_engine::batch::ForwardBatch;
+use duet_engine::sampling_steps::RowSampling;
 use duet_model::config::ModelConfig;
 use duet_model::dequant::dequantize_row;
 use duet_model::model_files::RawTensor;
+use duet_model::params::Sampled;
 use duet_model::quant_type::QuantType;
 use duet_model::storage::WeightBytes;
 
 use crate::CudaError;
-use crate::kernels::{self, PARTITION_TOKENS};
-use crate::probe::{self, DeviceInfo};
+use crate::gpu::{Arg, DeviceBuffer, DevicePtr, Gemm, Gpu, Launch};
+use crate::kernels;
+use crate::sampling::{self, PackedRows};
+use crate::step::{self, Arena, GraphKey, InputLayout};
 
-/// Rows of queries per prefill-attention block (`PREFILL_BLOCK_M` in prefill_attention.cu).
-const PREFILL_BLOCK_M: usize = kernels::PREFILL_BLOCK_M;
+/// Choices of the GPU path that have not run on a GPU yet, each off (or the kernel that has) by
+/// default (`--cuda-graphs`, `--device-sampling`, `--fused-kernels`, `--prefill-attention`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuOptions {
+    /// Decode steps captured once per batch bucket as a CUDA graph, then replayed.
+    pub cuda_graphs: bool,
+    /// Tokens drawn on the GPU (`kernels/sampling.cu`), bit for bit as the CPU sampler.
+    pub device_sampling: bool,
+    /// QKV → RoPE → KV write as one kernel, and norms and attention writing the next matrix
+    /// product's bf16 operand themselves.
+    pub fused_kernels: bool,
+    /// The kernel of prefill attention: prefill_attention.cu (legacy) or the FlashAttention-tiled
+    /// prefill_attention_fa.cu (fa).
+    pub prefill_attention: PrefillAttention,
+}
 
-pub struct CudaBackend {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    blas: CudaBlas,
-    functions: HashMap<&'static str, CudaFunction>,
-    info: DeviceInfo,
+/// [`GpuOptions`] as the backend holds them: switchable between steps (`duet bench gpu` times
+/// each on one loaded model).
+#[derive(Default)]
+struct Switches {
+    cuda_graphs: AtomicBool,
+    device_sampling: AtomicBool,
+    fused_kernels: AtomicBool,
+    /// Whether prefill attention is `fa` (else `legacy`).
+    fa_prefill: AtomicBool,
+}
+
+impl Switches {
+    fn get(&self) -> GpuOptions {
+        GpuOptions {
+            cuda_graphs: self.cuda_graphs.load(Ordering::Relaxed),
+            device_sampling: self.device_sampling.load(Ordering::Relaxed),
+            fused_kernels: self.fused_kernels.load(Ordering::Relaxed),
+            prefill_attention: match self.fa_prefill.load(Ordering::Relaxed) {
+                true => PrefillAttention::Fa,
+                false => PrefillAttention::Legacy,
+            },
+        }
+    }
+
+    fn set(&self, o: GpuOptions) {
+        self.cuda_graphs.store(o.cuda_graphs, Ordering::Relaxed);
+        self.device_sampling
+            .store(o.device_sampling, Ordering::Relaxed);
+        self.fused_kernels.store(o.fused_kernels, Ordering::Relaxed);
+        self.fa_prefill.store(
+            o.prefill_attention == PrefillAttention::Fa,
+            Ordering::Relaxed,
+        );
+    }
+}
+
+/// Largest decode bucket before [`Backend::reserve_step_memory`] names the real one.
+const DEFAULT_MAX_BUCKET: usize = 256;
+
+pub struct GpuBackend<G: Gpu> {
+    gpu: Arc<G>,
+    options: Switches,
     memory_fraction: f64,
     /// The first failure; once set, ops do nothing and `sync` reports it.
     failure: Mutex<Option<String>>,
-    /// bf16 copy of a matmul input (cuBLAS takes both operands in bf16).
-    cast_scratch: Mutex<Option<CudaSlice<u16>>>,
-    /// The f32 activations whose bf16 copy `cast_scratch` holds (device address; 0: none). Set by
-    /// the kernels that write the copy beside their output, cleared by every other launch and
-    /// allocation, so a matmul skips its cast only when nothing can have changed its input since.
-    cast_holds: AtomicU64,
-    /// Decode attention's per-partition results, kept across layers and steps: allocating and
-    /// zeroing them in every layer of every step was three allocations, memsets and frees each.
-    partition_scratch: Mutex<PartitionScratch>,
-    /// The prefill attention kernel (`--prefill-attention`); switchable between steps, so that
-    /// `duet bench gpu` compares both on one loaded model.
-    prefill_attention: Mutex<PrefillAttention>,
+    state: Mutex<State<G>>,
 }
 
-/// Per (row, head, partition): the partial output, its running max and its sum of weights.
-#[derive(Default)]
-struct PartitionScratch {
-    out: Option<CudaSlice<f32>>,
-    max: Option<CudaSlice<f32>>,
-    sum: Option<CudaSlice<f32>>,
+/// Everything a step changes.
+struct State<G: Gpu> {
+    buckets: Vec<usize>,
+    /// The last KV store's scratch block, which padded rows read and write.
+    scratch_block: u32,
+    /// The step's inputs as packed on the host, their pinned copy and their device buffer.
+    words: Vec<u32>,
+    staging: Option<G::Pinned>,
+    inputs: Option<DeviceBuffer>,
+    arena: Arena,
+    workspace: Option<DeviceBuffer>,
+    /// Activations past the workspace in this step (the workspace grows before the next).
+    overflow: Vec<DeviceBuffer>,
+    /// bf16 copy of a matrix product's input.
+    cast: Option<DeviceBuffer>,
+    /// The activations whose bf16 copy `cast` holds (0: none). Set by the kernels that write the
+    /// copy beside their output, cleared by every other launch, so a product skips its cast only
+    /// when nothing can have changed its input since.
+    cast_holds: DevicePtr,
+    /// Decode attention's per (row, head, partition) output, max and sum.
+    partitions: Option<DeviceBuffer>,
+    packed: PackedRows,
+    sampling_staging: Option<G::Pinned>,
+    sampling_inputs: Option<DeviceBuffer>,
+    sampling_work: Option<DeviceBuffer>,
+    sampling_out: Option<DeviceBuffer>,
+    /// Pinned landing place of downloads (logits, sampled tokens).
+    download: Option<G::Pinned>,
+    /// Captured graphs and the workspace bytes their step used.
+    graphs: HashMap<GraphKey, (G::Graph, usize)>,
+    /// Shapes run eagerly once: the next step of the shape is captured.
+    seen: HashSet<GraphKey>,
+    mode: Mode,
+    /// Work queued since the last synchronization.
+    pending: bool,
+    /// Between `prepare_batch` and `sync`: activations come from the workspace.
+    in_step: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Eager,
+    /// The step's work is being captured into the graph of this key.
+    Capture(GraphKey),
+    /// The graph of this key has been queued: ops only take their activations.
+    Replay(GraphKey),
 }
 
 /// A weight matrix `[rows][cols]` in bf16.
 pub struct CudaMatrix {
-    data: CudaSlice<u16>,
+    buf: DeviceBuffer,
     rows: usize,
     cols: usize,
 }
 
-/// Activations `[rows][cols]` in f32.
+/// A weight vector in f32.
+pub struct CudaVector {
+    buf: DeviceBuffer,
+}
+
+/// Activations `[rows][cols]` in f32: a view of the step's workspace, or memory of their own.
 pub struct CudaActivations {
-    data: CudaSlice<f32>,
+    ptr: DevicePtr,
     rows: usize,
     cols: usize,
+    _owned: Option<DeviceBuffer>,
 }
 
-/// The paged KV store in bf16, laid out `[layer][block][K|V][kv_head][slot][head_dim]`: one
-/// (layer, block) is contiguous and is the transfer layout as it stands. A plain `cuMemAlloc`
-/// allocation (not the stream-ordered pool), so that it can be exported through CUDA IPC.
+impl CudaActivations {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// The paged KV store in bf16, laid out `[layer][block][K|V][kv_head][slot][head_dim]`, with one
+/// block more per layer than the engine has (the scratch block padded rows write): one (layer,
+/// block) is contiguous and is the transfer layout as it stands. A plain allocation, so that it
+/// can be exported through CUDA IPC.
 pub struct CudaKvStore {
-    ptr: CUdeviceptr,
-    elems: usize,
+    buf: DeviceBuffer,
     layout: KvLayout,
-    ctx: Arc<CudaContext>,
 }
 
 impl CudaKvStore {
@@ -95,195 +190,165 @@ impl CudaKvStore {
     }
 
     /// Device address of (layer, block).
-    pub fn chunk_ptr(&self, layer: usize, block: usize) -> CUdeviceptr {
-        self.ptr + ((layer * self.layout.num_blocks + block) * self.chunk_elems() * 2) as u64
+    pub fn chunk_ptr(&self, layer: usize, block: usize) -> DevicePtr {
+        self.buf.ptr() + (self.chunk_index(layer, block) * self.chunk_elems() * 2) as u64
     }
 
+    /// Index of (layer, block) among the store's chunks.
+    pub fn chunk_index(&self, layer: usize, block: usize) -> usize {
+        layer * self.physical_blocks() + block
+    }
+
+    /// The engine's geometry (its blocks, without the scratch block).
     pub fn layout(&self) -> KvLayout {
         self.layout
     }
 
+    /// The geometry as stored: one block more per layer.
+    pub fn physical_layout(&self) -> KvLayout {
+        KvLayout {
+            num_blocks: self.physical_blocks(),
+            ..self.layout
+        }
+    }
+
+    fn physical_blocks(&self) -> usize {
+        self.layout.num_blocks + 1
+    }
+
+    /// The block padded rows read and write.
+    pub fn scratch_block(&self) -> usize {
+        self.layout.num_blocks
+    }
+
     /// The start of the allocation (for CUDA IPC export).
-    pub fn base_ptr(&self) -> CUdeviceptr {
-        self.ptr
+    pub fn base_ptr(&self) -> DevicePtr {
+        self.buf.ptr()
     }
 
     pub fn bytes(&self) -> usize {
-        self.elems * 2
+        self.buf.bytes()
     }
 }
 
-impl Drop for CudaKvStore {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from `malloc_sync` in this context and is freed once.
-        let _ = self.ctx.bind_to_thread();
-        unsafe {
-            let _ = cudarc::driver::result::free_sync(self.ptr);
-        }
+/// A step's metadata: where its inputs are on the device.
+pub struct CudaBatch<'a> {
+    forward: &'a ForwardBatch,
+    layout: InputLayout,
+    base: DevicePtr,
+}
+
+impl CudaBatch<'_> {
+    /// Address of the array starting at `word`.
+    fn at(&self, word: usize) -> Arg {
+        Arg::Ptr(self.base + 4 * word as u64)
     }
 }
 
-/// The geometry arguments both attention kernels take, in their order.
-struct AttentionArgs {
-    layer: i32,
-    num_blocks: i32,
-    num_heads: i32,
-    num_kv_heads: i32,
-    block_size: i32,
-    head_dim: i32,
-    scale: f32,
+fn i32_of(v: usize) -> Arg {
+    Arg::I32(v as i32)
 }
 
-impl AttentionArgs {
-    fn push<'a>(&'a self, a: &mut cudarc::driver::LaunchArgs<'a>) {
-        a.arg(&self.layer)
-            .arg(&self.num_blocks)
-            .arg(&self.num_heads)
-            .arg(&self.num_kv_heads)
-            .arg(&self.block_size)
-            .arg(&self.head_dim)
-            .arg(&self.scale);
+fn grid1(n: usize, block: u32) -> ((u32, u32, u32), u32) {
+    (
+        ((n as u32).div_ceil(block).clamp(1, 65_535 * 16), 1, 1),
+        block,
+    )
+}
+
+fn per_row(rows: usize, block: u32) -> ((u32, u32, u32), u32) {
+    ((rows as u32, 1, 1), block)
+}
+
+/// Grows `slot` to at least `bytes`; true when it was reallocated.
+fn grow<G: Gpu>(
+    gpu: &Arc<G>,
+    slot: &mut Option<DeviceBuffer>,
+    bytes: usize,
+) -> Result<bool, CudaError> {
+    if slot.as_ref().is_some_and(|b| b.bytes() >= bytes) {
+        return Ok(false);
+    }
+    *slot = None; // free first: the old and the new need not fit together
+    *slot = Some(DeviceBuffer::new(gpu, bytes)?);
+    Ok(true)
+}
+
+fn grow_pinned<G: Gpu>(
+    gpu: &G,
+    slot: &mut Option<G::Pinned>,
+    bytes: usize,
+) -> Result<(), CudaError> {
+    if slot.as_ref().is_none_or(|p| p.as_ref().len() < bytes) {
+        *slot = None;
+        *slot = Some(gpu.alloc_pinned(bytes.max(4096))?);
+    }
+    Ok(())
+}
+
+fn words_to_bytes(words: &[u32], out: &mut [u8]) {
+    for (o, w) in out.chunks_exact_mut(4).zip(words) {
+        o.copy_from_slice(&w.to_le_bytes());
     }
 }
 
-/// A step's metadata in GPU memory.
-pub struct CudaBatch {
-    positions: CudaSlice<u32>,
-    slots: CudaSlice<u32>,
-    row_seq: CudaSlice<u32>,
-    block_tables: CudaSlice<u32>,
-    table_offsets: CudaSlice<u32>,
-    /// Rows of single-token sequences (decode), attended by the split-context kernel.
-    decode: Option<DecodeRows>,
-    /// Sequences of several new tokens, attended by the tiled prefill kernel.
-    prefill: Option<PrefillSeqs>,
-}
-
-struct DecodeRows {
-    rows: CudaSlice<u32>,
-    count: usize,
-    max_partitions: usize,
-}
-
-struct PrefillSeqs {
-    row_start: CudaSlice<u32>,
-    len: CudaSlice<u32>,
-    start_pos: CudaSlice<u32>,
-    table_offsets: CudaSlice<u32>,
-    count: usize,
-    max_len: usize,
-}
-
-fn grid1(n: usize, block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(block).clamp(1, 65_535 * 16), 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-fn per_row(rows: usize, block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-impl CudaBackend {
-    /// Opens GPU `ordinal` and compiles our kernels for it. `memory_fraction` of the memory left
-    /// after the weights goes to the KV cache.
-    pub fn new(ordinal: usize, memory_fraction: f64) -> Result<Self, CudaError> {
-        let (ctx, info) = probe::open_device(ordinal)?;
-        // One stream, used in order: the per-allocation event tracking is not needed.
-        // SAFETY: every use of our allocations goes through `stream`.
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
-        let blas = CudaBlas::new(stream.clone())?;
-        let (major, minor) = info.compute_capability;
-        let arch = format!("sm_{major}{minor}");
-        let mut functions = HashMap::new();
-        for compiled in kernels::compile_all(&arch)? {
-            let module = ctx.load_module(compiled.ptx)?;
-            for &name in compiled.file.kernels {
-                functions.insert(name, module.load_function(name)?);
-            }
-        }
-        Ok(Self {
-            ctx,
-            stream,
-            blas,
-            functions,
-            info,
+impl<G: Gpu> GpuBackend<G> {
+    /// The backend over `gpu`; `memory_fraction` of the memory left after the weights goes to
+    /// the KV cache.
+    pub fn with_gpu(gpu: Arc<G>, options: GpuOptions, memory_fraction: f64) -> Self {
+        let switches = Switches::default();
+        switches.set(options);
+        Self {
+            gpu,
+            options: switches,
             memory_fraction,
             failure: Mutex::new(None),
-            cast_scratch: Mutex::new(None),
-            cast_holds: AtomicU64::new(0),
-            partition_scratch: Mutex::new(PartitionScratch::default()),
-            prefill_attention: Mutex::new(PrefillAttention::default()),
-        })
-    }
-
-    /// Computes prefill attention with `kernel` from the next step on. The fa kernels take more
-    /// than the default 48 KiB of shared memory a block: their limit is raised here, and a GPU
-    /// that cannot give it is an error naming the flag.
-    pub fn set_prefill_attention(&self, kernel: PrefillAttention) -> Result<(), CudaError> {
-        if kernel == PrefillAttention::Fa {
-            use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            for e in &kernels::FA_ENTRIES {
-                self.function(e.kernel)
-                    .set_attribute(
-                        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        e.smem_bytes as i32,
-                    )
-                    .map_err(|err| {
-                        CudaError::Unsupported(format!(
-                            "--prefill-attention fa needs {} KiB of shared memory a block for head \
-                             size {}, which GPU {} does not give ({err}): use --prefill-attention legacy",
-                            e.smem_bytes / 1024,
-                            e.head_dim,
-                            self.info.ordinal
-                        ))
-                    })?;
-            }
+            state: Mutex::new(State {
+                buckets: step::buckets(DEFAULT_MAX_BUCKET),
+                scratch_block: 0,
+                words: Vec::new(),
+                staging: None,
+                inputs: None,
+                arena: Arena::default(),
+                workspace: None,
+                overflow: Vec::new(),
+                cast: None,
+                cast_holds: 0,
+                partitions: None,
+                packed: PackedRows::default(),
+                sampling_staging: None,
+                sampling_inputs: None,
+                sampling_work: None,
+                sampling_out: None,
+                download: None,
+                graphs: HashMap::new(),
+                seen: HashSet::new(),
+                mode: Mode::Eager,
+                pending: false,
+                in_step: false,
+            }),
         }
-        *self
-            .prefill_attention
-            .lock()
-            .expect("prefill attention lock") = kernel;
-        Ok(())
     }
 
-    /// Activations made from host values (benchmarks and checks).
-    pub fn upload_activations(
-        &self,
-        rows: usize,
-        cols: usize,
-        values: &[f32],
-    ) -> Result<CudaActivations, EngineError> {
-        assert_eq!(
-            values.len(),
-            rows * cols,
-            "upload_activations: wrong length"
-        );
-        self.cast_holds.store(0, Ordering::Relaxed);
-        let data = self
-            .stream
-            .clone_htod(values)
-            .map_err(|e| CudaError::Driver(format!("uploading activations: {e}")))?;
-        Ok(CudaActivations { data, rows, cols })
+    pub fn gpu(&self) -> &Arc<G> {
+        &self.gpu
     }
 
-    pub fn device_info(&self) -> &DeviceInfo {
-        &self.info
+    pub fn options(&self) -> GpuOptions {
+        self.options.get()
     }
 
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+    /// Switches the GPU path between steps: graphs captured so far are dropped, and each shape
+    /// runs eagerly once again before it is captured.
+    pub fn set_options(&self, options: GpuOptions) {
+        let mut s = self.state();
+        self.options.set(options);
+        s.graphs.clear();
+        s.seen.clear();
     }
 
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
+    fn state(&self) -> MutexGuard<'_, State<G>> {
+        self.state.lock().expect("backend state lock")
     }
 
     fn failed(&self) -> bool {
@@ -302,153 +367,294 @@ impl CudaBackend {
         }
     }
 
-    fn function(&self, name: &str) -> &CudaFunction {
-        &self.functions[name]
+    /// Whether ops must not queue work: a failure, or a replayed graph already doing it.
+    fn idle(&self, s: &State<G>) -> bool {
+        self.failed() || matches!(s.mode, Mode::Replay(_))
     }
 
-    fn upload<T>(&self, what: &str, host: &[T]) -> Option<CudaSlice<T>>
-    where
-        T: cudarc::driver::DeviceRepr + Copy + Default,
-    {
-        self.cast_holds.store(0, Ordering::Relaxed);
-        // A zero-length allocation is an error in CUDA; keep one element.
-        if host.is_empty() {
-            return self.check(what, self.stream.clone_htod(&[T::default()]));
-        }
-        self.check(what, self.stream.clone_htod(host))
-    }
-
-    fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    /// Launches `kernel` unless the backend is idle.
+    fn launch(
         &self,
-        what: &str,
-        len: usize,
-    ) -> Option<CudaSlice<T>> {
-        self.cast_holds.store(0, Ordering::Relaxed);
-        self.check(what, self.stream.alloc_zeros(len.max(1)))
-    }
-
-    /// A scratch buffer of at least `len` elements, reallocated only when it must grow.
-    fn grown<'s, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-        &self,
-        slot: &'s mut Option<CudaSlice<T>>,
-        what: &str,
-        len: usize,
-    ) -> Option<&'s mut CudaSlice<T>> {
-        if slot.as_ref().is_none_or(|s| s.len() < len) {
-            *slot = self.zeros(what, len);
-        }
-        slot.as_mut()
-    }
-
-    /// Launches `name` with the arguments `push` adds.
-    fn launch<'a>(
-        &'a self,
-        name: &str,
-        cfg: LaunchConfig,
-        push: impl FnOnce(&mut cudarc::driver::LaunchArgs<'a>),
+        s: &mut State<G>,
+        kernel: &'static str,
+        grid: ((u32, u32, u32), u32),
+        args: &[Arg],
     ) {
-        if self.failed() {
+        self.launch_shared(s, kernel, grid, 0, args);
+    }
+
+    /// [`Self::launch`] with `shared_bytes` of dynamic shared memory a block.
+    fn launch_shared(
+        &self,
+        s: &mut State<G>,
+        kernel: &'static str,
+        (grid, block): ((u32, u32, u32), u32),
+        shared_bytes: u32,
+        args: &[Arg],
+    ) {
+        if self.idle(s) {
             return;
         }
-        self.cast_holds.store(0, Ordering::Relaxed);
-        let mut args = self.stream.launch_builder(self.function(name));
-        push(&mut args);
-        // SAFETY: the argument lists match the kernels' signatures in kernels/*.cu, and every
-        // grid guards its indices against the sizes passed.
-        let r = unsafe { args.launch(cfg) };
-        self.check(name, r);
+        s.cast_holds = 0;
+        s.pending = true;
+        let r = self.gpu.launch(&Launch {
+            kernel,
+            grid,
+            block,
+            shared_bytes,
+            args,
+        });
+        self.check(kernel, r);
     }
 
-    /// `out[n][w.rows] = x[n][w.cols] · wᵀ` through cuBLAS, bf16 operands, f32 accumulate.
-    fn gemm(&self, w: &CudaMatrix, x: &CudaActivations, out: &mut CudaActivations) {
-        if self.failed() || x.rows == 0 {
+    /// A persistent scratch buffer of at least `bytes`; growing it drops every captured graph
+    /// (they hold its old address). Never called under capture with a size the shape's eager
+    /// run did not already reach.
+    fn scratch(
+        &self,
+        what: &str,
+        pick: fn(&mut State<G>) -> &mut Option<DeviceBuffer>,
+        s: &mut State<G>,
+        bytes: usize,
+    ) -> Option<DevicePtr> {
+        let grew = self.check(what, grow(&self.gpu, pick(s), bytes))?;
+        if grew {
+            s.graphs.clear();
+        }
+        Some(pick(s).as_ref().expect("grown").ptr())
+    }
+
+    /// The bf16 copy of `rows × cols` activations (the cast buffer), grown to fit (a new buffer
+    /// holds no one's copy).
+    fn cast_buffer(&self, s: &mut State<G>, elems: usize) -> Option<DevicePtr> {
+        let before = s.cast.as_ref().map(DeviceBuffer::bytes);
+        let ptr = self.scratch(
+            "allocating the matmul cast buffer",
+            |s| &mut s.cast,
+            s,
+            elems * 2,
+        )?;
+        if s.cast.as_ref().map(DeviceBuffer::bytes) != before {
+            s.cast_holds = 0;
+        }
+        Some(ptr)
+    }
+
+    /// The cast buffer as the kernels writing a bf16 copy take it: null unless fused.
+    fn bf16_copy(&self, s: &mut State<G>, elems: usize) -> Arg {
+        match self.options().fused_kernels {
+            true => Arg::Ptr(self.cast_buffer(s, elems).unwrap_or(0)),
+            false => Arg::Ptr(0),
+        }
+    }
+
+    /// After a kernel wrote `out`'s bf16 copy: the next product of `out` needs no cast.
+    fn cast_written(&self, s: &mut State<G>, out: &CudaActivations) {
+        if self.options().fused_kernels {
+            s.cast_holds = out.ptr;
+        }
+    }
+
+    /// `out = x · wᵀ` through cuBLAS: `x` cast to bf16 unless the cast buffer holds it already.
+    fn gemm(&self, s: &mut State<G>, w: &CudaMatrix, x: &CudaActivations, out: &CudaActivations) {
+        if self.idle(s) || x.rows == 0 {
             return;
         }
         let n = x.rows * x.cols;
-        let mut scratch = self.cast_scratch.lock().expect("scratch lock");
-        let Some(xb) = self.grown(&mut scratch, "allocating the matmul cast buffer", n) else {
+        let Some(xb) = self.cast_buffer(s, n) else {
             return;
         };
-        let source = self.address(&x.data);
-        if self.cast_holds.load(Ordering::Relaxed) != source {
-            let n64 = n as u64;
-            self.launch("f32_to_bf16_n", grid1(n, 256), |a| {
-                a.arg(&x.data).arg(&mut *xb).arg(&n64);
-            });
-            // Several matmuls of one input (unstacked projections) share the cast.
-            self.cast_holds.store(source, Ordering::Relaxed);
+        if s.cast_holds != x.ptr {
+            self.launch(
+                s,
+                "f32_to_bf16_n",
+                grid1(n, 256),
+                &[Arg::Ptr(x.ptr), Arg::Ptr(xb), Arg::U64(n as u64)],
+            );
+            // Several products of one input (unstacked projections) share the cast.
+            s.cast_holds = x.ptr;
         }
-        self.gemm_bf16(w, xb, x.rows, out);
-        // cuBLAS wrote `out` without a launch of ours.
-        let _ = self.cast_holds.compare_exchange(
-            self.address(&out.data),
-            0,
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
+        self.gemm_bf16(s, w, xb, x.rows, out);
+        if s.cast_holds == out.ptr {
+            s.cast_holds = 0;
+        }
     }
 
-    fn address(&self, data: &CudaSlice<f32>) -> u64 {
-        data.device_ptr(&self.stream).0
-    }
-
-    /// `out[rows][w.rows] = x[rows][w.cols] · wᵀ` with `x` already in bf16: the cuBLAS call.
-    pub fn gemm_bf16(
+    fn gemm_bf16(
         &self,
+        s: &mut State<G>,
         w: &CudaMatrix,
-        x: &CudaSlice<u16>,
+        x: DevicePtr,
         rows: usize,
-        out: &mut CudaActivations,
+        out: &CudaActivations,
     ) {
-        if self.failed() {
+        if self.idle(s) {
             return;
         }
-        let (alpha, beta) = (1f32, 0f32);
-        let (wp, _w) = w.data.device_ptr(&self.stream);
-        let (xp, _x) = x.device_ptr(&self.stream);
-        let (op, _o) = out.data.device_ptr_mut(&self.stream);
-        // Row-major out[rows][w.rows] is column-major w.rows × rows: C = op(W)·X with W read
-        // transposed.
-        // SAFETY: the pointers cover w.rows×w.cols, rows×w.cols and rows×w.rows elements of the
-        // stated types.
-        let r = unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                w.rows as i32,
-                rows as i32,
-                w.cols as i32,
-                (&alpha as *const f32).cast(),
-                wp as *const _,
-                cudaDataType::CUDA_R_16BF,
-                w.cols as i32,
-                xp as *const _,
-                cudaDataType::CUDA_R_16BF,
-                w.cols as i32,
-                (&beta as *const f32).cast(),
-                op as *mut _,
-                cudaDataType::CUDA_R_32F,
-                w.rows as i32,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        };
+        s.pending = true;
+        let r = self.gpu.gemm(&Gemm {
+            w: w.buf.ptr(),
+            x,
+            out: out.ptr,
+            rows,
+            n: w.rows,
+            k: w.cols,
+        });
         self.check("cublasGemmEx", r);
+    }
+
+    /// `out = x · wᵀ` with `x` a bf16 matrix of its own (the matrix-rate benchmark).
+    pub fn gemm_matrices(&self, w: &CudaMatrix, x: &CudaMatrix, out: &CudaActivations) {
+        let mut s = self.state();
+        self.gemm_bf16(&mut s, w, x.buf.ptr(), x.rows, out);
+    }
+
+    /// Activations made from host values (benchmarks and checks), in memory of their own.
+    pub fn upload_activations(
+        &self,
+        rows: usize,
+        cols: usize,
+        values: &[f32],
+    ) -> Result<CudaActivations, EngineError> {
+        assert_eq!(
+            values.len(),
+            rows * cols,
+            "upload_activations: wrong length"
+        );
+        let buf = DeviceBuffer::new(&self.gpu, values.len() * 4)?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.gpu.upload(buf.ptr(), &bytes)?;
+        self.gpu.synchronize()?;
+        Ok(CudaActivations {
+            ptr: buf.ptr(),
+            rows,
+            cols,
+            _owned: Some(buf),
+        })
     }
 
     fn upload_matrix(
         &self,
-        name: &str,
         values: &[u16],
         rows: usize,
         cols: usize,
-    ) -> Result<CudaMatrix, EngineError> {
-        let data = self
-            .stream
-            .clone_htod(values)
-            .map_err(|e| CudaError::Driver(format!("uploading {name}: {e}")))?;
-        Ok(CudaMatrix { data, rows, cols })
+    ) -> Result<CudaMatrix, CudaError> {
+        let buf = DeviceBuffer::new(&self.gpu, values.len() * 2)?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.gpu.upload(buf.ptr(), &bytes)?;
+        self.gpu.synchronize()?;
+        Ok(CudaMatrix { buf, rows, cols })
+    }
+
+    /// Ends a capture under way: the graph is kept and queued, so the step's work runs.
+    fn finish_capture(&self, s: &mut State<G>) {
+        let Mode::Capture(key) = s.mode else {
+            return;
+        };
+        s.mode = Mode::Replay(key);
+        let Some(graph) = self.check("ending the CUDA graph capture", self.gpu.end_capture())
+        else {
+            return;
+        };
+        if self
+            .check("replaying the CUDA graph", self.gpu.replay(&graph))
+            .is_some()
+        {
+            s.graphs.insert(key, (graph, s.arena.used));
+        }
+    }
+
+    /// At the end of a replayed step's ops: the forward pass asked for the same activations as
+    /// when the graph was captured, or the graph computed into other addresses.
+    fn check_replay(&self, s: &State<G>) {
+        if let Mode::Replay(key) = s.mode
+            && let Some((_, used)) = s.graphs.get(&key)
+            && *used != s.arena.used
+        {
+            self.check::<(), _>(
+                "replaying a CUDA graph",
+                Err(format!(
+                    "the step's workspace differs from the captured one ({} bytes, captured {used})",
+                    s.arena.used
+                )),
+            );
+        }
+    }
+
+    /// Downloads `bytes` from `src` into the pinned landing buffer and waits for it: a step's
+    /// one synchronization.
+    fn download_and_wait(&self, s: &mut State<G>, src: DevicePtr, bytes: usize) -> Option<()> {
+        self.finish_capture(s);
+        self.check_replay(s);
+        if self.failed() {
+            return None;
+        }
+        self.check(
+            "allocating pinned memory",
+            grow_pinned(&*self.gpu, &mut s.download, bytes),
+        )?;
+        let landing = &mut s.download.as_mut().expect("grown").as_mut()[..bytes];
+        self.check("copying to the host", self.gpu.download(landing, src))?;
+        self.check("stream synchronize", self.gpu.synchronize())?;
+        s.pending = false;
+        Some(())
+    }
+
+    /// Starts a step: the workspace grown to what the last step asked for, the inputs packed and
+    /// uploaded, and the mode chosen (eager, capture, or a graph replayed at once).
+    fn start_step(
+        &self,
+        s: &mut State<G>,
+        batch: &ForwardBatch,
+    ) -> Option<(InputLayout, DevicePtr)> {
+        if matches!(s.mode, Mode::Capture(_)) {
+            // A step abandoned under capture (no download, no sync): end it.
+            self.finish_capture(s);
+        }
+        s.mode = Mode::Eager;
+        s.overflow.clear();
+        if let Some(bytes) = s.arena.wanted() {
+            let grown = grow(&self.gpu, &mut s.workspace, bytes);
+            self.check("allocating the activation workspace", grown)?;
+            s.arena.capacity = bytes;
+            s.graphs.clear();
+        }
+        s.arena.reset();
+        s.in_step = true;
+        s.cast_holds = 0;
+        let mut words = std::mem::take(&mut s.words);
+        let layout = step::pack_inputs(batch, &s.buckets, s.scratch_block, &mut words);
+        s.words = words;
+        let bytes = layout.used * 4;
+        let base = self.scratch("allocating the step inputs", |s| &mut s.inputs, s, bytes)?;
+        self.check(
+            "allocating pinned memory",
+            grow_pinned(&*self.gpu, &mut s.staging, bytes),
+        )?;
+        let staging = s.staging.as_mut().expect("grown").as_mut();
+        words_to_bytes(&s.words, &mut staging[..bytes]);
+        self.check(
+            "uploading the step",
+            self.gpu.upload(base, &staging[..bytes]),
+        )?;
+        s.pending = true;
+        if let (true, Some(key)) = (self.options().cuda_graphs, layout.graph) {
+            if let Some((graph, _)) = s.graphs.get(&key) {
+                self.check("replaying a CUDA graph", self.gpu.replay(graph))?;
+                s.mode = Mode::Replay(key);
+            } else if !s.seen.insert(key) {
+                // Run once eagerly (buffers grown, cuBLAS warm), captured the second time.
+                self.check("beginning a CUDA graph capture", self.gpu.begin_capture())?;
+                s.mode = Mode::Capture(key);
+            }
+        }
+        Some((layout, base))
+    }
+
+    /// The decode buckets up to `max` rows (from `reserve_step_memory`).
+    #[cfg(test)]
+    fn buckets(&self) -> Vec<usize> {
+        self.state().buckets.clone()
     }
 }
 
@@ -486,12 +692,25 @@ fn not_run_on_a_gpu(config: &ModelConfig) -> Option<&'static str> {
     }
 }
 
-impl Backend for CudaBackend {
+/// The geometry arguments both attention kernels take, in their order.
+fn attention_geometry(layer: usize, kv: &CudaKvStore, shape: AttentionShape) -> [Arg; 7] {
+    [
+        i32_of(layer),
+        i32_of(kv.physical_blocks()),
+        i32_of(shape.num_heads),
+        i32_of(shape.num_kv_heads),
+        i32_of(kv.layout.block_size),
+        i32_of(shape.head_dim),
+        Arg::F32(1.0 / (shape.head_dim as f32).sqrt()),
+    ]
+}
+
+impl<G: Gpu> Backend for GpuBackend<G> {
     type Matrix = CudaMatrix;
-    type Vector = CudaSlice<f32>;
+    type Vector = CudaVector;
     type Activations = CudaActivations;
     type KvStore = CudaKvStore;
-    type Batch<'a> = Option<CudaBatch>;
+    type Batch<'a> = CudaBatch<'a>;
 
     /// One engine per GPU context: steps never interleave with another engine's.
     type StepTurn<'a> = ();
@@ -530,7 +749,8 @@ impl Backend for CudaBackend {
         cols: usize,
         bytes: WeightBytes,
     ) -> Result<CudaMatrix, EngineError> {
-        self.upload_matrix(name, &bf16_matrix(ty, &bytes, rows * cols), rows, cols)
+        self.upload_matrix(&bf16_matrix(ty, &bytes, rows * cols), rows, cols)
+            .map_err(|e| CudaError::Driver(format!("uploading {name}: {e}")).into())
     }
 
     fn load_stacked_matrix(&self, parts: &[RawTensor]) -> Result<Option<CudaMatrix>, EngineError> {
@@ -546,25 +766,32 @@ impl Backend for CudaBackend {
             values.extend(bf16_matrix(t.ty, &t.bytes, t.rows * t.cols));
         }
         let rows = parts.iter().map(|t| t.rows).sum();
-        self.upload_matrix("stacked matrices", &values, rows, first.cols)
-            .map(Some)
+        Ok(Some(
+            self.upload_matrix(&values, rows, first.cols)
+                .map_err(|e| CudaError::Driver(format!("uploading stacked matrices: {e}")))?,
+        ))
     }
 
     fn matrix_rows(&self, m: &CudaMatrix) -> usize {
         m.rows
     }
 
-    fn load_vector(&self, values: Vec<f32>) -> Result<CudaSlice<f32>, EngineError> {
-        Ok(self
-            .stream
-            .clone_htod(&values)
-            .map_err(|e| CudaError::Driver(format!("uploading a vector: {e}")))?)
+    fn load_vector(&self, values: Vec<f32>) -> Result<CudaVector, EngineError> {
+        let upload = || -> Result<CudaVector, CudaError> {
+            let buf = DeviceBuffer::new(&self.gpu, values.len() * 4)?;
+            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            self.gpu.upload(buf.ptr(), &bytes)?;
+            self.gpu.synchronize()?;
+            Ok(CudaVector { buf })
+        };
+        Ok(upload().map_err(|e| CudaError::Driver(format!("uploading a vector: {e}")))?)
     }
 
     fn kv_capacity_blocks(&self, values_per_block: usize) -> Option<usize> {
-        let (free, _) = self.ctx.mem_get_info().ok()?;
+        let free = self.gpu.free_memory().ok()?;
         let bytes = (free as f64 * self.memory_fraction) as usize;
-        Some(bytes / (values_per_block * 2).max(1))
+        // One block per layer more is the scratch block.
+        Some((bytes / (values_per_block * 2).max(1)).saturating_sub(1))
     }
 
     fn alloc_kv(&self, layout: KvLayout) -> Result<CudaKvStore, EngineError> {
@@ -574,27 +801,24 @@ impl Backend for CudaBackend {
                 layout.dtype
             )));
         }
-        let elems = layout.num_blocks * layout.block_size * layout.values_per_token();
-        let bytes = (elems * 2).max(2);
-        let fail = |e: cudarc::driver::DriverError| {
+        let physical = KvLayout {
+            num_blocks: layout.num_blocks + 1,
+            ..layout
+        };
+        let bytes = physical.num_blocks * physical.block_size * physical.values_per_token() * 2;
+        let fail = |e: CudaError| {
             CudaError::Driver(format!(
                 "allocating the KV cache ({} MiB): {e}",
                 bytes >> 20
             ))
         };
-        self.ctx.bind_to_thread().map_err(fail)?;
-        // SAFETY: a fresh allocation, zeroed before use.
-        let ptr = unsafe {
-            let ptr = cudarc::driver::result::malloc_sync(bytes).map_err(fail)?;
-            cudarc::driver::result::memset_d8_sync(ptr, 0, bytes).map_err(fail)?;
-            ptr
-        };
-        Ok(CudaKvStore {
-            ptr,
-            elems,
-            layout,
-            ctx: self.ctx.clone(),
-        })
+        let buf = DeviceBuffer::new(&self.gpu, bytes).map_err(fail)?;
+        self.gpu
+            .zero(buf.ptr(), bytes)
+            .and_then(|()| self.gpu.synchronize())
+            .map_err(fail)?;
+        self.state().scratch_block = layout.num_blocks as u32;
+        Ok(CudaKvStore { buf, layout })
     }
 
     fn kv_block_bytes(&self, kv: &CudaKvStore) -> usize {
@@ -605,151 +829,188 @@ impl Backend for CudaBackend {
         if self.failed() {
             return;
         }
-        let mut host = vec![0u16; kv.chunk_elems()];
-        // SAFETY: the chunk lies inside the store (the engine checks layer and block).
-        let r = unsafe {
-            cudarc::driver::result::memcpy_dtoh_async(
-                &mut host,
-                kv.chunk_ptr(layer, block),
-                self.stream.cu_stream(),
-            )
+        let r = self
+            .gpu
+            .download(out, kv.chunk_ptr(layer, block))
+            .and_then(|()| self.gpu.synchronize());
+        self.check("reading a KV block", r);
+    }
+
+    fn read_kv_blocks(&self, kv: &CudaKvStore, layer: usize, blocks: &[u32], out: &mut [u8]) {
+        if self.failed() {
+            return;
         }
-        .and_then(|()| self.stream.synchronize());
-        if self.check("reading a KV block", r).is_some() {
-            for (o, v) in out.chunks_exact_mut(2).zip(&host) {
-                o.copy_from_slice(&v.to_le_bytes());
-            }
-        }
+        let chunks: Vec<u32> = blocks
+            .iter()
+            .map(|&b| kv.chunk_index(layer, b as usize) as u32)
+            .collect();
+        let r = self
+            .gpu
+            .gather_download(kv.base_ptr(), &chunks, kv.chunk_elems() * 2, out);
+        self.check("reading a layer's KV blocks", r);
     }
 
     fn write_kv_block(&self, kv: &mut CudaKvStore, layer: usize, block: usize, data: &[u8]) {
         if self.failed() {
             return;
         }
-        let host: Vec<u16> = data
-            .chunks_exact(2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]))
-            .collect();
-        // SAFETY: as above; the copy completes before `host` is dropped (synchronize).
-        let r = unsafe {
-            cudarc::driver::result::memcpy_htod_async(
-                kv.chunk_ptr(layer, block),
-                &host,
-                self.stream.cu_stream(),
-            )
-        }
-        .and_then(|()| self.stream.synchronize());
+        let r = self
+            .gpu
+            .upload(kv.chunk_ptr(layer, block), data)
+            .and_then(|()| self.gpu.synchronize());
         self.check("writing a KV block", r);
     }
 
-    fn alloc(&self, rows: usize, cols: usize) -> CudaActivations {
-        // On failure a 1-element buffer stands in; the failure is reported by `sync`.
-        let data = self
-            .zeros::<f32>("allocating activations", rows * cols)
-            .or_else(|| self.stream.alloc_zeros::<f32>(1).ok())
-            .expect("a one-element allocation");
-        CudaActivations { data, rows, cols }
+    fn reserve_step_memory(&self, plan: &StepMemoryPlan<'_>) {
+        let c = plan.config;
+        let (rows, logit_rows) = (plan.max_rows.max(1), plan.max_logit_rows.max(1));
+        let mut s = self.state();
+        s.buckets = step::buckets(rows);
+        let widest = [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        let blocks_per_seq = c.max_position_embeddings.div_ceil(plan.block_size.max(1));
+        // Every array of `step::pack_inputs`, each sequence with a whole context's table.
+        let input_bytes = 4 * rows * (12 + blocks_per_seq);
+        let logits_bytes = logit_rows * c.vocab_size * 4;
+        let sampling_words = logit_rows * (sampling::PARAM_WORDS + c.vocab_size.div_ceil(32) + 64);
+        let activation_bytes = step::arena_bytes(plan.activations);
+        let reserved = (|| -> Result<(), CudaError> {
+            grow(&self.gpu, &mut s.workspace, activation_bytes)?;
+            grow(&self.gpu, &mut s.cast, rows * widest * 2)?;
+            // Decode attention of every row within one partition; longer contexts grow it.
+            grow(
+                &self.gpu,
+                &mut s.partitions,
+                rows * c.num_heads * (c.head_dim + 2) * 4,
+            )?;
+            grow(&self.gpu, &mut s.inputs, input_bytes)?;
+            grow_pinned(&*self.gpu, &mut s.staging, input_bytes)?;
+            grow_pinned(&*self.gpu, &mut s.download, logits_bytes)?;
+            if self.options().device_sampling {
+                grow(&self.gpu, &mut s.sampling_inputs, sampling_words * 4)?;
+                grow_pinned(&*self.gpu, &mut s.sampling_staging, sampling_words * 4)?;
+                grow(&self.gpu, &mut s.sampling_work, logits_bytes)?;
+                grow(
+                    &self.gpu,
+                    &mut s.sampling_out,
+                    logit_rows * sampling::OUT_WORDS * 4,
+                )?;
+            }
+            Ok(())
+        })();
+        if self.check("reserving the step memory", reserved).is_some() {
+            s.arena.capacity = activation_bytes;
+        }
     }
 
-    fn prepare_batch(&self, batch: &ForwardBatch) -> Option<CudaBatch> {
-        let mut block_tables = Vec::new();
-        let mut table_offsets = Vec::with_capacity(batch.seqs.len());
-        for s in &batch.seqs {
-            table_offsets.push(block_tables.len() as u32);
-            block_tables.extend_from_slice(&s.block_table);
-        }
-        let mut decode_rows = Vec::new();
-        let mut max_context = 0;
-        let (mut p_start, mut p_len, mut p_pos, mut p_table) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (i, s) in batch.seqs.iter().enumerate() {
-            if s.len == 1 {
-                decode_rows.push(s.row_start as u32);
-                max_context = max_context.max(s.context_len());
-            } else if s.len > 1 {
-                p_start.push(s.row_start as u32);
-                p_len.push(s.len as u32);
-                p_pos.push(s.start_pos as u32);
-                p_table.push(table_offsets[i]);
+    fn alloc(&self, rows: usize, cols: usize) -> CudaActivations {
+        let bytes = rows * cols * 4;
+        let mut guard = self.state();
+        let s = &mut *guard;
+        if s.in_step {
+            if let (Some(offset), Some(ws)) = (s.arena.take(bytes), s.workspace.as_ref()) {
+                return CudaActivations {
+                    ptr: ws.ptr() + offset as u64,
+                    rows,
+                    cols,
+                    _owned: None,
+                };
+            }
+            if matches!(s.mode, Mode::Replay(_)) {
+                // The captured step fitted; a replay that does not would compute elsewhere.
+                self.check::<(), _>("a replayed step", Err("outgrew its workspace"));
             }
         }
-        let decode = if decode_rows.is_empty() {
-            None
-        } else {
-            Some(DecodeRows {
-                count: decode_rows.len(),
-                rows: self.upload("uploading decode rows", &decode_rows)?,
-                max_partitions: max_context.div_ceil(PARTITION_TOKENS),
-            })
-        };
-        let prefill = if p_start.is_empty() {
-            None
-        } else {
-            Some(PrefillSeqs {
-                count: p_start.len(),
-                max_len: p_len.iter().copied().max().unwrap_or(0) as usize,
-                row_start: self.upload("uploading the batch", &p_start)?,
-                len: self.upload("uploading the batch", &p_len)?,
-                start_pos: self.upload("uploading the batch", &p_pos)?,
-                table_offsets: self.upload("uploading the batch", &p_table)?,
-            })
-        };
-        Some(CudaBatch {
-            positions: self.upload("uploading the batch", &batch.positions)?,
-            slots: self.upload("uploading the batch", &batch.slots)?,
-            row_seq: self.upload("uploading the batch", &batch.row_seq)?,
-            block_tables: self.upload("uploading the batch", &block_tables)?,
-            table_offsets: self.upload("uploading the batch", &table_offsets)?,
-            decode,
-            prefill,
-        })
+        // Outside a step (benchmarks, checks) or past the workspace: memory of its own, zeroed.
+        let owned = self.check(
+            "allocating activations",
+            DeviceBuffer::new(&self.gpu, bytes)
+                .and_then(|b| self.gpu.zero(b.ptr(), bytes).map(|()| b)),
+        );
+        let ptr = owned.as_ref().map(DeviceBuffer::ptr).unwrap_or(0);
+        CudaActivations {
+            ptr,
+            rows,
+            cols,
+            _owned: owned,
+        }
     }
 
-    fn embed(&self, table: &CudaMatrix, tokens: &[u32], out: &mut CudaActivations) {
-        let Some(ids) = self.upload("uploading tokens", tokens) else {
-            return;
-        };
-        let hidden = table.cols as i32;
-        self.launch("embed_rows", per_row(tokens.len(), 256), |a| {
-            a.arg(&table.data).arg(&ids).arg(&mut out.data).arg(&hidden);
-        });
+    fn alloc_zeroed(&self, rows: usize, cols: usize) -> CudaActivations {
+        let x = self.alloc(rows, cols);
+        let mut s = self.state();
+        if !self.idle(&s) {
+            s.pending = true;
+            self.check("zeroing activations", self.gpu.zero(x.ptr, rows * cols * 4));
+        }
+        x
     }
 
-    fn rms_norm(
-        &self,
-        x: &CudaActivations,
-        w: &CudaSlice<f32>,
-        eps: f32,
-        out: &mut CudaActivations,
-    ) {
-        let cols = x.cols as i32;
-        self.launch("rms_norm", per_row(x.rows, 256), |a| {
-            a.arg(&x.data)
-                .arg(w)
-                .arg(&mut out.data)
-                .arg(&cols)
-                .arg(&eps);
-        });
+    fn prepare_batch<'a>(&self, batch: &'a ForwardBatch) -> CudaBatch<'a> {
+        let mut s = self.state();
+        let (layout, base) = self
+            .start_step(&mut s, batch)
+            .unwrap_or((InputLayout::default(), 0));
+        CudaBatch {
+            forward: batch,
+            layout,
+            base,
+        }
     }
 
-    fn head_rms_norm(
-        &self,
-        x: &mut CudaActivations,
-        w: &CudaSlice<f32>,
-        head_dim: usize,
-        eps: f32,
-    ) {
+    fn step_rows(&self, batch: &CudaBatch<'_>) -> StepRows {
+        if self.failed() {
+            // Nothing runs; the batch's own shape keeps the caller's arithmetic right.
+            return StepRows {
+                rows: batch.forward.num_rows(),
+                logit_rows: batch.forward.logit_rows.len(),
+            };
+        }
+        StepRows {
+            rows: batch.layout.rows,
+            logit_rows: batch.layout.logit_rows,
+        }
+    }
+
+    fn embed(&self, table: &CudaMatrix, batch: &CudaBatch<'_>, out: &mut CudaActivations) {
+        let mut s = self.state();
+        self.launch(
+            &mut s,
+            "embed_rows",
+            per_row(batch.layout.rows, 256),
+            &[
+                Arg::Ptr(table.buf.ptr()),
+                batch.at(batch.layout.tokens),
+                Arg::Ptr(out.ptr),
+                i32_of(table.cols),
+            ],
+        );
+    }
+
+    fn rms_norm(&self, x: &CudaActivations, w: &CudaVector, eps: f32, out: &mut CudaActivations) {
+        self.norm(x, None, w, eps, out);
+    }
+
+    fn head_rms_norm(&self, x: &mut CudaActivations, w: &CudaVector, head_dim: usize, eps: f32) {
         // The row kernel over `rows × heads` rows of `head_dim`, into a buffer taken in x's place.
         let heads = x.cols / head_dim;
         let mut normed = self.alloc(x.rows, x.cols);
-        let cols = head_dim as i32;
-        self.launch("rms_norm", per_row(x.rows * heads, 256), |a| {
-            a.arg(&x.data)
-                .arg(w)
-                .arg(&mut normed.data)
-                .arg(&cols)
-                .arg(&eps);
-        });
+        let mut s = self.state();
+        self.launch(
+            &mut s,
+            "rms_norm",
+            per_row(x.rows * heads, 256),
+            &[
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(w.buf.ptr()),
+                Arg::Ptr(normed.ptr),
+                Arg::Ptr(0),
+                i32_of(head_dim),
+                Arg::F32(eps),
+            ],
+        );
         std::mem::swap(x, &mut normed);
     }
 
@@ -757,75 +1018,77 @@ impl Backend for CudaBackend {
         &self,
         x: &mut CudaActivations,
         delta: &CudaActivations,
-        w: &CudaSlice<f32>,
+        w: &CudaVector,
         eps: f32,
         out: &mut CudaActivations,
     ) {
-        let cols = x.cols as i32;
-        self.launch("add_rms_norm", per_row(x.rows, 256), |a| {
-            a.arg(&mut x.data)
-                .arg(&delta.data)
-                .arg(w)
-                .arg(&mut out.data)
-                .arg(&cols)
-                .arg(&eps);
-        });
+        self.norm(x, Some(delta), w, eps, out);
     }
 
     fn matmul(&self, w: &CudaMatrix, x: &CudaActivations, out: &mut CudaActivations) {
-        self.gemm(w, x, out);
+        let mut s = self.state();
+        self.gemm(&mut s, w, x, out);
     }
 
     fn split_cols(&self, x: &CudaActivations, parts: &mut [&mut CudaActivations]) {
-        let (rows, cols) = (x.rows as i32, x.cols as i32);
-        let mut start = 0i32;
+        let mut s = self.state();
+        let mut start = 0;
         for p in parts.iter_mut() {
-            let width = p.cols as i32;
-            self.launch("copy_cols", grid1(x.rows * p.cols, 256), |a| {
-                a.arg(&x.data)
-                    .arg(&rows)
-                    .arg(&cols)
-                    .arg(&start)
-                    .arg(&width)
-                    .arg(&mut p.data);
-            });
-            start += width;
+            self.launch(
+                &mut s,
+                "copy_cols",
+                grid1(x.rows * p.cols, 256),
+                &[
+                    Arg::Ptr(x.ptr),
+                    i32_of(x.rows),
+                    i32_of(x.cols),
+                    i32_of(start),
+                    i32_of(p.cols),
+                    Arg::Ptr(p.ptr),
+                ],
+            );
+            start += p.cols;
         }
     }
 
-    fn add_bias(&self, x: &mut CudaActivations, bias: &CudaSlice<f32>) {
-        let (rows, cols) = (x.rows as i32, x.cols as i32);
-        self.launch("add_bias_rows", grid1(x.rows * x.cols, 256), |a| {
-            a.arg(&mut x.data).arg(bias).arg(&rows).arg(&cols);
-        });
+    fn add_bias(&self, x: &mut CudaActivations, bias: &CudaVector) {
+        let mut s = self.state();
+        self.launch(
+            &mut s,
+            "add_bias_rows",
+            grid1(x.rows * x.cols, 256),
+            &[
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(bias.buf.ptr()),
+                i32_of(x.rows),
+                i32_of(x.cols),
+            ],
+        );
     }
 
     fn rope(
         &self,
         x: &mut CudaActivations,
         head_dim: usize,
-        inv_freq: &CudaSlice<f32>,
+        inv_freq: &CudaVector,
         attention_factor: f32,
-        batch: &Option<CudaBatch>,
+        batch: &CudaBatch<'_>,
     ) {
-        let Some(b) = batch else {
-            return self.report_missing_batch();
-        };
-        let heads = (x.cols / head_dim) as i32;
-        let hd = head_dim as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (x.rows as u32, heads as u32, 1),
-            block_dim: ((head_dim / 2) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch("rope_rotate_half", cfg, |a| {
-            a.arg(&mut x.data)
-                .arg(&b.positions)
-                .arg(inv_freq)
-                .arg(&heads)
-                .arg(&hd)
-                .arg(&attention_factor);
-        });
+        let heads = x.cols / head_dim;
+        let mut s = self.state();
+        self.launch(
+            &mut s,
+            "rope_rotate_half",
+            ((x.rows as u32, heads as u32, 1), (head_dim / 2) as u32),
+            &[
+                Arg::Ptr(x.ptr),
+                batch.at(batch.layout.positions),
+                Arg::Ptr(inv_freq.buf.ptr()),
+                i32_of(heads),
+                i32_of(head_dim),
+                Arg::F32(attention_factor),
+            ],
+        );
     }
 
     fn write_kv(
@@ -834,30 +1097,77 @@ impl Backend for CudaBackend {
         layer: usize,
         k: &CudaActivations,
         v: &CudaActivations,
-        batch: &Option<CudaBatch>,
+        batch: &CudaBatch<'_>,
     ) {
-        let Some(b) = batch else {
-            return self.report_missing_batch();
-        };
         let l = kv.layout;
-        let (layer, nb, kvh, bs, hd) = (
-            layer as i32,
-            l.num_blocks as i32,
-            l.num_kv_heads as i32,
-            l.block_size as i32,
-            l.head_dim as i32,
+        let mut s = self.state();
+        self.launch(
+            &mut s,
+            "write_kv",
+            per_row(k.rows, 128),
+            &[
+                Arg::Ptr(kv.base_ptr()),
+                Arg::Ptr(k.ptr),
+                Arg::Ptr(v.ptr),
+                batch.at(batch.layout.slots),
+                i32_of(layer),
+                i32_of(kv.physical_blocks()),
+                i32_of(l.num_kv_heads),
+                i32_of(l.block_size),
+                i32_of(l.head_dim),
+            ],
         );
-        self.launch("write_kv", per_row(k.rows, 128), |a| {
-            a.arg(&kv.ptr)
-                .arg(&k.data)
-                .arg(&v.data)
-                .arg(&b.slots)
-                .arg(&layer)
-                .arg(&nb)
-                .arg(&kvh)
-                .arg(&bs)
-                .arg(&hd);
-        });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_rope_write_kv(
+        &self,
+        qkv: &CudaActivations,
+        q: &mut CudaActivations,
+        k: &mut CudaActivations,
+        v: &mut CudaActivations,
+        kv: &mut CudaKvStore,
+        layer: usize,
+        shape: AttentionShape,
+        inv_freq: &CudaVector,
+        attention_factor: f32,
+        batch: &CudaBatch<'_>,
+    ) {
+        if !self.options().fused_kernels {
+            self.split_cols(qkv, &mut [&mut *q, &mut *k, &mut *v]);
+            self.rope(q, shape.head_dim, inv_freq, attention_factor, batch);
+            self.rope(k, shape.head_dim, inv_freq, attention_factor, batch);
+            return self.write_kv(kv, layer, k, v, batch);
+        }
+        let l = kv.layout;
+        let mut s = self.state();
+        self.launch(
+            &mut s,
+            "qkv_rope_write_kv",
+            (
+                (
+                    qkv.rows as u32,
+                    (shape.num_heads + 2 * shape.num_kv_heads) as u32,
+                    1,
+                ),
+                (shape.head_dim / 2) as u32,
+            ),
+            &[
+                Arg::Ptr(qkv.ptr),
+                Arg::Ptr(q.ptr),
+                Arg::Ptr(kv.base_ptr()),
+                batch.at(batch.layout.positions),
+                batch.at(batch.layout.slots),
+                Arg::Ptr(inv_freq.buf.ptr()),
+                i32_of(layer),
+                i32_of(kv.physical_blocks()),
+                i32_of(shape.num_heads),
+                i32_of(shape.num_kv_heads),
+                i32_of(l.block_size),
+                i32_of(shape.head_dim),
+                Arg::F32(attention_factor),
+            ],
+        );
     }
 
     fn attention(
@@ -866,120 +1176,216 @@ impl Backend for CudaBackend {
         kv: &CudaKvStore,
         layer: usize,
         shape: AttentionShape,
-        batch: &Option<CudaBatch>,
+        batch: &CudaBatch<'_>,
         out: &mut CudaActivations,
     ) {
-        let Some(b) = batch else {
-            return self.report_missing_batch();
-        };
-        let l = kv.layout;
-        let g = AttentionArgs {
-            layer: layer as i32,
-            num_blocks: l.num_blocks as i32,
-            num_heads: shape.num_heads as i32,
-            num_kv_heads: shape.num_kv_heads as i32,
-            block_size: l.block_size as i32,
-            head_dim: shape.head_dim as i32,
-            scale: 1.0 / (shape.head_dim as f32).sqrt(),
-        };
-        let (nh, kvh, hd) = (g.num_heads, g.num_kv_heads, g.head_dim);
-        if let Some(d) = &b.decode {
-            let parts = d.max_partitions as i32;
-            let stats = d.count * shape.num_heads * d.max_partitions;
-            // Every entry a launch reads is written first (empty partitions too), so the buffers
-            // are reused as they are.
-            let mut scratch = self.partition_scratch.lock().expect("scratch lock");
-            let PartitionScratch { out: o, max, sum } = &mut *scratch;
-            let (Some(part_out), Some(part_max), Some(part_sum)) = (
-                self.grown(o, "attention scratch", stats * shape.head_dim),
-                self.grown(max, "attention scratch", stats),
-                self.grown(sum, "attention scratch", stats),
-            ) else {
+        let l = &batch.layout;
+        let geometry = attention_geometry(layer, kv, shape);
+        let mut s = self.state();
+        if l.decode_rows > 0 {
+            let parts = l.partitions;
+            let stats = l.decode_rows * shape.num_heads * parts;
+            // Every entry a launch reads is written first (empty partitions too), so the
+            // buffer is reused as it is: [out: stats × head_dim][max: stats][sum: stats].
+            let bytes = stats * (shape.head_dim + 2) * 4;
+            let Some(part) =
+                self.scratch("attention scratch", |s| &mut s.partitions, &mut s, bytes)
+            else {
                 return;
             };
-            let cfg = LaunchConfig {
-                grid_dim: (d.count as u32, kvh as u32, parts as u32),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
+            let part_out = part;
+            let part_max = part + (stats * shape.head_dim * 4) as u64;
+            let part_sum = part_max + (stats * 4) as u64;
+            let mut args = vec![
+                Arg::Ptr(q.ptr),
+                Arg::Ptr(kv.base_ptr()),
+                batch.at(l.decode_row_ids),
+                batch.at(l.row_seq),
+                batch.at(l.positions),
+                Arg::Ptr(batch.base),
+                batch.at(l.table_offsets),
+            ];
+            args.extend(geometry);
+            args.extend([
+                i32_of(parts),
+                Arg::Ptr(part_out),
+                Arg::Ptr(part_max),
+                Arg::Ptr(part_sum),
+            ]);
+            self.launch(
+                &mut s,
+                "paged_attention_partial",
+                (
+                    (
+                        l.decode_rows as u32,
+                        shape.num_kv_heads as u32,
+                        parts as u32,
+                    ),
+                    128,
+                ),
+                &args,
+            );
+            // The bf16 copy only when every row is a decode row (all of `out` written).
+            let copy = match l.prefill_seqs {
+                0 => self.bf16_copy(&mut s, out.rows * out.cols),
+                _ => Arg::Ptr(0),
             };
-            self.launch("paged_attention_partial", cfg, |a| {
-                a.arg(&q.data)
-                    .arg(&kv.ptr)
-                    .arg(&d.rows)
-                    .arg(&b.row_seq)
-                    .arg(&b.positions)
-                    .arg(&b.block_tables)
-                    .arg(&b.table_offsets);
-                g.push(a);
-                a.arg(&parts)
-                    .arg(&mut *part_out)
-                    .arg(&mut *part_max)
-                    .arg(&mut *part_sum);
-            });
-            let cfg = LaunchConfig {
-                grid_dim: (d.count as u32, nh as u32, 1),
-                block_dim: (hd as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            self.launch("paged_attention_reduce", cfg, |a| {
-                a.arg(&*part_out)
-                    .arg(&*part_max)
-                    .arg(&*part_sum)
-                    .arg(&d.rows)
-                    .arg(&b.positions)
-                    .arg(&nh)
-                    .arg(&hd)
-                    .arg(&parts)
-                    .arg(&mut out.data);
-            });
+            self.launch(
+                &mut s,
+                "paged_attention_reduce",
+                (
+                    (l.decode_rows as u32, shape.num_heads as u32, 1),
+                    shape.head_dim as u32,
+                ),
+                &[
+                    Arg::Ptr(part_out),
+                    Arg::Ptr(part_max),
+                    Arg::Ptr(part_sum),
+                    batch.at(l.decode_row_ids),
+                    batch.at(l.positions),
+                    i32_of(shape.num_heads),
+                    i32_of(shape.head_dim),
+                    i32_of(parts),
+                    Arg::Ptr(out.ptr),
+                    copy,
+                ],
+            );
+            if l.prefill_seqs == 0 {
+                self.cast_written(&mut s, out);
+            }
         }
-        if let Some(p) = &b.prefill {
-            self.launch_prefill_attention(q, kv, p, b, &g, out);
+        if l.prefill_seqs > 0 {
+            let max_len = batch
+                .forward
+                .seqs
+                .iter()
+                .map(|seq| seq.len)
+                .filter(|&n| n > 1)
+                .max()
+                .unwrap_or(0);
+            let mut args = vec![
+                Arg::Ptr(q.ptr),
+                Arg::Ptr(kv.base_ptr()),
+                batch.at(l.prefill_row_start),
+                batch.at(l.prefill_len),
+                batch.at(l.prefill_start_pos),
+                Arg::Ptr(batch.base),
+                batch.at(l.prefill_table_offsets),
+            ];
+            args.extend(geometry);
+            args.push(Arg::Ptr(out.ptr));
+            let seqs = l.prefill_seqs as u32;
+            let heads = shape.num_heads as u32;
+            // One entry point per padded head size (each with its own registers).
+            match self.options().prefill_attention {
+                PrefillAttention::Legacy => {
+                    let kernel = if shape.head_dim <= 64 {
+                        "prefill_attention_hd64"
+                    } else if shape.head_dim <= 128 {
+                        "prefill_attention_hd128"
+                    } else {
+                        "prefill_attention_hd256"
+                    };
+                    let tiles = max_len.div_ceil(kernels::PREFILL_BLOCK_M) as u32;
+                    let grid = ((tiles, heads, seqs), kernels::PREFILL_THREADS);
+                    self.launch(&mut s, kernel, grid, &args);
+                }
+                // The heads first in the grid: every head of a query tile runs at once.
+                PrefillAttention::Fa => {
+                    let e = kernels::fa_entry(shape.head_dim);
+                    let tiles = max_len.div_ceil(e.block_m) as u32;
+                    let grid = ((heads, tiles, seqs), kernels::FA_THREADS);
+                    self.launch_shared(&mut s, e.kernel, grid, e.smem_bytes, &args);
+                }
+            }
         }
     }
 
     fn silu_mul(&self, gate: &mut CudaActivations, up: &CudaActivations) {
-        let n = (gate.rows * gate.cols) as u64;
-        self.launch("silu_mul", grid1(n as usize, 256), |a| {
-            a.arg(&mut gate.data).arg(&up.data).arg(&n);
-        });
+        let n = gate.rows * gate.cols;
+        let mut s = self.state();
+        self.launch(
+            &mut s,
+            "silu_mul",
+            grid1(n, 256),
+            &[Arg::Ptr(gate.ptr), Arg::Ptr(up.ptr), Arg::U64(n as u64)],
+        );
     }
 
     fn silu_mul_stacked(&self, gate_up: &CudaActivations, out: &mut CudaActivations) {
-        let (rows, inter) = (gate_up.rows as i32, (gate_up.cols / 2) as i32);
-        let n = gate_up.rows * gate_up.cols / 2;
-        let mut scratch = self.cast_scratch.lock().expect("scratch lock");
-        let Some(xb) = self.grown(&mut scratch, "allocating the matmul cast buffer", n) else {
+        let (rows, inter) = (gate_up.rows, gate_up.cols / 2);
+        let n = rows * inter;
+        let mut s = self.state();
+        let Some(xb) = self.cast_buffer(&mut s, n) else {
             return;
         };
-        self.launch("silu_mul_stacked", grid1(n, 256), |a| {
-            a.arg(&gate_up.data)
-                .arg(&mut out.data)
-                .arg(&mut *xb)
-                .arg(&rows)
-                .arg(&inter);
-        });
+        self.launch(
+            &mut s,
+            "silu_mul_stacked",
+            grid1(n, 256),
+            &[
+                Arg::Ptr(gate_up.ptr),
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(xb),
+                i32_of(rows),
+                i32_of(inter),
+            ],
+        );
         // `out` goes to the down projection next, which now needs no cast.
-        let source = self.address(&out.data);
-        self.cast_holds.store(source, Ordering::Relaxed);
+        s.cast_holds = out.ptr;
     }
 
     fn add(&self, x: &mut CudaActivations, y: &CudaActivations) {
-        let n = (x.rows * x.cols) as u64;
-        self.launch("add_inplace", grid1(n as usize, 256), |a| {
-            a.arg(&mut x.data).arg(&y.data).arg(&n);
-        });
+        let n = x.rows * x.cols;
+        let mut s = self.state();
+        self.launch(
+            &mut s,
+            "add_inplace",
+            grid1(n, 256),
+            &[Arg::Ptr(x.ptr), Arg::Ptr(y.ptr), Arg::U64(n as u64)],
+        );
+    }
+
+    fn gather_logit_rows(
+        &self,
+        x: &CudaActivations,
+        batch: &CudaBatch<'_>,
+        out: &mut CudaActivations,
+    ) {
+        let mut s = self.state();
+        self.launch(
+            &mut s,
+            "gather_rows",
+            per_row(batch.layout.logit_rows, 256),
+            &[
+                Arg::Ptr(x.ptr),
+                batch.at(batch.layout.logit_row_ids),
+                Arg::Ptr(out.ptr),
+                i32_of(x.cols),
+            ],
+        );
     }
 
     fn gather_rows(&self, x: &CudaActivations, rows: &[usize], out: &mut CudaActivations) {
+        // Rows chosen on the host mid-step (a mixture's experts; refused on this backend until it
+        // has run on a GPU, see `check_model`): uploaded here, in memory of their own.
         let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let Some(ids) = self.upload("uploading rows", &ids) else {
+        let Some(ids) = self.upload_words("uploading rows", &ids) else {
             return;
         };
-        let cols = x.cols as i32;
-        self.launch("gather_rows", per_row(rows.len(), 256), |a| {
-            a.arg(&x.data).arg(&ids).arg(&mut out.data).arg(&cols);
-        });
+        let mut s = self.state();
+        self.launch(
+            &mut s,
+            "gather_rows",
+            per_row(rows.len(), 256),
+            &[
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(ids.ptr()),
+                Arg::Ptr(out.ptr),
+                i32_of(x.cols),
+            ],
+        );
+        s.overflow.push(ids);
     }
 
     fn scatter_add_rows(
@@ -990,170 +1396,229 @@ impl Backend for CudaBackend {
         weights: &[f32],
     ) {
         let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let bits: Vec<u32> = weights.iter().map(|w| w.to_bits()).collect();
         let (Some(ids), Some(weights)) = (
-            self.upload("uploading rows", &ids),
-            self.upload("uploading weights", weights),
+            self.upload_words("uploading rows", &ids),
+            self.upload_words("uploading weights", &bits),
         ) else {
             return;
         };
-        let cols = out.cols as i32;
-        self.launch("scatter_add_rows", per_row(rows.len(), 256), |a| {
-            a.arg(&mut out.data)
-                .arg(&y.data)
-                .arg(&ids)
-                .arg(&weights)
-                .arg(&cols);
-        });
+        let mut s = self.state();
+        self.launch(
+            &mut s,
+            "scatter_add_rows",
+            per_row(rows.len(), 256),
+            &[
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(y.ptr),
+                Arg::Ptr(ids.ptr()),
+                Arg::Ptr(weights.ptr()),
+                i32_of(out.cols),
+            ],
+        );
+        s.overflow.extend([ids, weights]);
     }
 
     fn to_host(&self, x: CudaActivations) -> Vec<f32> {
         let n = x.rows * x.cols;
         let mut host = vec![0f32; n];
-        if !self.failed() {
-            let r = self.stream.memcpy_dtoh(&x.data.slice(0..n), &mut host);
-            self.check("copying logits to the host", r);
+        let mut s = self.state();
+        if self.download_and_wait(&mut s, x.ptr, n * 4).is_some() {
+            let landing = &s.download.as_ref().expect("grown").as_ref()[..n * 4];
+            for (h, b) in host.iter_mut().zip(landing.chunks_exact(4)) {
+                *h = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
         }
         host
     }
 
-    fn sync(&self) -> Result<(), EngineError> {
-        if !self.failed() {
-            let r = self.stream.synchronize();
-            self.check("stream synchronize", r);
+    fn samples_on_device(&self) -> bool {
+        self.options().device_sampling
+    }
+
+    fn sample(
+        &self,
+        logits: CudaActivations,
+        vocab: usize,
+        rows: &[RowSampling<'_>],
+    ) -> Vec<Sampled> {
+        let mut s = self.state();
+        self.finish_capture(&mut s);
+        self.check_replay(&s);
+        // The sampling kernel runs after the step's graph, eagerly: its inputs (penalties,
+        // grammar bitmaps) vary in length from step to step.
+        s.mode = Mode::Eager;
+        let m = rows.len();
+        let mut packed = std::mem::take(&mut s.packed);
+        packed.pack(rows);
+        let (params, pen, allowed) = (
+            packed.params.len(),
+            packed.penalized.len(),
+            packed.allowed.len(),
+        );
+        let words = params + pen + allowed;
+        let out_bytes = m * sampling::OUT_WORDS * 4;
+        let ready = (|| {
+            let at = self.scratch(
+                "allocating sampling inputs",
+                |s| &mut s.sampling_inputs,
+                &mut s,
+                words * 4,
+            )?;
+            let work = self.scratch(
+                "allocating sampling scratch",
+                |s| &mut s.sampling_work,
+                &mut s,
+                m * vocab * 4,
+            )?;
+            let out = self.scratch(
+                "allocating sampling output",
+                |s| &mut s.sampling_out,
+                &mut s,
+                out_bytes,
+            )?;
+            self.check(
+                "allocating pinned memory",
+                grow_pinned(&*self.gpu, &mut s.sampling_staging, words * 4),
+            )?;
+            let staging = s.sampling_staging.as_mut().expect("grown").as_mut();
+            words_to_bytes(&packed.params, &mut staging[..params * 4]);
+            words_to_bytes(
+                &packed.penalized,
+                &mut staging[params * 4..(params + pen) * 4],
+            );
+            words_to_bytes(&packed.allowed, &mut staging[(params + pen) * 4..words * 4]);
+            if !self.failed() {
+                self.check(
+                    "uploading sampling inputs",
+                    self.gpu.upload(at, &staging[..words * 4]),
+                )?;
+            }
+            Some((at, work, out))
+        })();
+        s.packed = packed;
+        let Some((at, work, out)) = ready else {
+            return vec![
+                Sampled {
+                    token: 0,
+                    logprobs: None
+                };
+                m
+            ];
+        };
+        self.launch(
+            &mut s,
+            "sample_rows",
+            ((m as u32, 1, 1), sampling::THREADS),
+            &[
+                Arg::Ptr(logits.ptr),
+                Arg::Ptr(work),
+                i32_of(vocab),
+                Arg::Ptr(at),
+                Arg::Ptr(at + (params * 4) as u64),
+                Arg::Ptr(at + ((params + pen) * 4) as u64),
+                Arg::Ptr(out),
+            ],
+        );
+        if self.download_and_wait(&mut s, out, out_bytes).is_none() {
+            return vec![
+                Sampled {
+                    token: 0,
+                    logprobs: None
+                };
+                m
+            ];
         }
+        let landing = &s.download.as_ref().expect("grown").as_ref()[..out_bytes];
+        let words: Vec<u32> = landing
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        sampling::unpack(&words, rows)
+    }
+
+    fn status(&self) -> Result<(), EngineError> {
         match self.failure.lock().expect("failure lock").as_ref() {
             None => Ok(()),
-            Some(f) => Err(EngineError::Device(format!(
-                "CUDA device {}: {f}",
-                self.info.ordinal
-            ))),
+            Some(f) => Err(EngineError::Device(format!("CUDA device: {f}"))),
         }
+    }
+
+    fn sync(&self) -> Result<(), EngineError> {
+        let mut s = self.state();
+        self.finish_capture(&mut s);
+        self.check_replay(&s);
+        if s.pending && !self.failed() {
+            self.check("stream synchronize", self.gpu.synchronize());
+        }
+        s.pending = false;
+        s.in_step = false;
+        s.mode = Mode::Eager;
+        s.overflow.clear();
+        drop(s);
+        self.status()
     }
 }
 
-impl CudaBackend {
-    /// Causal attention of the step's prefill sequences (several new tokens each) with the kernel
-    /// `--prefill-attention` chose, one entry point per padded head size (each with its own
-    /// registers). The fa grid puts the heads first: every head of a query tile runs at once.
-    fn launch_prefill_attention(
+impl<G: Gpu> GpuBackend<G> {
+    /// RMSNorm of `x`'s rows into `out`, `x += delta` first (written back) when given; with
+    /// fused kernels `out`'s bf16 copy beside it.
+    fn norm(
         &self,
-        q: &CudaActivations,
-        kv: &CudaKvStore,
-        p: &PrefillSeqs,
-        b: &CudaBatch,
-        g: &AttentionArgs,
-        out: &mut CudaActivations,
+        x: &CudaActivations,
+        delta: Option<&CudaActivations>,
+        w: &CudaVector,
+        eps: f32,
+        out: &CudaActivations,
     ) {
-        let (heads, seqs) = (g.num_heads as u32, p.count as u32);
-        let head_dim = g.head_dim as usize;
-        let kernel = *self
-            .prefill_attention
-            .lock()
-            .expect("prefill attention lock");
-        let (name, cfg) = match kernel {
-            PrefillAttention::Legacy => {
-                let name = if head_dim <= 64 {
-                    "prefill_attention_hd64"
-                } else if head_dim <= 128 {
-                    "prefill_attention_hd128"
-                } else {
-                    "prefill_attention_hd256"
-                };
-                let tiles = p.max_len.div_ceil(PREFILL_BLOCK_M) as u32;
-                let cfg = LaunchConfig {
-                    grid_dim: (tiles, heads, seqs),
-                    block_dim: (kernels::PREFILL_THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                (name, cfg)
+        let mut s = self.state();
+        let copy = self.bf16_copy(&mut s, out.rows * out.cols);
+        let mut args = vec![Arg::Ptr(x.ptr)];
+        let kernel = match delta {
+            Some(d) => {
+                args.push(Arg::Ptr(d.ptr));
+                "add_rms_norm"
             }
-            PrefillAttention::Fa => {
-                let e = kernels::fa_entry(head_dim);
-                let cfg = LaunchConfig {
-                    grid_dim: (heads, p.max_len.div_ceil(e.block_m) as u32, seqs),
-                    block_dim: (kernels::FA_THREADS, 1, 1),
-                    shared_mem_bytes: e.smem_bytes,
-                };
-                (e.kernel, cfg)
-            }
+            None => "rms_norm",
         };
-        self.launch(name, cfg, |a| {
-            a.arg(&q.data)
-                .arg(&kv.ptr)
-                .arg(&p.row_start)
-                .arg(&p.len)
-                .arg(&p.start_pos)
-                .arg(&b.block_tables)
-                .arg(&p.table_offsets);
-            g.push(a);
-            a.arg(&mut out.data);
-        });
+        args.extend([
+            Arg::Ptr(w.buf.ptr()),
+            Arg::Ptr(out.ptr),
+            copy,
+            i32_of(x.cols),
+            Arg::F32(eps),
+        ]);
+        self.launch(&mut s, kernel, per_row(x.rows, 256), &args);
+        self.cast_written(&mut s, out);
     }
 
-    /// Packs (layer, block) chunks (indices `layer * num_blocks + block`) into one buffer of
-    /// bf16 bytes, in order: what the NCCL transport sends.
-    pub fn pack_chunks(
-        &self,
-        store: &CudaKvStore,
-        chunks: &[u32],
-    ) -> Result<CudaSlice<u8>, CudaError> {
-        let elems = store.chunk_elems() as u64;
-        let ids = self.stream.clone_htod(chunks)?;
-        let mut out = self
-            .stream
-            .alloc_zeros::<u8>(chunks.len() * store.chunk_elems() * 2)?;
-        self.launch(
-            "pack_kv_chunks",
-            self.chunk_grid(store, chunks.len()),
-            |a| {
-                a.arg(&store.ptr).arg(&ids).arg(&elems).arg(&mut out);
-            },
-        );
-        self.sync().map_err(|e| CudaError::Driver(e.to_string()))?;
-        Ok(out)
-    }
-
-    /// The inverse of [`CudaBackend::pack_chunks`].
-    pub fn unpack_chunks(
-        &self,
-        store: &mut CudaKvStore,
-        chunks: &[u32],
-        packed: &CudaSlice<u8>,
-    ) -> Result<(), CudaError> {
-        let elems = store.chunk_elems() as u64;
-        let ids = self.stream.clone_htod(chunks)?;
-        self.launch(
-            "unpack_kv_chunks",
-            self.chunk_grid(store, chunks.len()),
-            |a| {
-                a.arg(&store.ptr).arg(&ids).arg(&elems).arg(packed);
-            },
-        );
-        self.sync().map_err(|e| CudaError::Driver(e.to_string()))
-    }
-
-    fn chunk_grid(&self, store: &CudaKvStore, num_chunks: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (
-                (store.chunk_elems() / 8).div_ceil(256) as u32,
-                num_chunks as u32,
-                1,
-            ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
-    fn report_missing_batch(&self) {
-        self.check::<(), _>("batch", Err("the step's metadata could not be uploaded"));
+    /// Words in memory of their own, uploaded and waited for (outside the step's inputs).
+    fn upload_words(&self, what: &str, words: &[u32]) -> Option<DeviceBuffer> {
+        let buf = self.check(what, DeviceBuffer::new(&self.gpu, words.len() * 4))?;
+        let mut bytes = vec![0u8; words.len() * 4];
+        words_to_bytes(words, &mut bytes);
+        self.check(
+            what,
+            self.gpu
+                .upload(buf.ptr(), &bytes)
+                .and_then(|()| self.gpu.synchronize()),
+        )?;
+        Some(buf)
     }
 }
+
+#[cfg(feature = "cuda")]
+pub use crate::cuda_gpu::CudaBackend;
 
 #[cfg(test)]
 mod tests {
     use std::path::Path;
 
     use super::*;
+    use crate::recording_gpu::{Event, RecordingGpu};
+    use duet_engine::batch::{LogitsWanted, SeqInput};
+    use duet_engine::llama::Llama;
+    use duet_model::params::SamplingParams;
 
     fn fixture(name: &str) -> ModelConfig {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
@@ -1174,5 +1639,253 @@ mod tests {
                 Some("mixture-of-experts FFNs")
             );
         }
+    }
+
+    /// The tiny fixture's shapes (and a longer context), random weights, on a recording GPU; a KV
+    /// store of 256 blocks and the step memory reserved for 16 rows, as `ModelRunner::load` does.
+    struct Rig {
+        gpu: Arc<RecordingGpu>,
+        model: Llama<GpuBackend<RecordingGpu>>,
+        kv: CudaKvStore,
+    }
+
+    const BLOCK: usize = 16;
+    const BLOCKS: usize = 256;
+
+    impl Rig {
+        fn new(options: GpuOptions) -> Self {
+            let gpu = Arc::new(RecordingGpu::default());
+            let backend = GpuBackend::with_gpu(gpu.clone(), options, 0.5);
+            // Contexts past one 512-token attention partition.
+            let config = ModelConfig {
+                max_position_embeddings: 4096,
+                ..fixture("tiny-llama")
+            };
+            let model = Llama::synthetic(backend, config, 3).unwrap();
+            let kv = model
+                .backend()
+                .alloc_kv(model.kv_layout(BLOCK, BLOCKS, KvDtype::Bf16))
+                .unwrap();
+            model.reserve_step_memory(16, BLOCK);
+            gpu.take();
+            Self { gpu, model, kv }
+        }
+
+        /// One decode step of `n` sequences at `context` tokens; the events it caused.
+        fn decode(&mut self, n: usize, context: usize) -> Vec<Event> {
+            let per_seq = (context + 1).div_ceil(BLOCK);
+            let tables: Vec<Vec<u32>> = (0..n)
+                .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+                .collect();
+            let tokens: Vec<[u32; 1]> = (0..n as u32).map(|t| [t + 1]).collect();
+            let inputs: Vec<SeqInput<'_>> = tables
+                .iter()
+                .zip(&tokens)
+                .map(|(table, t)| SeqInput {
+                    tokens: t,
+                    start_pos: context,
+                    block_table: table,
+                    logits: LogitsWanted::Last,
+                })
+                .collect();
+            let c = self.model.config();
+            let batch = ForwardBatch::new(
+                &inputs,
+                BLOCK,
+                BLOCKS,
+                c.vocab_size,
+                c.max_position_embeddings,
+            )
+            .unwrap();
+            let logits = self
+                .model
+                .forward(&batch, &mut self.kv, &mut |_, _| {})
+                .unwrap();
+            assert_eq!(logits.num_rows(), n, "padded rows are not returned");
+            self.gpu.take()
+        }
+    }
+
+    fn count(events: &[Event], f: impl Fn(&Event) -> bool) -> usize {
+        events.iter().filter(|e| f(e)).count()
+    }
+
+    fn launches(events: &[Event]) -> usize {
+        count(events, |e| matches!(e, Event::Launch(_) | Event::Gemm(_)))
+    }
+
+    /// After start-up, a decode step allocates nothing, uploads its inputs once, downloads its
+    /// logits once and waits once; padded to its bucket.
+    #[test]
+    fn a_decode_step_allocates_nothing_and_synchronizes_once() {
+        let mut rig = Rig::new(GpuOptions::default());
+        for _ in 0..3 {
+            let events = rig.decode(3, 20);
+            assert_eq!(
+                count(&events, |e| matches!(e, Event::Alloc(_))),
+                0,
+                "{events:?}"
+            );
+            assert_eq!(
+                count(&events, |e| matches!(e, Event::Upload(_))),
+                1,
+                "{events:?}"
+            );
+            assert_eq!(count(&events, |e| matches!(e, Event::Download(_))), 1);
+            assert_eq!(
+                count(&events, |e| *e == Event::Synchronize),
+                1,
+                "{events:?}"
+            );
+            // The products run on the bucket's 4 rows.
+            assert!(
+                events
+                    .iter()
+                    .all(|e| !matches!(e, Event::Gemm(g) if g.rows != 4))
+            );
+        }
+    }
+
+    /// With graphs on: the first step of a shape runs eagerly, the second is captured (and its
+    /// graph replayed), later ones only replay; all with one upload and one wait.
+    #[test]
+    fn graphs_are_captured_once_per_bucket_and_replayed() {
+        let mut rig = Rig::new(GpuOptions {
+            cuda_graphs: true,
+            ..Default::default()
+        });
+        let eager = rig.decode(3, 20);
+        assert!(launches(&eager) > 0 && !eager.contains(&Event::BeginCapture));
+        let captured = rig.decode(4, 30); // the same bucket (4) and partitions (1)
+        let brackets: Vec<Event> = captured
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e,
+                    Event::BeginCapture | Event::EndCapture(_) | Event::Replay
+                )
+            })
+            .cloned()
+            .collect();
+        // The graph holds the eager step's launches, all of them.
+        assert_eq!(
+            brackets,
+            vec![
+                Event::BeginCapture,
+                Event::EndCapture(launches(&eager)),
+                Event::Replay
+            ]
+        );
+        for _ in 0..2 {
+            let replayed = rig.decode(3, 40);
+            assert_eq!(launches(&replayed), 0, "{replayed:?}");
+            assert_eq!(count(&replayed, |e| *e == Event::Replay), 1);
+            assert_eq!(count(&replayed, |e| matches!(e, Event::Upload(_))), 1);
+            assert_eq!(count(&replayed, |e| *e == Event::Synchronize), 1);
+            assert_eq!(count(&replayed, |e| matches!(e, Event::Alloc(_))), 0);
+        }
+        // Another bucket starts over: eager first.
+        assert!(launches(&rig.decode(7, 20)) > 0);
+        // A longer context is another partition class: eager first too.
+        assert!(launches(&rig.decode(3, 600)) > 0);
+    }
+
+    /// Launches of one decode step, per layer and in all, fused kernels off and on (the counts
+    /// the issue asks for, from the code path itself). Tiny fixture: stacked QKV and gate/up, no
+    /// biases.
+    #[test]
+    fn fused_kernels_cut_a_decode_step_s_launches() {
+        let per_step = |fused: bool| {
+            let mut rig = Rig::new(GpuOptions {
+                fused_kernels: fused,
+                ..Default::default()
+            });
+            rig.decode(2, 20);
+            let events = rig.decode(2, 20);
+            (launches(&events), rig.model.config().num_layers)
+        };
+        let (unfused, layers) = per_step(false);
+        let (fused, _) = per_step(true);
+        println!(
+            "decode step launches (kernels + cuBLAS calls), {layers} layers: unfused {unfused}, fused {fused}"
+        );
+        // Per layer unfused: cast, QKV, 3 copies, 2 RoPE, KV write, attention ×2, cast, O,
+        // add+norm, cast, gate/up, SiLU, down, add+norm = 18; fused: QKV, QKV→RoPE→KV,
+        // attention ×2, O, add+norm, gate/up, SiLU, down, add+norm = 10. Per step: embedding,
+        // first norm, gather, final norm, (cast,) LM head.
+        assert_eq!(unfused, 18 * layers + 6);
+        assert_eq!(fused, 10 * layers + 5);
+    }
+
+    /// A prefill step (a prompt with a cached prefix) sampled on the device: the prefill
+    /// attention kernel `--prefill-attention` picks and the sampling kernel get the arguments
+    /// their signatures take (as every launch of these tests, checked by the recording GPU), and
+    /// the step still waits once.
+    #[test]
+    fn prefill_and_device_sampling_launch_what_the_kernels_take() {
+        let choices = [false, true].into_iter().flat_map(|fused| {
+            [PrefillAttention::Legacy, PrefillAttention::Fa].map(move |kernel| (fused, kernel))
+        });
+        for (fused_kernels, prefill_attention) in choices {
+            let mut rig = Rig::new(GpuOptions {
+                device_sampling: true,
+                fused_kernels,
+                prefill_attention,
+                ..Default::default()
+            });
+            let table: Vec<u32> = (0..4).collect();
+            let tokens: Vec<u32> = (1..=48).collect();
+            let inputs = [SeqInput::span(&tokens, 8, 48, &table, LogitsWanted::Last)];
+            let c = rig.model.config();
+            let batch = ForwardBatch::new(
+                &inputs,
+                BLOCK,
+                BLOCKS,
+                c.vocab_size,
+                c.max_position_embeddings,
+            )
+            .unwrap();
+            let params = SamplingParams {
+                temperature: 0.7,
+                top_k: 5,
+                logprobs: 2,
+                ..Default::default()
+            };
+            let row = RowSampling {
+                params: &params,
+                seed: 1,
+                position: 48,
+                penalized: &[(3, 1)],
+                allowed: None,
+            };
+            let sampled = rig
+                .model
+                .forward_sampled(&batch, &mut rig.kv, &mut |_, _| {}, &[row])
+                .unwrap();
+            assert_eq!(sampled.len(), 1);
+            let events = rig.gpu.take();
+            let launched = |prefix: &str| {
+                events
+                    .iter()
+                    .any(|e| matches!(e, Event::Launch(k) if k.starts_with(prefix)))
+            };
+            let (chosen, other) = match prefill_attention {
+                PrefillAttention::Legacy => ("prefill_attention_hd", "prefill_attention_fa_hd"),
+                PrefillAttention::Fa => ("prefill_attention_fa_hd", "prefill_attention_hd"),
+            };
+            assert!(launched(chosen) && !launched(other), "{events:?}");
+            assert!(launched("sample_rows"));
+            assert_eq!(
+                count(&events, |e| *e == Event::Synchronize),
+                1,
+                "{events:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn buckets_follow_the_reserved_maximum() {
+        let rig = Rig::new(GpuOptions::default());
+        assert_eq!(rig.model.backend().buckets(), vec![1, 2, 4, 8, 16]);
     }
 }

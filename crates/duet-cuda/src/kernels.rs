@@ -12,6 +12,8 @@ pub struct KernelFile {
     pub name: &'static str,
     pub source: &'static str,
     pub kernels: &'static [&'static str],
+    /// NVRTC options of this file beyond the common ones.
+    pub options: &'static [&'static str],
 }
 
 /// Every kernel file; the backend loads them all.
@@ -20,16 +22,25 @@ pub const FILES: &[KernelFile] = &[
         name: "embedding.cu",
         source: include_str!("../../../kernels/embedding.cu"),
         kernels: &["embed_rows"],
+        options: &[],
     },
     KernelFile {
         name: "norm.cu",
         source: include_str!("../../../kernels/norm.cu"),
         kernels: &["rms_norm", "add_rms_norm"],
+        options: &[],
     },
     KernelFile {
         name: "rope.cu",
         source: include_str!("../../../kernels/rope.cu"),
         kernels: &["rope_rotate_half"],
+        options: &[],
+    },
+    KernelFile {
+        name: "qkv_rope_kv.cu",
+        source: include_str!("../../../kernels/qkv_rope_kv.cu"),
+        kernels: &["qkv_rope_write_kv"],
+        options: &[],
     },
     KernelFile {
         name: "elementwise.cu",
@@ -44,16 +55,19 @@ pub const FILES: &[KernelFile] = &[
             "gather_rows",
             "scatter_add_rows",
         ],
+        options: &[],
     },
     KernelFile {
         name: "kv_cache.cu",
         source: include_str!("../../../kernels/kv_cache.cu"),
         kernels: &["write_kv", "pack_kv_chunks", "unpack_kv_chunks"],
+        options: &[],
     },
     KernelFile {
         name: "paged_attention.cu",
         source: include_str!("../../../kernels/paged_attention.cu"),
         kernels: &["paged_attention_partial", "paged_attention_reduce"],
+        options: &[],
     },
     KernelFile {
         name: "prefill_attention.cu",
@@ -63,6 +77,7 @@ pub const FILES: &[KernelFile] = &[
             "prefill_attention_hd128",
             "prefill_attention_hd256",
         ],
+        options: &[],
     },
     KernelFile {
         name: "prefill_attention_fa.cu",
@@ -72,11 +87,14 @@ pub const FILES: &[KernelFile] = &[
             "prefill_attention_fa_hd128",
             "prefill_attention_fa_hd256",
         ],
+        options: &[],
     },
     KernelFile {
         name: "sampling.cu",
         source: include_str!("../../../kernels/sampling.cu"),
-        kernels: &["argmax_rows", "sample_rows"],
+        kernels: &["sample_rows"],
+        // Every product and sum rounded on its own, as the CPU sampler computes them.
+        options: &["--fmad=false"],
     },
 ];
 
@@ -134,54 +152,6 @@ pub fn program(file: &KernelFile) -> String {
     format!("{COMMON}\n#line 1 \"{}\"\n{}", file.name, file.source)
 }
 
-/// What ptxas reported for one kernel of a CUBIN (`--ptxas-options=-v`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct KernelResources {
-    pub kernel: String,
-    pub registers: u32,
-    pub stack_frame_bytes: u32,
-    pub spill_store_bytes: u32,
-    pub spill_load_bytes: u32,
-    /// Static shared memory; dynamic shared memory is sized at launch.
-    pub shared_bytes: u32,
-}
-
-/// The kernels of ptxas's verbose report, in its order. Its lines per kernel:
-/// `Compiling entry function 'NAME' for 'sm_90'`,
-/// `N bytes stack frame, N bytes spill stores, N bytes spill loads` and
-/// `Used N registers, used N barriers[, N bytes cumulative stack size][, N bytes smem]`.
-pub fn ptxas_resources(log: &str) -> Vec<KernelResources> {
-    // The number just before `unit` in `line`, if the line has it.
-    fn count(line: &str, unit: &str) -> Option<u32> {
-        let head = &line[..line.find(unit)?];
-        head.rsplit(|c: char| !c.is_ascii_digit())
-            .next()?
-            .parse()
-            .ok()
-    }
-    let mut out: Vec<KernelResources> = Vec::new();
-    for line in log.lines() {
-        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
-            let kernel = rest.split('\'').next().unwrap_or_default().to_string();
-            out.push(KernelResources {
-                kernel,
-                ..Default::default()
-            });
-            continue;
-        }
-        let Some(k) = out.last_mut() else { continue };
-        if line.contains("stack frame") {
-            k.stack_frame_bytes = count(line, " bytes stack frame").unwrap_or(0);
-            k.spill_store_bytes = count(line, " bytes spill stores").unwrap_or(0);
-            k.spill_load_bytes = count(line, " bytes spill loads").unwrap_or(0);
-        } else if let Some(registers) = count(line, " registers") {
-            k.registers = registers;
-            k.shared_bytes = count(line, " bytes smem").unwrap_or(0);
-        }
-    }
-    out
-}
-
 /// NVRTC's architecture option for compute capability `major.minor` (sm_90 on Hopper).
 pub fn arch_option(major: i32, minor: i32) -> String {
     format!("--gpu-architecture=sm_{major}{minor}")
@@ -231,39 +201,19 @@ mod tests {
             );
             assert_eq!(e.kernel, format!("prefill_attention_fa_hd{hd}"));
         }
-    }
-
-    #[test]
-    fn ptxas_reports_are_read_per_kernel() {
-        let log = "ptxas info    : 48 bytes gmem
-ptxas info    : Compiling entry function 'big' for 'sm_90'
-ptxas info    : Function properties for big
-ptxas         .     1048 bytes stack frame, 1288 bytes spill stores, 1292 bytes spill loads
-ptxas info    : Used 255 registers, used 1 barriers, 1048 bytes cumulative stack size, 37376 bytes smem
-ptxas info    : Compile time = 810.155 ms
-ptxas info    : Compiling entry function 'small' for 'sm_90'
-ptxas info    : Function properties for small
-ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
-ptxas info    : Used 20 registers, used 1 barriers
-";
+        use crate::sampling;
         assert_eq!(
-            ptxas_resources(log),
-            vec![
-                KernelResources {
-                    kernel: "big".into(),
-                    registers: 255,
-                    stack_frame_bytes: 1048,
-                    spill_store_bytes: 1288,
-                    spill_load_bytes: 1292,
-                    shared_bytes: 37376,
-                },
-                KernelResources {
-                    kernel: "small".into(),
-                    registers: 20,
-                    ..Default::default()
-                },
-            ]
+            define("sampling.cu", "SP_THREADS"),
+            sampling::THREADS as usize
         );
+        assert_eq!(
+            define("sampling.cu", "SP_THREADS"),
+            duet_engine::sampling_steps::LANES
+        );
+        assert_eq!(define("sampling.cu", "SP_WORDS"), sampling::PARAM_WORDS);
+        assert_eq!(define("sampling.cu", "SP_MAX_TOP"), sampling::MAX_TOP);
+        // SO_WORDS = 3 + 2 * SP_MAX_TOP, spelled as sums in the kernel file.
+        assert_eq!(sampling::OUT_WORDS, 3 + 2 * sampling::MAX_TOP);
     }
 
     #[test]
@@ -289,15 +239,107 @@ ptxas info    : Used 20 registers, used 1 barriers
     }
 }
 
+/// What ptxas reports of one kernel (`--ptxas-options=-v`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KernelResources {
+    pub kernel: String,
+    pub registers: u32,
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+    pub stack_bytes: u32,
+    pub shared_bytes: u32,
+}
+
+/// The per-kernel lines of a ptxas `-v` log:
+///
+/// ```text
+/// ptxas info    : Compiling entry function 'rms_norm' for 'sm_90'
+/// ptxas info    : Function properties for rms_norm
+///     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+/// ptxas info    : Used 18 registers, used 1 barriers, 2048 bytes smem, 384 bytes cmem[0]
+/// ```
+pub fn parse_ptxas_info(log: &str) -> Vec<KernelResources> {
+    // The number before `unit` in a comma-separated list, 0 if absent.
+    let field = |line: &str, unit: &str| -> u32 {
+        line.split(',')
+            .find_map(|part| {
+                let part = part.trim().trim_start_matches("ptxas info    : ");
+                let rest = part.strip_suffix(unit)?.trim();
+                rest.rsplit(' ').next()?.parse().ok()
+            })
+            .unwrap_or(0)
+    };
+    let mut out: Vec<KernelResources> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let kernel = rest.split('\'').next().unwrap_or_default().to_string();
+            out.push(KernelResources {
+                kernel,
+                ..Default::default()
+            });
+        } else if let Some(k) = out.last_mut() {
+            if line.contains("bytes stack frame") {
+                k.stack_bytes = field(line, "bytes stack frame");
+                k.spill_stores = field(line, "bytes spill stores");
+                k.spill_loads = field(line, "bytes spill loads");
+            } else if line.contains("registers") {
+                k.registers = field(line, "registers");
+                k.shared_bytes = field(line, "bytes smem");
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod ptxas_tests {
+    use super::*;
+
+    #[test]
+    fn ptxas_reports_are_read_per_kernel() {
+        let log = "ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'rms_norm' for 'sm_90'
+ptxas info    : Function properties for rms_norm
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 18 registers, used 1 barriers, 128 bytes smem, 384 bytes cmem[0]
+ptxas info    : Compiling entry function 'big' for 'sm_90'
+ptxas info    : Function properties for big
+    40 bytes stack frame, 36 bytes spill stores, 28 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 384 bytes cmem[0]
+";
+        let r = parse_ptxas_info(log);
+        assert_eq!(
+            r,
+            vec![
+                KernelResources {
+                    kernel: "rms_norm".into(),
+                    registers: 18,
+                    shared_bytes: 128,
+                    ..Default::default()
+                },
+                KernelResources {
+                    kernel: "big".into(),
+                    registers: 255,
+                    spill_stores: 36,
+                    spill_loads: 28,
+                    stack_bytes: 40,
+                    shared_bytes: 0,
+                },
+            ]
+        );
+    }
+}
+
 #[cfg(feature = "cuda")]
 pub use compile::{CompiledFile, Cubin, compile_all, compile_cubin, compile_file};
 
 #[cfg(feature = "cuda")]
 mod compile {
-    use super::{FILES, KernelFile, KernelResources, program, ptxas_resources};
+    use std::ffi::{CStr, CString};
+
+    use super::{FILES, KernelFile, KernelResources, parse_ptxas_info, program};
     use crate::CudaError;
     use cudarc::nvrtc::{CompileOptions, Ptx};
-    use std::ffi::{CStr, CString};
 
     pub struct CompiledFile {
         pub file: &'static KernelFile,
@@ -317,19 +359,20 @@ mod compile {
             .collect()
     }
 
-    /// NVRTC's options for every kernel file.
-    fn options(arch: &str) -> Vec<String> {
-        vec![
+    fn options(file: &KernelFile, arch: &str) -> Vec<String> {
+        let mut options = vec![
             format!("--gpu-architecture={arch}"),
             "--std=c++17".into(),
             "-default-device".into(),
             "-lineinfo".into(),
-        ]
+        ];
+        options.extend(file.options.iter().map(|o| o.to_string()));
+        options
     }
 
     pub fn compile_file(file: &KernelFile, arch: &str) -> Result<Ptx, CudaError> {
         let options = CompileOptions {
-            options: options(arch),
+            options: options(file, arch),
             ..Default::default()
         };
         cudarc::nvrtc::compile_ptx_with_opts(program(file), options).map_err(|e| {
@@ -341,17 +384,25 @@ mod compile {
         })
     }
 
-    /// A kernel file compiled to machine code for one real architecture, and ptxas's report of
-    /// each kernel's registers, spills and static shared memory.
+    fn compile_log(e: cudarc::nvrtc::CompileError) -> String {
+        match e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                log.to_string_lossy().into_owned()
+            }
+            other => format!("{other:?}"),
+        }
+    }
+
+    /// A kernel file compiled to machine code for one GPU (`sm_90`, `sm_80`), with what ptxas
+    /// reported of each kernel.
     pub struct Cubin {
-        pub file: &'static KernelFile,
         pub image: Vec<u8>,
         pub resources: Vec<KernelResources>,
     }
 
-    /// Compiles `file` to a CUBIN for `arch` (a real architecture, e.g. "sm_90") through NVRTC,
-    /// with ptxas's verbose report. Needs libnvrtc, no GPU.
-    pub fn compile_cubin(file: &'static KernelFile, arch: &str) -> Result<Cubin, CudaError> {
+    /// Compiles `file` through NVRTC and ptxas to a CUBIN for `arch`, as the driver would at
+    /// load: ptxas errors, and its register and spill report, without a GPU.
+    pub fn compile_cubin(file: &KernelFile, arch: &str) -> Result<Cubin, CudaError> {
         use cudarc::nvrtc::{result, sys};
         let fail = |log: String| CudaError::Compile {
             file: file.name,
@@ -360,41 +411,32 @@ mod compile {
         };
         let source = CString::new(program(file)).map_err(|e| fail(e.to_string()))?;
         let prog = result::create_program(&source, None).map_err(|e| fail(format!("{e:?}")))?;
-        let mut opts = options(arch);
-        opts.push("--ptxas-options=-v".into());
-        // SAFETY: `prog` was created above and is destroyed once, below; the buffers are sized
-        // by NVRTC's own size queries.
-        let compiled = unsafe {
-            let compiled = result::compile_program(prog, &opts);
+        let mut options = options(file, arch);
+        options.push("--ptxas-options=-v".into());
+        // SAFETY: `prog` is live until destroyed below; the buffers are sized by NVRTC.
+        unsafe {
+            let compiled = result::compile_program(prog, &options);
             let log = result::get_program_log(prog)
-                .map(|raw| CStr::from_ptr(raw.as_ptr()).to_string_lossy().into_owned())
+                .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
                 .unwrap_or_default();
-            let image = compiled.and_then(|()| {
-                let mut size = 0usize;
-                sys::nvrtcGetCUBINSize(prog, &mut size).result()?;
-                let mut image = vec![0u8; size];
-                sys::nvrtcGetCUBIN(prog, image.as_mut_ptr().cast()).result()?;
-                Ok(image)
-            });
+            let image = compiled
+                .map_err(|e| format!("{e:?}: {log}"))
+                .and_then(|()| {
+                    let mut size = 0usize;
+                    sys::nvrtcGetCUBINSize(prog, &mut size)
+                        .result()
+                        .map_err(|e| format!("{e:?}"))?;
+                    let mut image = vec![0u8; size];
+                    sys::nvrtcGetCUBIN(prog, image.as_mut_ptr().cast())
+                        .result()
+                        .map_err(|e| format!("{e:?}"))?;
+                    Ok(image)
+                });
             let _ = result::destroy_program(prog);
-            image
-                .map(|image| (image, log.clone()))
-                .map_err(|e| fail(format!("{e:?}\n{log}")))
-        };
-        let (image, log) = compiled?;
-        Ok(Cubin {
-            file,
-            image,
-            resources: ptxas_resources(&log),
-        })
-    }
-
-    fn compile_log(e: cudarc::nvrtc::CompileError) -> String {
-        match e {
-            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                log.to_string_lossy().into_owned()
-            }
-            other => format!("{other:?}"),
+            Ok(Cubin {
+                image: image.map_err(fail)?,
+                resources: parse_ptxas_info(&log),
+            })
         }
     }
 }

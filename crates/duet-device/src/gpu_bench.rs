@@ -1,33 +1,45 @@
-//! `duet bench gpu`: every GPU check and timing of one run, as a table and as JSON.
+//! `duet bench gpu`: every GPU check and timing of one run, as a table and as JSON. A check that
+//! fails, or errs, is recorded as failed and the run goes on: the timings and the JSON are
+//! always written.
 //!
 //! - Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written)
 //!   and the cuBLAS bf16 matrix rate (8192³).
 //! - Correctness: paged attention against a float64 host reference on random ragged batches
 //!   (decode rows past several 512-token partitions, prefill with cached prefixes, GQA), output
 //!   poisoned with NaN first; logits of the CUDA backend against the CPU backend (‖Δ‖/‖ref‖) and
-//!   greedy tokens equal, on the models given; whether a draft's positions verified in one step
-//!   are the same bits as decoded alone (speculative decoding needs it: `Backend::batch_invariant`).
-//! - Speed on a Llama-3-8B-shaped model with random bf16 weights: decode at batch 1 and at batch
-//!   64 with 1024-token contexts against the bandwidth roofline; one 2048- and one 8192-token
-//!   prefill, and the 2048-token prefill's attention alone, against the matrix rate; the mixed
-//!   load (`mixed_load`): the TPOT of 32 decodes while an 8192-token prompt prefills beside them
-//!   in chunks, against their TPOT alone, per step token budget.
-//! - Every check and prefill timing runs with each prefill attention kernel
-//!   (`--prefill-attention legacy` and `fa`), so one run compares them.
+//!   greedy tokens equal, on the models given; the same greedy tokens with each switch of the GPU
+//!   path on (`--cuda-graphs`, `--device-sampling`, `--fused-kernels`, `--prefill-attention fa`)
+//!   as with all off; paged attention, logits and batch invariance with each prefill attention
+//!   kernel (`legacy` and `fa`); a seeded
+//!   request's tokens on the GPU equal to the CPU's; tokens drawn on the device equal, bit for
+//!   bit, to the CPU sampler's on the same logits; whether a draft's positions verified in one
+//!   step are the same bits as decoded alone (speculative decoding needs it:
+//!   `Backend::batch_invariant`).
+//! - Speed on a Llama-3-8B-shaped model with random bf16 weights: decode (sampling included) at
+//!   batch 1 and at batch 64 with 1024-token contexts against the bandwidth roofline, with the
+//!   switches all off, each on alone, and all on; one 2048- and one 8192-token prefill, and the
+//!   2048-token prefill's attention alone, against the matrix rate, with each prefill attention
+//!   kernel (fused kernels off and on); the mixed load (`mixed_load`): the TPOT of 32 decodes
+//!   while an 8192-token prompt prefills beside them in chunks, against their TPOT alone, per
+//!   step token budget and prefill attention kernel.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use duet_cpu::CpuBackend;
 use duet_engine::EngineError;
-use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
+use duet_engine::backend::{
+    AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout, PrefillAttention,
+};
 use duet_engine::batch::{ForwardBatch, LogitsWanted, SeqInput};
-use duet_engine::device::Device;
+use duet_engine::device::{Device, Switch};
 use duet_engine::engine::EngineOptions;
 use duet_engine::llama::Llama;
+use duet_engine::model_runner::ModelRunner;
+use duet_engine::sampling_steps::{RowSampling, sample_row};
 use duet_model::config::ModelConfig;
 use duet_model::model_files::open_model;
-use duet_model::params::{SamplingParams, StopCriteria};
+use duet_model::params::{Sampled, SamplingParams, StopCriteria};
 use duet_model::quant_type::QuantType;
 use duet_model::storage::WeightBytes;
 use duet_model::synthetic::Uniform;
@@ -35,17 +47,18 @@ use serde::Serialize;
 
 use crate::LoadedEngine;
 use crate::mixed_load::{MixedLoad, MixedLoadShape, mixed_load};
-use duet_cuda::backend::{CudaBackend, bf16_bits};
-use duet_engine::backend::PrefillAttention;
-use duet_engine::model_runner::ModelRunner;
+use duet_cuda::backend::{CudaBackend, CudaKvStore, GpuOptions, bf16_bits};
+use duet_cuda::sampling::same_draw;
 
 pub struct GpuBenchOptions {
     pub ordinal: usize,
-    /// Models whose CUDA logits and greedy tokens are checked against the CPU backend.
+    /// Models whose CUDA logits and tokens are checked against the CPU backend.
     pub models: Vec<PathBuf>,
     pub prompts: Vec<String>,
     /// Skip the Llama-3-8B-shaped timings (a quick correctness run).
     pub skip_speed: bool,
+    /// Skip the checks (timings only).
+    pub skip_checks: bool,
 }
 
 #[derive(Serialize)]
@@ -57,33 +70,14 @@ pub struct Check {
 
 #[derive(Serialize)]
 pub struct Timing {
+    /// What is timed (the key peers report under).
     pub name: String,
-    /// The prefill attention kernel it ran with, where it has prefill in it.
-    pub prefill_attention: Option<String>,
+    /// The GPU path's switches it ran with.
+    pub switches: String,
     pub value: f64,
     pub unit: &'static str,
     /// Share of the roofline (bandwidth for decode, matrix rate for prefill).
     pub of_roofline: f64,
-}
-
-impl Timing {
-    /// The name and, in brackets, the prefill attention kernel.
-    pub fn label(&self) -> String {
-        match &self.prefill_attention {
-            Some(kernel) => format!("{} [{kernel}]", self.name),
-            None => self.name.clone(),
-        }
-    }
-}
-
-/// The mixed load at one step token budget with one prefill attention kernel.
-#[derive(Serialize)]
-pub struct MixedLoadRun {
-    pub prefill_attention: String,
-    #[serde(flatten)]
-    pub load: MixedLoad,
-    /// TPOT while the prompt prefills over TPOT alone (the target: at most 1.5).
-    pub slowdown: f64,
 }
 
 #[derive(Serialize)]
@@ -94,46 +88,141 @@ pub struct GpuReport {
     pub checks: Vec<Check>,
     pub timings: Vec<Timing>,
     pub mixed_load: Vec<MixedLoadRun>,
+    /// Timings that could not be taken, and why.
+    pub timing_errors: Vec<String>,
+}
+
+/// The mixed load at one step token budget with one setting of the GPU path.
+#[derive(Serialize)]
+pub struct MixedLoadRun {
+    pub switches: String,
+    #[serde(flatten)]
+    pub load: MixedLoad,
+    /// TPOT while the prompt prefills over TPOT alone (the target: at most 1.5).
+    pub slowdown: f64,
 }
 
 type Result<T> = std::result::Result<T, EngineError>;
 
+/// The switch settings timed and checked: all off (the path as it ran before them), each on
+/// alone, all on.
+pub fn switch_settings() -> Vec<GpuOptions> {
+    let off = GpuOptions::default();
+    vec![
+        off,
+        GpuOptions {
+            cuda_graphs: true,
+            ..off
+        },
+        GpuOptions {
+            device_sampling: true,
+            ..off
+        },
+        GpuOptions {
+            fused_kernels: true,
+            ..off
+        },
+        GpuOptions {
+            prefill_attention: PrefillAttention::Fa,
+            ..off
+        },
+        GpuOptions {
+            cuda_graphs: true,
+            device_sampling: true,
+            fused_kernels: true,
+            prefill_attention: PrefillAttention::Fa,
+        },
+    ]
+}
+
+/// The prefill attention kernels every attention check, logits check and prefill timing runs
+/// with.
+const PREFILL_KERNELS: [PrefillAttention; 2] = [PrefillAttention::Legacy, PrefillAttention::Fa];
+
+/// The default path with prefill attention by `kernel`.
+fn prefill_by(kernel: PrefillAttention) -> GpuOptions {
+    GpuOptions {
+        prefill_attention: kernel,
+        ..Default::default()
+    }
+}
+
+/// `graphs on, sampling off, fused off, prefill legacy`.
+pub fn describe(o: GpuOptions) -> String {
+    let on = |b: bool| if b { "on" } else { "off" };
+    format!(
+        "graphs {}, device sampling {}, fused {}, prefill {}",
+        on(o.cuda_graphs),
+        on(o.device_sampling),
+        on(o.fused_kernels),
+        o.prefill_attention
+    )
+}
+
+/// A check from a result: an error is a failed check naming it.
+fn checked(name: String, r: Result<(bool, String)>) -> Check {
+    match r {
+        Ok((passed, detail)) => Check {
+            name,
+            passed,
+            detail,
+        },
+        Err(e) => Check {
+            name,
+            passed: false,
+            detail: format!("error: {e}"),
+        },
+    }
+}
+
 pub fn run(options: &GpuBenchOptions) -> Result<GpuReport> {
-    let backend = CudaBackend::new(options.ordinal, 0.9)?;
+    let backend = CudaBackend::new(options.ordinal, 0.9, GpuOptions::default())?;
+    let info = backend.device_info().clone();
     let device = format!(
         "{} (sm_{}{}, {:.0} GiB)",
-        backend.device_info().name,
-        backend.device_info().compute_capability.0,
-        backend.device_info().compute_capability.1,
-        backend.device_info().total_memory as f64 / (1u64 << 30) as f64
+        info.name,
+        info.compute_capability.0,
+        info.compute_capability.1,
+        info.total_memory as f64 / (1u64 << 30) as f64
     );
     eprintln!("[1/4] ceilings on {device}");
     let copy = copy_bandwidth(&backend)?;
     let tflops = matrix_rate(&backend)?;
     let mut checks = Vec::new();
-    eprintln!("[2/4] paged attention against a float64 reference, prefill by each kernel");
-    for kernel in PREFILL_KERNELS {
-        backend.set_prefill_attention(kernel)?;
-        for (heads, kv_heads, head_dim) in [(9, 3, 64), (32, 8, 128)] {
-            checks.push(attention_check(
-                &backend, kernel, heads, kv_heads, head_dim,
-            )?);
-        }
-    }
-    eprintln!("[3/4] CUDA against the CPU backend, prefill by each kernel");
-    let ordinal = options.ordinal;
-    for model in &options.models {
-        checks.extend(logits_checks(ordinal, model)?);
+    if !options.skip_checks {
+        eprintln!("[2/4] paged attention against a float64 reference, prefill by each kernel");
         for kernel in PREFILL_KERNELS {
-            checks.push(batch_invariance_check(ordinal, kernel, model)?);
+            backend.set_options(prefill_by(kernel));
+            for (heads, kv_heads, head_dim) in [(9, 3, 64), (32, 8, 128)] {
+                checks.push(checked(
+                    format!(
+                        "paged attention vs f64, {kernel} prefill, {heads}/{kv_heads} heads, head_dim {head_dim}"
+                    ),
+                    attention_check(&backend, kernel, heads, kv_heads, head_dim),
+                ));
+            }
         }
-        checks.extend(greedy_checks(options, model)?);
     }
-    let (mut timings, mut mixed) = (Vec::new(), Vec::new());
+    drop(backend);
+    if !options.skip_checks {
+        eprintln!("[3/4] CUDA against the CPU backend, each switch of the GPU path off and on");
+        for model in &options.models {
+            checks.extend(model_checks(options, model));
+        }
+    }
+    let mut timings = Vec::new();
+    let mut mixed = Vec::new();
+    let mut timing_errors = Vec::new();
     if !options.skip_speed {
         eprintln!("[4/4] Llama-3-8B shape, random bf16 weights");
-        drop(backend);
-        (timings, mixed) = llama3_8b_timings(options.ordinal, copy, tflops)?;
+        llama3_8b_timings(
+            options.ordinal,
+            copy,
+            tflops,
+            &mut timings,
+            &mut mixed,
+            &mut timing_errors,
+        );
     }
     Ok(GpuReport {
         device,
@@ -142,17 +231,8 @@ pub fn run(options: &GpuBenchOptions) -> Result<GpuReport> {
         checks,
         timings,
         mixed_load: mixed,
+        timing_errors,
     })
-}
-
-/// The prefill attention kernels every check and prefill timing runs with.
-const PREFILL_KERNELS: [PrefillAttention; 2] = [PrefillAttention::Legacy, PrefillAttention::Fa];
-
-/// A CUDA backend on GPU `ordinal` computing prefill attention with `kernel`.
-fn cuda(ordinal: usize, memory_fraction: f64, kernel: PrefillAttention) -> Result<CudaBackend> {
-    let backend = CudaBackend::new(ordinal, memory_fraction)?;
-    backend.set_prefill_attention(kernel)?;
-    Ok(backend)
 }
 
 impl GpuReport {
@@ -167,11 +247,15 @@ impl GpuReport {
             s += &format!("{:<58} {:<6} {}\n", c.name, r, c.detail);
         }
         if !self.timings.is_empty() {
-            s += &format!("\n{:<58} {:>12} {:>10}\n", "timing", "value", "roofline");
+            s += &format!(
+                "\n{:<44} {:<62} {:>12} {:>9}\n",
+                "timing", "switches", "value", "roofline"
+            );
             for t in &self.timings {
                 s += &format!(
-                    "{:<58} {:>8.1} {:<4}{:>9.0}%\n",
-                    t.label(),
+                    "{:<44} {:<62} {:>8.1} {:<4}{:>8.0}%\n",
+                    t.name,
+                    t.switches,
                     t.value,
                     t.unit,
                     100.0 * t.of_roofline
@@ -181,8 +265,8 @@ impl GpuReport {
         if !self.mixed_load.is_empty() {
             s += &format!(
                 "\nmixed load: TPOT of {MIXED_DECODES} decodes ({MIXED_CONTEXT}-token contexts) while a \
-                 {MIXED_PROMPT}-token prompt prefills beside them\n{:<8} {:>12} {:>10} {:>10} {:>9} {:>10} {:>12} {:>7}\n",
-                "kernel",
+                 {MIXED_PROMPT}-token prompt prefills beside them\n{:<62} {:>11} {:>9} {:>9} {:>11} {:>9} {:>11} {:>6}\n",
+                "switches",
                 "step tokens",
                 "alone ms",
                 "mixed ms",
@@ -194,8 +278,8 @@ impl GpuReport {
             for m in &self.mixed_load {
                 let l = &m.load;
                 s += &format!(
-                    "{:<8} {:>12} {:>10.2} {:>10.2} {:>11.2} {:>10.2} {:>12.1} {:>7}\n",
-                    m.prefill_attention,
+                    "{:<62} {:>11} {:>9.2} {:>9.2} {:>11.2} {:>9.2} {:>11.1} {:>6}\n",
+                    m.switches,
                     l.step_tokens,
                     l.tpot_alone_ms,
                     l.tpot_mixed_ms,
@@ -206,17 +290,20 @@ impl GpuReport {
                 );
             }
         }
+        for e in &self.timing_errors {
+            s += &format!("timing not taken: {e}\n");
+        }
         s
     }
 
     pub fn all_passed(&self) -> bool {
-        self.checks.iter().all(|c| c.passed)
+        self.checks.iter().all(|c| c.passed) && self.timing_errors.is_empty()
     }
 }
 
 /// Seconds per call of `f`, after warm-up, with the device synchronized around the timed calls.
 fn time<B: Backend>(backend: &B, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..2 {
+    for _ in 0..3 {
         f()?;
     }
     backend.sync()?;
@@ -242,30 +329,37 @@ fn copy_bandwidth(backend: &CudaBackend) -> Result<f64> {
     let driver = |e: cudarc::driver::DriverError| EngineError::Device(e.to_string());
     let src = stream.alloc_zeros::<u8>(len).map_err(driver)?;
     let mut dst = stream.alloc_zeros::<u8>(len).map_err(driver)?;
-    let secs = time(backend, 10, || {
-        stream.memcpy_dtod(&src, &mut dst).map_err(driver)
-    })?;
-    Ok(2.0 * len as f64 / secs)
+    // The copies are the stream's own, not the backend's work: timed on the stream.
+    let reps = 10;
+    for _ in 0..3 {
+        stream.memcpy_dtod(&src, &mut dst).map_err(driver)?;
+    }
+    stream.synchronize().map_err(driver)?;
+    let start = Instant::now();
+    for _ in 0..reps {
+        stream.memcpy_dtod(&src, &mut dst).map_err(driver)?;
+    }
+    stream.synchronize().map_err(driver)?;
+    Ok(2.0 * len as f64 * reps as f64 / start.elapsed().as_secs_f64())
 }
 
 /// cuBLAS bf16 matrix rate in FLOP/s on 8192³ random operands.
 fn matrix_rate(backend: &CudaBackend) -> Result<f64> {
     let n = 8192;
     let mut noise = Uniform::new(11);
-    let w = backend.load_matrix(
-        "rate.w",
-        QuantType::BF16,
-        n,
-        n,
-        WeightBytes::from_vec(bf16_bytes(&noise.values(n * n))),
-    )?;
-    let x = backend
-        .stream()
-        .clone_htod(&bf16_bits(&noise.values(n * n)))
-        .map_err(|e| EngineError::Device(e.to_string()))?;
-    let mut out = backend.alloc(n, n);
+    let mut matrix = |name: &str| {
+        backend.load_matrix(
+            name,
+            QuantType::BF16,
+            n,
+            n,
+            WeightBytes::from_vec(bf16_bytes(&noise.values(n * n))),
+        )
+    };
+    let (w, x) = (matrix("rate.w")?, matrix("rate.x")?);
+    let out = backend.alloc(n, n);
     let secs = time(backend, 10, || {
-        backend.gemm_bf16(&w, &x, n, &mut out);
+        backend.gemm_matrices(&w, &x, &out);
         Ok(())
     })?;
     Ok(2.0 * (n as f64).powi(3) / secs)
@@ -279,7 +373,7 @@ fn attention_check(
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-) -> Result<Check> {
+) -> Result<(bool, String)> {
     let block_size = 16;
     let num_blocks = 256;
     let layout = KvLayout {
@@ -404,74 +498,279 @@ fn attention_check(
         PrefillAttention::Legacy => 1e-3,
         PrefillAttention::Fa => 2e-3,
     };
-    Ok(Check {
-        name: format!(
-            "paged attention vs f64, {kernel} prefill, {heads}/{kv_heads} heads, head_dim {head_dim}"
-        ),
-        passed: unwritten == 0 && rel <= bound,
-        detail: format!(
+    Ok((
+        unwritten == 0 && rel <= bound,
+        format!(
             "‖Δ‖/‖ref‖ = {rel:.2e} (bound {bound:.0e}), {unwritten} unwritten of {}",
             got.len()
         ),
+    ))
+}
+
+/// Every check of one model: logits (with each prefill attention kernel) and greedy tokens
+/// against the CPU, the same tokens with each switch on, a seeded request, device sampling bit
+/// for bit, and batch invariance (with each prefill attention kernel).
+fn model_checks(options: &GpuBenchOptions, path: &Path) -> Vec<Check> {
+    let name = file_name(path);
+    let mut checks: Vec<Check> = PREFILL_KERNELS
+        .iter()
+        .map(|&kernel| {
+            checked(
+                format!("logits CUDA vs CPU, {kernel} prefill, {name}"),
+                logits_check(options.ordinal, kernel, path),
+            )
+        })
+        .collect();
+    let run = |device, setting, params: &SamplingParams| {
+        tokens(path, device, setting, &options.prompts, params)
+    };
+    let gpu = Device::Cuda(options.ordinal);
+    let greedy = SamplingParams::greedy();
+    let cpu = run(Device::Cpu, GpuOptions::default(), &greedy);
+    let mut gpu_off = None;
+    for setting in switch_settings() {
+        let on_gpu = run(gpu, setting, &greedy);
+        let label = describe(setting);
+        let check = match (&cpu, &on_gpu) {
+            (Ok(c), Ok(g)) => compare_tokens(&options.prompts, c, g),
+            (Err(e), _) | (_, Err(e)) => Err(EngineError::Device(e.to_string())),
+        };
+        checks.push(checked(
+            format!("greedy tokens CUDA ({label}) == CPU, {name}"),
+            check,
+        ));
+        if gpu_off.is_none() {
+            gpu_off = Some(on_gpu);
+        } else if let (Some(Ok(off)), Ok(on)) = (&gpu_off, &on_gpu) {
+            checks.push(checked(
+                format!("greedy tokens CUDA ({label}) == all off, {name}"),
+                compare_tokens(&options.prompts, off, on),
+            ));
+        }
+    }
+    // A seeded request: the draw is keyed by (seed, position), so the same logits give the same
+    // tokens on either device (logits that differ in their last bits may still part them).
+    let seeded = SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: Some(1234),
+        ..Default::default()
+    };
+    let cpu = run(Device::Cpu, GpuOptions::default(), &seeded);
+    for device_sampling in [false, true] {
+        let setting = GpuOptions {
+            device_sampling,
+            ..Default::default()
+        };
+        let check = match (&cpu, run(gpu, setting, &seeded)) {
+            (Ok(c), Ok(g)) => compare_tokens(&options.prompts, c, &g),
+            (Err(e), _) => Err(EngineError::Device(e.to_string())),
+            (_, Err(e)) => Err(e),
+        };
+        checks.push(checked(
+            format!(
+                "seeded tokens CUDA (device sampling {}) == CPU, {name}",
+                if device_sampling { "on" } else { "off" }
+            ),
+            check,
+        ));
+    }
+    checks.push(checked(
+        format!("device sampling == CPU sampler on the GPU's logits, bit for bit, {name}"),
+        device_sampling_check(options.ordinal, path),
+    ));
+    for kernel in PREFILL_KERNELS {
+        checks.push(batch_invariance_check(options.ordinal, kernel, path));
+    }
+    checks
+}
+
+fn compare_tokens(prompts: &[String], a: &[Vec<u32>], b: &[Vec<u32>]) -> Result<(bool, String)> {
+    let differ: Vec<String> = prompts
+        .iter()
+        .zip(a.iter().zip(b))
+        .filter(|(_, (x, y))| x != y)
+        .map(|(p, (x, y))| format!("{p:?}: {x:?} / {y:?}"))
+        .collect();
+    let n: usize = a.iter().map(Vec::len).sum();
+    Ok(match differ.is_empty() {
+        true => (true, format!("{n} tokens over {} prompts", prompts.len())),
+        false => (false, differ.join("; ")),
     })
 }
 
-/// Last-position logits of a fixed prompt on the CPU backend and on the GPU with each prefill
-/// attention kernel.
-fn logits_checks(ordinal: usize, path: &std::path::Path) -> Result<Vec<Check>> {
+/// Last-position logits of a fixed prompt on both backends, the GPU's prefill attention by
+/// `kernel`.
+fn logits_check(ordinal: usize, kernel: PrefillAttention, path: &Path) -> Result<(bool, String)> {
     let files = open_model(path)?;
     let vocab = files.config.vocab_size as u32;
     let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let cpu = last_logits(Llama::load(CpuBackend::new(0), &files)?, &tokens)?;
+    let gpu = last_logits(
+        Llama::load(CudaBackend::new(ordinal, 0.5, prefill_by(kernel))?, &files)?,
+        &tokens,
+    )?;
+    let err: f64 = cpu
+        .iter()
+        .zip(&gpu)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
     let norm: f64 = cpu.iter().map(|a| (*a as f64).powi(2)).sum();
+    let rel = (err / norm).sqrt();
     // The token greedy sampling would pick from each.
     let argmax = duet_engine::sampling::argmax;
-    PREFILL_KERNELS
-        .iter()
-        .map(|&kernel| {
-            let gpu = last_logits(Llama::load(cuda(ordinal, 0.5, kernel)?, &files)?, &tokens)?;
-            let err: f64 = cpu
-                .iter()
-                .zip(&gpu)
-                .map(|(a, b)| ((a - b) as f64).powi(2))
-                .sum();
-            let rel = (err / norm).sqrt();
-            Ok(Check {
-                name: format!("logits CUDA vs CPU, {kernel} prefill, {}", file_name(path)),
-                passed: rel <= 1e-2 && gpu.iter().all(|v| v.is_finite()),
-                detail: format!(
-                    "‖Δ‖/‖ref‖ = {rel:.2e}, argmax {} vs {}",
-                    argmax(&gpu),
-                    argmax(&cpu)
-                ),
-            })
+    Ok((
+        rel <= 1e-2 && gpu.iter().all(|v| v.is_finite()),
+        format!(
+            "‖Δ‖/‖ref‖ = {rel:.2e}, argmax {} vs {}",
+            argmax(&gpu),
+            argmax(&cpu)
+        ),
+    ))
+}
+
+/// Tokens drawn on the device against the CPU sampler on the logits the GPU computed for the
+/// same step: rows of every kind (greedy, temperature, top-k, top-p, min-p, penalties, top
+/// log-probabilities), compared bit for bit.
+fn device_sampling_check(ordinal: usize, path: &Path) -> Result<(bool, String)> {
+    let files = open_model(path)?;
+    let options = GpuOptions {
+        device_sampling: true,
+        ..Default::default()
+    };
+    let model = Llama::load(CudaBackend::new(ordinal, 0.5, options)?, &files)?;
+    let c = model.config().clone();
+    let block_size = 16;
+    let kinds: Vec<SamplingParams> = vec![
+        SamplingParams::greedy(),
+        SamplingParams {
+            temperature: 1.0,
+            logprobs: 5,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 0.7,
+            top_k: 40,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 1.2,
+            top_p: 0.9,
+            min_p: 0.02,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 0.9,
+            repetition_penalty: 1.2,
+            presence_penalty: 0.3,
+            frequency_penalty: 0.2,
+            logprobs: 20,
+            ..Default::default()
+        },
+    ];
+    let n = kinds.len();
+    let per_seq = 64usize.div_ceil(block_size);
+    let num_blocks = n * per_seq;
+    let mut kv =
+        model
+            .backend()
+            .alloc_kv(model.kv_layout(block_size, num_blocks, KvDtype::Bf16))?;
+    let vocab = c.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..n as u32)
+        .map(|s| {
+            (0..30)
+                .map(|i| (i * 7919 + s * 104_729 + 1) % vocab)
+                .collect()
         })
-        .collect()
+        .collect();
+    let tables: Vec<Vec<u32>> = (0..n)
+        .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+        .collect();
+    let penalized: Vec<(u32, u32)> = prompts[4][..10].iter().map(|&t| (t, t % 3)).collect();
+    let rows: Vec<RowSampling<'_>> = kinds
+        .iter()
+        .enumerate()
+        .map(|(i, p)| RowSampling {
+            params: p,
+            seed: 99 + i as u64,
+            position: 30,
+            penalized: if i == 4 { &penalized[..] } else { &[] },
+            allowed: None,
+        })
+        .collect();
+    let inputs: Vec<SeqInput<'_>> = prompts
+        .iter()
+        .zip(&tables)
+        .map(|(p, t)| SeqInput {
+            tokens: p,
+            start_pos: 0,
+            block_table: t,
+            logits: LogitsWanted::Last,
+        })
+        .collect();
+    let batch = ForwardBatch::new(
+        &inputs,
+        block_size,
+        num_blocks,
+        c.vocab_size,
+        c.max_position_embeddings,
+    )?;
+    let logits = model.forward(&batch, &mut kv, &mut |_, _| {})?;
+    let host: Vec<Sampled> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, row)| sample_row(&mut logits.row(i).to_vec(), row))
+        .collect();
+    let device = model.forward_sampled(&batch, &mut kv, &mut |_, _| {}, &rows)?;
+    let differ: Vec<usize> = (0..n)
+        .filter(|&i| !same_draw(&host[i], &device[i]))
+        .collect();
+    Ok((
+        differ.is_empty(),
+        match differ.is_empty() {
+            true => format!("{n} rows of every kind"),
+            false => format!("rows {differ:?} differ: host {host:?} / device {device:?}"),
+        },
+    ))
 }
 
 /// Whether `Backend::batch_invariant`, which speculative decoding needs, says what the CUDA
 /// backend does: a draft's positions verified in one step beside other sequences against the
 /// same positions decoded alone. A backend that does not claim it passes either way; the detail
 /// says whether it could.
-fn batch_invariance_check(
-    ordinal: usize,
-    kernel: PrefillAttention,
-    path: &std::path::Path,
-) -> Result<Check> {
-    let model = Llama::load(cuda(ordinal, 0.5, kernel)?, &open_model(path)?)?;
-    let claimed = model.backend().batch_invariant();
-    let measured = crate::row_invariance::row_invariance(&model)?;
-    Ok(Check {
-        name: format!(
-            "batch_invariant ({claimed}) as measured, {kernel} prefill, {}",
-            file_name(path)
-        ),
-        passed: !claimed || measured.holds(),
-        detail: format!(
-            "{} of {} verified positions differ from decoding alone, max |Δ| {:.2e}",
-            measured.differing_rows, measured.rows, measured.max_abs_diff
-        ),
-    })
+fn batch_invariance_check(ordinal: usize, kernel: PrefillAttention, path: &Path) -> Check {
+    let run = || -> Result<(bool, String, bool)> {
+        let backend = CudaBackend::new(ordinal, 0.5, prefill_by(kernel))?;
+        let model = Llama::load(backend, &open_model(path)?)?;
+        let claimed = model.backend().batch_invariant();
+        let measured = crate::row_invariance::row_invariance(&model)?;
+        Ok((
+            !claimed || measured.holds(),
+            format!(
+                "{} of {} verified positions differ from decoding alone, max |Δ| {:.2e}",
+                measured.differing_rows, measured.rows, measured.max_abs_diff
+            ),
+            claimed,
+        ))
+    };
+    match run() {
+        Ok((passed, detail, claimed)) => Check {
+            name: format!(
+                "batch_invariant ({claimed}) as measured, {kernel} prefill, {}",
+                file_name(path)
+            ),
+            passed,
+            detail,
+        },
+        Err(e) => Check {
+            name: format!(
+                "batch_invariant as measured, {kernel} prefill, {}",
+                file_name(path)
+            ),
+            passed: false,
+            detail: format!("error: {e}"),
+        },
+    }
 }
 
 fn last_logits<B: Backend>(model: Llama<B>, tokens: &[u32]) -> Result<Vec<f32>> {
@@ -502,54 +801,41 @@ fn last_logits<B: Backend>(model: Llama<B>, tokens: &[u32]) -> Result<Vec<f32>> 
         .to_vec())
 }
 
-/// Greedy continuations through the engine (paged cache, scheduling and all) on the CPU and on
-/// the GPU with each prefill attention kernel.
-fn greedy_checks(options: &GpuBenchOptions, path: &std::path::Path) -> Result<Vec<Check>> {
-    let run = |device: Device, prefill_attention: PrefillAttention| -> Result<Vec<Vec<u32>>> {
-        let engine = LoadedEngine::load(
-            path,
-            EngineOptions {
-                device,
-                kv_cache_tokens: 4096,
-                prefill_attention,
-                ..Default::default()
-            },
-        )?;
-        engine.run(Greedy(&options.prompts))
-    };
-    let cpu = run(Device::Cpu, PrefillAttention::default())?;
-    let mut checks = Vec::new();
-    for kernel in PREFILL_KERNELS {
-        let gpu = run(Device::Cuda(options.ordinal), kernel)?;
-        checks.extend(
-            options
-                .prompts
-                .iter()
-                .zip(cpu.iter().zip(&gpu))
-                .map(|(prompt, (c, g))| Check {
-                    name: format!(
-                        "greedy tokens CUDA == CPU, {kernel} prefill, {}: {prompt:?}",
-                        file_name(path)
-                    ),
-                    passed: c == g,
-                    detail: if c == g {
-                        format!("{} tokens", c.len())
-                    } else {
-                        format!("cpu {c:?} / cuda {g:?}")
-                    },
-                }),
-        );
-    }
-    Ok(checks)
+/// Continuations of `prompts` (24 tokens each) through the engine on `device` (paged cache,
+/// scheduling and all), with the GPU path's switches `setting`.
+fn tokens(
+    path: &Path,
+    device: Device,
+    setting: GpuOptions,
+    prompts: &[String],
+    params: &SamplingParams,
+) -> Result<Vec<Vec<u32>>> {
+    let switch = |on: bool| if on { Switch::On } else { Switch::Off };
+    let engine = LoadedEngine::load(
+        path,
+        EngineOptions {
+            device,
+            kv_cache_tokens: 4096,
+            cuda_graphs: switch(setting.cuda_graphs),
+            device_sampling: switch(setting.device_sampling),
+            fused_kernels: switch(setting.fused_kernels),
+            prefill_attention: setting.prefill_attention,
+            ..Default::default()
+        },
+    )?;
+    engine.run(Generate { prompts, params })
 }
 
-struct Greedy<'a>(&'a [String]);
+struct Generate<'a> {
+    prompts: &'a [String],
+    params: &'a SamplingParams,
+}
 
-impl crate::WithEngine for Greedy<'_> {
+impl crate::WithEngine for Generate<'_> {
     type Output = Result<Vec<Vec<u32>>>;
 
     fn run<B: Backend + 'static>(self, mut engine: duet_engine::engine::Engine<B>) -> Self::Output {
-        self.0
+        self.prompts
             .iter()
             .map(|prompt| {
                 let tokens = engine.encode(prompt)?;
@@ -557,7 +843,7 @@ impl crate::WithEngine for Greedy<'_> {
                     max_tokens: 24,
                     ..Default::default()
                 };
-                let id = engine.add_sequence(tokens, SamplingParams::greedy(), stop)?;
+                let id = engine.add_sequence(tokens, self.params.clone(), stop)?;
                 let mut out = Vec::new();
                 loop {
                     let steps = engine.step()?;
@@ -598,28 +884,45 @@ const MIXED_CONTEXT: usize = 512;
 const MIXED_PROMPT: usize = 8192;
 const MIXED_STEP_TOKENS: [usize; 5] = [256, 512, 1024, 2048, 4096];
 
+/// The decode, prefill and mixed-load timings of the Llama-3-8B shape, on one loaded model:
+/// decode with the switches of [`switch_settings`], prefill with each prefill attention kernel
+/// and fused kernels off and on, the mixed load with each prefill attention kernel. A timing that
+/// errs is recorded in `errors` and the others are still taken.
 fn llama3_8b_timings(
     ordinal: usize,
     copy: f64,
     matrix_rate: f64,
-) -> Result<(Vec<Timing>, Vec<MixedLoadRun>)> {
+    timings: &mut Vec<Timing>,
+    mixed: &mut Vec<MixedLoadRun>,
+    errors: &mut Vec<String>,
+) {
     let c = llama3_8b();
-    let model = Llama::synthetic(CudaBackend::new(ordinal, 0.9)?, c.clone(), 7)?;
+    let model = match CudaBackend::new(ordinal, 0.9, GpuOptions::default())
+        .map_err(EngineError::from)
+        .and_then(|b| Llama::synthetic(b, c.clone(), 7))
+    {
+        Ok(m) => m,
+        Err(e) => return errors.push(format!("loading the Llama-3-8B shape: {e}")),
+    };
     let b = model.backend();
     let block_size = 16;
     let (batch, context) = (64usize, 1024usize);
+    let prompts = [2048usize, 8192];
+    model.reserve_step_memory(prompts[1], block_size);
     let num_blocks = batch * (context + 64).div_ceil(block_size) + 256;
-    let mut kv = b.alloc_kv(model.kv_layout(block_size, num_blocks, KvDtype::Bf16))?;
+    let mut kv = match b.alloc_kv(model.kv_layout(block_size, num_blocks, KvDtype::Bf16)) {
+        Ok(kv) => kv,
+        Err(e) => return errors.push(format!("allocating the KV cache: {e}")),
+    };
     let kv_bytes_per_token = (c.num_layers * 2 * c.kv_dim() * 2) as f64;
     let matmul_params = c.matmul_params() as f64;
     // Per step every weight is read once (the embedding rows read are negligible).
     let weight_bytes = 2.0 * matmul_params;
+    let greedy = SamplingParams::greedy();
 
-    let step = |kv: &mut duet_cuda::backend::CudaKvStore,
-                seqs: usize,
-                start: usize,
-                len: usize|
-     -> Result<f64> {
+    // Seconds per step of `seqs` sequences at `start` cached tokens bringing `len` new ones,
+    // their tokens drawn as a greedy request's.
+    let step = |kv: &mut CudaKvStore, seqs: usize, start: usize, len: usize| -> Result<f64> {
         let per_seq = (start + len).div_ceil(block_size);
         let tables: Vec<Vec<u32>> = (0..seqs)
             .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
@@ -648,58 +951,103 @@ fn llama3_8b_timings(
             c.vocab_size,
             c.max_position_embeddings,
         )?;
-        time(b, 10, || model.forward(&fb, kv, &mut |_, _| {}).map(|_| ()))
+        let rows: Vec<RowSampling<'_>> = (0..seqs)
+            .map(|_| RowSampling {
+                params: &greedy,
+                seed: 0,
+                position: (start + len) as u64,
+                penalized: &[],
+                allowed: None,
+            })
+            .collect();
+        time(b, 10, || {
+            model
+                .forward_sampled(&fb, kv, &mut |_, _| {}, &rows)
+                .map(|_| ())
+        })
     };
 
-    let t1 = step(&mut kv, 1, 128, 1)?;
-    let roof1 = (weight_bytes + 129.0 * kv_bytes_per_token) / copy;
-    let t64 = step(&mut kv, batch, context, 1)?;
-    let roof64 = (weight_bytes + (batch * (context + 1)) as f64 * kv_bytes_per_token) / copy;
-    let mut timings = vec![
-        Timing {
-            name: "decode, batch 1, context 128 (tokens/s)".into(),
-            prefill_attention: None,
-            value: 1.0 / t1,
-            unit: "tok/s",
-            of_roofline: roof1 / t1,
-        },
-        Timing {
-            name: "decode, batch 64, context 1024 (tokens/s)".into(),
-            prefill_attention: None,
-            value: batch as f64 / t64,
-            unit: "tok/s",
-            of_roofline: roof64 / t64,
-        },
+    let decode = [
+        ("decode, batch 1, context 128 (tokens/s)", 1usize, 128usize),
+        ("decode, batch 64, context 1024 (tokens/s)", batch, context),
     ];
-    // Causal: half of the n x n scores, two products of head_dim each.
-    let attention_flops =
-        |n: usize| (4 * c.num_layers * c.num_heads * c.head_dim) as f64 * (n * n) as f64 / 2.0;
-    for kernel in PREFILL_KERNELS {
-        b.set_prefill_attention(kernel)?;
-        for n in [2048usize, 8192] {
-            let tp = step(&mut kv, 1, 0, n)?;
-            let prefill_flops = 2.0 * matmul_params * n as f64 + attention_flops(n);
-            timings.push(Timing {
-                name: format!("prefill, one {n}-token prompt (ms)"),
-                prefill_attention: Some(kernel.to_string()),
-                value: tp * 1e3,
-                unit: "ms",
-                of_roofline: prefill_flops / tp / matrix_rate,
-            });
-            if n == 2048 {
-                let ta = prefill_attention_time(b, &c, &kv, n)?;
-                timings.push(Timing {
-                    name: "  of which attention, all layers (ms)".into(),
-                    prefill_attention: Some(kernel.to_string()),
-                    value: ta * 1e3,
-                    unit: "ms",
-                    of_roofline: attention_flops(n) / ta / matrix_rate,
-                });
+    // A decode step runs no prefill attention: the setting that only changes it is not timed.
+    let decode_settings = switch_settings()
+        .into_iter()
+        .filter(|&s| s != prefill_by(PrefillAttention::Fa));
+    for setting in decode_settings {
+        b.set_options(setting);
+        for (name, seqs, ctx) in decode {
+            match step(&mut kv, seqs, ctx, 1) {
+                Ok(t) => {
+                    let roof =
+                        (weight_bytes + (seqs * (ctx + 1)) as f64 * kv_bytes_per_token) / copy;
+                    timings.push(Timing {
+                        name: name.into(),
+                        switches: describe(setting),
+                        value: seqs as f64 / t,
+                        unit: "tok/s",
+                        of_roofline: roof / t,
+                    });
+                }
+                Err(e) => errors.push(format!("{name} ({}): {e}", describe(setting))),
             }
         }
     }
+    // Causal: half of the n × n scores, two products of head_dim each.
+    let attention_flops =
+        |n: usize| (4 * c.num_layers * c.num_heads * c.head_dim) as f64 * (n * n) as f64 / 2.0;
+    for kernel in PREFILL_KERNELS {
+        for fused_kernels in [false, true] {
+            let setting = GpuOptions {
+                fused_kernels,
+                ..prefill_by(kernel)
+            };
+            b.set_options(setting);
+            for n in prompts {
+                let name = format!("prefill, one {n}-token prompt (ms)");
+                let prefill_flops = 2.0 * matmul_params * n as f64 + attention_flops(n);
+                match step(&mut kv, 1, 0, n) {
+                    Ok(tp) => timings.push(Timing {
+                        name,
+                        switches: describe(setting),
+                        value: tp * 1e3,
+                        unit: "ms",
+                        of_roofline: prefill_flops / tp / matrix_rate,
+                    }),
+                    Err(e) => errors.push(format!("{name} ({}): {e}", describe(setting))),
+                }
+            }
+        }
+        let setting = prefill_by(kernel);
+        b.set_options(setting);
+        let n = prompts[0];
+        match prefill_attention_time(b, &c, &kv, n) {
+            Ok(ta) => timings.push(Timing {
+                name: "  of which attention, all layers (ms)".into(),
+                switches: describe(setting),
+                value: ta * 1e3,
+                unit: "ms",
+                of_roofline: attention_flops(n) / ta / matrix_rate,
+            }),
+            Err(e) => errors.push(format!(
+                "prefill attention alone ({}): {e}",
+                describe(setting)
+            )),
+        }
+    }
     drop(kv);
+    mixed_loads(model, block_size, mixed, errors);
+}
 
+/// [`mixed_load`] on `model` at each of [`MIXED_STEP_TOKENS`], with each prefill attention
+/// kernel.
+fn mixed_loads(
+    model: Llama<CudaBackend>,
+    block_size: usize,
+    runs: &mut Vec<MixedLoadRun>,
+    errors: &mut Vec<String>,
+) {
     let shape = MixedLoadShape {
         decodes: MIXED_DECODES,
         decode_context: MIXED_CONTEXT,
@@ -709,20 +1057,27 @@ fn llama3_8b_timings(
     // The smallest budget takes the most steps, so the most KV.
     let blocks = shape.blocks_needed(block_size, MIXED_STEP_TOKENS[0]);
     let layout = model.kv_layout(block_size, blocks, KvDtype::Bf16);
-    let mut runner = ModelRunner::new(model, layout)?;
-    let mut mixed = Vec::new();
+    let mut runner = match ModelRunner::new(model, layout) {
+        Ok(r) => r,
+        Err(e) => return errors.push(format!("mixed load: allocating its KV cache: {e}")),
+    };
     for kernel in PREFILL_KERNELS {
-        runner.model().backend().set_prefill_attention(kernel)?;
+        let setting = prefill_by(kernel);
+        runner.model().backend().set_options(setting);
         for budget in MIXED_STEP_TOKENS {
-            let load = mixed_load(&mut runner, &shape, budget)?;
-            mixed.push(MixedLoadRun {
-                prefill_attention: kernel.to_string(),
-                slowdown: load.slowdown(),
-                load,
-            });
+            match mixed_load(&mut runner, &shape, budget) {
+                Ok(load) => runs.push(MixedLoadRun {
+                    switches: describe(setting),
+                    slowdown: load.slowdown(),
+                    load,
+                }),
+                Err(e) => errors.push(format!(
+                    "mixed load at {budget} step tokens ({}): {e}",
+                    describe(setting)
+                )),
+            }
         }
     }
-    Ok((timings, mixed))
 }
 
 /// Seconds of the prefill attention alone for one `n`-token prompt, over every layer: the share
@@ -730,7 +1085,7 @@ fn llama3_8b_timings(
 fn prefill_attention_time(
     b: &CudaBackend,
     c: &ModelConfig,
-    kv: &duet_cuda::backend::CudaKvStore,
+    kv: &CudaKvStore,
     n: usize,
 ) -> Result<f64> {
     let block_size = kv.layout().block_size;
@@ -749,10 +1104,11 @@ fn prefill_attention_time(
         c.vocab_size,
         c.max_position_embeddings,
     )?;
-    let prepared = b.prepare_batch(&fb);
     let width = c.num_heads * c.head_dim;
+    // Memory of their own: they outlive the step the timing loop's syncs end.
     let q = b.upload_activations(n, width, &Uniform::new(5).values(n * width))?;
-    let mut out = b.alloc(n, width);
+    let mut out = b.upload_activations(n, width, &vec![0.0; n * width])?;
+    let prepared = b.prepare_batch(&fb);
     let shape = AttentionShape {
         num_heads: c.num_heads,
         num_kv_heads: c.num_kv_heads,

@@ -88,12 +88,26 @@ fn load_cuda(
     ordinal: usize,
 ) -> Result<LoadedEngine, EngineError> {
     // The device first: a missing GPU is reported before a large model file is read.
-    let backend = duet_cuda::backend::CudaBackend::new(ordinal, options.gpu_memory_fraction)?;
-    backend.set_prefill_attention(options.prefill_attention)?;
+    let backend = duet_cuda::backend::CudaBackend::new(
+        ordinal,
+        options.gpu_memory_fraction,
+        gpu_options(&options),
+    )?;
     let files = duet_model::model_files::open_model(path)?;
     Ok(LoadedEngine::Cuda(Engine::with_backend(
         backend, files, options,
     )?))
+}
+
+/// The GPU path's switches among the engine options.
+#[cfg(feature = "cuda")]
+pub fn gpu_options(options: &EngineOptions) -> duet_cuda::backend::GpuOptions {
+    duet_cuda::backend::GpuOptions {
+        cuda_graphs: options.cuda_graphs.is_on(),
+        device_sampling: options.device_sampling.is_on(),
+        fused_kernels: options.fused_kernels.is_on(),
+        prefill_attention: options.prefill_attention,
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

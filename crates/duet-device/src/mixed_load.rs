@@ -89,7 +89,7 @@ pub fn mixed_load<B: Backend>(
         )));
     }
     let cache = KvCacheManager::new(layout.num_blocks, layout.block_size, "mixed-load");
-    let mut scheduler = Scheduler::new(cache, step_tokens, 0);
+    let mut scheduler = Scheduler::new(cache, step_tokens, 0, vocab as usize);
     let decodes: Vec<SeqId> = (0..shape.decodes as SeqId).collect();
     for &id in &decodes {
         scheduler.add_sequence(id, tokens(shape.decode_context, id as u32 + 1), "")?;
@@ -137,12 +137,13 @@ fn step<B: Backend>(
     scheduler: &mut Scheduler,
 ) -> Result<Vec<SeqId>, EngineError> {
     let plan: Vec<PlannedSeq> = scheduler.plan_step(&mut |_, _| Vec::new())?;
-    let logits = runner.forward(
+    // The logits reach the host as serving's would, and go unsampled.
+    drop(runner.forward(
         &plan,
         |id| scheduler.tokens(id).expect("a planned sequence is tracked"),
         &mut |_| {},
-    )?;
-    runner.end_step(logits, &plan);
+    )?);
+    runner.end_step(&plan);
     let mut completed = Vec::new();
     for p in &plan {
         if scheduler.record_computed(p)? {

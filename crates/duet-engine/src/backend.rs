@@ -7,7 +7,10 @@
 
 use crate::EngineError;
 use crate::batch::ForwardBatch;
+use crate::sampling_steps::{RowSampling, sample_row};
+use duet_model::config::ModelConfig;
 use duet_model::model_files::RawTensor;
+use duet_model::params::Sampled;
 use duet_model::quant_type::QuantType;
 use duet_model::storage::WeightBytes;
 
@@ -205,6 +208,30 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
+/// Rows of a step's activations as a backend runs it (see [`Backend::step_rows`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepRows {
+    /// Rows of the step: the batch's, or more where the backend pads it.
+    pub rows: usize,
+    /// Rows whose logits are computed: the batch's logit rows, then any padded ones.
+    pub logit_rows: usize,
+}
+
+/// What a backend keeps for steps, sized once at start-up (see
+/// [`Backend::reserve_step_memory`]).
+#[derive(Clone, Copy, Debug)]
+pub struct StepMemoryPlan<'a> {
+    pub config: &'a ModelConfig,
+    /// Most rows one step computes.
+    pub max_rows: usize,
+    /// Most rows one step computes logits for (more grow the memory when they come).
+    pub max_logit_rows: usize,
+    /// The activations `[rows][cols]` such a step allocates.
+    pub activations: &'a [(usize, usize)],
+    /// Tokens per KV block (the length of block tables).
+    pub block_size: usize,
+}
+
 pub trait Backend: Send + Sync {
     /// A weight matrix `[rows (out), cols (in)]`.
     type Matrix: Send + Sync;
@@ -278,8 +305,32 @@ pub trait Backend: Send + Sync {
     fn kv_block_bytes(&self, kv: &Self::KvStore) -> usize;
     fn read_kv_block(&self, kv: &Self::KvStore, layer: usize, block: usize, out: &mut [u8]);
     fn write_kv_block(&self, kv: &mut Self::KvStore, layer: usize, block: usize, data: &[u8]);
+    /// Copies one layer's KV of `blocks` out in transfer layout, one block after another, and
+    /// waits for it (a GPU reads them in one copy, off its compute stream, without ending the
+    /// step); see [`Backend::status`] for its failure.
+    fn read_kv_blocks(&self, kv: &Self::KvStore, layer: usize, blocks: &[u32], out: &mut [u8]) {
+        let block_bytes = self.kv_block_bytes(kv);
+        for (&b, chunk) in blocks.iter().zip(out.chunks_exact_mut(block_bytes)) {
+            self.read_kv_block(kv, layer, b as usize, chunk);
+        }
+    }
+    /// Sizes what the backend keeps for steps (a GPU's activation workspace and input buffers)
+    /// once at start-up, so that steps allocate nothing; nothing by default.
+    fn reserve_step_memory(&self, plan: &StepMemoryPlan<'_>) {
+        let _ = plan;
+    }
+    /// Activations `[rows][cols]`, their contents unspecified (a GPU hands a step's out of one
+    /// reused workspace).
     fn alloc(&self, rows: usize, cols: usize) -> Self::Activations;
+    /// Activations `[rows][cols]` of zeros.
+    fn alloc_zeroed(&self, rows: usize, cols: usize) -> Self::Activations {
+        self.alloc(rows, cols)
+    }
     fn prepare_batch<'a>(&self, batch: &'a ForwardBatch) -> Self::Batch<'a>;
+    /// Rows of the step's activations: the batch's rows and logit rows, or more where the
+    /// backend pads a step to a fixed shape (a GPU's batch buckets). Padded rows compute what
+    /// nothing reads.
+    fn step_rows(&self, batch: &Self::Batch<'_>) -> StepRows;
 
     /// Held for a whole forward step: engines sharing a device's compute (several workers in one
     /// process share the CPU's kernel threads) take turns step by step instead of interleaving
@@ -289,8 +340,8 @@ pub trait Backend: Send + Sync {
         Self: 'a;
     fn step_turn(&self) -> Self::StepTurn<'_>;
 
-    /// `out[i] = table[tokens[i]]`.
-    fn embed(&self, table: &Self::Matrix, tokens: &[u32], out: &mut Self::Activations);
+    /// `out[i] = table[token of row i]`.
+    fn embed(&self, table: &Self::Matrix, batch: &Self::Batch<'_>, out: &mut Self::Activations);
     /// `out = x / rms(x) * w`, row-wise.
     fn rms_norm(
         &self,
@@ -338,6 +389,29 @@ pub trait Backend: Send + Sync {
         batch: &Self::Batch<'_>,
         out: &mut Self::Activations,
     );
+    /// The QKV projection's output `qkv` (rows of `[q | k | v]`) split into `q`, `k`, `v`, `q`
+    /// and `k` turned by RoPE, and K and V stored into the cache for `layer`: what
+    /// [`Backend::split_cols`], [`Backend::rope`] and [`Backend::write_kv`] do, which a device
+    /// backend fuses into one pass (`k` and `v` are then left unwritten).
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_rope_write_kv(
+        &self,
+        qkv: &Self::Activations,
+        q: &mut Self::Activations,
+        k: &mut Self::Activations,
+        v: &mut Self::Activations,
+        kv: &mut Self::KvStore,
+        layer: usize,
+        shape: AttentionShape,
+        inv_freq: &Self::Vector,
+        attention_factor: f32,
+        batch: &Self::Batch<'_>,
+    ) {
+        self.split_cols(qkv, &mut [&mut *q, &mut *k, &mut *v]);
+        self.rope(q, shape.head_dim, inv_freq, attention_factor, batch);
+        self.rope(k, shape.head_dim, inv_freq, attention_factor, batch);
+        self.write_kv(kv, layer, k, v, batch);
+    }
     /// `gate = silu(gate) * up`.
     fn silu_mul(&self, gate: &mut Self::Activations, up: &Self::Activations);
     /// `out = silu(gate) * up` where each row of `gate_up` is `[gate | up]` (the stacked
@@ -360,6 +434,13 @@ pub trait Backend: Send + Sync {
     }
     /// `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Activations, rows: &[usize], out: &mut Self::Activations);
+    /// `out[i] = x[i-th row whose logits the step wants]` (and any padded rows after them).
+    fn gather_logit_rows(
+        &self,
+        x: &Self::Activations,
+        batch: &Self::Batch<'_>,
+        out: &mut Self::Activations,
+    );
     /// `out[rows[i]] += weights[i] · y[i]` (`rows` distinct): an expert's outputs added back to
     /// the tokens it was picked for.
     fn scatter_add_rows(
@@ -370,8 +451,32 @@ pub trait Backend: Send + Sync {
         weights: &[f32],
     );
     fn to_host(&self, x: Self::Activations) -> Vec<f32>;
+    /// Whether [`Backend::sample`] draws on the device (else the logits come to the host).
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+    /// The token each of `rows` draws from its row of `logits` (`[rows][vocab]`, padded rows
+    /// after them ignored), as [`crate::sampling_steps::sample_row`] defines it: on the host by
+    /// default, on the device where a backend does it there.
+    fn sample(
+        &self,
+        logits: Self::Activations,
+        vocab: usize,
+        rows: &[RowSampling<'_>],
+    ) -> Vec<Sampled> {
+        let mut data = self.to_host(logits);
+        rows.iter()
+            .zip(data.chunks_exact_mut(vocab))
+            .map(|(row, l)| sample_row(l, row))
+            .collect()
+    }
     /// Waits for queued work and reports a device failure. Ops do not return errors themselves:
     /// as in a CUDA context, a failure is sticky (the backend is unusable afterwards) and every
     /// later `sync` reports it.
     fn sync(&self) -> Result<(), EngineError>;
+    /// The failure of the ops so far, without waiting for queued work: after an op that waits for
+    /// its own result ([`Backend::read_kv_blocks`]), mid-step.
+    fn status(&self) -> Result<(), EngineError> {
+        Ok(())
+    }
 }

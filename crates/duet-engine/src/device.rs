@@ -1,4 +1,5 @@
-//! Which device an engine runs on (`--device cpu|cuda[:N]`).
+//! Which device an engine runs on (`--device cpu|cuda[:N]`), and the on/off switches of its
+//! device paths (`--cuda-graphs on|off`, ...).
 
 use std::fmt;
 use std::str::FromStr;
@@ -55,6 +56,27 @@ impl fmt::Display for Device {
             Self::Cpu => f.write_str("cpu"),
             Self::Cuda(n) => write!(f, "cuda:{n}"),
         }
+    }
+}
+
+/// A switch on the command line: `on` or `off`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum Switch {
+    On,
+    #[default]
+    Off,
+}
+
+impl Switch {
+    pub fn is_on(self) -> bool {
+        self == Self::On
+    }
+}
+
+impl fmt::Display for Switch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.is_on() { "on" } else { "off" })
     }
 }
 

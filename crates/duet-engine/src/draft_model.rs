@@ -41,14 +41,23 @@ struct DraftCache {
 
 impl<B: Backend> DraftModel<B> {
     /// Loads the draft model of `files` on `backend`, with a KV store as large as the target's
-    /// (`options`). Its tokenizer must be the target's, token for token.
+    /// (`options`). Its vocabulary must be the target's (`target`): the same tokenizer, token for
+    /// token, and no more logits (padding rows included: a draft with more could propose ids the
+    /// target lacks). Fewer padding rows are fine: Qwen2.5-0.5B (151,936 logits) drafts for
+    /// Qwen2.5-7B (152,064) with the same tokenizer.
     pub fn load(
         backend: B,
         files: &ModelFiles,
-        target_tokenizer: &Tokenizer,
+        target: &ModelFiles,
         options: &EngineOptions,
     ) -> Result<Self, EngineError> {
-        if let Some(difference) = vocabulary_difference(target_tokenizer, &files.tokenizer) {
+        let (logits, target_logits) = (files.config.vocab_size, target.config.vocab_size);
+        if logits > target_logits {
+            return Err(EngineError::Config(format!(
+                "the draft model's config has vocab_size {logits}, the target's {target_logits}; a draft model must share the target's tokenizer and have no more logits (padding rows included) than the target, which could not score the ids past its own"
+            )));
+        }
+        if let Some(difference) = vocabulary_difference(&target.tokenizer, &files.tokenizer) {
             return Err(EngineError::Config(format!(
                 "the draft model's tokenizer is not the target's ({difference}); a draft model must share the target's vocabulary"
             )));
@@ -136,7 +145,8 @@ impl<B: Backend> DraftModel<B> {
         }];
         let logits = self.runner.forward(&plan, |_| &cache.tokens, &mut |_| {})?;
         let token = argmax(logits.row(0));
-        self.runner.end_step(logits, &plan);
+        drop(logits);
+        self.runner.end_step(&plan);
         Ok(token)
     }
 

@@ -13,17 +13,19 @@ use duet_kv::{BlockPool, KvCacheManager};
 
 use crate::EngineError;
 use crate::backend::{Backend, CpuKernels, KvDtype, KvDtypeChoice, KvLayout, PrefillAttention};
-use crate::device::Device;
+use crate::device::{Device, Switch};
 use crate::draft_model::DraftModel;
 use crate::generation::TextStream;
+use crate::grammars::Grammars;
 use crate::llama::Llama;
 use crate::model_runner::{ModelRunner, release_freed_heap};
 use crate::sampling::Sampler;
+use crate::sampling_steps::RowSampling;
 use crate::scheduler::Scheduler;
 use crate::speculator::{DraftLength, NgramSpeculator, SpeculativeMode};
 use duet_model::chat::{ChatMessage, ChatTemplate};
 use duet_model::config::ModelConfig;
-use duet_model::grammar::GrammarCompiler;
+use duet_model::grammar::Grammar;
 use duet_model::model_files::ModelFiles;
 use duet_model::params::{FinishReason, PromptLimits, Sampled, SamplingParams, StopCriteria};
 use duet_model::tokenizer::Tokenizer;
@@ -103,6 +105,20 @@ pub struct EngineOptions {
     /// saves. With as many sequences decoding, nobody drafts.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_SPECULATIVE_MAX_STEP_ROWS", default_value_t = EngineOptions::default().speculative_max_step_rows))]
     pub speculative_max_step_rows: usize,
+    /// On a GPU: each decode step's batch bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to
+    /// --max-step-tokens) is captured once as a CUDA graph and replayed, on or off. Off until
+    /// it has run on a GPU (docs/gpu.md).
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_CUDA_GRAPHS", value_enum, default_value_t = EngineOptions::default().cuda_graphs))]
+    pub cuda_graphs: Switch,
+    /// On a GPU: tokens drawn on the device, the same bits as the CPU sampler (so only tokens,
+    /// not logits, come to the host), on or off. Off until it has run on a GPU.
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_DEVICE_SAMPLING", value_enum, default_value_t = EngineOptions::default().device_sampling))]
+    pub device_sampling: Switch,
+    /// On a GPU: fused kernels (the QKV projection's output through RoPE into the KV cache in
+    /// one launch; norms and attention writing the next product's bf16 operand), on or off.
+    /// Off until they have run on a GPU.
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_FUSED_KERNELS", value_enum, default_value_t = EngineOptions::default().fused_kernels))]
+    pub fused_kernels: Switch,
 }
 
 #[cfg(feature = "cli")]
@@ -129,6 +145,9 @@ impl Default for EngineOptions {
             speculative: SpeculativeMode::Off,
             num_speculative_tokens: 8,
             speculative_max_step_rows: 8,
+            cuda_graphs: Switch::Off,
+            device_sampling: Switch::Off,
+            fused_kernels: Switch::Off,
         }
     }
 }
@@ -160,6 +179,9 @@ impl EngineOptions {
             speculative,
             num_speculative_tokens,
             speculative_max_step_rows,
+            cuda_graphs,
+            device_sampling,
+            fused_kernels,
         } = self;
         let kv_dtype =
             clap::ValueEnum::to_possible_value(kv_dtype).expect("every KV dtype is a flag value");
@@ -176,6 +198,9 @@ impl EngineOptions {
             format!("--speculative={speculative}"),
             format!("--num-speculative-tokens={num_speculative_tokens}"),
             format!("--speculative-max-step-rows={speculative_max_step_rows}"),
+            format!("--cuda-graphs={cuda_graphs}"),
+            format!("--device-sampling={device_sampling}"),
+            format!("--fused-kernels={fused_kernels}"),
         ]
         .into_iter()
         .map(Into::into)
@@ -222,6 +247,8 @@ pub struct StepOutput {
     /// Newly final text.
     pub text: String,
     pub finish: Option<FinishReason>,
+    /// What failed, when `finish` is [`FinishReason::Error`].
+    pub error: Option<String>,
     /// The sequence's speculation so far on this engine (its steps, drafted and accepted
     /// tokens), up to and including the step of this output.
     pub speculation: Speculation,
@@ -236,8 +263,8 @@ pub struct Engine<B: Backend> {
     options: EngineOptions,
     fingerprint: String,
     next_id: SeqId,
-    /// Built on the first constrained request (a token trie over the vocabulary).
-    grammars: Option<GrammarCompiler>,
+    /// Compiles the constraints of requests admitted without their grammar.
+    grammars: Grammars,
     /// The draft proposer when speculating.
     speculator: Option<Proposer<B>>,
     /// Over every sequence since the engine started.
@@ -289,8 +316,7 @@ impl<B: Backend> Engine<B> {
                     )));
                 };
                 let draft_files = duet_model::model_files::open_model(path)?;
-                let draft =
-                    DraftModel::load(draft_backend, &draft_files, &files.tokenizer, &options)?;
+                let draft = DraftModel::load(draft_backend, &draft_files, &files, &options)?;
                 Some(Proposer::Draft(Box::new(draft)))
             }
         };
@@ -305,20 +331,23 @@ impl<B: Backend> Engine<B> {
             options.block_size,
         );
         let kv_cache = KvCacheManager::new(num_blocks, options.block_size, &fingerprint);
+        let (tokenizer, vocab_size) = (files.tokenizer, files.config.vocab_size);
+        let grammars = Grammars::new(tokenizer.clone(), vocab_size);
         let engine = Self {
             runner,
             scheduler: Scheduler::new(
                 kv_cache,
                 options.step_tokens(),
                 options.speculative_max_step_rows,
+                vocab_size,
             ),
             seqs: BTreeMap::new(),
-            tokenizer: files.tokenizer,
+            tokenizer,
             chat: files.chat_template,
             options,
             fingerprint,
             next_id: 0,
-            grammars: None,
+            grammars,
             speculator,
             speculation_totals: Speculation::default(),
             overlap_grammar_masks,
@@ -397,14 +426,20 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Validates a request against the model and admits it, reusing cached prefix blocks of the
-    /// shared namespace (no cache salt).
+    /// shared namespace (no cache salt); its constraint, if any, is compiled here.
     pub fn add_sequence(
         &mut self,
         prompt: Vec<u32>,
         params: SamplingParams,
         stop: StopCriteria,
     ) -> Result<SeqId, EngineError> {
-        self.resume_sequence(prompt, Resumed::default(), "", params, stop)
+        self.resume_sequence(prompt, Resumed::default(), "", params, None, stop)
+    }
+
+    /// The compiler of requests' constraints, to compile them off the engine's thread (see
+    /// [`resume_sequence`](Self::resume_sequence)).
+    pub fn grammars(&self) -> &Grammars {
+        &self.grammars
     }
 
     /// The seed of the prefix hashes of requests with this cache salt: requests share cached
@@ -416,12 +451,16 @@ impl<B: Backend> Engine<B> {
     /// Admits a request that another worker started: the last `resumed.generated` of `tokens`
     /// were already generated (they count towards `max_tokens` and the penalties, and are not
     /// reported again) and `resumed.sent_text_bytes` of their text already reached the client.
+    /// `grammar` is `params.constraint` compiled ahead by [`grammars`](Self::grammars) (a worker
+    /// compiles on other threads: a compile here would stall every running sequence); `None`
+    /// compiles it here.
     pub fn resume_sequence(
         &mut self,
         tokens: Vec<u32>,
         resumed: Resumed,
         cache_salt: &str,
         params: SamplingParams,
+        grammar: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<SeqId, EngineError> {
         params.validate()?;
@@ -443,7 +482,7 @@ impl<B: Backend> Engine<B> {
         let prompt_len = tokens.len() - resumed.generated;
         let id = self.next_id;
         self.next_id += 1;
-        let mut sampler = self.sampler(params, &tokens[..prompt_len])?;
+        let mut sampler = self.sampler(params, grammar, &tokens[..prompt_len])?;
         sampler.record(&tokens[prompt_len..]);
         let text = TextStream::resumed(
             &self.tokenizer,
@@ -467,20 +506,24 @@ impl<B: Backend> Engine<B> {
         Ok(id)
     }
 
-    /// A request's sampler; a constrained one starts at the beginning of its grammar.
-    fn sampler(&mut self, params: SamplingParams, prompt: &[u32]) -> Result<Sampler, EngineError> {
-        let Some(constraint) = params.constraint.clone() else {
-            return Ok(Sampler::new(params, prompt));
+    /// A request's sampler; a constrained one starts at the beginning of its grammar (`grammar`,
+    /// or `params.constraint` compiled here).
+    fn sampler(
+        &self,
+        params: SamplingParams,
+        grammar: Option<Grammar>,
+        prompt: &[u32],
+    ) -> Result<Sampler, EngineError> {
+        let grammar = match (grammar, &params.constraint) {
+            (Some(grammar), _) => Some(grammar),
+            (None, Some(constraint)) => Some(self.grammars.compile(constraint)?),
+            (None, None) => None,
         };
-        let compiler = match &mut self.grammars {
-            Some(c) => c,
-            slot => slot.insert(GrammarCompiler::new(
-                &self.tokenizer,
-                self.runner.model().config().vocab_size,
-            )?),
-        };
-        let grammar = compiler.compile(&constraint)?;
-        Ok(Sampler::new(params, prompt).with_grammar(grammar))
+        let sampler = Sampler::new(params, prompt);
+        Ok(match grammar {
+            Some(grammar) => sampler.with_grammar(grammar),
+            None => sampler,
+        })
     }
 
     /// A new sequence's draft length: none unless the engine speculates and the request allows.
@@ -519,13 +562,15 @@ impl<B: Backend> Engine<B> {
 
     /// Starts generating for a prompt whose KV was written into `reservation` by a prefill
     /// worker, which also sampled `first`. Returns the sequence and the output for `first`
-    /// (which may already finish it).
+    /// (which may already finish it). `grammar` is as for
+    /// [`resume_sequence`](Self::resume_sequence).
     pub fn add_prefilled(
         &mut self,
         prompt: Vec<u32>,
         reservation: KvReservation,
         first: Sampled,
         params: SamplingParams,
+        grammar: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<(SeqId, StepOutput), EngineError> {
         let checked = params
@@ -543,7 +588,7 @@ impl<B: Backend> Engine<B> {
                 "the reservation was made for another prompt".into(),
             ));
         }
-        let mut sampler = match self.sampler(params, &prompt) {
+        let mut sampler = match self.sampler(params, grammar, &prompt) {
             Ok(s) => s,
             Err(e) => {
                 self.release(reservation)?;
@@ -689,6 +734,11 @@ impl<B: Backend> Engine<B> {
         if plan.is_empty() {
             return Ok(Vec::new());
         }
+        if self.runner.model().backend().samples_on_device()
+            && plan.iter().all(|p| p.draft.is_empty())
+        {
+            return self.step_sampled_on_device(&plan, on_layer);
+        }
         let constrained: Vec<&mut Sampler> = match self.overlap_grammar_masks {
             true => self
                 .seqs
@@ -748,7 +798,71 @@ impl<B: Backend> Engine<B> {
                 out.speculation = generation.speculation;
             }
         }
-        self.runner.end_step(logits, &plan);
+        drop(logits);
+        self.runner.end_step(&plan);
+        Ok(outputs)
+    }
+
+    /// A step of `plan` (no drafts) whose tokens the backend draws on the device: each sequence
+    /// the step completes hands its sampler's state over ([`Sampler::row`]) and accepts the token
+    /// drawn, which equals what [`Sampler::sample`] draws from the same logits.
+    fn step_sampled_on_device(
+        &mut self,
+        plan: &[PlannedSeq],
+        on_layer: &mut dyn FnMut(&LayerDone<'_, B>),
+    ) -> Result<Vec<StepOutput>, EngineError> {
+        let max_positions = self.config().max_position_embeddings;
+        // The sequences the step completes: the rows whose logits the model runner asks for.
+        let completes: Vec<bool> = plan
+            .iter()
+            .map(|p| {
+                let tokens = self
+                    .scheduler
+                    .tokens(p.seq)
+                    .expect("planned sequences exist");
+                p.start_pos + p.len == tokens.len()
+            })
+            .collect();
+        for (p, _) in plan.iter().zip(&completes).filter(|(_, c)| **c) {
+            let g = self.seqs.get_mut(&p.seq).expect("planned sequences exist");
+            g.sampler.prepare_mask();
+        }
+        let (runner, scheduler, seqs) = (&mut self.runner, &self.scheduler, &self.seqs);
+        let rows: Vec<RowSampling<'_>> = plan
+            .iter()
+            .zip(&completes)
+            .filter(|(_, c)| **c)
+            .map(|(p, _)| seqs[&p.seq].sampler.row())
+            .collect();
+        let sampled = runner.forward_sampled(
+            plan,
+            |seq| scheduler.tokens(seq).expect("planned sequences exist"),
+            on_layer,
+            &rows,
+        )?;
+        let mut sampled = sampled.into_iter();
+        let mut outputs = Vec::new();
+        for p in plan {
+            if !self.scheduler.record_computed(p)? {
+                continue; // a prompt chunk; no token yet
+            }
+            let token = sampled.next().ok_or_else(|| {
+                EngineError::Device("the device drew fewer tokens than the step completed".into())
+            })?;
+            let generation = self.seqs.get_mut(&p.seq).expect("planned sequences exist");
+            generation.sampler.accept(token.token);
+            generation.speculation.steps += 1;
+            self.speculation_totals.steps += 1;
+            outputs.push(advance(
+                generation,
+                p.seq,
+                token,
+                &mut self.scheduler,
+                &self.tokenizer,
+                max_positions,
+            )?);
+        }
+        self.runner.end_step(plan);
         Ok(outputs)
     }
 
@@ -767,6 +881,12 @@ impl<B: Backend> Engine<B> {
     /// Sequences preempted (and recomputed) since the engine started.
     pub fn preemptions(&self) -> u64 {
         self.scheduler.preemptions()
+    }
+
+    /// Drafts cut before a token outside the model's vocabulary since the engine started (see
+    /// [`Scheduler::plan_step`]).
+    pub fn out_of_vocab_drafts(&self) -> u64 {
+        self.scheduler.out_of_vocab_drafts()
     }
 }
 
@@ -836,11 +956,18 @@ fn advance(
     max_positions: usize,
 ) -> Result<StepOutput, EngineError> {
     let stop = &generation.stop;
+    // A grammar that failed (an llguidance error) ends the sequence with the failure, and the
+    // token drawn is not part of the answer: the grammar could not vouch for it.
+    let error = generation.sampler.grammar_failure();
     let is_stop_token = stop.stop_token_ids.contains(&sampled.token)
         || (!stop.ignore_eos && tokenizer.eos_token_ids().contains(&sampled.token));
-    let (text, finish) = if is_stop_token {
+    let (text, finish) = if error.is_some() || is_stop_token {
         // Reported (it counts as generated) but not part of the text or the context.
-        (generation.text.finish(tokenizer)?, Some(FinishReason::Stop))
+        let reason = match error {
+            Some(_) => FinishReason::Error,
+            None => FinishReason::Stop,
+        };
+        (generation.text.finish(tokenizer)?, Some(reason))
     } else {
         let num_tokens = scheduler.append_token(id, sampled.token)?;
         let (mut text, hit_stop_string) = generation.text.push(tokenizer, sampled.token)?;
@@ -868,6 +995,7 @@ fn advance(
         token: sampled,
         text,
         finish,
+        error,
         speculation: generation.speculation,
     })
 }

@@ -10,10 +10,12 @@ pub mod draft_model;
 pub mod engine;
 pub mod error;
 pub mod generation;
+pub mod grammars;
 pub mod llama;
 pub mod model_runner;
 pub mod moe;
 pub mod sampling;
+pub mod sampling_steps;
 pub mod scheduler;
 pub mod speculator;
 

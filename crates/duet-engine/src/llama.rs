@@ -5,11 +5,13 @@
 //! projection only for the rows whose logits are wanted.
 
 use crate::EngineError;
-use crate::backend::{AttentionShape, Backend, KvDtype, KvLayout};
+use crate::backend::{AttentionShape, Backend, KvDtype, KvLayout, StepMemoryPlan};
 use crate::batch::ForwardBatch;
+use crate::sampling_steps::RowSampling;
 use duet_model::config::{ModelConfig, MoeConfig};
 use duet_model::dequant::dequantize_row;
 use duet_model::model_files::{ModelFiles, RawTensor, expert_tensor_name};
+use duet_model::params::Sampled;
 use duet_model::quant_type::QuantType;
 
 struct Layer<B: Backend> {
@@ -265,8 +267,97 @@ impl<B: Backend> Llama<B> {
         on_layer: &mut dyn FnMut(usize, &B::KvStore),
     ) -> Result<Logits, EngineError> {
         let b = &self.backend;
+        let vocab = self.config.vocab_size;
+        let _turn = b.step_turn();
+        let mut data = match self.run(batch, kv, on_layer) {
+            Some(logits) => b.to_host(logits),
+            None => Vec::new(),
+        };
+        b.sync()?;
+        // Rows a backend padded the step with come last.
+        data.truncate(batch.logit_rows.len() * vocab);
+        Ok(Logits {
+            data,
+            vocab_size: vocab,
+            rows: batch.logit_rows.clone(),
+        })
+    }
+
+    /// Runs one step as [`Self::forward`] does and draws a token for each row whose logits it
+    /// wants, `rows[i]` saying how for the `i`-th (see [`Backend::sample`]): on the device where
+    /// the backend samples there, so the logits never come to the host.
+    pub fn forward_sampled(
+        &self,
+        batch: &ForwardBatch,
+        kv: &mut B::KvStore,
+        on_layer: &mut dyn FnMut(usize, &B::KvStore),
+        rows: &[RowSampling<'_>],
+    ) -> Result<Vec<Sampled>, EngineError> {
+        if rows.len() != batch.logit_rows.len() {
+            return Err(EngineError::InvalidBatch(format!(
+                "{} sampling rows for a step with {} logit rows",
+                rows.len(),
+                batch.logit_rows.len()
+            )));
+        }
+        let b = &self.backend;
+        let _turn = b.step_turn();
+        let sampled = match self.run(batch, kv, on_layer) {
+            Some(logits) => b.sample(logits, self.config.vocab_size, rows),
+            None => Vec::new(),
+        };
+        b.sync()?;
+        Ok(sampled)
+    }
+
+    /// Sizes the backend's step memory for steps of up to `max_rows` rows (see
+    /// [`Backend::reserve_step_memory`]), with KV blocks of `block_size` tokens.
+    pub fn reserve_step_memory(&self, max_rows: usize, block_size: usize) {
+        // Logits of more rows than this are rare (steps of that many sequences): they grow it.
+        const RESERVED_LOGIT_ROWS: usize = 256;
+        let max_logit_rows = max_rows.min(RESERVED_LOGIT_ROWS);
+        self.backend.reserve_step_memory(&StepMemoryPlan {
+            config: &self.config,
+            max_rows,
+            max_logit_rows,
+            activations: &self.step_activations(max_rows, max_logit_rows),
+            block_size,
+        });
+    }
+
+    /// The activations `[rows][cols]` a step of `rows` rows, `logit_rows` of them wanting
+    /// logits, allocates in [`Self::run`], in its order (a dense model's; a mixture's experts
+    /// allocate more).
+    fn step_activations(&self, rows: usize, logit_rows: usize) -> Vec<(usize, usize)> {
         let c = &self.config;
-        let n = batch.num_rows();
+        let (q_dim, kv_dim) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        vec![
+            (rows, c.hidden_size),           // x
+            (rows, c.hidden_size),           // h
+            (rows, q_dim),                   // q
+            (rows, kv_dim),                  // k
+            (rows, kv_dim),                  // v
+            (rows, q_dim + 2 * kv_dim),      // qkv
+            (rows, q_dim),                   // attn
+            (rows, c.hidden_size),           // o
+            (rows, c.intermediate_size),     // act
+            (rows, 2 * c.intermediate_size), // the feed-forward's gate and up
+            (logit_rows, c.hidden_size),     // the logit rows
+            (logit_rows, c.hidden_size),     // normed
+            (logit_rows, c.vocab_size),      // logits
+        ]
+    }
+
+    /// The step's layers and output projection: the logits activations of the rows that want
+    /// them (and any padded rows), `None` when none do.
+    fn run(
+        &self,
+        batch: &ForwardBatch,
+        kv: &mut B::KvStore,
+        on_layer: &mut dyn FnMut(usize, &B::KvStore),
+    ) -> Option<B::Activations> {
+        let b = &self.backend;
+        let c = &self.config;
         let (q_dim, kv_dim) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let shape = AttentionShape {
             num_heads: c.num_heads,
@@ -274,11 +365,11 @@ impl<B: Backend> Llama<B> {
             head_dim: c.head_dim,
         };
 
-        let _turn = b.step_turn();
         let device_batch = b.prepare_batch(batch);
         let batch_on_device = &device_batch;
+        let rows = b.step_rows(batch_on_device);
+        let n = rows.rows;
         let mut x = b.alloc(n, c.hidden_size);
-        b.embed(&self.embedding, &batch.tokens, &mut x);
         let mut h = b.alloc(n, c.hidden_size);
         let mut q = b.alloc(n, q_dim);
         let mut k = b.alloc(n, kv_dim);
@@ -288,37 +379,53 @@ impl<B: Backend> Llama<B> {
         let mut o = b.alloc(n, c.hidden_size);
         let mut act = b.alloc(n, c.intermediate_size);
         let mut ffn_scratch = FfnScratch::default();
+        b.embed(&self.embedding, batch_on_device, &mut x);
 
         if let Some(first) = self.layers.first() {
             b.rms_norm(&x, &first.attn_norm, c.rms_norm_eps, &mut h);
         }
+        let rope = &self.rope;
         for (li, layer) in self.layers.iter().enumerate() {
-            self.project(&layer.qkv, &h, &mut qkv, &mut [&mut q, &mut k, &mut v]);
-            if let Some([bq, bk, bv]) = &layer.qkv_bias {
-                b.add_bias(&mut q, bq);
-                b.add_bias(&mut k, bk);
-                b.add_bias(&mut v, bv);
+            match (&layer.qkv, &layer.qkv_bias, &layer.qk_norm) {
+                // The projection's output straight to attention's inputs (fused on a GPU).
+                (Projection::Stacked(w), None, None) => {
+                    b.matmul(w, &h, &mut qkv);
+                    b.qkv_rope_write_kv(
+                        &qkv,
+                        &mut q,
+                        &mut k,
+                        &mut v,
+                        kv,
+                        li,
+                        shape,
+                        &rope.inv_freq,
+                        rope.attention_factor,
+                        batch_on_device,
+                    );
+                }
+                (proj, bias, qk_norm) => {
+                    self.project(proj, &h, &mut qkv, &mut [&mut q, &mut k, &mut v]);
+                    if let Some([bq, bk, bv]) = bias {
+                        b.add_bias(&mut q, bq);
+                        b.add_bias(&mut k, bk);
+                        b.add_bias(&mut v, bv);
+                    }
+                    if let Some([nq, nk]) = qk_norm {
+                        b.head_rms_norm(&mut q, nq, c.head_dim, c.rms_norm_eps);
+                        b.head_rms_norm(&mut k, nk, c.head_dim, c.rms_norm_eps);
+                    }
+                    for x in [&mut q, &mut k] {
+                        b.rope(
+                            x,
+                            c.head_dim,
+                            &rope.inv_freq,
+                            rope.attention_factor,
+                            batch_on_device,
+                        );
+                    }
+                    b.write_kv(kv, li, &k, &v, batch_on_device);
+                }
             }
-            if let Some([nq, nk]) = &layer.qk_norm {
-                b.head_rms_norm(&mut q, nq, c.head_dim, c.rms_norm_eps);
-                b.head_rms_norm(&mut k, nk, c.head_dim, c.rms_norm_eps);
-            }
-            let rope = &self.rope;
-            b.rope(
-                &mut q,
-                c.head_dim,
-                &rope.inv_freq,
-                rope.attention_factor,
-                batch_on_device,
-            );
-            b.rope(
-                &mut k,
-                c.head_dim,
-                &rope.inv_freq,
-                rope.attention_factor,
-                batch_on_device,
-            );
-            b.write_kv(kv, li, &k, &v, batch_on_device);
             on_layer(li, kv);
             b.attention(&q, kv, li, shape, batch_on_device, &mut attn);
             b.matmul(&layer.attn_output, &attn, &mut o);
@@ -342,17 +449,12 @@ impl<B: Backend> Llama<B> {
             }
         }
 
-        let m = batch.logit_rows.len();
+        let m = rows.logit_rows;
         if m == 0 {
-            b.sync()?;
-            return Ok(Logits {
-                data: Vec::new(),
-                vocab_size: c.vocab_size,
-                rows: Vec::new(),
-            });
+            return None;
         }
         let mut last = b.alloc(m, c.hidden_size);
-        b.gather_rows(&x, &batch.logit_rows, &mut last);
+        b.gather_logit_rows(&x, batch_on_device, &mut last);
         let mut normed = b.alloc(m, c.hidden_size);
         b.rms_norm(&last, &self.output_norm, c.rms_norm_eps, &mut normed);
         let mut logits = b.alloc(m, c.vocab_size);
@@ -361,13 +463,7 @@ impl<B: Backend> Llama<B> {
             &normed,
             &mut logits,
         );
-        let data = b.to_host(logits);
-        b.sync()?;
-        Ok(Logits {
-            data,
-            vocab_size: c.vocab_size,
-            rows: batch.logit_rows.clone(),
-        })
+        Some(logits)
     }
 
     /// `out[r] = Σ weight · expert(x[r])` over the experts the router picks for row `r`: the
@@ -387,7 +483,7 @@ impl<B: Backend> Llama<B> {
         let mut logits = b.alloc(rows, config.num_experts);
         b.matmul(router, x, &mut logits);
         let logits = b.to_host(logits);
-        *out = b.alloc(rows, hidden);
+        *out = b.alloc_zeroed(rows, hidden);
         for (expert, group) in experts
             .iter()
             .zip(crate::moe::group_tokens(&logits, rows, config))

@@ -6,9 +6,11 @@ use crate::backend::{Backend, KvLayout};
 use crate::batch::{ForwardBatch, LogitsWanted, SeqInput};
 use crate::engine::EngineOptions;
 use crate::llama::{Llama, Logits};
+use crate::sampling_steps::RowSampling;
 use crate::scheduler::PlannedSeq;
 use duet_kv::SeqId;
 use duet_model::model_files::ModelFiles;
+use duet_model::params::Sampled;
 
 pub struct ModelRunner<B: Backend> {
     model: Llama<B>,
@@ -27,6 +29,8 @@ impl<B: Backend> ModelRunner<B> {
         options: &EngineOptions,
     ) -> Result<Self, EngineError> {
         let model = Llama::load(backend, files)?;
+        // Step memory before the KV cache, which a GPU sizes from the memory left.
+        model.reserve_step_memory(options.max_step_tokens, options.block_size);
         let kv_dtype = model
             .backend()
             .kv_dtype(options.kv_dtype, files.tensors.matrices_all_f32())?;
@@ -120,26 +124,66 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Runs one forward pass over `plan` (`seq_tokens` gives each planned sequence's tokens):
     /// writes their K/V into the cache and returns, in plan order, the logits of the sequences
-    /// whose every token is then computed (one row each, and one more per drafted token). `on_layer` is called after each layer's K/V are
-    /// written. Pass the logits to [`end_step`](Self::end_step) once sampled.
+    /// whose every token is then computed (one row each, and one more per drafted token).
+    /// `on_layer` is called after each layer's K/V are written. Pass the logits to
+    /// [`end_step`](Self::end_step) once sampled.
     pub fn forward<'t>(
         &mut self,
         plan: &[PlannedSeq],
         seq_tokens: impl Fn(SeqId) -> &'t [u32],
         on_layer: &mut dyn FnMut(&LayerDone<'_, B>),
     ) -> Result<Logits, EngineError> {
-        // A drafting sequence computes its last token and the draft after it, and needs the
-        // logits of every one of them to verify the draft.
-        let drafted: Vec<Vec<u32>> = plan
-            .iter()
-            .map(|p| match p.draft.is_empty() {
-                true => Vec::new(),
-                false => [seq_tokens(p.seq)[p.start_pos..].as_ref(), &p.draft].concat(),
+        let drafted = drafted(plan, &seq_tokens);
+        let batch = self.batch(plan, &seq_tokens, &drafted)?;
+        let backend = self.model.backend();
+        self.model.forward(&batch, &mut self.kv, &mut |layer, kv| {
+            on_layer(&LayerDone {
+                layer,
+                kv,
+                backend,
+                plan,
             })
-            .collect();
+        })
+    }
+
+    /// Runs one forward pass over `plan`, a plan without drafts, as [`Self::forward`] does, and
+    /// draws the token of each sequence it completes, `rows` saying how, in plan order (see
+    /// [`Llama::forward_sampled`]).
+    pub fn forward_sampled<'t>(
+        &mut self,
+        plan: &[PlannedSeq],
+        seq_tokens: impl Fn(SeqId) -> &'t [u32],
+        on_layer: &mut dyn FnMut(&LayerDone<'_, B>),
+        rows: &[RowSampling<'_>],
+    ) -> Result<Vec<Sampled>, EngineError> {
+        let batch = self.batch(plan, &seq_tokens, &vec![Vec::new(); plan.len()])?;
+        let backend = self.model.backend();
+        self.model.forward_sampled(
+            &batch,
+            &mut self.kv,
+            &mut |layer, kv| {
+                on_layer(&LayerDone {
+                    layer,
+                    kv,
+                    backend,
+                    plan,
+                })
+            },
+            rows,
+        )
+    }
+
+    /// The step of `plan` as the model takes it: each sequence's new tokens (its drafted ones
+    /// after them), and which rows want logits.
+    fn batch<'t>(
+        &self,
+        plan: &[PlannedSeq],
+        seq_tokens: &impl Fn(SeqId) -> &'t [u32],
+        drafted: &[Vec<u32>],
+    ) -> Result<ForwardBatch, EngineError> {
         let inputs: Vec<SeqInput<'_>> = plan
             .iter()
-            .zip(&drafted)
+            .zip(drafted)
             .map(|(p, drafted)| {
                 let tokens = seq_tokens(p.seq);
                 let complete = p.start_pos + p.len == tokens.len();
@@ -160,34 +204,24 @@ impl<B: Backend> ModelRunner<B> {
             })
             .collect();
         let cfg = self.model.config();
-        let batch = ForwardBatch::new(
+        ForwardBatch::new(
             &inputs,
             self.kv_layout.block_size,
             self.kv_layout.num_blocks,
             cfg.vocab_size,
             cfg.max_position_embeddings,
-        )?;
-        let backend = self.model.backend();
-        self.model.forward(&batch, &mut self.kv, &mut |layer, kv| {
-            on_layer(&LayerDone {
-                layer,
-                kv,
-                backend,
-                plan,
-            })
-        })
+        )
     }
 
-    /// Ends the step of `plan`: drops its logits, then gives freed heap back to the kernel after
-    /// large steps, and now and then after small ones. A step's activations and logits are freed
-    /// when it ends, but glibc keeps freed heap pages resident: over a run that is tens of MiB
-    /// held for nothing (the resident-memory budget is 1.3 × the weights file plus the KV pool).
-    /// Trimming costs well under a millisecond, against tens of milliseconds for a step with that
-    /// many rows.
-    pub fn end_step(&mut self, logits: Logits, plan: &[PlannedSeq]) {
+    /// Ends the step of `plan` (its logits dropped already): gives freed heap back to the kernel
+    /// after large steps, and now and then after small ones. A step's activations and logits are
+    /// freed when it ends, but glibc keeps freed heap pages resident: over a run that is tens of
+    /// MiB held for nothing (the resident-memory budget is 1.3 × the weights file plus the KV
+    /// pool). Trimming costs well under a millisecond, against tens of milliseconds for a step
+    /// with that many rows.
+    pub fn end_step(&mut self, plan: &[PlannedSeq]) {
         const LARGE_STEP_ROWS: usize = 64;
         const SMALL_STEPS_BETWEEN_TRIMS: usize = 8;
-        drop(logits);
         let rows: usize = plan.iter().map(PlannedSeq::rows).sum();
         self.steps_since_trim += 1;
         if rows >= LARGE_STEP_ROWS || self.steps_since_trim >= SMALL_STEPS_BETWEEN_TRIMS {
@@ -195,6 +229,17 @@ impl<B: Backend> ModelRunner<B> {
             self.steps_since_trim = 0;
         }
     }
+}
+
+/// A drafting sequence computes its last token and the draft after it, and needs the logits of
+/// every one of them to verify the draft: each planned sequence's tokens so (empty: no draft).
+fn drafted<'t>(plan: &[PlannedSeq], seq_tokens: &impl Fn(SeqId) -> &'t [u32]) -> Vec<Vec<u32>> {
+    plan.iter()
+        .map(|p| match p.draft.is_empty() {
+            true => Vec::new(),
+            false => [seq_tokens(p.seq)[p.start_pos..].as_ref(), &p.draft].concat(),
+        })
+        .collect()
 }
 
 /// Passed to a step's layer callback once a layer's K/V are in the cache.
@@ -206,13 +251,18 @@ pub struct LayerDone<'a, B: Backend> {
 }
 
 impl<B: Backend> LayerDone<'_, B> {
-    /// Appends this layer's KV of `block` in transfer layout (see [`ModelRunner::read_kv_block`]).
-    pub fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError> {
+    /// Appends this layer's KV of `blocks`, one after another, in transfer layout (see
+    /// [`ModelRunner::read_kv_block`]); a GPU reads them in one copy.
+    pub fn append_kv_blocks(&self, blocks: &[u32], out: &mut Vec<u8>) -> Result<(), EngineError> {
         let start = out.len();
-        out.resize(start + self.backend.kv_block_bytes(self.kv), 0);
+        out.resize(
+            start + blocks.len() * self.backend.kv_block_bytes(self.kv),
+            0,
+        );
         self.backend
-            .read_kv_block(self.kv, self.layer, block as usize, &mut out[start..]);
-        self.backend.sync()
+            .read_kv_blocks(self.kv, self.layer, blocks, &mut out[start..]);
+        // Mid-step: the read waited for itself; the step's own work goes on.
+        self.backend.status()
     }
 }
 

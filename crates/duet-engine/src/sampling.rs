@@ -3,43 +3,52 @@
 //!
 //! Order of operations (as in vLLM/HF): the grammar's mask (structured outputs: disallowed tokens
 //! get −∞), repetition penalty (prompt and output tokens), presence and frequency penalties
-//! (output tokens), then log-probabilities are taken, then temperature, top-k, top-p and min-p
+//! (output tokens), then log-probabilities are taken, then temperature, top-k, min-p and top-p
 //! narrow the distribution that is sampled. Temperature 0 is greedy (ties go to the lowest id).
+//! Each step is defined once in [`crate::sampling_steps`], which a GPU reproduces bit for bit;
+//! this module keeps a request's state between draws.
 
 use std::collections::HashMap;
 
 use duet_model::grammar::Grammar;
-use duet_model::params::{Logprobs, Sampled, SamplingParams};
+use duet_model::params::{Sampled, SamplingParams};
 
-/// Per-sequence sampling state: the random stream, the token counts the penalties need, and the
-/// place in the grammar of a constrained request.
+use crate::sampling_steps::{RowSampling, sample_row};
+
+pub use crate::sampling_steps::argmax;
+
+/// Per-sequence sampling state: the seed and position that key the random draw, the token counts
+/// the penalties need, and the place in the grammar of a constrained request.
 pub struct Sampler {
     params: SamplingParams,
     grammar: Option<Grammar>,
-    rng: Rng,
-    /// Tokens of the prompt (repetition penalty only).
-    prompt_seen: HashMap<u32, ()>,
-    /// Generated tokens and how often.
-    output_counts: HashMap<u32, u32>,
-    scratch: Vec<(u32, f32)>,
+    seed: u64,
+    /// Position of the next token drawn: the prompt's tokens and those generated so far.
+    position: u64,
+    /// Distinct tokens the penalties apply to, with how often each was generated (see
+    /// [`RowSampling::penalized`]); kept only when a penalty is set.
+    penalized: Vec<(u32, u32)>,
+    /// Where each token of `penalized` is.
+    penalized_at: HashMap<u32, usize>,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
         let seed = params.seed.unwrap_or_else(random_seed);
-        let prompt_seen = if params.repetition_penalty != 1.0 {
-            prompt.iter().map(|&t| (t, ())).collect()
-        } else {
-            HashMap::new()
-        };
-        Self {
+        let mut sampler = Self {
             params,
             grammar: None,
-            rng: Rng::new(seed),
-            prompt_seen,
-            output_counts: HashMap::new(),
-            scratch: Vec::new(),
+            seed,
+            position: prompt.len() as u64,
+            penalized: Vec::new(),
+            penalized_at: HashMap::new(),
+        };
+        if sampler.params.repetition_penalty != 1.0 {
+            for &t in prompt {
+                sampler.penalize(t, 0);
+            }
         }
+        sampler
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -70,184 +79,62 @@ impl Sampler {
         self.grammar.as_ref().is_some_and(Grammar::is_complete)
     }
 
+    /// Why the grammar of a constrained request cannot go on, once it failed.
+    pub fn grammar_failure(&self) -> Option<String> {
+        self.grammar.as_ref().and_then(Grammar::failure)
+    }
+
+    /// What drawing the next token needs, for a device that samples (the grammar's mask
+    /// prepared first by [`Self::prepare_mask`]); [`Self::accept`] the token it draws.
+    pub fn row(&self) -> RowSampling<'_> {
+        RowSampling {
+            params: &self.params,
+            seed: self.seed,
+            position: self.position,
+            penalized: &self.penalized,
+            allowed: self.grammar.as_ref().and_then(Grammar::prepared_mask),
+        }
+    }
+
     /// Records tokens generated elsewhere (a prefill worker's first token, tokens streamed before
-    /// a failover) as if sampled here: penalties count them and the random stream advances past
-    /// them, so the continuation is the one a single sampler would have produced.
+    /// a failover) as if sampled here: penalties count them and the position moves past them, so
+    /// the continuation is the one a single sampler would have produced.
     pub fn record(&mut self, tokens: &[u32]) {
         for &t in tokens {
-            if self.params.temperature != 0.0 {
-                self.rng.next_u64();
-            }
-            if let Some(g) = &mut self.grammar {
-                g.accept(t);
-            }
-            *self.output_counts.entry(t).or_insert(0) += 1;
+            self.accept(t);
         }
+    }
+
+    /// Moves past `token`, drawn from [`Self::row`] (here or on a device).
+    pub fn accept(&mut self, token: u32) {
+        if let Some(g) = &mut self.grammar {
+            g.accept(token);
+        }
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            self.penalize(token, 1);
+        }
+        self.position += 1;
     }
 
     /// Picks the next token from `logits` (modified in place) and records it as generated.
     pub fn sample(&mut self, logits: &mut [f32]) -> Sampled {
-        if let Some(g) = &mut self.grammar {
-            g.mask(logits);
-        }
-        self.apply_penalties(logits);
-        let token = if self.params.temperature == 0.0 {
-            argmax(logits)
-        } else {
-            self.sample_random(logits)
-        };
-        let logprobs = (self.params.logprobs > 0).then(|| {
-            let lse = log_sum_exp(logits);
-            Logprobs {
-                logprob: logits[token as usize] - lse,
-                top: top_n(logits, self.params.logprobs as usize)
-                    .into_iter()
-                    .map(|(t, l)| (t, l - lse))
-                    .collect(),
-            }
-        });
-        *self.output_counts.entry(token).or_insert(0) += 1;
-        if let Some(g) = &mut self.grammar {
-            g.accept(token);
-        }
-        Sampled { token, logprobs }
+        self.prepare_mask();
+        let sampled = sample_row(logits, &self.row());
+        self.accept(sampled.token);
+        sampled
     }
 
-    fn apply_penalties(&self, logits: &mut [f32]) {
-        let p = &self.params;
-        if p.repetition_penalty != 1.0 {
-            let seen = self.prompt_seen.keys().chain(self.output_counts.keys());
-            for &t in seen {
-                let l = &mut logits[t as usize];
-                *l = if *l > 0.0 {
-                    *l / p.repetition_penalty
-                } else {
-                    *l * p.repetition_penalty
-                };
-            }
-        }
-        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-            for (&t, &count) in &self.output_counts {
-                logits[t as usize] -= p.presence_penalty + p.frequency_penalty * count as f32;
+    /// Counts `generated` more generations of `token` (0: a prompt token).
+    fn penalize(&mut self, token: u32, generated: u32) {
+        match self.penalized_at.get(&token) {
+            Some(&i) => self.penalized[i].1 += generated,
+            None => {
+                self.penalized_at.insert(token, self.penalized.len());
+                self.penalized.push((token, generated));
             }
         }
     }
-
-    fn sample_random(&mut self, logits: &[f32]) -> u32 {
-        let p = &self.params;
-        let inv_t = 1.0 / p.temperature;
-        let cand = &mut self.scratch;
-        cand.clear();
-        cand.extend(
-            logits
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| (i as u32, l * inv_t)),
-        );
-        if p.top_k > 0 && (p.top_k as usize) < cand.len() {
-            let k = p.top_k as usize;
-            cand.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            cand.truncate(k);
-        }
-        // Softmax over the candidates.
-        let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for c in cand.iter_mut() {
-            c.1 = (c.1 - max).exp();
-            sum += c.1;
-        }
-        for c in cand.iter_mut() {
-            c.1 /= sum;
-        }
-        if p.min_p > 0.0 {
-            let floor = p.min_p; // the most likely candidate has probability max/sum; rescale:
-            let top = cand.iter().map(|c| c.1).fold(0f32, f32::max);
-            cand.retain(|c| c.1 >= floor * top);
-        }
-        if p.top_p < 1.0 {
-            cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            let mut acc = 0f32;
-            let mut keep = cand.len();
-            for (i, c) in cand.iter().enumerate() {
-                acc += c.1;
-                if acc >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            cand.truncate(keep);
-        } else {
-            // A fixed order keeps the draw independent of how selection permuted candidates.
-            cand.sort_unstable_by_key(|c| c.0);
-        }
-        let total: f32 = cand.iter().map(|c| c.1).sum();
-        let mut r = self.rng.next_f32() * total;
-        for c in cand.iter() {
-            r -= c.1;
-            if r <= 0.0 {
-                return c.0;
-            }
-        }
-        cand.last().map(|c| c.0).unwrap_or_else(|| argmax(logits))
-    }
-}
-
-/// Index of the largest logit, the lowest index among equals (NaNs never win, except a NaN first
-/// logit, which is returned as if it were the largest).
-///
-/// Two passes that vectorize — the maximum over 16 lanes, then the first block holding it —
-/// instead of one loop carrying the best index: a decode step samples every row of the batch on
-/// one thread, 49k logits each for the default model.
-pub fn argmax(logits: &[f32]) -> u32 {
-    const LANES: usize = 16;
-    if logits.first().is_none_or(|l| l.is_nan()) {
-        return 0;
-    }
-    // `a > b ? a : b` keeps the earlier of equal values and skips NaNs, as a scan would.
-    let larger = |m: f32, l: f32| if l > m { l } else { m };
-    let blocks = logits.chunks_exact(LANES);
-    let tail = blocks.remainder();
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    for block in blocks {
-        for (m, &l) in lanes.iter_mut().zip(block) {
-            *m = larger(*m, l);
-        }
-    }
-    let max = lanes.iter().chain(tail).copied().fold(logits[0], larger);
-    let first_block = logits
-        .chunks(LANES)
-        .position(|b| b.iter().fold(false, |hit, &l| hit | (l == max)))
-        .unwrap_or(0);
-    let within = logits[first_block * LANES..]
-        .iter()
-        .position(|&l| l == max)
-        .unwrap_or(0);
-    (first_block * LANES + within) as u32
-}
-
-fn log_sum_exp(logits: &[f32]) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    max + logits
-        .iter()
-        .map(|&l| ((l - max) as f64).exp())
-        .sum::<f64>()
-        .ln() as f32
-}
-
-/// The `n` largest logits, largest first.
-fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
-    let mut v: Vec<(u32, f32)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (i as u32, l))
-        .collect();
-    let n = n.min(v.len());
-    if n < v.len() {
-        v.select_nth_unstable_by(n, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        v.truncate(n);
-    }
-    v.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    v
 }
 
 fn random_seed() -> u64 {
@@ -260,44 +147,6 @@ fn random_seed() -> u64 {
     nanos
         ^ COUNTER.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
         ^ (std::process::id() as u64) << 32
-}
-
-/// xoshiro256** seeded through SplitMix64: small, fast, and the same on every platform.
-struct Rng {
-    s: [u64; 4],
-}
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        let mut x = seed;
-        let mut next = || {
-            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        };
-        Self {
-            s: [next(), next(), next(), next()],
-        }
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = self.s[1] << 17;
-        self.s[2] ^= self.s[0];
-        self.s[3] ^= self.s[1];
-        self.s[1] ^= self.s[2];
-        self.s[0] ^= self.s[3];
-        self.s[2] ^= t;
-        self.s[3] = self.s[3].rotate_left(45);
-        result
-    }
-
-    /// Uniform in [0, 1).
-    fn next_f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
 }
 
 #[cfg(test)]
@@ -547,20 +396,61 @@ mod tests {
         assert!(SamplingParams::default().validate().is_ok());
     }
 
+    /// The tiny fixture's tokenizer (384 ids, `</s>` = 2 ends a sequence) and its grammar
+    /// compiler.
+    fn tiny_grammars() -> (
+        duet_model::tokenizer::Tokenizer,
+        duet_model::grammar::GrammarCompiler,
+    ) {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tiny-llama/tokenizer.json");
+        let tokenizer = duet_model::tokenizer::Tokenizer::from_hf_file(&path)
+            .unwrap()
+            .with_special_ids(Some(1), &[2]);
+        let compiler = duet_model::grammar::GrammarCompiler::new(&tokenizer, 384).unwrap();
+        (tokenizer, compiler)
+    }
+
+    /// Under a grammar, `top_logprobs` lists only tokens the grammar allows (fewer than asked
+    /// where fewer are allowed), never a masked one at −∞.
+    #[test]
+    fn top_logprobs_under_a_grammar_list_only_allowed_tokens() {
+        use duet_model::params::Constraint;
+        let (_, compiler) = tiny_grammars();
+        let constraint = Constraint::Regex("a|b".into());
+        let allowed: Vec<u32> = {
+            let mut logits = vec![0f32; 384];
+            compiler.compile(&constraint).unwrap().mask(&mut logits);
+            (0..384u32)
+                .filter(|&t| logits[t as usize].is_finite())
+                .collect()
+        };
+        assert!(
+            (1..5).contains(&allowed.len()),
+            "the test needs fewer allowed tokens than asked for: {allowed:?}"
+        );
+        let params = SamplingParams {
+            logprobs: 5,
+            constraint: Some(constraint.clone()),
+            ..SamplingParams::greedy()
+        };
+        let mut sampler =
+            Sampler::new(params, &[]).with_grammar(compiler.compile(&constraint).unwrap());
+        let mut logits = duet_model::synthetic::Uniform::new(4).values(384);
+        let out = sampler.sample(&mut logits).logprobs.unwrap();
+        let mut listed: Vec<u32> = out.top.iter().map(|t| t.0).collect();
+        listed.sort_unstable();
+        assert_eq!(listed, allowed);
+        assert!(out.top.iter().all(|t| t.1.is_finite()), "{:?}", out.top);
+    }
+
     /// A constrained sampler draws only what its grammar allows, at any temperature, and says
     /// when the grammar is complete; a sampler that records the first tokens (a failover's
     /// replay) draws the rest exactly as the original did, grammar and random stream alike.
     #[test]
     fn a_grammar_holds_every_draw_and_a_replay_continues_it() {
-        use duet_model::grammar::GrammarCompiler;
         use duet_model::params::Constraint;
-        use duet_model::tokenizer::Tokenizer;
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/tiny-llama/tokenizer.json");
-        let tokenizer = Tokenizer::from_hf_file(&path)
-            .unwrap()
-            .with_special_ids(Some(1), &[2]);
-        let compiler = GrammarCompiler::new(&tokenizer, 384).unwrap();
+        let (tokenizer, compiler) = tiny_grammars();
         let constraint = Constraint::Regex("(ab|cd){3}".into());
         let params = SamplingParams {
             temperature: 1.5,

@@ -51,25 +51,31 @@ pub struct Scheduler {
     max_step_tokens: usize,
     /// Rows (decoding tokens and drafts) a step may reach by drafting.
     max_draft_step_rows: usize,
+    /// The model's logits: every token id a step computes is below it.
+    vocab_size: usize,
     /// By id, which is admission order: oldest first.
     seqs: BTreeMap<SeqId, ScheduledSeq>,
     preemptions: u64,
+    out_of_vocab_drafts: u64,
 }
 
 impl Scheduler {
-    /// Drafts fill a step only up to `max_draft_step_rows` rows in all (see
-    /// [`plan_step`](Self::plan_step)).
+    /// Drafts fill a step only up to `max_draft_step_rows` rows in all, and never name a token
+    /// id of `vocab_size` or more (see [`plan_step`](Self::plan_step)).
     pub fn new(
         kv_cache: KvCacheManager,
         max_step_tokens: usize,
         max_draft_step_rows: usize,
+        vocab_size: usize,
     ) -> Self {
         Self {
             kv_cache,
             max_step_tokens,
             max_draft_step_rows,
+            vocab_size,
             seqs: BTreeMap::new(),
             preemptions: 0,
+            out_of_vocab_drafts: 0,
         }
     }
 
@@ -140,6 +146,11 @@ impl Scheduler {
         self.preemptions
     }
 
+    /// Drafts cut before a token outside the model's vocabulary since the scheduler started.
+    pub fn out_of_vocab_drafts(&self) -> u64 {
+        self.out_of_vocab_drafts
+    }
+
     /// Chooses the sequences and token counts of the next step and gives them their blocks:
     /// decoding sequences first (oldest first), then prompt chunks (oldest first), within the
     /// step token budget. When the cache cannot hold a decoding sequence's next token, the newest
@@ -147,10 +158,14 @@ impl Scheduler {
     /// and they are recomputed later. A prompt that does not fit waits.
     ///
     /// `propose` gives a decoding sequence's draft (speculated tokens, from its tokens so far;
-    /// empty: none). Drafts take only the budget every decoding sequence's own token leaves, up
-    /// to `max_draft_step_rows` rows in all (a large batch's step is already compute-bound, and
-    /// rows drafted there cost as much as the tokens they may save), and only free blocks: a
-    /// draft never preempts anyone, it is cut or dropped.
+    /// empty: none). Drafts are planned last, oldest sequence first: they take only the budget
+    /// every decoding token and prompt chunk leaves, up to `max_draft_step_rows` rows of decoding
+    /// tokens and drafts in all (a large batch's step is already compute-bound, and rows drafted
+    /// there cost as much as the tokens they may save), and only free blocks, never evicting a
+    /// cached prefix block: a draft never preempts or holds back anyone, it is cut or dropped.
+    /// A draft is also cut before its first token outside the model's vocabulary (counted in
+    /// [`out_of_vocab_drafts`](Self::out_of_vocab_drafts)): no proposer's bad id can fail the
+    /// step, and with it every sequence in it.
     pub fn plan_step(
         &mut self,
         propose: &mut dyn FnMut(SeqId, &[u32]) -> Vec<u32>,
@@ -161,15 +176,14 @@ impl Scheduler {
             .iter()
             .filter(|(_, s)| !s.finished)
             .partition(|(_, s)| s.remaining() <= 1);
-        let mut draft_budget = budget
-            .min(self.max_draft_step_rows)
-            .saturating_sub(decoding.len());
         let order: Vec<SeqId> = decoding
             .into_iter()
             .chain(prefilling)
             .map(|(&id, _)| id)
             .collect();
         let mut plan = Vec::new();
+        // Where the decoding sequences are in `plan`.
+        let mut decoding = Vec::new();
         let mut preempted = Vec::new();
         for (i, &id) in order.iter().enumerate() {
             if budget == 0 {
@@ -180,31 +194,13 @@ impl Scheduler {
             }
             let seq = &self.seqs[&id];
             let start_pos = seq.num_computed;
-            let decoding = seq.remaining() == 1;
+            let is_decoding = seq.remaining() == 1;
             let len = seq.remaining().min(budget);
-            let mut draft = Vec::new();
-            if decoding && draft_budget > 0 {
-                draft = propose(id, &seq.tokens);
-                draft.truncate(draft_budget);
-                if !draft.is_empty() {
-                    match self
-                        .kv_cache
-                        .allocate_slots(id, start_pos + len + draft.len())
-                    {
-                        Ok(_) => draft_budget -= draft.len(),
-                        Err(KvError::Exhausted { .. }) => draft.clear(),
-                        Err(e) => return Err(e),
-                    }
-                }
-            }
             let mut victims = order[i + 1..].iter().rev();
             let block_table = loop {
-                match self
-                    .kv_cache
-                    .allocate_slots(id, start_pos + len + draft.len())
-                {
+                match self.kv_cache.allocate_slots(id, start_pos + len) {
                     Ok(blocks) => break Some(blocks.ids().to_vec()),
-                    Err(KvError::Exhausted { .. }) if decoding => {
+                    Err(KvError::Exhausted { .. }) if is_decoding => {
                         // Make room by preempting the newest sequences not already in this step.
                         match victims.find(|v| !preempted.contains(*v)) {
                             Some(&victim) => {
@@ -221,15 +217,20 @@ impl Scheduler {
             let Some(block_table) = block_table else {
                 continue;
             };
-            budget -= len + draft.len();
+            budget -= len;
+            if is_decoding {
+                decoding.push(plan.len());
+            }
             plan.push(PlannedSeq {
                 seq: id,
                 start_pos,
                 len,
-                draft,
+                draft: Vec::new(),
                 block_table,
             });
         }
+        let draft_rows = self.max_draft_step_rows.saturating_sub(decoding.len());
+        self.plan_drafts(&mut plan, &decoding, budget.min(draft_rows), propose)?;
         if plan.is_empty() && self.has_work() {
             return Err(KvError::Exhausted {
                 requested: 1,
@@ -237,6 +238,49 @@ impl Scheduler {
             });
         }
         Ok(plan)
+    }
+
+    /// Gives the decoding sequences at `decoding` in `plan`, in order, the drafts `propose`
+    /// makes, `budget` rows in all, in the slots their blocks have left and in free blocks.
+    fn plan_drafts(
+        &mut self,
+        plan: &mut [PlannedSeq],
+        decoding: &[usize],
+        mut budget: usize,
+        propose: &mut dyn FnMut(SeqId, &[u32]) -> Vec<u32>,
+    ) -> Result<(), KvError> {
+        for &i in decoding {
+            if budget == 0 {
+                break;
+            }
+            let p = &mut plan[i];
+            let mut draft = propose(p.seq, &self.seqs[&p.seq].tokens);
+            if let Some(bad) = draft.iter().position(|&t| t as usize >= self.vocab_size) {
+                draft.truncate(bad);
+                self.out_of_vocab_drafts += 1;
+            }
+            draft.truncate(budget);
+            if draft.is_empty() {
+                continue;
+            }
+            let end = p.start_pos + p.len;
+            let room = self
+                .kv_cache
+                .allocate_free_slots(p.seq, end + draft.len())?;
+            draft.truncate(room - end);
+            if draft.is_empty() {
+                continue;
+            }
+            budget -= draft.len();
+            p.block_table = self
+                .kv_cache
+                .blocks(p.seq)
+                .ok_or(KvError::UnknownSequence(p.seq))?
+                .ids()
+                .to_vec();
+            p.draft = draft;
+        }
+        Ok(())
     }
 
     /// Releases a sequence's blocks so it is recomputed from its tokens later.
@@ -320,11 +364,15 @@ mod tests {
 
     const BLOCK_SIZE: usize = 4;
 
+    /// Token ids of the tests' model are below this.
+    const VOCAB_SIZE: usize = 1000;
+
     fn scheduler(num_blocks: usize, max_step_tokens: usize) -> Scheduler {
         Scheduler::new(
             KvCacheManager::new(num_blocks, BLOCK_SIZE, "model"),
             max_step_tokens,
             usize::MAX,
+            VOCAB_SIZE,
         )
     }
 
@@ -497,25 +545,48 @@ mod tests {
     }
 
     #[test]
-    fn drafts_take_only_the_budget_the_decoding_tokens_leave() {
-        let mut s = scheduler(32, 6);
+    fn drafts_take_only_the_budget_decoding_tokens_and_prompts_leave() {
+        let mut s = scheduler(32, 10);
         s.add_sequence(0, tokens(0, 3), "").unwrap();
         s.add_sequence(1, tokens(10, 3), "").unwrap();
         step(&mut s);
         s.add_sequence(2, tokens(20, 5), "").unwrap();
         let mut propose = |_: SeqId, _: &[u32]| vec![7; 8];
         let plan = s.plan_step(&mut propose).unwrap();
-        // Two decoding tokens leave 4 of the budget: the oldest sequence drafts them all, the
-        // other decodes one token and the prompt waits.
-        assert_eq!(shape_with_drafts(&plan), [(0, 3, 1, 4), (1, 3, 1, 0)]);
-        assert_eq!(plan[0].rows(), 5);
-        assert_eq!(plan[0].draft, [7; 4]);
-        assert!(plan[0].block_table.len() * BLOCK_SIZE >= 3 + 5);
+        // Two decoding tokens and the 5-token prompt leave 3 of the budget: the oldest sequence
+        // drafts them all, the other decodes one token.
+        assert_eq!(
+            shape_with_drafts(&plan),
+            [(0, 3, 1, 3), (1, 3, 1, 0), (2, 0, 5, 0)]
+        );
+        assert_eq!(plan[0].rows(), 4);
+        assert_eq!(plan[0].draft, [7; 3]);
+        assert!(plan[0].block_table.len() * BLOCK_SIZE >= 3 + 4);
+        assert_eq!(
+            s.kv_cache().blocks(0).unwrap().ids(),
+            plan[0].block_table.as_slice()
+        );
+        // With a smaller budget the prompt takes what the decoding tokens leave: no draft.
+        let mut s = scheduler(32, 6);
+        s.add_sequence(0, tokens(0, 3), "").unwrap();
+        s.add_sequence(1, tokens(10, 3), "").unwrap();
+        step(&mut s);
+        s.add_sequence(2, tokens(20, 5), "").unwrap();
+        let plan = s.plan_step(&mut propose).unwrap();
+        assert_eq!(
+            shape_with_drafts(&plan),
+            [(0, 3, 1, 0), (1, 3, 1, 0), (2, 0, 4, 0)]
+        );
     }
 
     #[test]
     fn drafts_fill_a_step_up_to_the_draft_row_limit_only() {
-        let mut s = Scheduler::new(KvCacheManager::new(32, BLOCK_SIZE, "model"), 64, 5);
+        let mut s = Scheduler::new(
+            KvCacheManager::new(32, BLOCK_SIZE, "model"),
+            64,
+            5,
+            VOCAB_SIZE,
+        );
         for id in 0..3 {
             s.add_sequence(id, tokens(10 * id as u32, 3), "").unwrap();
         }
@@ -541,16 +612,75 @@ mod tests {
     }
 
     #[test]
-    fn a_draft_is_dropped_rather_than_preempt_anyone() {
+    fn a_draft_is_cut_to_the_slots_left_rather_than_preempt_anyone() {
         let mut s = scheduler(3, 64);
         s.add_sequence(0, tokens(0, 4), "").unwrap();
         s.add_sequence(1, tokens(10, 4), "").unwrap();
         step(&mut s);
-        // One block is free: sequence 0's next token needs it, its draft of 8 would need 3.
+        // One block is free: sequence 0's next token takes it (sequence 1, the newest, waits),
+        // and its draft of 8 gets the 3 slots left in that block.
         let mut propose = |seq: SeqId, _: &[u32]| if seq == 0 { vec![7; 8] } else { Vec::new() };
         let plan = s.plan_step(&mut propose).unwrap();
-        assert_eq!(shape_with_drafts(&plan), [(0, 4, 1, 0)]);
+        assert_eq!(shape_with_drafts(&plan), [(0, 4, 1, 3)]);
         assert_eq!(s.preemptions(), 0);
+    }
+
+    /// Under a full pool, every sequence's next token is planned before any draft: a draft
+    /// takes only free blocks, so it never makes another sequence preempt (or wait), and never
+    /// evicts a cached prefix block (no `Removed` event reaches the router).
+    #[test]
+    fn a_draft_never_preempts_holds_back_or_evicts() {
+        // 7 blocks: one cached (a finished prompt's), three decoding sequences at a block
+        // boundary, three free.
+        let mut s = scheduler(7, 64);
+        s.kv_cache_mut().record_events();
+        s.add_sequence(0, tokens(90, 4), "").unwrap();
+        step(&mut s);
+        s.finish(0).unwrap();
+        for id in 1..4 {
+            s.add_sequence(id, tokens(10 * id as u32, 4), "").unwrap();
+        }
+        step(&mut s);
+        let pool = s.kv_cache().pool().stats();
+        assert_eq!((pool.in_use, pool.cached, pool.free), (3, 1, 3));
+        s.kv_cache_mut().take_events();
+        // Sequence 1 drafts 12 tokens (4 more blocks); each next token needs a block.
+        let mut propose = |seq: SeqId, _: &[u32]| if seq == 1 { vec![7; 12] } else { Vec::new() };
+        let plan = s.plan_step(&mut propose).unwrap();
+        // The three next tokens take the three free blocks; the draft gets the slots left in
+        // sequence 1's new block.
+        assert_eq!(
+            shape_with_drafts(&plan),
+            [(1, 4, 1, 3), (2, 4, 1, 0), (3, 4, 1, 0)]
+        );
+        assert_eq!(s.preemptions(), 0);
+        let (events, _) = s.kv_cache_mut().take_events();
+        assert!(
+            !events
+                .iter()
+                .any(|e| matches!(e, duet_kv::KvEvent::Removed(_))),
+            "{events:?}"
+        );
+        assert_eq!(s.kv_cache().pool().stats().cached, 1);
+    }
+
+    /// A proposer's id outside the vocabulary (a draft model with padding rows) would fail the
+    /// whole step: the draft is cut before it and counted, and the step goes on.
+    #[test]
+    fn a_draft_is_cut_before_a_token_outside_the_vocabulary() {
+        let mut s = scheduler(32, 64);
+        s.add_sequence(0, tokens(0, 3), "").unwrap();
+        s.add_sequence(1, tokens(10, 3), "").unwrap();
+        step(&mut s);
+        let bad = VOCAB_SIZE as u32;
+        let mut propose = |seq: SeqId, _: &[u32]| match seq {
+            0 => vec![7, 8, bad, 9],
+            _ => vec![bad, 5],
+        };
+        let plan = s.plan_step(&mut propose).unwrap();
+        assert_eq!(shape_with_drafts(&plan), [(0, 3, 1, 2), (1, 3, 1, 0)]);
+        assert_eq!(plan[0].draft, [7, 8]);
+        assert_eq!(s.out_of_vocab_drafts(), 2);
     }
 
     #[test]

@@ -161,12 +161,24 @@ impl BlockPool {
         }
     }
 
-    /// Takes `n` blocks (reference count 1 each), or none at all if fewer are available.
+    /// Takes `n` blocks (reference count 1 each), free ones first, then evicting the least
+    /// recently used cached ones; or none at all if fewer are available.
     pub fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, KvError> {
-        if n > self.available() {
+        self.take(n, self.available())
+    }
+
+    /// Takes `n` free blocks, never evicting a cached one (what speculative drafts get: a cached
+    /// prefix is worth more than a guess); or none at all if fewer are free.
+    pub fn allocate_free(&mut self, n: usize) -> Result<Vec<BlockId>, KvError> {
+        self.take(n, self.free.len())
+    }
+
+    /// Takes `n` blocks out of the `available` an allocation may have.
+    fn take(&mut self, n: usize, available: usize) -> Result<Vec<BlockId>, KvError> {
+        if n > available {
             return Err(KvError::Exhausted {
                 requested: n,
-                available: self.available(),
+                available,
             });
         }
         let mut out = Vec::with_capacity(n);
@@ -419,6 +431,31 @@ mod tests {
         assert_eq!(pool.allocate(1).unwrap(), vec![blocks[2]]);
         assert_eq!(pool.allocate(1).unwrap(), vec![blocks[0]]);
         assert!(matches!(pool.allocate(1), Err(KvError::Exhausted { .. })));
+    }
+
+    #[test]
+    fn allocating_free_blocks_never_evicts() {
+        let mut pool = BlockPool::new(3, 16);
+        pool.record_events();
+        let a = pool.allocate(2).unwrap();
+        pool.register_hash(a[0], 1).unwrap();
+        pool.release(&a[..1]).unwrap();
+        pool.take_events();
+        // One block free, one cached: only the free one can be had this way.
+        assert_eq!(
+            pool.allocate_free(2),
+            Err(KvError::Exhausted {
+                requested: 2,
+                available: 1
+            })
+        );
+        let b = pool.allocate_free(1).unwrap();
+        assert!(!a.contains(&b[0]));
+        assert_eq!(pool.stats().cached, 1);
+        assert!(pool.take_events().is_empty(), "nothing evicted");
+        assert_eq!(pool.cached_prefix_len(&[1]), 1);
+        assert!(pool.allocate_free(1).is_err(), "the cached block stays");
+        assert_eq!(pool.cached_prefix_len(&[1]), 1);
     }
 
     #[test]

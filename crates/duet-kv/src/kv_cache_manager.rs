@@ -174,6 +174,20 @@ impl KvCacheManager {
         Ok(&s.blocks)
     }
 
+    /// Gives a sequence free blocks toward `num_tokens` tokens in all, as many as are free,
+    /// never evicting a cached prefix block (the slots of speculated tokens, which are worth
+    /// less than a prefix another request may reuse). Returns the tokens its blocks now hold.
+    pub fn allocate_free_slots(&mut self, seq: SeqId, num_tokens: usize) -> Result<usize, KvError> {
+        let bs = self.pool.block_size();
+        let s = tracked(&mut self.seqs, seq)?;
+        let missing = s.blocks.table.blocks_missing(num_tokens, bs);
+        let free = self.pool.stats().free;
+        s.blocks
+            .table
+            .extend(self.pool.allocate_free(missing.min(free))?);
+        Ok(s.blocks.table.capacity(bs))
+    }
+
     /// Gives back a sequence's blocks past those holding `num_tokens` tokens: the slots of
     /// speculated tokens that were rejected. Blocks past `num_tokens` were never full of computed
     /// KV, so none is in the prefix cache.
@@ -314,6 +328,25 @@ mod tests {
         kv.remove(0).unwrap();
         assert_eq!(kv.blocks(0), None);
         assert_eq!(kv.free(0), Err(KvError::UnknownSequence(0)));
+    }
+
+    #[test]
+    fn free_slots_come_only_from_free_blocks() {
+        let mut kv = manager(4);
+        kv.record_events();
+        // Two blocks cached (a finished prompt), two free.
+        compute_and_remove(&mut kv, 0, &tokens(8), "");
+        kv.add_sequence(1, &tokens(3), "x").unwrap();
+        // 20 tokens would need 5 blocks: the two free ones are taken, the cached ones stay.
+        assert_eq!(kv.allocate_free_slots(1, 20).unwrap(), 8);
+        assert_eq!(kv.pool().stats().cached, 2);
+        assert_eq!(kv.allocate_free_slots(1, 20).unwrap(), 8, "none free now");
+        assert_eq!(kv.allocate_free_slots(1, 6).unwrap(), 8, "already held");
+        let (events, _) = kv.take_events();
+        assert!(
+            !events.iter().any(|e| matches!(e, KvEvent::Removed(_))),
+            "{events:?}"
+        );
     }
 
     #[test]

@@ -5,10 +5,13 @@
 //! The tokenizer is handed to llguidance as a token trie of every id's bytes (special tokens
 //! marked as such, so text never matches them); the compiler is built once per model and shared
 //! by every request. A grammar that is complete ends its sequence (see [`Grammar::is_complete`]):
-//! no end-of-sequence token is needed.
+//! no end-of-sequence token is needed. One that fails part way (an llguidance error: a limit
+//! passed, a token it cannot take) ends it too, with the reason ([`Grammar::failure`]). JSON
+//! Schemas are compiled as duet holds them ([`json_schema::with_defaults`]).
 
 use std::sync::Arc;
 
+use crate::json_schema;
 use crate::params::Constraint;
 use crate::tokenizer::Tokenizer;
 use llguidance::api::TopLevelGrammar;
@@ -41,8 +44,16 @@ impl GrammarCompiler {
             kind: "any",
             reason: format!("the tokenizer cannot be used for constraints: {reason}"),
         };
-        let eos = *tokenizer
+        // Every end id of the model ends a grammar's sentence (Llama 3 Instruct ends a turn with
+        // `<|eot_id|>` and a text with `<|end_of_text|>`): llguidance allows all of them where
+        // the grammar may end.
+        let eos: Vec<u32> = tokenizer
             .eos_token_ids()
+            .iter()
+            .copied()
+            .filter(|&id| (id as usize) < vocab_size)
+            .collect();
+        let first_eos = *eos
             .first()
             .ok_or_else(|| setup("it has no end-of-sequence token".into()))?;
         let words: Vec<Vec<u8>> = (0..vocab_size as u32)
@@ -57,13 +68,14 @@ impl GrammarCompiler {
             .collect();
         let info = TokRxInfo {
             vocab_size: vocab_size as u32,
-            tok_eos: eos,
+            tok_eos: first_eos,
             tok_bos: tokenizer.bos_token_id(),
             tok_pad: None,
             tok_unk: None,
             tok_end_of_turn: None,
         };
-        let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(&eos);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| setup(e.to_string()))?;
         factory.quiet();
         Ok(Self {
@@ -80,11 +92,11 @@ impl GrammarCompiler {
             Constraint::JsonSchema(text) => {
                 let schema: serde_json::Value = serde_json::from_str(text)
                     .map_err(|e| invalid(format!("the schema is not JSON: {e}")))?;
-                TopLevelGrammar::from_json_schema(schema)
+                TopLevelGrammar::from_json_schema(json_schema::with_defaults(schema))
             }
-            Constraint::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
-            }
+            Constraint::JsonObject => TopLevelGrammar::from_json_schema(
+                json_schema::with_defaults(serde_json::json!({"type": "object"})),
+            ),
             Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Constraint::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
         };
@@ -131,8 +143,9 @@ impl Grammar {
         }
     }
 
-    /// The tokens the grammar allows next. A grammar that failed (an internal error) allows only
-    /// the end-of-sequence token, which ends the sequence.
+    /// The tokens the grammar allows next. A grammar that failed allows only the end-of-sequence
+    /// token: something must be drawn, and the sequence ends with the failure (see
+    /// [`Self::failure`]).
     fn allowed(&mut self) -> SimpleVob {
         self.matcher.compute_mask_or_eos().unwrap_or_else(|_| {
             let mut only_eos = SimpleVob::alloc(self.eos as usize + 1);
@@ -143,42 +156,57 @@ impl Grammar {
 
     /// Sets the logits of every token the grammar does not allow next to −∞.
     pub fn mask(&mut self, logits: &mut [f32]) {
-        let allowed = match self.next_mask.take() {
-            Some(prepared) => prepared,
-            None => self.allowed(),
-        };
-        // A word of the mask at a time: most are all clear (or all set) under a grammar.
-        for (&word, chunk) in allowed.as_slice().iter().zip(logits.chunks_mut(32)) {
-            match word {
-                0 => chunk.fill(f32::NEG_INFINITY),
-                u32::MAX => {}
-                _ => {
-                    for (bit, logit) in chunk.iter_mut().enumerate() {
-                        if word >> bit & 1 == 0 {
-                            *logit = f32::NEG_INFINITY;
-                        }
-                    }
-                }
-            }
+        self.prepare_mask();
+        if let Some(allowed) = self.prepared_mask() {
+            mask_logits(allowed, logits);
         }
-        // Logits past the mask's words (none when the vocabularies agree) are not allowed.
-        if let Some(rest) = logits.get_mut(allowed.as_slice().len() * 32..) {
-            rest.fill(f32::NEG_INFINITY);
-        }
+    }
+
+    /// The tokens allowed next as bits (bit `t % 32` of word `t / 32`), once
+    /// [`Self::prepare_mask`] has computed them; `None` before.
+    pub fn prepared_mask(&self) -> Option<&[u32]> {
+        self.next_mask.as_ref().map(|m| m.as_slice())
     }
 
     /// Moves past `token` (sampled under [`Self::mask`], or replayed after a failover).
     pub fn accept(&mut self, token: u32) {
         self.next_mask = None;
         if !self.matcher.is_stopped() {
-            // An error leaves the matcher failed: `mask` then ends the sequence.
+            // An error leaves the matcher failed: `failure` says why.
             let _ = self.matcher.consume_token(token);
         }
     }
 
     /// The text is a whole sentence of the grammar and nothing may follow it.
     pub fn is_complete(&self) -> bool {
-        self.matcher.is_stopped()
+        self.matcher.is_stopped() && !self.matcher.is_error()
+    }
+
+    /// Why the grammar cannot go on, once it failed (llguidance's message).
+    pub fn failure(&self) -> Option<String> {
+        self.matcher.get_error()
+    }
+}
+
+/// Sets every logit whose bit in `allowed` (bit `t % 32` of word `t / 32`) is clear to −∞, and
+/// every logit past the bitmap's words (none when the vocabularies agree).
+pub fn mask_logits(allowed: &[u32], logits: &mut [f32]) {
+    // A word at a time: most are all clear (or all set) under a grammar.
+    for (&word, chunk) in allowed.iter().zip(logits.chunks_mut(32)) {
+        match word {
+            0 => chunk.fill(f32::NEG_INFINITY),
+            u32::MAX => {}
+            _ => {
+                for (bit, logit) in chunk.iter_mut().enumerate() {
+                    if word >> bit & 1 == 0 {
+                        *logit = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+    if let Some(rest) = logits.get_mut(allowed.len() * 32..) {
+        rest.fill(f32::NEG_INFINITY);
     }
 }
 
@@ -346,6 +374,60 @@ pub(crate) mod tests {
             replayed.accept(t);
         }
         assert!(replayed.is_complete());
+    }
+
+    /// Every end id of a model with several (Llama 3 Instruct's `<|eot_id|>` and
+    /// `<|end_of_text|>`; here the fixture's `</s>` and `<unk>`) may end an open grammar: a
+    /// regular expression, a Lark grammar, `tool_choice: "auto"`'s grammar.
+    #[test]
+    fn every_end_id_of_the_model_ends_an_open_grammar() {
+        use crate::tool_calls::{ToolCallFormat, call_schema};
+        let (_, tokenizer) = compiler();
+        let tokenizer = tokenizer.with_special_ids(None, &[0]);
+        assert_eq!(tokenizer.eos_token_ids(), [2, 0]);
+        let compiler = GrammarCompiler::new(&tokenizer, 384).unwrap();
+        let tools = call_schema([("f", serde_json::json!({"type": "object"}))]);
+        for constraint in [
+            Constraint::Regex("[a-z]+".into()),
+            Constraint::Lark("start: /[a-z]+/ | \"yes\"".into()),
+            Constraint::Lark(ToolCallFormat::Hermes.grammar(&tools)),
+        ] {
+            for end in [2, 0] {
+                let mut grammar = compiler.compile(&constraint).unwrap();
+                grammar.accept(100); // "a"
+                let mut logits = vec![0f32; 384];
+                grammar.mask(&mut logits);
+                assert!(
+                    logits[2].is_finite() && logits[0].is_finite(),
+                    "{constraint:?}: an end id is masked"
+                );
+                grammar.accept(end);
+                assert!(grammar.is_complete(), "{constraint:?} after {end}");
+            }
+        }
+    }
+
+    /// A grammar that fails part way (here a token it forbids, as a failover could replay) says
+    /// why, and is not complete: its sequence must not end as if the text were whole.
+    #[test]
+    fn a_grammar_that_fails_says_why_and_is_not_complete() {
+        let (compiler, _) = compiler();
+        let mut grammar = compiler
+            .compile(&Constraint::Regex("[0-9]+".into()))
+            .unwrap();
+        grammar.accept(3 + b'7' as u32);
+        assert_eq!(grammar.failure(), None);
+        grammar.accept(100); // "a"
+        let failure = grammar
+            .failure()
+            .expect("a forbidden token fails the grammar");
+        assert!(!failure.is_empty());
+        assert!(!grammar.is_complete());
+        // What is left to draw is an end of sequence, which ends it.
+        let mut logits = vec![0f32; 384];
+        grammar.mask(&mut logits);
+        let allowed: Vec<usize> = (0..384).filter(|&t| logits[t].is_finite()).collect();
+        assert_eq!(allowed, [2]);
     }
 
     /// Bad constraints are refused with the reason, before anything is generated.

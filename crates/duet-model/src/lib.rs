@@ -8,6 +8,7 @@ pub mod config;
 pub mod dequant;
 pub mod gguf;
 pub mod grammar;
+pub mod json_schema;
 pub mod model_files;
 pub mod model_path;
 pub mod params;

@@ -159,6 +159,10 @@ impl Constraint {
     }
 }
 
+/// The longest constraint the router and the workers take by default, in bytes
+/// (`--max-constraint-bytes`).
+pub const DEFAULT_MAX_CONSTRAINT_BYTES: usize = 64 * 1024;
+
 /// Longest `cache_salt` a request may carry, in bytes.
 pub const MAX_CACHE_SALT_BYTES: usize = 256;
 
@@ -255,6 +259,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` generated, or the context is full.
     Length,
+    /// The generation failed part way (a grammar that could not go on); the output says why.
+    Error,
 }
 
 impl FinishReason {
@@ -262,6 +268,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::Error => "error",
         }
     }
 }

@@ -46,12 +46,14 @@ impl ToolCallFormat {
     }
 
     /// A Lark grammar (llguidance's dialect) of an answer in this markup whose calls are held
-    /// to `call_schema`, the JSON Schema of one call's `{"name": …, "arguments": …}`: any text,
+    /// to `call_schema`, the JSON Schema of one call's `{"name": …, "arguments": …}` (held as
+    /// every JSON Schema is: [`crate::json_schema::with_defaults`]): any text,
     /// until the text opens a call; then a call that validates, and its closer; then any text
     /// again, and more calls. The text before an opener is one lazy lexeme that ends at the
     /// opener's first occurrence, so an opener always starts a call.
     pub fn grammar(self, call_schema: &serde_json::Value) -> String {
         let (open, close) = self.delimiters();
+        let call_schema = crate::json_schema::with_defaults(call_schema.clone());
         format!(
             "start: call* TEXT\n\
              call: call_head WS %json {call_schema} WS {close:?}\n\
@@ -124,7 +126,7 @@ mod tests {
             !allowed(&mut g, b'x') && !ends(&mut g),
             "a call must follow its opener"
         );
-        feed(&mut g, "{\"name\": \"f\", \"arguments\": {\"n\": ");
+        feed(&mut g, "{\"name\":\"f\",\"arguments\":{\"n\":");
         assert!(!allowed(&mut g, b'"'), "n is an integer");
         feed(&mut g, "42}}\n");
         assert!(
@@ -134,7 +136,7 @@ mod tests {
         feed(&mut g, "</tool_call>\nDone.");
         assert!(ends(&mut g));
         let mut wrong_name = compiler.compile(&grammar).unwrap();
-        feed(&mut wrong_name, "<tool_call>{\"name\": \"");
+        feed(&mut wrong_name, "<tool_call>{\"name\":\"");
         assert!(!allowed(&mut wrong_name, b'g'), "only the tools' names");
     }
 }

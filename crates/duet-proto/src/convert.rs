@@ -146,6 +146,7 @@ impl From<FinishReason> for v1::FinishReason {
         match r {
             FinishReason::Stop => v1::FinishReason::Stop,
             FinishReason::Length => v1::FinishReason::Length,
+            FinishReason::Error => v1::FinishReason::Error,
         }
     }
 }

@@ -20,7 +20,7 @@ use duet_cuda::backend::{CudaBackend, CudaKvStore};
 
 use crate::choice::IpcOffer;
 use crate::grpc::GrpcTransport;
-use crate::transport::{LayerSource, ReadBlock};
+use crate::transport::{LayerSource, ReadBlocks};
 use crate::{KvSender, KvTransport, KvWire, OpenPush, PushSpec, TransferError};
 
 const MAGIC: &[u8; 8] = b"duetipc1";
@@ -43,7 +43,8 @@ impl KvIpcExport {
         Ok(Self {
             handle: handle.reserved.map(|c| c as u8),
             bytes: store.bytes() as u64,
-            layout: store.layout(),
+            // As stored (the scratch block too): the peer computes addresses from it.
+            layout: store.physical_layout(),
         })
     }
 
@@ -419,7 +420,7 @@ impl KvSender for IpcSender {
         &mut self,
         layer: usize,
         blocks: Range<usize>,
-        _: &mut ReadBlock<'_>,
+        _: &mut ReadBlocks<'_>,
     ) -> Result<(), TransferError> {
         let e = TransferError::Cache(format!(
             "cuda-ipc push of request {}, layer {layer}, blocks {blocks:?}: the engine gave no device KV store",

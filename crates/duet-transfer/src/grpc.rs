@@ -14,7 +14,7 @@ use futures::{Stream, StreamExt};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tonic::Status;
 
-use crate::transport::ReadBlock;
+use crate::transport::ReadBlocks;
 use crate::{
     KvSender, KvSink, KvTransport, KvWire, OpenPush, PushSpec, Pushed, ReservationKey,
     TransferError,
@@ -104,16 +104,17 @@ impl KvSender for ChunkSender {
         &mut self,
         layer: usize,
         blocks: Range<usize>,
-        read_block: &mut ReadBlock<'_>,
+        read_blocks: &mut ReadBlocks<'_>,
     ) -> Result<(), TransferError> {
+        // The whole layer's blocks in one read, then cut into messages.
+        let mut layer_bytes = Vec::with_capacity(blocks.len() * self.block_bytes);
+        read_blocks(blocks.clone(), &mut layer_bytes)?;
         let per_chunk = (MAX_CHUNK_BYTES / self.block_bytes).max(1);
         let mut start = blocks.start;
         while start < blocks.end {
             let end = (start + per_chunk).min(blocks.end);
-            let mut payload = Vec::with_capacity((end - start) * self.block_bytes);
-            for block in start..end {
-                read_block(block, &mut payload)?;
-            }
+            let offset = (start - blocks.start) * self.block_bytes;
+            let payload = layer_bytes[offset..offset + (end - start) * self.block_bytes].to_vec();
             self.num_chunks += 1;
             self.bytes += payload.len() as u64;
             self.send(Kind::Data(KvData {
@@ -502,8 +503,10 @@ mod tests {
         let mut sender = ChunkSender::new(tx, block_bytes);
         for layer in 0..w.layout.num_layers {
             sender
-                .send_layer(layer, blocks.clone(), &mut |b, out| {
-                    out.extend(std::iter::repeat_n((layer * 16 + b) as u8, block_bytes));
+                .send_layer(layer, blocks.clone(), &mut |range, out| {
+                    for b in range {
+                        out.extend(std::iter::repeat_n((layer * 16 + b) as u8, block_bytes));
+                    }
                     Ok(())
                 })
                 .unwrap();
@@ -706,8 +709,8 @@ mod tests {
         let (tx, rx) = unbounded_channel();
         let mut sender = ChunkSender::new(tx, w.block_bytes());
         sender
-            .send_layer(0, 0..1, &mut |_, out| {
-                out.resize(out.len() + w.block_bytes(), 0);
+            .send_layer(0, 0..1, &mut |range, out| {
+                out.resize(out.len() + range.len() * w.block_bytes(), 0);
                 Ok(())
             })
             .unwrap();

@@ -53,7 +53,7 @@ impl KvNcclLink {
         Ok(Self { comm, stream })
     }
 
-    /// Sends the chunks `chunks` (indices `layer * num_blocks + block`) of `store`.
+    /// Sends the chunks `chunks` (indices [`CudaKvStore::chunk_index`]) of `store`.
     pub fn send(
         &self,
         backend: &CudaBackend,

@@ -174,9 +174,9 @@ pub struct Pushed {
     pub acked_at: Instant,
 }
 
-/// Appends the wire-layout bytes of one reservation block (by index) to a payload, reading them
-/// from the engine's cache.
-pub type ReadBlock<'a> = dyn FnMut(usize, &mut Vec<u8>) -> Result<(), TransferError> + 'a;
+/// Appends the wire-layout bytes of reservation blocks (a range of indices), one after another,
+/// to a payload, reading them from the engine's cache (a GPU's in one copy).
+pub type ReadBlocks<'a> = dyn FnMut(Range<usize>, &mut Vec<u8>) -> Result<(), TransferError> + 'a;
 
 /// One finished layer as the engine holds it, for [`KvSender::send_layer_from`].
 pub struct LayerSource<'a, 'b> {
@@ -185,13 +185,13 @@ pub struct LayerSource<'a, 'b> {
     /// The engine's backend and KV store (`&B`, `&B::KvStore`), for transports that copy device
     /// memory directly and downcast them; `None` where the engine does not expose them.
     pub device: Option<(&'a dyn Any, &'a dyn Any)>,
-    /// Reads a block into host memory in the wire layout.
-    pub read_block: &'a mut ReadBlock<'b>,
+    /// Reads blocks into host memory in the wire layout.
+    pub read_blocks: &'a mut ReadBlocks<'b>,
 }
 
 /// The engine thread's end of one push.
 pub trait KvSender: Send {
-    /// What the engine thread calls: [`KvSender::send_layer`] through `source.read_block`
+    /// What the engine thread calls: [`KvSender::send_layer`] through `source.read_blocks`
     /// unless the transport moves the bytes itself (cuda-ipc).
     fn send_layer_from(
         &mut self,
@@ -199,16 +199,16 @@ pub trait KvSender: Send {
         blocks: Range<usize>,
         source: &mut LayerSource<'_, '_>,
     ) -> Result<(), TransferError> {
-        self.send_layer(layer, blocks, source.read_block)
+        self.send_layer(layer, blocks, source.read_blocks)
     }
 
-    /// Ships `layer`'s KV of reservation blocks `blocks`. `read_block(i, out)` appends block
-    /// `i`'s bytes in the wire layout, read from the engine's cache.
+    /// Ships `layer`'s KV of reservation blocks `blocks`. `read_blocks(range, out)` appends the
+    /// bytes of the blocks of `range` in the wire layout, read from the engine's cache.
     fn send_layer(
         &mut self,
         layer: usize,
         blocks: Range<usize>,
-        read_block: &mut ReadBlock<'_>,
+        read_blocks: &mut ReadBlocks<'_>,
     ) -> Result<(), TransferError>;
 
     /// Every block of every layer has been shipped: the push may complete.

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use duet_engine::EngineError;
 use duet_engine::backend::KvLayout;
-use duet_engine::engine::{KvReservation, PlannedSeq, SeqId};
+use duet_engine::engine::{KvReservation, PlannedSeq, SeqId, StepOutput};
 use duet_model::params::Sampled;
 use duet_transfer::{KvSender, LayerSource, ReservationKey, TransferError};
 use tokio::sync::mpsc::UnboundedSender;
@@ -111,8 +111,8 @@ impl Shipping {
             return;
         }
         let table = &p.block_table;
-        let mut read = |i: usize, out: &mut Vec<u8>| {
-            done.append_kv_block(table[i], out)
+        let mut read = |blocks: Range<usize>, out: &mut Vec<u8>| {
+            done.append_kv_blocks(&table[blocks], out)
                 .map_err(|e| TransferError::Cache(e.to_string()))
         };
         let sent = self.sender.send_layer_from(
@@ -121,7 +121,7 @@ impl Shipping {
             &mut LayerSource {
                 block_table: table,
                 device: done.device(),
-                read_block: &mut read,
+                read_blocks: &mut read,
             },
         );
         // A device failure fails the step, and with it the request, unsent.
@@ -164,6 +164,7 @@ impl<E: ActorEngine> Actor<E> {
             reservations: 0,
             prefill_tokens_per_s: 0.0,
             preemptions: 0,
+            out_of_vocab_drafts: 0,
             speculation: Default::default(),
         }));
         engine.record_kv_events();
@@ -285,18 +286,21 @@ impl<E: ActorEngine> Actor<E> {
             return;
         }
         self.release_reservation(r.id);
-        let seq =
-            match self
-                .engine
-                .resume_sequence(r.prompt, r.resumed, &r.cache_salt, r.params, r.stop)
-            {
-                Ok(seq) => seq,
-                Err(e) => {
-                    self.counters.unqueue(n);
-                    let _ = r.events.send(Event::Failed(e.into()));
-                    return;
-                }
-            };
+        let seq = match self.engine.resume_sequence(
+            r.prompt,
+            r.resumed,
+            &r.cache_salt,
+            r.params,
+            r.grammar,
+            r.stop,
+        ) {
+            Ok(seq) => seq,
+            Err(e) => {
+                self.counters.unqueue(n);
+                let _ = r.events.send(Event::Failed(e.into()));
+                return;
+            }
+        };
         let cached = self.engine.cached_prompt_tokens(seq).unwrap_or(0);
         self.counters.unqueue(cached);
         let _ = r.events.send(Event::Admitted {
@@ -458,10 +462,12 @@ impl<E: ActorEngine> Actor<E> {
             reserved.kv,
             first,
             request.params,
+            request.grammar,
             request.stop,
         );
         match added {
             Ok((seq, out)) => {
+                self.note_failure(id, &out);
                 let done = out.finish.is_some();
                 let delivered = request.events.send(Event::Output(out)).is_ok();
                 if done || !delivered {
@@ -572,6 +578,7 @@ impl<E: ActorEngine> Actor<E> {
             let Some(a) = self.admitted.get(&out.seq) else {
                 continue;
             };
+            self.note_failure(a.id, &out);
             // A prefill request ends with its first token; others at their finish, or when
             // their caller has gone.
             if out.finish.is_some() || a.shipping.is_some() || a.events.is_closed() {
@@ -595,6 +602,19 @@ impl<E: ActorEngine> Actor<E> {
                     let _ = a.events.send(Event::Output(out));
                 }
             }
+        }
+    }
+
+    /// A request whose generation failed part way (its grammar could not go on) ends with
+    /// finish_reason error and the reason: counted and logged here.
+    fn note_failure(&self, id: RequestId, out: &StepOutput) {
+        if let Some(error) = out.error.as_deref() {
+            Counters::add(&self.counters.grammar_failures, 1);
+            tracing::warn!(
+                request = id,
+                error,
+                "the request's grammar failed part way; it ends with finish_reason error"
+            );
         }
     }
 
@@ -630,6 +650,7 @@ impl<E: ActorEngine> Actor<E> {
             reservations: self.reservations.len(),
             prefill_tokens_per_s: self.prefill_rate.tokens_per_s(),
             preemptions: self.engine.preemptions(),
+            out_of_vocab_drafts: self.engine.out_of_vocab_drafts(),
             speculation: self.engine.speculation_totals(),
         });
     }

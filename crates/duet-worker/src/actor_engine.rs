@@ -7,6 +7,7 @@ use duet_engine::engine::{
     Engine, KvReservation, LayerDone, PlannedSeq, Resumed, SeqId, Speculation, StepOutput,
 };
 use duet_kv::{KvDigest, KvEvent, PoolStats};
+use duet_model::grammar::Grammar;
 use duet_model::params::{Sampled, SamplingParams, StopCriteria};
 
 /// One layer's K/V, finished during a step.
@@ -14,8 +15,8 @@ pub trait LayerKv {
     fn layer(&self) -> usize;
     /// Every sequence's share of the step.
     fn plan(&self) -> &[PlannedSeq];
-    /// Appends this layer's KV of physical `block` in the wire layout.
-    fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError>;
+    /// Appends this layer's KV of physical `blocks`, one after another, in the wire layout.
+    fn append_kv_blocks(&self, blocks: &[u32], out: &mut Vec<u8>) -> Result<(), EngineError>;
     /// The backend and KV store (`&B`, `&B::KvStore`), for transports that copy device memory
     /// themselves (cuda-ipc downcasts them).
     fn device(&self) -> Option<(&dyn std::any::Any, &dyn std::any::Any)> {
@@ -32,8 +33,8 @@ impl<B: Backend + 'static> LayerKv for LayerDone<'_, B> {
         self.plan
     }
 
-    fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError> {
-        LayerDone::append_kv_block(self, block, out)
+    fn append_kv_blocks(&self, blocks: &[u32], out: &mut Vec<u8>) -> Result<(), EngineError> {
+        LayerDone::append_kv_blocks(self, blocks, out)
     }
 
     fn device(&self) -> Option<(&dyn std::any::Any, &dyn std::any::Any)> {
@@ -49,6 +50,7 @@ pub trait ActorEngine {
     fn take_kv_events(&mut self) -> (Vec<KvEvent>, KvDigest);
     fn has_work(&self) -> bool;
     fn preemptions(&self) -> u64;
+    fn out_of_vocab_drafts(&self) -> u64;
     fn speculation_totals(&self) -> Speculation;
     fn resume_sequence(
         &mut self,
@@ -56,6 +58,7 @@ pub trait ActorEngine {
         resumed: Resumed,
         cache_salt: &str,
         params: SamplingParams,
+        grammar: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<SeqId, EngineError>;
     fn cached_prompt_tokens(&self, seq: SeqId) -> Option<usize>;
@@ -68,6 +71,7 @@ pub trait ActorEngine {
         reservation: KvReservation,
         first: Sampled,
         params: SamplingParams,
+        grammar: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<(SeqId, StepOutput), EngineError>;
     fn write_kv_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), EngineError>;
@@ -103,6 +107,10 @@ impl<B: Backend + 'static> ActorEngine for Engine<B> {
         Engine::preemptions(self)
     }
 
+    fn out_of_vocab_drafts(&self) -> u64 {
+        Engine::out_of_vocab_drafts(self)
+    }
+
     fn speculation_totals(&self) -> Speculation {
         Engine::speculation_totals(self)
     }
@@ -113,9 +121,10 @@ impl<B: Backend + 'static> ActorEngine for Engine<B> {
         resumed: Resumed,
         cache_salt: &str,
         params: SamplingParams,
+        grammar: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<SeqId, EngineError> {
-        Engine::resume_sequence(self, tokens, resumed, cache_salt, params, stop)
+        Engine::resume_sequence(self, tokens, resumed, cache_salt, params, grammar, stop)
     }
 
     fn cached_prompt_tokens(&self, seq: SeqId) -> Option<usize> {
@@ -140,9 +149,10 @@ impl<B: Backend + 'static> ActorEngine for Engine<B> {
         reservation: KvReservation,
         first: Sampled,
         params: SamplingParams,
+        grammar: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<(SeqId, StepOutput), EngineError> {
-        Engine::add_prefilled(self, prompt, reservation, first, params, stop)
+        Engine::add_prefilled(self, prompt, reservation, first, params, grammar, stop)
     }
 
     fn write_kv_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), EngineError> {

@@ -6,6 +6,7 @@ use std::ffi::OsString;
 use duet_cluster::{ClusterArgs, LeaseArgs, Role};
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
+use duet_model::params::DEFAULT_MAX_CONSTRAINT_BYTES;
 use duet_proto::{ClusterAuth, TlsArgs};
 use duet_telemetry::MetricsArgs;
 use duet_transfer::choice::TransportChoice;
@@ -41,6 +42,11 @@ pub struct WorkerArgs {
     /// Calls served at once (a stream counts until it ends); past it RESOURCE_EXHAUSTED at once.
     #[arg(long, env = "DUET_MAX_IN_FLIGHT", default_value_t = WorkerArgs::default().max_in_flight)]
     pub max_in_flight: usize,
+    /// A structured-output constraint (JSON Schema, regex, Lark grammar) past this many bytes is
+    /// refused with INVALID_ARGUMENT before it is compiled (as the router's flag of the same
+    /// name: a worker called directly holds the same line).
+    #[arg(long, value_name = "BYTES", env = "DUET_MAX_CONSTRAINT_BYTES", default_value_t = WorkerArgs::default().max_constraint_bytes)]
+    pub max_constraint_bytes: usize,
     /// Cluster token of internal calls (see `duet_proto::auth`).
     #[command(flatten)]
     pub auth: ClusterAuth,
@@ -62,6 +68,7 @@ impl Default for WorkerArgs {
             kv_transport: TransportChoice::Auto,
             request_timeout_ms: 600_000,
             max_in_flight: 4096,
+            max_constraint_bytes: DEFAULT_MAX_CONSTRAINT_BYTES,
             auth: ClusterAuth::default(),
             tls: TlsArgs::default(),
         }
@@ -99,6 +106,7 @@ impl WorkerArgs {
             kv_transport,
             request_timeout_ms,
             max_in_flight,
+            max_constraint_bytes,
             auth,
             tls,
         } = self;
@@ -116,6 +124,7 @@ impl WorkerArgs {
                 format!("--kv-transport={kv_transport}"),
                 format!("--request-timeout-ms={request_timeout_ms}"),
                 format!("--max-in-flight={max_in_flight}"),
+                format!("--max-constraint-bytes={max_constraint_bytes}"),
             ]
             .map(Into::into),
         );
@@ -129,7 +138,7 @@ impl WorkerArgs {
 mod tests {
     use clap::Parser;
     use duet_engine::backend::{CpuKernels, KvDtypeChoice, PrefillAttention};
-    use duet_engine::device::Device;
+    use duet_engine::device::{Device, Switch};
     use duet_engine::speculator::SpeculativeMode;
 
     use super::*;
@@ -183,10 +192,14 @@ mod tests {
                 speculative: SpeculativeMode::Draft("models dir/draft.gguf".into()),
                 num_speculative_tokens: 6,
                 speculative_max_step_rows: 5,
+                cuda_graphs: Switch::On,
+                device_sampling: Switch::On,
+                fused_kernels: Switch::On,
             },
             kv_transport: TransportChoice::Nccl,
             request_timeout_ms: 6,
             max_in_flight: 7,
+            max_constraint_bytes: 8,
             auth: ClusterAuth {
                 cluster_token: None,
                 cluster_token_file: Some("secret dir/token".into()),

@@ -11,7 +11,9 @@ use std::time::Duration;
 use duet_device::{LoadedEngine, WithEngine};
 use duet_engine::backend::Backend;
 use duet_engine::engine::{Engine, EngineOptions};
-use duet_model::params::PromptLimits;
+use duet_engine::grammars::Grammars;
+use duet_model::grammar::Grammar;
+use duet_model::params::{PromptLimits, SamplingParams};
 use duet_transfer::{KvSink, KvWire, ReservationKey, TransferError};
 use tokio::sync::oneshot;
 
@@ -53,18 +55,32 @@ pub struct EngineHandle {
     published: Arc<Published>,
     kv_events: Arc<KvEventLog>,
     next_id: Arc<AtomicU64>,
+    grammars: Grammars,
+    /// Longest constraint [`compile`](Self::compile) takes, in bytes.
+    max_constraint_bytes: usize,
 }
 
-type Ready = anyhow::Result<(EngineInfo, Arc<Counters>, Arc<Published>, Arc<KvEventLog>)>;
+/// What the engine thread hands back once the model is loaded.
+struct Loaded {
+    info: EngineInfo,
+    counters: Arc<Counters>,
+    published: Arc<Published>,
+    kv_events: Arc<KvEventLog>,
+    grammars: Grammars,
+}
+
+type Ready = anyhow::Result<Loaded>;
 
 impl EngineHandle {
     /// Loads `model` on a new engine thread named `thread_name` and starts its actor; KV
-    /// reservations are held for `reservation_lease` at most.
+    /// reservations are held for `reservation_lease` at most, and constraints of more than
+    /// `max_constraint_bytes` are refused.
     pub async fn spawn(
         thread_name: &str,
         model: PathBuf,
         options: EngineOptions,
         reservation_lease: Duration,
+        max_constraint_bytes: usize,
     ) -> anyhow::Result<Self> {
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = oneshot::channel::<Ready>();
@@ -83,16 +99,18 @@ impl EngineHandle {
                 }
             },
         )?;
-        let (info, counters, published, kv_events) = ready_rx
+        let loaded = ready_rx
             .await
             .map_err(|_| anyhow::anyhow!("the engine thread died while loading the model"))??;
         Ok(Self {
             tx,
-            info: Arc::new(info),
-            counters,
-            published,
-            kv_events,
+            info: Arc::new(loaded.info),
+            counters: loaded.counters,
+            published: loaded.published,
+            kv_events: loaded.kv_events,
             next_id: Arc::new(AtomicU64::new(1)),
+            grammars: loaded.grammars,
+            max_constraint_bytes,
         })
     }
 
@@ -121,6 +139,30 @@ impl EngineHandle {
     /// A fresh request id.
     pub fn next_id(&self) -> RequestId {
         self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Compiles a request's constraint (`None` without one) for [`Request::grammar`], on a
+    /// blocking thread of the runtime: never on the engine thread, where a slow compile would
+    /// stall every running sequence. A constraint past `--max-constraint-bytes`, or one that
+    /// does not compile, is INVALID_ARGUMENT.
+    pub async fn compile(&self, params: &SamplingParams) -> Result<Option<Grammar>, WorkerError> {
+        let Some(constraint) = params.constraint.clone() else {
+            return Ok(None);
+        };
+        let (len, max) = (constraint.text_bytes(), self.max_constraint_bytes);
+        if len > max {
+            return Err(WorkerError::InvalidArgument(format!(
+                "constraint too long: {len} bytes, past this worker's limit of {max} bytes \
+                 (--max-constraint-bytes)"
+            )));
+        }
+        let grammars = self.grammars.clone();
+        let compiled = tokio::task::spawn_blocking(move || grammars.compile(&constraint))
+            .await
+            .map_err(|e| WorkerError::Internal(format!("compiling the constraint: {e}")))?;
+        compiled
+            .map(Some)
+            .map_err(|e| WorkerError::InvalidArgument(e.to_string()))
     }
 
     /// Hands a command to the engine thread; fails once it has stopped.
@@ -225,13 +267,17 @@ impl WithEngine for Start {
             context_length: engine.config().max_position_embeddings,
             kv_ipc_offer: duet_transfer::choice::ipc_offer(engine.kv_store()),
         };
+        let grammars = engine.grammars().clone();
         let actor = Actor::new(engine, self.lease);
         let (counters, published, kv_events) = actor.shared();
-        if self
-            .ready
-            .send(Ok((info, counters, published, kv_events)))
-            .is_ok()
-        {
+        let loaded = Loaded {
+            info,
+            counters,
+            published,
+            kv_events,
+            grammars,
+        };
+        if self.ready.send(Ok(loaded)).is_ok() {
             actor.run(self.commands);
         }
     }

@@ -147,6 +147,11 @@ const READS: &[Read] = &[
         |_, c| load(&c.prefix_hit_tokens),
     ),
     counter(
+        "duet_grammar_failures_total",
+        "Requests whose grammar failed part way (an llguidance error), ended with finish_reason error.",
+        |_, c| load(&c.grammar_failures),
+    ),
+    counter(
         "duet_num_preemptions_total",
         "Sequences preempted (their KV given up and recomputed later).",
         |s, _| s.preemptions as f64,
@@ -160,6 +165,11 @@ const READS: &[Read] = &[
         "duet_spec_decode_num_draft_tokens_total",
         "Tokens drafted by speculative decoding and verified.",
         |s, _| s.speculation.draft_tokens as f64,
+    ),
+    counter(
+        "duet_spec_decode_out_of_vocab_drafts_total",
+        "Drafts cut before a token outside the model's vocabulary (a draft model with other logits): never computed.",
+        |s, _| s.out_of_vocab_drafts as f64,
     ),
     counter(
         "duet_spec_decode_num_accepted_tokens_total",
@@ -338,6 +348,7 @@ mod tests {
             running: 3,
             reservations: 1,
             preemptions: 7,
+            out_of_vocab_drafts: 3,
             prefill_tokens_per_s: 1500.0,
             speculation: Speculation {
                 steps: 40,
@@ -386,6 +397,7 @@ mod tests {
         assert_eq!(counter("duet_spec_decode_sequence_steps_total"), 40.0);
         assert_eq!(counter("duet_spec_decode_num_draft_tokens_total"), 30.0);
         assert_eq!(counter("duet_spec_decode_num_accepted_tokens_total"), 20.0);
+        assert_eq!(counter("duet_spec_decode_out_of_vocab_drafts_total"), 3.0);
         let bytes = find(&families, "duet_kv_transfer_bytes_total");
         assert_eq!(bytes.get_counter().get_value(), 4096.0);
         assert_eq!(label(bytes, "transport").as_deref(), Some("grpc"));

@@ -71,6 +71,20 @@ impl KnownPeers {
         }
     }
 
+    /// The gRPC addresses of every peer known now: the listed ones and those of the cards.
+    pub fn addresses(&self) -> Vec<String> {
+        let membership = self.membership.borrow();
+        let carded = membership
+            .cards
+            .values()
+            .filter(|c| c.role == self.role)
+            .map(|c| c.grpc_address.clone());
+        let mut all: Vec<String> = self.listed.iter().cloned().chain(carded).collect();
+        all.sort();
+        all.dedup();
+        all
+    }
+
     /// Whether any peer is known now.
     pub fn any(&self) -> bool {
         !self.listed.is_empty()
@@ -128,6 +142,7 @@ mod tests {
             m.cards.insert(c.worker_id.clone(), c);
         }
         tx.send_replace(Arc::new(m));
+        assert_eq!(known.addresses(), ["10.0.0.9:7001", "127.0.0.1:7001"]);
         assert!(
             known.knows("10.0.0.9:7001", None),
             "a decode worker that joined"

@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use duet_engine::engine::{Resumed, StepOutput};
+use duet_model::grammar::Grammar;
 use duet_model::params::{SamplingParams, StopCriteria};
 use duet_transfer::KvSender;
 use tokio::sync::mpsc::UnboundedSender;
@@ -23,6 +24,9 @@ pub struct Request {
     /// Per-tenant prefix-cache namespace (empty: shared).
     pub cache_salt: String,
     pub params: SamplingParams,
+    /// `params.constraint` compiled ([`crate::EngineHandle::compile`]): the engine thread never
+    /// compiles one, which would stall every running sequence.
+    pub grammar: Option<Grammar>,
     pub stop: StopCriteria,
     /// On a prefill worker: where the prompt's KV goes. The request then ends with its first
     /// token, once every block has been handed to the transport.

@@ -66,6 +66,7 @@ impl StartedWorker {
             model.clone(),
             options,
             reservation_timeout,
+            args.max_constraint_bytes,
         )
         .await?;
         let exported = metrics::export(&engine, role.as_str(), &model, &worker_id, args.metrics)

@@ -28,6 +28,8 @@ pub struct Snapshot {
     pub reservations: usize,
     /// Sequences preempted (their KV given up, recomputed later) since the engine started.
     pub preemptions: u64,
+    /// Drafts cut before a token outside the model's vocabulary since the engine started.
+    pub out_of_vocab_drafts: u64,
     /// Speculative decoding since the engine started: sequence-steps, drafted and accepted
     /// tokens.
     pub speculation: Speculation,
@@ -44,6 +46,8 @@ pub struct Counters {
     pub requests_served: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub prefix_hit_tokens: AtomicU64,
+    /// Requests whose grammar failed part way (ended with finish_reason error).
+    pub grammar_failures: AtomicU64,
     /// Tokens computed by each engine step.
     pub step_tokens: Histogram,
     /// Wall time of each engine step.
@@ -77,15 +81,20 @@ pub enum LocalFallback {
     Failed,
     /// This worker had no room to reserve the prompt's KV for a transfer.
     NoReservation,
+    /// The plan named only prefill workers this worker does not accept (neither its --prefill
+    /// nor a prefill card of its cluster): asking them would send the prompt, and the cluster
+    /// token, to an address of the caller's choosing.
+    RefusedPlan,
 }
 
 impl LocalFallback {
-    pub const ALL: [LocalFallback; 5] = [
+    pub const ALL: [LocalFallback; 6] = [
         LocalFallback::RefusedPush,
         LocalFallback::Unreachable,
         LocalFallback::Saturated,
         LocalFallback::Failed,
         LocalFallback::NoReservation,
+        LocalFallback::RefusedPlan,
     ];
 
     /// Why a failed prefill call failed.
@@ -106,6 +115,7 @@ impl LocalFallback {
             LocalFallback::Saturated => "saturated",
             LocalFallback::Failed => "failed",
             LocalFallback::NoReservation => "no_reservation",
+            LocalFallback::RefusedPlan => "refused_plan",
         }
     }
 
@@ -125,6 +135,11 @@ impl LocalFallback {
             LocalFallback::NoReservation => {
                 "this worker's KV cache had no room to reserve the prompt for a transfer"
             }
+            LocalFallback::RefusedPlan => {
+                "the router planned prefill workers this worker does not accept: name them with \
+                 --prefill ADDR (DUET_PREFILL_WORKERS), or run every service in one cluster \
+                 (--etcd)"
+            }
         }
     }
 }
@@ -141,6 +156,7 @@ impl Default for Counters {
             requests_served: AtomicU64::default(),
             prompt_tokens: AtomicU64::default(),
             prefix_hit_tokens: AtomicU64::default(),
+            grammar_failures: AtomicU64::default(),
             step_tokens: histogram(
                 "duet_iteration_tokens_total",
                 "Tokens computed by one engine step (prompt and decode tokens).",
@@ -182,7 +198,7 @@ impl Default for Counters {
                         "duet_local_prefill_fallbacks_total",
                         "Prompts a decode worker prefilled itself although its plan named prefill \
                          workers, by reason (refused_push, unreachable, saturated, failed, \
-                         no_reservation).",
+                         no_reservation, refused_plan).",
                     ),
                     &["reason"],
                 )
@@ -250,6 +266,13 @@ impl Counters {
                 reason.advice()
             );
         }
+    }
+
+    /// Prompts prefilled here for `reason` since start.
+    pub fn local_prefill_fallbacks(&self, reason: LocalFallback) -> u64 {
+        self.local_prefill_fallbacks
+            .with_label_values(&[reason.as_str()])
+            .get()
     }
 
     /// One request's KV transfer failed.
@@ -385,6 +408,9 @@ impl Identity {
             transfer_bytes_out: c.transfer_bytes(Direction::Out),
             prefill_tokens_per_s: snap.prefill_tokens_per_s,
             kv_block_bytes: engine.info().wire.layout.block_bytes() as u64,
+            // What a decode worker accepts in a plan is its service's to say.
+            accepted_prefill_workers: None,
+            refused_prefill_plans: c.local_prefill_fallbacks(LocalFallback::RefusedPlan),
         }
     }
 }

@@ -9,7 +9,7 @@ use duet_engine::engine::{Resumed, StepOutput};
 use duet_model::params::{SamplingParams, StopCriteria};
 use duet_proto::v1;
 use duet_transfer::choice::transport_name;
-use duet_worker::stats::{Counters, Direction};
+use duet_worker::stats::{Counters, Direction, LocalFallback};
 use duet_worker::{EngineHandle, EngineInfo, Event, Identity, KnownPeers, Request, WorkerError};
 use futures::Stream;
 use tokio::sync::mpsc;
@@ -56,6 +56,8 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
         let state = self.state.clone();
         let engine = &state.engine;
         let (params, stop) = check(&req, engine.info())?;
+        // Off the engine thread, before the request is anywhere near it.
+        let grammar = engine.compile(&params).await?;
         let id = engine.next_id();
         // Frees whatever the request holds on the engine thread once its stream goes away
         // (finished, failed, or dropped by a cancelling client).
@@ -65,19 +67,24 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
             generated: req.already_generated as usize,
             sent_text_bytes: req.already_sent_text_bytes as usize,
         };
+        let received = Instant::now();
         let request = Request {
             id,
             prompt: req.prompt_token_ids.clone(),
             resumed,
             cache_salt: req.cache_salt.clone(),
             params,
+            grammar,
             stop,
             kv_out: None,
             events,
-            received: Instant::now(),
+            received,
         };
-        let plan = req.plan.clone().unwrap_or_default();
-        check_plan(&plan, &state.prefill_workers)?;
+        let plan = accepted_plan(
+            req.plan.clone().unwrap_or_default(),
+            &state.prefill_workers,
+            engine.counters(),
+        );
         // A resumed request (failover) is recomputed here: its prompt includes generated tokens
         // whose sampling state only this worker's engine can rebuild.
         let report = if plan.local || plan.prefill_workers.is_empty() || resumed.generated > 0 {
@@ -93,6 +100,8 @@ impl v1::decode_worker_server::DecodeWorker for DecodeService {
             already_generated: req.already_generated,
             completion_tokens: 0,
             first_at: None,
+            received,
+            scheduled: None,
             report,
             decode_worker: state.identity.worker_id.clone(),
         };
@@ -138,23 +147,38 @@ fn check_sender(
     )))
 }
 
-/// A plan may name only prefill workers of this cluster: one that names another address would
-/// have this worker send the prompt (and the cluster token) there, and take KV from it.
-fn check_plan(plan: &v1::PrefillPlan, known: &KnownPeers) -> Result<(), WorkerError> {
+/// The plan this worker carries out: the prefill workers of `plan` it accepts (a prefill card
+/// of its cluster, or `--prefill`). Any other would have this worker send the prompt (and the
+/// cluster token) to an address of the caller's choosing, and take KV from it, so it is never
+/// asked. A plan left with none is prefilled here: counted and logged, never failed (a router
+/// started with prefill workers this worker was not told of would otherwise fail every request
+/// it planned remotely, failed-over streams included).
+fn accepted_plan(
+    plan: v1::PrefillPlan,
+    known: &KnownPeers,
+    counters: &Counters,
+) -> v1::PrefillPlan {
     if plan.local {
-        return Ok(());
+        return plan;
     }
-    match plan
+    let (accepted, refused): (Vec<_>, Vec<_>) = plan
         .prefill_workers
-        .iter()
-        .find(|t| !known.knows(&t.address, Some(&t.worker_id)))
-    {
-        Some(t) => Err(WorkerError::PermissionDenied(format!(
-            "the prefill plan names worker {:?} at {:?}, which is not a prefill worker of this \
-             cluster (a prefill card, or --prefill)",
-            t.worker_id, t.address
-        ))),
-        None => Ok(()),
+        .into_iter()
+        .partition(|t| known.knows(&t.address, Some(&t.worker_id)));
+    if !refused.is_empty() {
+        let named: Vec<String> = refused
+            .iter()
+            .map(|t| format!("{:?} at {:?}", t.worker_id, t.address))
+            .collect();
+        let named = named.join(", ");
+        match accepted.is_empty() {
+            true => counters.fell_back_to_local_prefill(LocalFallback::RefusedPlan, &named),
+            false => tracing::debug!(refused = named, "prefill workers left out of a plan"),
+        }
+    }
+    v1::PrefillPlan {
+        local: accepted.is_empty(),
+        prefill_workers: accepted,
     }
 }
 
@@ -168,6 +192,10 @@ struct Responses {
     already_generated: u32,
     completion_tokens: u32,
     first_at: Option<Instant>,
+    /// When the request arrived, and when its first step was scheduled here (a prompt prefilled
+    /// here: the end of its queueing).
+    received: Instant,
+    scheduled: Option<Instant>,
     report: PrefillReport,
     decode_worker: String,
 }
@@ -191,6 +219,7 @@ impl Responses {
         };
         if let Some(reason) = out.finish {
             msg.finish_reason = v1::FinishReason::from(reason) as i32;
+            msg.error = out.error.unwrap_or_default();
             msg.usage = Some(v1::Usage {
                 prompt_tokens: self.prompt_tokens,
                 completion_tokens: self.completion_tokens + self.already_generated,
@@ -200,9 +229,18 @@ impl Responses {
                 accepted_draft_tokens: saturating_u32(out.speculation.accepted_draft_tokens),
             });
             let r = &self.report;
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            // Prefilled here: queued until its first step, then computed until its first token.
+            let (queue_ms, prefill_ms) = match (&r.worker, self.scheduled) {
+                (None, Some(scheduled)) => (
+                    ms(scheduled.saturating_duration_since(self.received)),
+                    ms(first_at.saturating_duration_since(scheduled)),
+                ),
+                _ => (r.queue_ms, r.prefill_ms),
+            };
             msg.timings = Some(v1::Timings {
-                queue_ms: r.queue_ms,
-                prefill_ms: r.prefill_ms,
+                queue_ms,
+                prefill_ms,
                 transfer_ms: r.transfer_ms,
                 decode_ms: first_at.elapsed().as_secs_f64() * 1e3,
                 prefill_worker: r
@@ -243,7 +281,9 @@ fn stream(
                     let cached = &mut responses.report.cached_tokens;
                     *cached = (*cached).max(cached_tokens as u32);
                 }
-                Event::Scheduled(_) => {}
+                Event::Scheduled(at) => {
+                    responses.scheduled.get_or_insert(at);
+                }
                 Event::Output(out) => {
                     let last = out.finish.is_some();
                     if let Some(reason) = out.finish {
@@ -328,8 +368,10 @@ impl v1::worker_control_server::WorkerControl for ControlService {
         _: tonic::Request<v1::StatsRequest>,
     ) -> Result<Response<v1::StatsResponse>, Status> {
         let s = &self.state;
-        Ok(Response::new(
-            s.identity.stats(v1::WorkerRole::Decode, &s.engine),
-        ))
+        let mut stats = s.identity.stats(v1::WorkerRole::Decode, &s.engine);
+        stats.accepted_prefill_workers = Some(v1::AcceptedPrefillWorkers {
+            addresses: s.prefill_workers.addresses(),
+        });
+        Ok(Response::new(stats))
     }
 }

@@ -148,7 +148,11 @@ async fn local_prefill_streams_the_engines_tokens() {
     assert_eq!(tokens, reference(&prompt(), 9));
     assert_eq!(last.finish_reason, v1::FinishReason::Length as i32);
     assert_eq!(last.usage.unwrap().completion_tokens, 9);
-    assert!(last.timings.unwrap().prefill_local);
+    let timings = last.timings.unwrap();
+    assert!(timings.prefill_local);
+    // The time to first token split for a prompt prefilled here: its queue and its compute.
+    assert!(timings.prefill_ms > 0.0, "{timings:?}");
+    assert!(timings.transfer_ms == 0.0 && timings.queue_ms >= 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -409,11 +413,13 @@ async fn dropping_the_stream_frees_the_blocks() {
     panic!("the cancelled request still holds KV blocks");
 }
 
-/// A Decode call whose plan names a prefill worker outside the cluster (neither a card nor
-/// --prefill) is refused before anything is reserved: the named worker is never called, so it
-/// can place no block in any cache.
+/// A Decode call whose plan names only prefill workers outside the cluster (neither a card nor
+/// --prefill) is prefilled here: the named workers are never called (they could place no block
+/// in any cache, nor receive the prompt), the request is served, and the fallback is counted in
+/// `Stats`. The worker's `Stats` say which prefill workers it accepts, so a router plans within
+/// them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_plan_naming_a_worker_outside_the_cluster_is_refused() {
+async fn a_plan_naming_only_workers_outside_the_cluster_is_prefilled_here() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let outsider = listener.local_addr().unwrap();
     let called = Arc::new(Mutex::new(false));
@@ -427,9 +433,8 @@ async fn a_plan_naming_a_worker_outside_the_cluster_is_refused() {
             }
         });
     }
-    let mut client = v1::decode_worker_client::DecodeWorkerClient::connect(url.clone())
-        .await
-        .unwrap();
+    let accepted = stats(&url).await.accepted_prefill_workers.unwrap();
+    assert_eq!(accepted.addresses, ["127.0.0.1:1"]);
     for (worker_id, address) in [
         ("outsider", outsider.to_string()),
         // A listed address cannot lend a member's standing to another name at another port.
@@ -442,26 +447,15 @@ async fn a_plan_naming_a_worker_outside_the_cluster_is_refused() {
                 address,
             }],
         };
-        let refused = client.decode(request(plan, 4)).await.unwrap_err();
-        assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
-        assert!(
-            refused
-                .message()
-                .contains("not a prefill worker of this cluster"),
-            "{refused:?}"
-        );
+        let (tokens, last) = collect(&url, request(plan, 4)).await;
+        assert_eq!(tokens, reference(&prompt(), 4));
+        assert!(last.timings.unwrap().prefill_local, "prefilled here");
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!*called.lock().unwrap(), "the outsider was never called");
     let s = stats(&url).await;
-    assert_eq!(
-        (
-            s.reservations_outstanding,
-            s.kv_blocks_used,
-            s.kv_blocks_cached
-        ),
-        (0, 0, 0)
-    );
+    assert_eq!(s.refused_prefill_plans, 2);
+    assert_eq!((s.reservations_outstanding, s.kv_blocks_used), (0, 0));
 }
 
 /// The Prometheus text a worker serves on `addr`.
@@ -475,4 +469,43 @@ async fn scrape(addr: std::net::SocketAddr) -> String {
     let mut body = String::new();
     stream.read_to_string(&mut body).await.unwrap();
     body
+}
+
+/// A request whose grammar fails part way (a failover replaying a token the grammar forbids)
+/// ends with finish_reason ERROR and the reason, counted in `duet_grammar_failures_total`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grammar_that_fails_ends_the_stream_with_the_error() {
+    let metrics = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let url = start_with_metrics(&[], Some(metrics)).await;
+    let mut req = request(
+        v1::PrefillPlan {
+            local: true,
+            prefill_workers: vec![],
+        },
+        20,
+    );
+    // "1" and then "a" were streamed by a decode worker that died: "a" breaks the grammar.
+    req.prompt_token_ids
+        .extend([3 + u32::from(b'1'), 3 + u32::from(b'a')]);
+    req.already_generated = 2;
+    req.already_sent_text_bytes = 2;
+    req.sampling.as_mut().unwrap().constraint = Some(v1::Constraint {
+        kind: Some(v1::constraint::Kind::Regex("[0-9]{8}".into())),
+    });
+    let (_, last) = collect(&url, req).await;
+    assert_eq!(last.finish_reason, v1::FinishReason::Error as i32);
+    assert!(!last.error.is_empty());
+    let scraped = scrape(metrics).await;
+    let port = url.rsplit(':').next().unwrap();
+    let counted = scraped.lines().find(|l| {
+        l.starts_with("duet_grammar_failures_total{")
+            && l.contains(&format!("engine=\"decode-test-{port}\""))
+    });
+    assert!(
+        counted.is_some_and(|l| l.ends_with(" 1")),
+        "{counted:?} in\n{scraped}"
+    );
 }

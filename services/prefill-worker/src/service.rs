@@ -155,6 +155,8 @@ impl Inner {
         params
             .validate()
             .map_err(|e| WorkerError::InvalidArgument(e.0))?;
+        // Off the engine thread, before the request is anywhere near it.
+        let grammar = self.engine.compile(&params).await?;
         let n = req.token_ids.len();
         let first_block = dest.cached_blocks as usize;
         let blocks = first_block..n.div_ceil(info.wire.layout.block_size);
@@ -209,6 +211,7 @@ impl Inner {
                 resumed: Default::default(),
                 cache_salt: req.cache_salt,
                 params,
+                grammar,
                 stop,
                 kv_out: Some(KvOut {
                     sender: push.sender,
@@ -236,6 +239,13 @@ impl Inner {
                     Some(Event::Output(out)) => {
                         drop(queue_span.take());
                         cancel.disarm(); // answered: the engine has dropped the sequence
+                        // The decode worker then prefills here itself, and ends the request
+                        // with the failure.
+                        if let Some(error) = out.error {
+                            return Err(WorkerError::Internal(format!(
+                                "the request's grammar failed at its first token: {error}"
+                            )));
+                        }
                         let now = Instant::now();
                         let started = scheduled.unwrap_or(now);
                         prefilled = Some(Prefilled {

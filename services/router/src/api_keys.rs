@@ -1,22 +1,23 @@
 //! API keys of the public API (`--api-keys-file`): every `Generation` call carries
-//! `authorization: Bearer KEY` metadata, every OpenAI HTTP call under `/v1/` the same header,
+//! `authorization: Bearer KEY` metadata, every OpenAI HTTP call (all but `/health` and `/live`)
+//! the same header,
 //! or is refused (UNAUTHENTICATED / HTTP 401) before it is read any further. Health, liveness
-//! and reflection stay open. Keys are compared in constant time, against every key.
+//! and reflection stay open. Keys are compared in constant time, against every key. The gRPC
+//! check is here ([`RequireApiKey`]); the HTTP front's middleware calls [`ApiKeys::check`].
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use axum::extract::{Request, State};
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
 use futures::future::{Either, Ready, ready};
 use tonic::codegen::Service;
 use tonic::codegen::http::{Request as HttpRequest, Response as HttpResponse};
 use tonic::server::NamedService;
 
+use crate::error::{RouterError, Unauthenticated};
+
 /// The header (gRPC metadata key) carrying the key.
-const AUTHORIZATION: &str = "authorization";
+pub const AUTHORIZATION: &str = "authorization";
 
 /// A keys file that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -29,11 +30,6 @@ pub enum ApiKeysError {
     #[error("the API keys file {0} holds no key (one key a line; `#` starts a comment)")]
     Empty(PathBuf),
 }
-
-/// A call without a valid key.
-#[derive(Debug, thiserror::Error)]
-#[error("missing or invalid API key: send `Authorization: Bearer <key>`")]
-pub struct Unauthenticated;
 
 /// The keys that may call the public API (never printed).
 pub struct ApiKeys(Vec<Box<str>>);
@@ -121,22 +117,9 @@ where
         match checked {
             Ok(()) => Either::Left(self.inner.call(request)),
             Err(e) => Either::Right(ready(Ok(
-                tonic::Status::from(crate::RouterError::from(e)).into_http()
+                tonic::Status::from(RouterError::from(e)).into_http()
             ))),
         }
-    }
-}
-
-/// The HTTP check, an axum middleware on the `/v1/` routes: 401 in OpenAI's error envelope.
-pub async fn require_api_key(
-    State(keys): State<Arc<ApiKeys>>,
-    request: Request,
-    next: Next,
-) -> Response {
-    let value = request.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
-    match keys.check(value) {
-        Ok(()) => next.run(request).await,
-        Err(e) => crate::http::HttpError::from(crate::RouterError::from(e)).into_response(),
     }
 }
 

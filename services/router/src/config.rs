@@ -11,9 +11,11 @@ use duet_model::model_path::ModelArgs;
 use duet_proto::{ClusterAuth, TlsArgs};
 use duet_telemetry::MetricsArgs;
 
-use crate::policy::{PolicyParams, RoutingPolicy};
+use crate::door::Timeouts;
+use crate::openai::request::ToolCallParser;
 use crate::routing::RoutingParams;
 use crate::worker::HealthPolicy;
+use duet_routing::{PolicyParams, RoutingPolicy};
 
 /// How the router is run: where it listens, which workers it routes to, the model it serves
 /// (config, tokenizer and chat template only; never the weights) and its limits.
@@ -24,7 +26,8 @@ pub struct RouterConfig {
     pub listen: SocketAddr,
 
     /// Address to serve the OpenAI-compatible HTTP API on (`/v1/completions`,
-    /// `/v1/chat/completions`, `/v1/models`, `/health`, `/live`); HTTPS with --tls-cert.
+    /// `/v1/chat/completions`, `/v1/models`, `/tokenize`, `/detokenize`, `/health`, `/live`);
+    /// HTTPS with --tls-cert.
     /// Unset: no HTTP API.
     #[arg(long, value_name = "ADDR", env = "DUET_HTTP_LISTEN")]
     pub http_listen: Option<SocketAddr>,
@@ -82,7 +85,7 @@ pub struct RouterConfig {
 
     /// File of the API keys the public API requires (one key a line; empty lines and lines
     /// starting with `#` skipped): gRPC `Generation` calls carry `authorization: Bearer KEY`
-    /// metadata, OpenAI HTTP calls under `/v1/` the same header, or are refused with
+    /// metadata, OpenAI HTTP calls (all but `/health` and `/live`) the same header, or are refused with
     /// UNAUTHENTICATED / HTTP 401. Health, liveness and reflection stay open. Unset: no key
     /// needed.
     #[arg(long, value_name = "PATH", env = "DUET_API_KEYS_FILE")]
@@ -267,25 +270,6 @@ pub struct RoutingOptions {
     pub tool_call_parser: ToolCallParser,
 }
 
-/// `--tool-call-parser`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum ToolCallParser {
-    /// The markup the chat template teaches, if duet reads it.
-    #[default]
-    Detect,
-    /// `<tool_call>{"name": …, "arguments": …}</tool_call>` (Hermes, Qwen 2.5 and 3).
-    Hermes,
-    /// No parser: `tool_choice: "auto"` is refused.
-    None,
-}
-
-impl std::fmt::Display for ToolCallParser {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let value = clap::ValueEnum::to_possible_value(self).expect("no variant is skipped");
-        f.write_str(value.get_name())
-    }
-}
-
 /// The flags' defaults (the flags take theirs from here).
 impl Default for RoutingOptions {
     fn default() -> Self {
@@ -298,7 +282,7 @@ impl Default for RoutingOptions {
             kv_link_mib_per_s: 1024,
             max_queued_requests: 256,
             max_prompt_bytes: None,
-            max_constraint_bytes: 64 * 1024,
+            max_constraint_bytes: duet_model::params::DEFAULT_MAX_CONSTRAINT_BYTES,
             max_request_bytes: 4 * 1024 * 1024,
             stats_interval_ms: 500,
             unhealthy_after_failures: 3,
@@ -325,6 +309,14 @@ impl RoutingOptions {
                 unhealthy_after: self.unhealthy_after_failures,
             },
             pending_prefix_ttl: Duration::from_millis(self.pending_prefix_ttl_ms),
+        }
+    }
+
+    /// How long the core waits on workers.
+    pub fn timeouts(&self) -> Timeouts {
+        Timeouts {
+            wait_for_worker: Duration::from_millis(self.wait_for_worker_ms),
+            decode_idle: Duration::from_millis(self.decode_idle_timeout_ms.max(1)),
         }
     }
 

@@ -1,5 +1,5 @@
 //! The router's errors and their gRPC status codes (the one place that maps them; the HTTP
-//! front maps these codes once more, to HTTP statuses, in `http.rs`).
+//! front maps these codes once more, to HTTP statuses, in `openai/server.rs`).
 
 use std::time::Duration;
 
@@ -50,11 +50,16 @@ pub enum RouterError {
     Worker { worker: String, status: Status },
     /// A public call without a valid API key: UNAUTHENTICATED.
     #[error(transparent)]
-    Unauthenticated(#[from] crate::api_keys::Unauthenticated),
+    Unauthenticated(#[from] Unauthenticated),
     /// A bug or an impossible state: INTERNAL.
     #[error("internal error: {0}")]
     Internal(String),
 }
+
+/// A public call without a valid API key (see [`crate::api_keys`]).
+#[derive(Debug, thiserror::Error)]
+#[error("missing or invalid API key: send `Authorization: Bearer <key>`")]
+pub struct Unauthenticated;
 
 fn detail(d: &Option<String>) -> String {
     d.as_ref().map(|d| format!(" ({d})")).unwrap_or_default()

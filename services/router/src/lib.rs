@@ -5,26 +5,25 @@
 //! embedded registry of its process), picks a decode worker and a prefill plan from the
 //! workers' cards, polled health and stats, relays the decode worker's token stream to the client, and fails over to another
 //! decode worker when one dies mid-stream. Health (`grpc.health.v1`) and server reflection
-//! (v1 and v1alpha) are served on the same port; the OpenAI-compatible HTTP API ([`http`]) on
-//! its own (`--http-listen`), over the same core.
+//! (v1 and v1alpha) are served on the same port; the OpenAI-compatible HTTP API ([`openai`]) on
+//! its own (`--http-listen`). Both fronts enter the core through one door ([`door`]).
 //!
 //! [`serve`] runs it on a listener until a shutdown future resolves, so `duet up` and tests can
 //! run it in-process; `main.rs` is a thin command around it.
 
 pub mod api_keys;
 pub mod config;
+pub mod door;
 pub mod error;
-pub mod http;
+pub mod grpc;
 pub mod https;
+pub mod ids;
 pub mod kv_feed;
 pub mod kv_index;
 pub mod metrics;
 pub mod openai;
-pub mod policy;
 mod relay;
 pub mod routing;
-pub mod service;
-pub mod tool_stream;
 pub mod validate;
 pub mod worker;
 
@@ -38,16 +37,18 @@ use duet_model::model_files::open_model;
 use duet_proto::v1::generation_server::GenerationServer;
 
 use crate::api_keys::{ApiKeys, RequireApiKey};
+use crate::openai::server::{HttpFront, ServedModel};
 
 pub use config::{RouterConfig, RoutingOptions};
+pub use door::RouterState;
 pub use error::RouterError;
+pub use grpc::GenerationService;
 pub use routing::Pools;
-pub use service::{GenerationService, RouterState};
 pub use validate::{PromptModel, ValidationError};
 
 /// Loads what the router needs of a model: tokenizer, chat template (`--chat-template`, else
-/// the model's, else ChatML), how `tool_choice: "auto"` is served, context length and
-/// vocabulary size; text to tokenize is limited to `--max-prompt-bytes`, by default
+/// the model's, else ChatML), context length and vocabulary size; text to tokenize is limited
+/// to `--max-prompt-bytes`, by default
 /// [`validate::max_prompt_bytes_for`] the context, and constraints to `--max-constraint-bytes`.
 /// Weights are memory-mapped by the loader for its fingerprint digest but never read whole;
 /// they are unmapped before this returns.
@@ -61,19 +62,12 @@ pub fn load_prompt_model(path: &Path, options: &RoutingOptions) -> anyhow::Resul
         Some(file) => ChatTemplate::from_file(file, &files.tokenizer)?,
         None => files.chat_template.unwrap_or_else(ChatTemplate::chatml),
     };
-    let auto_tool_calls =
-        validate::auto_tool_calls(&chat, &files.tokenizer, options.tool_call_parser);
-    match &auto_tool_calls {
-        Ok(format) => tracing::info!(format = format.name(), "tool_choice auto reads tool calls"),
-        Err(why) => tracing::info!("tool_choice auto is refused: {why}"),
-    }
     Ok(PromptModel {
         max_prompt_bytes: options
             .max_prompt_bytes
             .unwrap_or_else(|| validate::max_prompt_bytes_for(&files.tokenizer, context_length)),
         tokenizer: files.tokenizer,
         chat: Arc::new(chat),
-        auto_tool_calls,
         context_length,
         vocab_size,
         default_max_tokens: options.default_max_tokens,
@@ -117,7 +111,7 @@ pub async fn serve(
         model,
         served_names,
         pools,
-        &config.routing,
+        config.routing.timeouts(),
     ));
     let api_keys = match &config.api_keys_file {
         Some(path) => Some(Arc::new(ApiKeys::load(path)?)),
@@ -138,7 +132,11 @@ pub async fn serve(
         Duration::from_secs(config.membership_resync_s.max(1)),
     );
     let syncer = tokio::spawn(sync_pools(state.clone(), membership));
-    let _metrics = duet_telemetry::metrics::Registration::new(&state.metrics);
+    let refusals = {
+        let state = state.clone();
+        tokio::spawn(async move { state.pools().warn_of_refused_prefill().await })
+    };
+    let _metrics = duet_telemetry::metrics::Registration::new(state.metrics());
     let local = listener.local_addr().ok();
     tracing::info!(
         addr = ?local,
@@ -151,7 +149,7 @@ pub async fn serve(
         "router serving"
     );
     let request_timeout = Duration::from_millis(config.routing.request_timeout_ms.max(1));
-    let refused = state.metrics.clone();
+    let refused = state.metrics().clone();
     let edge = duet_proto::Edge::new(duet_proto::EdgeOptions {
         default_deadline: request_timeout,
         max_in_flight: config.routing.max_queued_requests,
@@ -172,13 +170,18 @@ pub async fn serve(
                 .await
                 .with_context(|| format!("cannot listen for HTTP on {addr}"))?;
             tracing::info!(addr = %addr, tls = tls.is_some(), "OpenAI-compatible HTTP API serving");
-            let front = Arc::new(http::HttpFront {
-                state: state.clone(),
+            let front = Arc::new(HttpFront {
+                core: state.clone(),
+                model: ServedModel::new(
+                    state.served_names.clone(),
+                    &state.model,
+                    config.routing.tool_call_parser,
+                ),
                 limit: edge.in_flight_limit(),
                 request_timeout,
             });
-            let app = http::app(front, config.routing.max_request_bytes, api_keys);
-            Some(tokio::spawn(http::serve(
+            let app = openai::server::app(front, config.routing.max_request_bytes, api_keys);
+            Some(tokio::spawn(openai::server::serve(
                 app,
                 listener,
                 tls.as_ref().map(duet_proto::Tls::https),
@@ -190,6 +193,7 @@ pub async fn serve(
     let result = edge.service(generation).serve(listener, shutdown).await;
     follower.abort();
     syncer.abort();
+    refusals.abort();
     if let Some(http) = http {
         http.await
             .context("the HTTP front panicked")?
@@ -211,7 +215,7 @@ async fn sync_pools(
 ) {
     loop {
         let current = membership.borrow_and_update().clone();
-        state.pools.sync(&current);
+        state.pools().sync(&current);
         if membership.changed().await.is_err() {
             return;
         }

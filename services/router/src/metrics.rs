@@ -13,8 +13,8 @@ use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 use tokio::time::Instant;
 use tonic::Code;
 
-use crate::policy::Decision;
 use crate::routing::Decisions;
+use duet_routing::Decision;
 
 /// The `error_type` label of a request that ended with `code`.
 pub fn error_type(code: Code) -> &'static str {

@@ -6,8 +6,9 @@
 //! A stream also fails over when its worker stops answering health checks (a hung process), and
 //! when, after its first message, none comes for the decode idle timeout.
 //!
-//! It runs in the request's span (see `RouterState::start`): each routing decision in a `route`
-//! span, each failover an event; the outcome is recorded as GenAI attributes.
+//! It runs in the request's span (see [`crate::door::RouterState::start`]): each routing
+//! decision in a `route` span, each failover an event; the outcome is recorded as GenAI
+//! attributes.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,11 +22,30 @@ use tracing::Instrument;
 
 use crate::error::{RouterError, is_retryable};
 use crate::metrics::{Outcome, RouterMetrics, error_type};
-use crate::policy::NoRoute;
 use crate::routing::{Pools, RouteRequest};
-use crate::service::RouterState;
 use crate::validate::ValidRequest;
 use crate::worker::{Planned, Worker};
+use duet_routing::NoRoute;
+
+/// What relaying needs: the pools it routes over, the metrics it counts in, and how long it
+/// waits.
+#[derive(Debug)]
+pub(crate) struct Relay {
+    pub pools: Pools,
+    pub metrics: RouterMetrics,
+    /// How long a request waits for a routable decode worker (within its deadline).
+    pub wait_for_worker: Duration,
+    /// How long a running decode stream may go without a message before it fails over.
+    pub decode_idle_timeout: Duration,
+}
+
+impl Relay {
+    /// Until when a request that finds no routable decode worker, starting to wait now, waits
+    /// for one: the bound, within the request's deadline.
+    pub fn worker_wait_ends(&self, deadline: Instant) -> Instant {
+        (Instant::now() + self.wait_for_worker).min(deadline)
+    }
+}
 
 /// One admitted request.
 pub(crate) struct Job {
@@ -36,10 +56,10 @@ pub(crate) struct Job {
 }
 
 /// A message for the client's stream (an error ends it).
-pub(crate) type Item = Result<v1::GenerateResponse, RouterError>;
+pub type Item = Result<v1::GenerateResponse, RouterError>;
 
 /// Drives one request until it finishes, fails, passes its deadline or the client leaves.
-pub(crate) async fn relay(state: Arc<RouterState>, job: Job, tx: mpsc::Sender<Item>) {
+pub(crate) async fn relay(state: Arc<Relay>, job: Job, tx: mpsc::Sender<Item>) {
     let mut progress = Progress::default();
     let result = tokio::select! {
         r = tokio::time::timeout_at(job.deadline, run(&state, &job, &tx, &mut progress)) => {
@@ -105,7 +125,7 @@ enum Attempt {
 
 /// Calls decode workers (failing over) and relays their messages to `tx`.
 async fn run(
-    state: &RouterState,
+    state: &Relay,
     job: &Job,
     tx: &mpsc::Sender<Item>,
     progress: &mut Progress,
@@ -291,7 +311,7 @@ async fn bounded<T>(
 /// must come within `idle_timeout`. The prefill the route planned stops counting at the first
 /// message (the prompt is computed) or when the attempt ends.
 async fn attempt(
-    state: &RouterState,
+    state: &Relay,
     to: Target<'_>,
     call: Request<v1::DecodeRequest>,
     job: &Job,
@@ -390,6 +410,7 @@ impl Progress {
             finish_reason: msg.finish_reason,
             usage: None,
             timings: None,
+            error: msg.error,
         };
         if finished {
             let worker_usage = msg.usage.unwrap_or_default();
@@ -401,10 +422,7 @@ impl Progress {
                 t.decode_worker = worker_id.to_string();
             }
             out.timings = Some(t);
-            tracing::Span::current().record(
-                "gen_ai.response.finish_reasons",
-                crate::openai::finish_reason(&out),
-            );
+            tracing::Span::current().record("gen_ai.response.finish_reasons", finish_reason(&out));
         }
         (out, finished)
     }
@@ -446,6 +464,18 @@ impl Progress {
         t.ttft_ms = ms(self.first_token_at.unwrap_or(now) - job.start);
         t.total_ms = ms(now - job.start);
         t.decode_failovers = self.failovers;
+    }
+}
+
+/// A message's finish reason as clients name it (OpenAI's `finish_reason`, the GenAI trace
+/// attribute): `None` until the last message.
+pub fn finish_reason(m: &v1::GenerateResponse) -> Option<&'static str> {
+    match v1::FinishReason::try_from(m.finish_reason).unwrap_or_default() {
+        v1::FinishReason::Unspecified => None,
+        v1::FinishReason::Stop => Some("stop"),
+        v1::FinishReason::Length => Some("length"),
+        v1::FinishReason::Aborted => Some("abort"),
+        v1::FinishReason::Error => Some("error"),
     }
 }
 

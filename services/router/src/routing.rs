@@ -9,7 +9,7 @@
 //! A route ([`Pools::route`]) hashes the prompt with duet-kv's chained function (seed: the
 //! cluster's fingerprint, the most common one among healthy workers, and the request's cache
 //! salt), looks up each worker's prefix overlap in the index, takes a [`WorkerSnapshot`] of every
-//! worker, and asks the policy ([`crate::policy::select`]); it then counts the decision by reason
+//! worker, and asks the policy ([`duet_routing::select`]); it then counts the decision by reason
 //! ([`Decisions`]), counts the prompt tokens it planned on the prefilling worker until that
 //! worker reports them, and returns the plan to send.
 
@@ -24,12 +24,12 @@ use duet_proto::v1;
 use tokio::sync::Notify;
 
 use crate::kv_index::{KvIndex, WorkerSlot};
-use crate::policy::{
-    self, Decision, NoRoute, PolicyParams, PolicyRequest, RoutingPolicy, WorkerSnapshot,
-    consensus_fingerprint,
-};
 use crate::worker::{HealthPolicy, Planned, Worker};
 use duet_kv::BlockHash;
+use duet_routing::{
+    Decision, NoRoute, PolicyParams, PolicyRequest, RoutingPolicy, WorkerSnapshot,
+    consensus_fingerprint,
+};
 
 /// The router's own routing counts since it started.
 #[derive(Debug, Default)]
@@ -81,6 +81,15 @@ pub struct Route {
     pub planned: Planned,
     /// The prompt's blocks, recorded as held by the prefilling worker.
     pub pending: Option<PendingPlacement>,
+}
+
+/// A prefill worker of the pools that a decode worker does not accept in a prefill plan.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RefusedPrefill {
+    /// The decode worker's address.
+    pub decode: String,
+    /// The prefill worker's address.
+    pub prefill: String,
 }
 
 /// A placement recorded in the index as pending (see [`KvIndex::record_pending`]).
@@ -349,9 +358,9 @@ impl Pools {
             fingerprint: fingerprint.as_deref(),
             exclude: req.exclude,
             deadline_left: req.deadline_left,
-            random: crate::validate::random_u64(),
+            random: crate::ids::random_u64(),
         };
-        let placed = policy::select(&self.params.policy, &ask, &decode_now, &prefill_now)
+        let placed = duet_routing::select(&self.params.policy, &ask, &decode_now, &prefill_now)
             .inspect_err(|e| {
                 if !matches!(e, NoRoute::NoDecodeWorker) {
                     self.decisions.count(Decision::RejectedTtft);
@@ -444,13 +453,66 @@ impl Pools {
         self.routable_counts().1 > 0
     }
 
+    /// Every (decode, prefill) pair of the pools whose decode worker says it does not accept
+    /// that prefill worker in a plan: the router plans it for other decode workers only.
+    pub fn refused_prefill(&self) -> Vec<RefusedPrefill> {
+        let prefill: Vec<WorkerSnapshot> = self.prefill().iter().map(|w| w.snapshot(0)).collect();
+        let mut refused = Vec::new();
+        for d in self.decode() {
+            let decode = d.snapshot(0);
+            for p in prefill.iter().filter(|p| !decode.accepts(p)) {
+                refused.push(RefusedPrefill {
+                    decode: decode.address.clone(),
+                    prefill: p.address.clone(),
+                });
+            }
+        }
+        refused
+    }
+
+    /// Plans the decode workers prefilled themselves since they started because it named only
+    /// prefill workers they do not accept (their stats' count, summed).
+    pub fn refused_prefill_plans(&self) -> u64 {
+        self.decode()
+            .iter()
+            .filter_map(|w| w.status().stats)
+            .map(|s| s.refused_prefill_plans)
+            .sum()
+    }
+
+    /// Logs each pair of [`Pools::refused_prefill`] once it appears: at start-up, as the first
+    /// stats come in, and whenever membership or a decode worker's flags change it. Runs until
+    /// aborted.
+    pub async fn warn_of_refused_prefill(&self) {
+        let mut said: Vec<RefusedPrefill> = Vec::new();
+        loop {
+            // Registered before looking, so a change in between is not missed.
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let refused = self.refused_prefill();
+            for r in refused.iter().filter(|r| !said.contains(r)) {
+                tracing::warn!(
+                    decode = r.decode,
+                    prefill = r.prefill,
+                    "this decode worker does not accept this prefill worker in a prefill plan, so \
+                     its requests are never planned there (other prefill workers, or its own \
+                     prefill, take them): give the decode worker --prefill with the prefill \
+                     worker's address, or run both in one cluster (--etcd)"
+                );
+            }
+            said = refused;
+            changed.await;
+        }
+    }
+
     /// How many (prefill, decode) workers are routable now.
     pub fn routable_counts(&self) -> (usize, usize) {
         let (prefill, decode) = self.snapshots();
         let fingerprint = fingerprint_of(decode.iter().chain(&prefill));
         let count = |pool: &[WorkerSnapshot]| {
             pool.iter()
-                .filter(|w| policy::routable(w, fingerprint.as_deref()))
+                .filter(|w| duet_routing::routable(w, fingerprint.as_deref()))
                 .count()
         };
         (count(&prefill), count(&decode))
@@ -464,7 +526,7 @@ impl Pools {
             v1::WorkerInfo {
                 id: w.id(),
                 address: w.address.clone(),
-                healthy: policy::routable(&w.snapshot(0), fingerprint.as_deref()),
+                healthy: duet_routing::routable(&w.snapshot(0), fingerprint.as_deref()),
                 kv_blocks_total: st.kv_blocks_total,
                 kv_blocks_free: st.kv_blocks_free.saturating_add(st.kv_blocks_cached),
                 running_sequences: st.running_sequences,
@@ -507,9 +569,9 @@ fn fingerprint_of<'a>(workers: impl Iterator<Item = &'a WorkerSnapshot>) -> Opti
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::RoutingPolicy;
     use crate::worker::InFlight;
     use duet_cluster::{CardState, WorkerCard};
+    use duet_routing::RoutingPolicy;
 
     const POLICY: HealthPolicy = HealthPolicy { unhealthy_after: 3 };
 

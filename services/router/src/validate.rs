@@ -9,11 +9,8 @@ use duet_model::grammar::{GrammarCompiler, GrammarError};
 use duet_model::params::{Constraint, MAX_CACHE_SALT_BYTES, SamplingParams as EngineSampling};
 use duet_model::params::{PromptError, PromptLimits, StopCriteria};
 use duet_model::tokenizer::{Tokenizer, TokenizerError};
-use duet_model::tool_calls::ToolCallFormat;
 use duet_proto::convert::constraint_from_wire;
 use duet_proto::v1;
-
-use crate::config::ToolCallParser;
 
 /// A bad request. Every variant is the client's to fix.
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +65,12 @@ pub enum ValidationError {
     /// A constraint that does not compile or cannot produce any token.
     #[error(transparent)]
     Constraint(#[from] GrammarError),
+    /// A `Constraint` message with no kind set (it would run unconstrained).
+    #[error(
+        "constraint: no kind set; set one of json_schema, json_object, regex or lark (or leave \
+         the constraint out)"
+    )]
+    ConstraintWithoutKind,
 }
 
 /// A validated request: what the decode worker needs.
@@ -86,9 +89,6 @@ pub struct PromptModel {
     pub tokenizer: Tokenizer,
     /// The model's chat template (or `--chat-template`), or ChatML when it has none.
     pub chat: std::sync::Arc<ChatTemplate>,
-    /// The markup the model's tool calls are read in under `tool_choice: "auto"`, or why
-    /// `auto` is not served (see [`auto_tool_calls`]).
-    pub auto_tool_calls: Result<ToolCallFormat, String>,
     /// Tokens of one sequence, prompt plus generated.
     pub context_length: u32,
     /// Valid token ids are `0..vocab_size`.
@@ -103,47 +103,6 @@ pub struct PromptModel {
     /// Compiles constraints to check them; built on the first constrained request and shared
     /// by every copy of this model.
     pub grammars: Arc<OnceLock<Result<GrammarCompiler, String>>>,
-}
-
-/// How `tool_choice: "auto"` is served for a chat template: `parser` (`--tool-call-parser`)
-/// names the markup calls are read in, or leaves it to the template. Refused, with why, when the
-/// template does not show the model its tools (it could not call them), teaches no markup duet
-/// reads, or the markup's delimiters are special tokens of `tokenizer` (answers' text leaves
-/// those out, so no call could be read).
-pub fn auto_tool_calls(
-    chat: &ChatTemplate,
-    tokenizer: &Tokenizer,
-    parser: ToolCallParser,
-) -> Result<ToolCallFormat, String> {
-    if parser == ToolCallParser::None {
-        return Err("the router runs with --tool-call-parser=none".into());
-    }
-    if !chat.shows_tools() {
-        return Err(
-            "its chat template does not show the model the tools (give one that does with \
-             --chat-template)"
-                .into(),
-        );
-    }
-    let format = match parser {
-        ToolCallParser::Hermes => ToolCallFormat::Hermes,
-        _ => ToolCallFormat::detect(chat.source()).ok_or_else(|| {
-            "its chat template teaches no tool-call markup duet reads (Hermes `<tool_call>`); \
-             name one with --tool-call-parser"
-                .to_string()
-        })?,
-    };
-    let special = tokenizer.special_tokens();
-    let (open, close) = format.delimiters();
-    if let Some(token) = [open, close]
-        .into_iter()
-        .find(|d| special.iter().any(|s| s == d))
-    {
-        return Err(format!(
-            "`{token}` is a special token of its tokenizer, which answers' text leaves out"
-        ));
-    }
-    Ok(format)
 }
 
 /// The default `--max-prompt-bytes`: the context's tokens times the most bytes one token
@@ -241,12 +200,10 @@ impl PromptModel {
         Ok(ids)
     }
 
-    /// Checks that a request's constraint fits the limit and compiles, before anything is
-    /// queued (the workers compile it again to use it).
-    fn check_constraint(&self, c: &v1::Constraint) -> Result<Option<Constraint>, ValidationError> {
-        let Some(constraint) = constraint_from_wire(c) else {
-            return Ok(None);
-        };
+    /// Checks that a request's constraint names a kind, fits the limit and compiles, before
+    /// anything is queued (the workers compile it again to use it).
+    fn check_constraint(&self, c: &v1::Constraint) -> Result<Constraint, ValidationError> {
+        let constraint = constraint_from_wire(c).ok_or(ValidationError::ConstraintWithoutKind)?;
         if constraint.text_bytes() > self.max_constraint_bytes {
             return Err(ValidationError::ConstraintTooLong {
                 len: constraint.text_bytes(),
@@ -262,7 +219,7 @@ impl PromptModel {
             reason: reason.clone(),
         })?;
         compiler.compile(&constraint)?;
-        Ok(Some(constraint))
+        Ok(constraint)
     }
 
     /// What a prompt must fit.
@@ -338,7 +295,7 @@ impl PromptModel {
             });
         }
         let constraint = match &req.constraint {
-            Some(c) => self.check_constraint(c)?,
+            Some(c) => Some(self.check_constraint(c)?),
             None => None,
         };
         let sampling = v1::SamplingParams {
@@ -366,22 +323,6 @@ impl PromptModel {
     }
 }
 
-/// A random 64-bit value (seeds, request ids); no two calls in a process return the same
-/// stream of values.
-pub fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    h.write_u128(nanos);
-    h.finish()
-}
-
 #[cfg(test)]
 mod tests {
     use std::path::Path;
@@ -396,7 +337,6 @@ mod tests {
             max_prompt_bytes: max_prompt_bytes_for(&files.tokenizer, context_length),
             tokenizer: files.tokenizer,
             chat: std::sync::Arc::new(files.chat_template.unwrap_or_else(ChatTemplate::chatml)),
-            auto_tool_calls: Err("no tool calls in these tests".into()),
             context_length,
             vocab_size: files.config.vocab_size as u32,
             default_max_tokens: 256,
@@ -779,7 +719,8 @@ mod tests {
     }
 
     /// A constraint is compiled before anything is queued: a good one travels to the workers,
-    /// a bad one, or one past --max-constraint-bytes, is refused with the reason.
+    /// a bad one, one past --max-constraint-bytes, or one of no kind (which would run
+    /// unconstrained) is refused with the reason.
     #[test]
     fn constraints_are_checked_before_queueing() {
         use v1::constraint::Kind;
@@ -815,7 +756,15 @@ mod tests {
             constraint: Some(v1::Constraint { kind: None }),
             ..req()
         };
-        assert_eq!(m.validate(&none, || 1).unwrap().sampling.constraint, None);
+        assert_err(&m, none, &["constraint: no kind set", "json_schema"]);
+        // A keyword llguidance does not implement is refused by name.
+        assert_err(
+            &m,
+            with(Kind::JsonSchema(
+                r#"{"type":"array","items":{"type":"integer"},"uniqueItems":true}"#.into(),
+            )),
+            &["json_schema", "uniqueItems"],
+        );
     }
 
     #[test]
@@ -899,76 +848,5 @@ mod tests {
                 "{e}"
             );
         }
-    }
-
-    #[test]
-    fn random_values_differ() {
-        assert_ne!(random_u64(), random_u64());
-    }
-
-    /// `auto` is served where the chat template shows the tools and its markup is read (by
-    /// `--tool-call-parser`, or read off the template), and refused with why everywhere else.
-    #[test]
-    fn auto_tool_calls_need_a_template_that_shows_tools_and_a_markup() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/chat-templates");
-        let hermes =
-            ChatTemplate::new(&std::fs::read_to_string(dir.join("hermes-tools.jinja")).unwrap())
-                .unwrap();
-        let blind = ChatTemplate::chatml();
-        let json_calls = ChatTemplate::new(
-            "{% for t in tools %}{{ t | tojson }}{% endfor %}{% for m in messages %}\
-             {{ m.content }}{% endfor %}",
-        )
-        .unwrap();
-        let tokenizer = model().tokenizer;
-        assert_eq!(
-            auto_tool_calls(&hermes, &tokenizer, ToolCallParser::Detect),
-            Ok(ToolCallFormat::Hermes)
-        );
-        assert_eq!(
-            auto_tool_calls(&json_calls, &tokenizer, ToolCallParser::Hermes),
-            Ok(ToolCallFormat::Hermes)
-        );
-        for (chat, parser, why) in [
-            (&hermes, ToolCallParser::None, "--tool-call-parser=none"),
-            (
-                &json_calls,
-                ToolCallParser::Detect,
-                "teaches no tool-call markup",
-            ),
-            (
-                &blind,
-                ToolCallParser::Detect,
-                "does not show the model the tools",
-            ),
-            (
-                &blind,
-                ToolCallParser::Hermes,
-                "does not show the model the tools",
-            ),
-        ] {
-            let e = auto_tool_calls(chat, &tokenizer, parser).unwrap_err();
-            assert!(e.contains(why), "{parser:?}: {e}");
-        }
-        // A tokenizer whose `<tool_call>` is a special token: answers' text would lack it.
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
-        let mut json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
-                .unwrap();
-        json["added_tokens"]
-            .as_array_mut()
-            .unwrap()
-            .push(serde_json::json!({
-            "id": 384, "content": "<tool_call>", "single_word": false, "lstrip": false,
-            "rstrip": false, "normalized": false, "special": true}));
-        let file = std::env::temp_dir().join(format!(
-            "duet-special-tool-call-{}.json",
-            std::process::id()
-        ));
-        std::fs::write(&file, json.to_string()).unwrap();
-        let special = Tokenizer::from_hf_file(&file).unwrap();
-        std::fs::remove_file(&file).unwrap();
-        let e = auto_tool_calls(&hermes, &special, ToolCallParser::Detect).unwrap_err();
-        assert!(e.contains("`<tool_call>` is a special token"), "{e}");
     }
 }

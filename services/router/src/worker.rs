@@ -21,7 +21,7 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
 use crate::kv_index::WorkerSlot;
-use crate::policy::WorkerSnapshot;
+use duet_routing::WorkerSnapshot;
 
 /// Tokens the router planned on a worker stay counted this long after a poll started: the
 /// time for the decode worker to ask the prefill worker, so that the stats then include them.
@@ -236,6 +236,7 @@ impl Worker {
             prefill_rate_age: self.rate_seen().1.elapsed(),
             kv_block_bytes: stats.kv_block_bytes,
             cached_tokens,
+            accepted_prefill: stats.accepted_prefill_workers.map(|a| a.addresses.into()),
         }
     }
 

@@ -39,7 +39,12 @@ enum Behavior {
     Block,
     /// Streams this many messages, then nothing more (a hung process), until cancelled.
     StallAfter(usize),
+    /// Streams this many messages, then a last one that ends with finish_reason ERROR and
+    /// [`FAILURE`] (a grammar that failed on the worker).
+    FailAfter(usize),
 }
+
+const FAILURE: &str = "the fake grammar failed";
 
 #[derive(Clone)]
 struct FakeDecode {
@@ -99,14 +104,22 @@ impl DecodeWorker for FakeDecode {
                     cancelled.fetch_add(1, Ordering::SeqCst);
                     return;
                 }
-                let last = i + 1 == end;
+                let failing = matches!(behavior, Behavior::FailAfter(n) if sent == n);
+                let last = failing || i + 1 == end;
                 let msg = v1::DecodeResponse {
                     token_ids: vec![TOKENS[i]],
                     text: text_of(TOKENS[i]),
-                    finish_reason: if last {
+                    finish_reason: if failing {
+                        v1::FinishReason::Error as i32
+                    } else if last {
                         v1::FinishReason::Length as i32
                     } else {
                         0
+                    },
+                    error: if failing {
+                        FAILURE.into()
+                    } else {
+                        String::new()
                     },
                     usage: last.then_some(v1::Usage {
                         prompt_tokens: prompt_len as u32,
@@ -125,7 +138,7 @@ impl DecodeWorker for FakeDecode {
                     }),
                     ..Default::default()
                 };
-                if tx.send(Ok(msg)).await.is_err() {
+                if tx.send(Ok(msg)).await.is_err() || last {
                     return;
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -828,4 +841,28 @@ fn a_router_with_no_way_to_find_decode_workers_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--decode ADDR"), "{err}");
     assert!(err.contains("--etcd URL"), "{err}");
+}
+
+/// A generation that ends with finish_reason ERROR on its worker (a grammar that failed part
+/// way) reaches the client so, with the reason, streamed and whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_generation_reaches_the_client_with_its_error() {
+    let w = FakeDecode::new("d1", Behavior::FailAfter(2), 100);
+    let router = start_router(&[&w], 16, true).await;
+    let mut c = router.client().await;
+    let (msgs, status) = generate_all(&mut c, req("hi", 8)).await;
+    assert!(status.is_none(), "{status:?}");
+    assert_eq!(tokens(&msgs), TOKENS[..3]);
+    let last = msgs.last().unwrap();
+    assert_eq!(
+        (last.finish_reason, last.error.as_str()),
+        (v1::FinishReason::Error as i32, FAILURE)
+    );
+    assert!(msgs[..msgs.len() - 1].iter().all(|m| m.error.is_empty()));
+    let whole = c.complete(req("hi", 8)).await.unwrap().into_inner();
+    assert_eq!(
+        (whole.finish_reason, whole.error.as_str()),
+        (v1::FinishReason::Error as i32, FAILURE)
+    );
+    assert_eq!(whole.token_ids, TOKENS[..3]);
 }

@@ -2,9 +2,6 @@
 //! call without a listed key are refused (UNAUTHENTICATED / 401 in OpenAI's error envelope),
 //! with one they are served (`duet generate --api-key-file` too), and health stays open on both.
 
-use std::io::{Read, Write};
-use std::net::SocketAddr;
-
 use duet_proto::v1;
 use duet_tests::*;
 use tonic::Code;
@@ -20,30 +17,6 @@ fn with_key<T>(message: T, key: Option<&str>) -> tonic::Request<T> {
             .insert("authorization", key.parse().unwrap());
     }
     request
-}
-
-/// One HTTP/1.1 call: the status and the body.
-fn http(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    key: Option<&str>,
-    body: &str,
-) -> (u16, String) {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    let auth = key.map_or(String::new(), |k| format!("Authorization: {k}\r\n"));
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).unwrap();
-    let status = answer[9..12].parse().unwrap();
-    let body = answer.split_once("\r\n\r\n").unwrap().1.to_string();
-    (status, body)
 }
 
 #[test]

@@ -8,9 +8,9 @@
 use std::time::{Duration, Instant};
 
 use duet_proto::v1;
-use duet_router::policy::RoutingPolicy;
 use duet_router::routing::Pools;
 use duet_router::{RouterConfig, RoutingOptions};
+use duet_routing::RoutingPolicy;
 use duet_tests::*;
 
 const BLOCK: usize = 16;

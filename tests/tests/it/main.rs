@@ -16,5 +16,6 @@ mod membership;
 mod openai;
 mod otlp;
 mod prometheus;
+mod refused_prefill;
 mod structured_failover;
 mod tls;

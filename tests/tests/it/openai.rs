@@ -177,6 +177,27 @@ fn the_openai_python_client_gets_what_grpc_gives_and_every_error_as_its_exceptio
         temperature: Some(0.0),
         ..Default::default()
     });
+    // Token-in over gRPC: the prompt's tokens (from Tokenize) answer as its text does.
+    let prompt_ids = rt
+        .block_on(async {
+            client(c.router)
+                .await
+                .tokenize(v1::TokenizeRequest {
+                    text: completion_prompt.into(),
+                    ..Default::default()
+                })
+                .await
+        })
+        .unwrap()
+        .into_inner()
+        .token_ids;
+    let by_ids = complete(v1::GenerateRequest {
+        token_ids: prompt_ids,
+        max_tokens: Some(max_tokens),
+        temperature: Some(0.0),
+        ..Default::default()
+    });
+    assert_eq!(by_ids, completion_text);
     let chat_text = complete(v1::GenerateRequest {
         messages: chat_messages
             .iter()

@@ -77,7 +77,11 @@ fn constrained_and_seeded_streams_continue_exactly_after_a_hung_decode_worker() 
     let cases = [
         (
             "a JSON Schema, sampled with a seed",
-            request(Some(v1::constraint::Kind::JsonSchema(SCHEMA.into())), 7),
+            // Room for a biography of short tokens to reach its minimum and close.
+            v1::GenerateRequest {
+                max_tokens: Some(320),
+                ..request(Some(v1::constraint::Kind::JsonSchema(SCHEMA.into())), 7)
+            },
             SpeculativeMode::Off,
         ),
         (

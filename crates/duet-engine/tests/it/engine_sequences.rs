@@ -1,7 +1,8 @@
 //! Engine-level behaviour the services build on: KV moved between two engines gives the same
 //! tokens as one engine doing both phases; preemption under KV pressure and prefix-cache hits
 //! do not change anyone's tokens; cancellation frees blocks; grammar masks computed beside the
-//! forward pass constrain exactly as those computed after it.
+//! forward pass constrain exactly as those computed after it; a grammar that fails ends its
+//! request with the error.
 
 use crate::common::fixtures;
 use duet_cpu::CpuBackend;
@@ -117,7 +118,7 @@ fn kv_moved_between_engines_continues_exactly_with(kv: KvDtypeChoice) {
             }
         }
         let (id, out) = decode
-            .add_prefilled(p.clone(), r, first, params.clone(), stop(10))
+            .add_prefilled(p.clone(), r, first, params.clone(), None, stop(10))
             .unwrap();
         assert_eq!(out.token.token, want[0]);
         let got = finish_all(&mut decode, &[id], &[p.len()]).remove(0);
@@ -159,6 +160,7 @@ fn prefix_cache_is_shared_only_within_one_cache_salt() {
                 Resumed::default(),
                 salt,
                 SamplingParams::greedy(),
+                None,
                 stop(2),
             )
             .unwrap();
@@ -294,7 +296,7 @@ fn a_resumed_request_continues_without_repeats() {
             sent_text_bytes: sent,
         };
         let id = other
-            .resume_sequence(tokens, resumed, "", params.clone(), stop(14))
+            .resume_sequence(tokens, resumed, "", params.clone(), None, stop(14))
             .unwrap();
         let mut rest = Vec::new();
         while other.has_work() {
@@ -381,4 +383,44 @@ fn grammar_masks_computed_beside_the_forward_pass_constrain_the_same_tokens() {
             "{text}"
         );
     }
+}
+
+/// A grammar that fails part way (here: a failover replays a token it forbids) ends its
+/// sequence with finish reason `error` and llguidance's reason, not `stop` with a cut text; the
+/// other sequences of the step go on.
+#[test]
+fn a_grammar_that_fails_part_way_ends_its_request_with_the_error() {
+    use duet_model::params::FinishReason;
+    let mut e = tiny(1024);
+    let params = SamplingParams {
+        constraint: Some(Constraint::Regex("[0-9]{8}".into())),
+        ..SamplingParams::greedy()
+    };
+    // "1", "2" and then "a" were streamed: "a" breaks the grammar.
+    let streamed = [3 + b'1' as u32, 3 + b'2' as u32, 3 + b'a' as u32];
+    let tokens = [prompt(3, 7), streamed.to_vec()].concat();
+    let resumed = Resumed {
+        generated: 3,
+        sent_text_bytes: 3,
+    };
+    let failing = e
+        .resume_sequence(tokens, resumed, "", params.clone(), None, stop(20))
+        .unwrap();
+    let other = e.add_sequence(prompt(4, 7), params, stop(20)).unwrap();
+    let mut ends = std::collections::HashMap::new();
+    let mut texts = std::collections::HashMap::<SeqId, String>::new();
+    while e.has_work() {
+        for out in e.step().unwrap() {
+            texts.entry(out.seq).or_default().push_str(&out.text);
+            if let Some(finish) = out.finish {
+                ends.insert(out.seq, (finish, out.error));
+            }
+        }
+    }
+    let (finish, error) = &ends[&failing];
+    assert_eq!(*finish, FinishReason::Error, "{error:?}");
+    assert!(error.as_deref().is_some_and(|e| !e.is_empty()), "{error:?}");
+    assert_eq!(texts[&failing], "", "nothing past what was streamed");
+    assert_eq!(ends[&other], (FinishReason::Stop, None));
+    assert_eq!(texts[&other].len(), 8, "{:?}", texts[&other]);
 }

@@ -7,10 +7,11 @@ use std::sync::atomic::Ordering;
 use duet_engine::backend::KvDtype;
 use duet_engine::engine::{Resumed, Speculation, StepOutput};
 use duet_kv::{KvDigest, KvEvent, PoolStats};
+use duet_model::grammar::Grammar;
 use duet_model::params::{FinishReason, SamplingParams, StopCriteria};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-use duet_transfer::transport::ReadBlock;
+use duet_transfer::transport::ReadBlocks;
 
 use super::*;
 use crate::KvOut;
@@ -109,6 +110,7 @@ impl ScriptedEngine {
             },
             text: String::new(),
             finish: s.finished.then_some(FinishReason::Length),
+            error: None,
             speculation: Default::default(),
         }
     }
@@ -128,8 +130,10 @@ impl LayerKv for ScriptedLayer<'_> {
         self.plan
     }
 
-    fn append_kv_block(&self, block: u32, out: &mut Vec<u8>) -> Result<(), EngineError> {
-        out.extend([self.layer as u8, block as u8]);
+    fn append_kv_blocks(&self, blocks: &[u32], out: &mut Vec<u8>) -> Result<(), EngineError> {
+        for &block in blocks {
+            out.extend([self.layer as u8, block as u8]);
+        }
         Ok(())
     }
 }
@@ -169,6 +173,10 @@ impl ActorEngine for ScriptedEngine {
         0
     }
 
+    fn out_of_vocab_drafts(&self) -> u64 {
+        0
+    }
+
     fn speculation_totals(&self) -> Speculation {
         Speculation::default()
     }
@@ -179,6 +187,7 @@ impl ActorEngine for ScriptedEngine {
         _: Resumed,
         _: &str,
         _: SamplingParams,
+        _: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<SeqId, EngineError> {
         let cached = self.cached;
@@ -219,6 +228,7 @@ impl ActorEngine for ScriptedEngine {
         reservation: KvReservation,
         _: Sampled,
         _: SamplingParams,
+        _: Option<Grammar>,
         stop: StopCriteria,
     ) -> Result<(SeqId, StepOutput), EngineError> {
         self.release(reservation)?;
@@ -283,12 +293,10 @@ impl KvSender for RecordingSender {
         &mut self,
         layer: usize,
         blocks: Range<usize>,
-        read_block: &mut ReadBlock<'_>,
+        read_blocks: &mut ReadBlocks<'_>,
     ) -> Result<(), TransferError> {
         let mut bytes = Vec::new();
-        for b in blocks.clone() {
-            read_block(b, &mut bytes)?;
-        }
+        read_blocks(blocks.clone(), &mut bytes)?;
         self.0.lock().unwrap().layers.push((layer, blocks, bytes));
         Ok(())
     }
@@ -314,6 +322,7 @@ fn request(
         resumed: Resumed::default(),
         cache_salt: String::new(),
         params: SamplingParams::default(),
+        grammar: None,
         stop: StopCriteria {
             max_tokens,
             ..StopCriteria::default()

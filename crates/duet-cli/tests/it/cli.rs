@@ -5,9 +5,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn duet() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_duet"))
-}
+use crate::duet;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -5,13 +5,16 @@
 //! size, what is left of its deadline and the decode workers it already tried
 //! ([`PolicyRequest`]), and one [`WorkerSnapshot`] per worker (health, card state, model, KV
 //! headroom, running batch, queued prompt tokens, measured prefill rate, prefix overlap with this
-//! prompt, bytes per KV block). No channels, clocks or tasks: [`crate::routing::Pools`] takes the
-//! snapshots, calls it, and carries the decision out.
+//! prompt, bytes per KV block). No channels, clocks or tasks: the router's `Pools` takes the
+//! snapshots from its live workers, calls it, and carries the decision out; the planner's
+//! simulator (`duet-planner`) takes them from simulated workers, so what it predicts is decided
+//! by this same code.
 //!
 //! Under the cache-aware policy it:
 //! - picks the decode worker with the most KV headroom, less its running batch and the time to
 //!   move the prompt's KV it does not hold ([`decode_score`]);
-//! - ranks prefill workers by estimated time to first token: (queued prompt tokens + this
+//! - ranks the prefill workers that decode worker accepts (those its card or `--prefill` names)
+//!   by estimated time to first token: (queued prompt tokens + this
 //!   prompt's tokens not cached there) ÷ the worker's measured prefill rate
 //!   ([`estimated_ttft_s`]), where a measured rate counts as at least a share of the
 //!   pool's median ([`prefill_rates`]); the workers are ranked by that estimate plus a share of
@@ -25,6 +28,7 @@
 //! The load policy is the same with every prefix cache taken as empty; the random policy picks
 //! the decode worker and the first prefill worker at random.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use duet_cluster::CardState;
@@ -132,6 +136,18 @@ pub struct WorkerSnapshot {
     pub kv_block_bytes: u64,
     /// Tokens of this request's prompt in its prefix cache, as its engine would find them.
     pub cached_tokens: usize,
+    /// A decode worker's: the addresses of the prefill workers it accepts in a plan; `None`:
+    /// not known (every one is planned, and one it refuses is prefilled on it instead).
+    pub accepted_prefill: Option<Arc<[String]>>,
+}
+
+impl WorkerSnapshot {
+    /// Whether this decode worker accepts `prefill` in a plan.
+    pub fn accepts(&self, prefill: &WorkerSnapshot) -> bool {
+        self.accepted_prefill
+            .as_ref()
+            .is_none_or(|a| a.contains(&prefill.address))
+    }
 }
 
 /// What one attempt asks of the decision.
@@ -158,7 +174,7 @@ pub enum Decision {
     Remote,
     /// Prefilled on the decode worker: the prompt's part not cached there is short.
     LocalShortSuffix,
-    /// Prefilled on the decode worker: no prefill worker is routable.
+    /// Prefilled on the decode worker: no prefill worker it accepts is routable.
     LocalNoPrefillWorker,
     /// Prefilled on the decode worker: the prefill pool is saturated.
     LocalPrefillSaturated,
@@ -428,7 +444,7 @@ pub fn select(
     let loads: Vec<(usize, PrefillLoad)> = prefill
         .iter()
         .enumerate()
-        .filter(|(_, w)| routable(w, req.fingerprint))
+        .filter(|(_, w)| routable(w, req.fingerprint) && decode[d].accepts(w))
         .map(|(i, w)| (i, load_of(w)))
         .collect();
     let mut ranked = rank_prefill(&loads);
@@ -650,6 +666,27 @@ mod tests {
                     },
                 ],
                 ok("d1", &["p-fast", "p-slow"], Decision::Remote),
+            ),
+            (
+                "only the prefill workers the decode worker accepts are planned",
+                ask(400, PLENTY),
+                vec![WorkerSnapshot {
+                    accepted_prefill: Some(["p2".to_string()].into()),
+                    ..w("d1", 100, 0, 0)
+                }],
+                // p1, idle, would rank first.
+                vec![w("p1", 100, 0, 0), w("p2", 100, 10, 0)],
+                ok("d1", &["p2"], Decision::Remote),
+            ),
+            (
+                "a decode worker that accepts no prefill worker prefills locally",
+                ask(400, PLENTY),
+                vec![WorkerSnapshot {
+                    accepted_prefill: Some([].into()),
+                    ..w("d1", 100, 0, 0)
+                }],
+                vec![w("p1", 100, 0, 0)],
+                ok("d1", &[], Decision::LocalNoPrefillWorker),
             ),
             (
                 "no routable decode worker",

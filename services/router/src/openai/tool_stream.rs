@@ -7,46 +7,28 @@
 //!   grammar puts the name first): its head is held until the arguments object opens, which
 //!   names the call, and the arguments stream until that object closes; the outer object's
 //!   closing brace is not theirs.
+//! - A named or `required` answer is always a call, even one cut short by `max_tokens` (its
+//!   finish reason then says `length`): cut before its arguments opened, it is the call of the
+//!   name written so far, with no arguments.
 //! - Under `tool_choice: "auto"` the model answers in text and may write calls in its own markup
 //!   ([`ToolCallFormat`]): the text streams as content, a call opener ends it, and the call
 //!   inside streams as a `required` one does, until its closer; more calls may follow, with the
 //!   next index. Text that may be the start of a marker is held until it is known not to be;
 //!   whitespace before a call, between calls and after the last is not content.
 //!
-//! The whole (unstreamed) answer of `auto` is this stream read in one piece, so the two agree.
+//! A whole (unstreamed) answer is this stream read in one piece, so the two agree
+//! ([`whole_answer`]).
 
 use duet_model::tool_calls::ToolCallFormat;
-use serde::Serialize;
 
-use crate::openai::{CalledFunction, ToolAnswer, ToolCall, call_id, parse_call};
-
-/// One entry of a chunk's `delta.tool_calls`.
-#[derive(Debug, PartialEq, Serialize)]
-pub struct ToolCallChunk {
-    /// Which call of the answer it belongs to.
-    pub index: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub id: Option<String>,
-    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
-    pub kind: Option<&'static str>,
-    pub function: FunctionChunk,
-}
-
-#[derive(Debug, PartialEq, Serialize)]
-pub struct FunctionChunk {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-    /// The next piece of the arguments' JSON text.
-    pub arguments: String,
-}
+use super::request::ToolAnswer;
+use super::wire::{CalledFunction, FunctionChunk, ToolCall, ToolCallChunk};
 
 /// What a piece of the answer's text adds to the stream.
 #[derive(Debug, Default, PartialEq)]
 pub struct StreamedPiece {
     pub tool_calls: Vec<ToolCallChunk>,
-    /// Text that is the message's content: under `auto`, the text around calls; for
-    /// `required`, an answer whose text never became a call (cut short by `max_tokens` before
-    /// its arguments), sent when the answer ends.
+    /// Text that is the message's content: under `auto`, the text around calls.
     pub content: Option<String>,
 }
 
@@ -300,7 +282,10 @@ impl ToolCallStream {
                 if last {
                     match call.finish() {
                         Ok(chunk) => piece.tool_calls.extend(chunk),
-                        Err(head) => piece.content = Some(head),
+                        // Cut short before its arguments opened: still the call asked for.
+                        Err(head) => piece
+                            .tool_calls
+                            .push(call.delta(name_so_far(&head), String::new())),
                     }
                 }
             }
@@ -328,6 +313,69 @@ impl ToolCallStream {
             }
         }
         (piece.content, calls)
+    }
+}
+
+/// The id of a tool call a request's answer makes: the `index`th (0 for the first).
+fn call_id(request_id: &str, index: u32) -> String {
+    match index {
+        0 => format!("call_{request_id}"),
+        n => format!("call_{request_id}_{n}"),
+    }
+}
+
+/// The function's name and its arguments' JSON text of a call written as
+/// `{"name": …, "arguments": …}` (missing arguments: none, `{}`).
+fn parse_call(text: &str) -> Option<(String, String)> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let arguments = v
+        .get("arguments")
+        .map_or_else(|| "{}".into(), |a| a.to_string());
+    Some((v.get("name")?.as_str()?.to_string(), arguments))
+}
+
+/// A finished answer's content and calls: its text read as the stream reads it, in one piece.
+pub fn whole_answer(
+    answer: &ToolAnswer,
+    text: &str,
+    request_id: &str,
+) -> (Option<String>, Vec<ToolCall>) {
+    match ToolCallStream::new(answer, request_id) {
+        Some(stream) => stream.read_whole(text),
+        None => (Some(text.to_string()), Vec::new()),
+    }
+}
+
+/// The function name a call's head has written so far: `get_wea` of `{"name": "get_wea`.
+fn name_so_far(head: &str) -> String {
+    let Some((_, rest)) = head.split_once("\"name\"") else {
+        return String::new();
+    };
+    let Some(rest) = rest.trim_start().strip_prefix(':') else {
+        return String::new();
+    };
+    let Some(rest) = rest.trim_start().strip_prefix('"') else {
+        return String::new();
+    };
+    let mut escaped = false;
+    let end = rest
+        .char_indices()
+        .find_map(|(i, c)| {
+            let closes = !escaped && c == '"';
+            escaped = !escaped && c == '\\';
+            closes.then_some(i)
+        })
+        .unwrap_or(rest.len());
+    // The string's text, less an escape sequence cut in the middle.
+    let mut raw = &rest[..end];
+    loop {
+        if let Ok(name) = serde_json::from_str::<String>(&format!("\"{raw}\"")) {
+            return name;
+        }
+        match raw.char_indices().last() {
+            Some((i, _)) => raw = &raw[..i],
+            None => return String::new(),
+        }
     }
 }
 
@@ -466,13 +514,23 @@ mod tests {
         assert_eq!(arguments(&chunks), "{\"a\": 1}");
     }
 
-    /// A `required` answer cut short before its arguments open is no call: its text comes back
-    /// as content at the end. One whose arguments are not an object is parsed whole at the end.
+    /// A `required` answer cut short before its arguments open is still a call: the name written
+    /// so far, no arguments. One whose arguments are not an object is parsed whole at the end.
     #[test]
-    fn a_head_that_never_opens_its_arguments_ends_as_content_or_one_whole_call() {
-        let (chunks, content) = stream(ToolAnswer::Required, &["{\"name\": \"g", "et_ti"]);
-        assert!(chunks.is_empty());
-        assert_eq!(content.as_deref(), Some("{\"name\": \"get_ti"));
+    fn a_head_that_never_opens_its_arguments_is_still_one_call() {
+        for (pieces, name) in [
+            (&["{\"name\": \"g", "et_ti"][..], "get_ti"),
+            (&["{\"name\":\"get_time\",\"argu"], "get_time"),
+            (&["{\"name\":\"a\\u00e9\\u0"], "aé"),
+            (&["{\"na"], ""),
+        ] {
+            let (chunks, content) = stream(ToolAnswer::Required, pieces);
+            assert_eq!(content, None, "{pieces:?}");
+            assert_eq!(chunks.len(), 1, "{pieces:?}");
+            assert_eq!(chunks[0].function.name.as_deref(), Some(name));
+            assert_eq!(chunks[0].function.arguments, "");
+            assert_eq!(chunks[0].id.as_deref(), Some("call_9"));
+        }
         let (chunks, content) = stream(
             ToolAnswer::Required,
             &["{\"name\": \"f\", ", "\"arguments\": 3}"],
@@ -574,6 +632,66 @@ mod tests {
                 chunks[0].function.arguments.as_str()
             ),
             (Some("g"), "{}")
+        );
+    }
+
+    /// A finished answer's calls: a named function's text is its arguments, a `required`
+    /// answer's text names the call, whole or cut short; `auto` reads the markup; a plain
+    /// answer is content.
+    #[test]
+    fn whole_answers_are_read_into_calls() {
+        let (content, calls) = whole_answer(
+            &ToolAnswer::Named("weather".into()),
+            r#"{"city":"Paris"}"#,
+            "7",
+        );
+        let call = &calls[0];
+        assert_eq!(
+            (content, call.id.as_str(), call.function.name.as_str()),
+            (None, "call_7", "weather")
+        );
+        assert_eq!(call.function.arguments, r#"{"city":"Paris"}"#);
+        let (_, calls) = whole_answer(
+            &ToolAnswer::Required,
+            r#"{"name":"time","arguments":{}}"#,
+            "8",
+        );
+        assert_eq!(
+            (
+                calls[0].function.name.as_str(),
+                calls[0].function.arguments.as_str()
+            ),
+            ("time", "{}")
+        );
+        // Cut short by max_tokens: still the call, with what was written of it.
+        let (content, calls) = whole_answer(&ToolAnswer::Required, r#"{"name":"time","argu"#, "9");
+        assert_eq!(content, None);
+        assert_eq!(
+            (
+                calls[0].function.name.as_str(),
+                calls[0].function.arguments.as_str()
+            ),
+            ("time", "")
+        );
+        let (content, calls) =
+            whole_answer(&ToolAnswer::Named("weather".into()), r#"{"city":"Par"#, "9");
+        assert_eq!(content, None);
+        assert_eq!(calls[0].function.arguments, r#"{"city":"Par"#);
+        let (content, calls) = whole_answer(&ToolAnswer::Text, "{}", "9");
+        assert_eq!((content.as_deref(), calls.len()), (Some("{}"), 0));
+        let (content, calls) = whole_answer(
+            &HERMES,
+            "Looking.\n<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>",
+            "9",
+        );
+        assert_eq!(content.as_deref(), Some("Looking."));
+        assert_eq!(
+            (
+                calls[0].id.as_str(),
+                calls[0].function.name.as_str(),
+                calls[0].function.arguments.as_str()
+            ),
+            ("call_9", "time", "{}")
         );
     }
 }

@@ -1,14 +1,21 @@
-//! OpenAI's wire format: the request and response bodies of `/v1/completions`,
-//! `/v1/chat/completions` and `/v1/models`, the error envelope, and the conversions between
-//! them and `duet.v1` messages. Nothing here serves or routes (that is `http.rs`); a request
-//! becomes a `GenerateRequest` and the router core validates it as it validates a gRPC call.
+//! A request of the OpenAI front as the core takes it: a `/v1/completions` or
+//! `/v1/chat/completions` body becomes a `GenerateRequest`, which the core validates as it
+//! validates a gRPC call, and an [`Answer`] that says how the front writes the answer. Tools
+//! become a constraint here: a named function or `required` hold the call to the tools'
+//! schemas; `auto` lets the model write calls in its own markup (read back in
+//! [`super::tool_stream`]).
 
+use duet_model::chat::ChatTemplate;
+use duet_model::json_schema;
 use duet_model::tokenizer::Tokenizer;
 use duet_model::tool_calls::{ToolCallFormat, call_schema};
 use duet_proto::v1;
-use serde::{Deserialize, Serialize};
+use v1::constraint::Kind;
 
-use crate::tool_stream::{ToolCallChunk, ToolCallStream};
+use super::wire::{
+    ChatRequest, Common, CompletionRequest, Content, DetokenizeRequest, FunctionTool, Message,
+    Prompt, ResponseFormat, Stop, TokenizeRequest, Tool, Unserved,
+};
 
 /// A request the OpenAI front refuses before it reaches the router core (the core's own checks
 /// cover the rest): answered 400, or 404 for a model this router does not serve.
@@ -27,111 +34,73 @@ pub enum OpenAiError {
     },
 }
 
-fn invalid(param: &'static str, message: impl Into<String>) -> OpenAiError {
+pub(super) fn invalid(param: &'static str, message: impl Into<String>) -> OpenAiError {
     OpenAiError::Invalid {
         param,
         message: message.into(),
     }
 }
 
-/// `stream_options`.
-#[derive(Clone, Copy, Debug, Default, Deserialize)]
-pub struct StreamOptions {
-    /// Send one more chunk before `[DONE]` with the request's `usage` (and no choices).
-    #[serde(default)]
-    pub include_usage: bool,
+/// `--tool-call-parser`: how `tool_choice: "auto"` finds the model's calls in its answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ToolCallParser {
+    /// The markup the chat template teaches, if duet reads it.
+    #[default]
+    Detect,
+    /// `<tool_call>{"name": …, "arguments": …}</tool_call>` (Hermes, Qwen 2.5 and 3).
+    Hermes,
+    /// No parser: `tool_choice: "auto"` is refused.
+    None,
 }
 
-/// `stop`: one string or a list.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Stop {
-    One(String),
-    Many(Vec<String>),
+impl std::fmt::Display for ToolCallParser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let value = clap::ValueEnum::to_possible_value(self).expect("no variant is skipped");
+        f.write_str(value.get_name())
+    }
 }
 
-/// `prompt` of `/v1/completions`: text or token ids, alone or in a batch (a batch must hold
-/// exactly one prompt: `n` and batches are 1 here).
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Prompt {
-    Text(String),
-    Texts(Vec<String>),
-    Tokens(Vec<u32>),
-    TokenLists(Vec<Vec<u32>>),
-}
-
-/// What both endpoints share: sampling, limits, stop conditions, streaming. duet's own
-/// sampling fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`) are accepted as vLLM
-/// accepts them.
-#[derive(Debug, Default, Deserialize)]
-pub struct Common {
-    pub model: String,
-    pub max_tokens: Option<u32>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub seed: Option<i64>,
-    pub stop: Option<Stop>,
-    pub n: Option<u32>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    #[serde(default)]
-    pub stream: bool,
-    pub stream_options: Option<StreamOptions>,
-    pub top_k: Option<i32>,
-    pub min_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    #[serde(default)]
-    pub ignore_eos: bool,
-    /// Tenant isolation of the prefix cache (duet's `cache_salt`).
-    #[serde(default)]
-    pub cache_salt: String,
-    /// Structured outputs: `text`, `json_object` or `json_schema`.
-    pub response_format: Option<ResponseFormat>,
-    /// A regular expression the whole answer matches (vLLM's field).
-    pub guided_regex: Option<String>,
-    /// A Lark grammar the answer follows (vLLM's field; llguidance's Lark dialect).
-    pub guided_grammar: Option<String>,
-    /// `false` opts the request out of the decode worker's speculative decoding (duet's
-    /// `speculative`; the answer is the same either way).
-    pub speculative: Option<bool>,
-    #[serde(flatten)]
-    pub unserved: Unserved,
-}
-
-/// `response_format`.
-#[derive(Debug, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum ResponseFormat {
-    Text,
-    JsonObject,
-    JsonSchema { json_schema: JsonSchemaFormat },
-}
-
-/// `response_format.json_schema`. duet always holds the answer to the schema (`strict` or not).
-#[derive(Debug, Deserialize)]
-pub struct JsonSchemaFormat {
-    pub name: Option<String>,
-    pub schema: Option<serde_json::Value>,
-    pub strict: Option<bool>,
-}
-
-/// One of a chat request's `tools`.
-#[derive(Debug, Deserialize)]
-pub struct Tool {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub function: FunctionTool,
-}
-
-#[derive(Debug, Deserialize, Serialize)]
-pub struct FunctionTool {
-    pub name: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub description: Option<String>,
-    /// The arguments' JSON Schema; absent: an object with no properties.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub parameters: Option<serde_json::Value>,
+impl ToolCallParser {
+    /// How `tool_choice: "auto"` is served for a chat template: the markup calls are read in
+    /// (this parser's, or the one the template teaches). Refused, with why, when the template
+    /// does not show the model its tools (it could not call them), teaches no markup duet
+    /// reads, or the markup's delimiters are special tokens of `tokenizer` (answers' text
+    /// leaves those out, so no call could be read).
+    pub fn auto_tool_calls(
+        self,
+        chat: &ChatTemplate,
+        tokenizer: &Tokenizer,
+    ) -> Result<ToolCallFormat, String> {
+        if self == ToolCallParser::None {
+            return Err("the router runs with --tool-call-parser=none".into());
+        }
+        if !chat.shows_tools() {
+            return Err(
+                "its chat template does not show the model the tools (give one that does with \
+                 --chat-template)"
+                    .into(),
+            );
+        }
+        let format = match self {
+            ToolCallParser::Hermes => ToolCallFormat::Hermes,
+            _ => ToolCallFormat::detect(chat.source()).ok_or_else(|| {
+                "its chat template teaches no tool-call markup duet reads (Hermes `<tool_call>`); \
+                 name one with --tool-call-parser"
+                    .to_string()
+            })?,
+        };
+        let special = tokenizer.special_tokens();
+        let (open, close) = format.delimiters();
+        if let Some(token) = [open, close]
+            .into_iter()
+            .find(|d| special.iter().any(|s| s == d))
+        {
+            return Err(format!(
+                "`{token}` is a special token of its tokenizer, which answers' text leaves out"
+            ));
+        }
+        Ok(format)
+    }
 }
 
 /// How a chat answer is returned: as the message's text, or as a call of a tool whose arguments
@@ -146,18 +115,6 @@ pub enum ToolAnswer {
     Required,
     /// `tool_choice: "auto"`: the model answers in text, and may write calls in this markup.
     Auto(ToolCallFormat),
-}
-
-/// OpenAI fields duet does not serve. A request setting one to anything but its "off" value is
-/// refused, naming it, rather than answered as if the field were absent (free text where JSON
-/// or a tool call was asked for).
-#[derive(Debug, Default, Deserialize)]
-pub struct Unserved {
-    logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
-    functions: Option<Vec<serde_json::Value>>,
-    function_call: Option<serde_json::Value>,
-    suffix: Option<String>,
-    best_of: Option<u32>,
 }
 
 impl Unserved {
@@ -184,63 +141,6 @@ impl Unserved {
         }
         Ok(())
     }
-}
-
-/// `POST /v1/completions`.
-#[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
-    pub prompt: Prompt,
-    /// Alternatives per generated token (0..=20 here; OpenAI allows 5).
-    pub logprobs: Option<u32>,
-    #[serde(default)]
-    pub echo: bool,
-    #[serde(flatten)]
-    pub common: Common,
-}
-
-/// One part of a message's content; only text parts are served.
-#[derive(Debug, Deserialize)]
-pub struct ContentPart {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub text: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Content {
-    Text(String),
-    Parts(Vec<ContentPart>),
-}
-
-#[derive(Debug, Deserialize)]
-pub struct Message {
-    pub role: String,
-    pub content: Option<Content>,
-    /// The calls an assistant turn made.
-    pub tool_calls: Option<Vec<MessageToolCall>>,
-    /// On a `tool` turn: the call it answers.
-    pub tool_call_id: Option<String>,
-}
-
-/// A call in an assistant turn of the conversation, as the answer that made it returned it.
-#[derive(Debug, Deserialize)]
-pub struct MessageToolCall {
-    pub id: String,
-    #[serde(rename = "type", default = "function_kind")]
-    pub kind: String,
-    pub function: MessageFunction,
-}
-
-fn function_kind() -> String {
-    "function".into()
-}
-
-#[derive(Debug, Deserialize)]
-pub struct MessageFunction {
-    pub name: String,
-    /// The arguments as JSON text.
-    pub arguments: String,
 }
 
 impl Message {
@@ -285,24 +185,6 @@ impl Message {
     }
 }
 
-/// `POST /v1/chat/completions`.
-#[derive(Debug, Deserialize)]
-pub struct ChatRequest {
-    pub messages: Vec<Message>,
-    /// Newer name of `max_tokens`; wins when both are set.
-    pub max_completion_tokens: Option<u32>,
-    #[serde(default)]
-    pub logprobs: bool,
-    pub top_logprobs: Option<u32>,
-    /// Extra variables for the chat template (vLLM's field; e.g. `{"enable_thinking": false}`).
-    pub chat_template_kwargs: Option<serde_json::Value>,
-    pub tools: Option<Vec<Tool>>,
-    /// `none`, `auto`, `required` or `{"type": "function", "function": {"name": …}}`.
-    pub tool_choice: Option<serde_json::Value>,
-    #[serde(flatten)]
-    pub common: Common,
-}
-
 /// What the HTTP front needs to answer a request once the core accepted it.
 #[derive(Clone, Debug)]
 pub struct Answer {
@@ -317,12 +199,7 @@ impl Common {
     /// Checks what the core does not know about (model, `n`) and fills the shared fields of
     /// `req`.
     fn apply(&self, served: &[String], req: &mut v1::GenerateRequest) -> Result<(), OpenAiError> {
-        if !served.contains(&self.model) {
-            return Err(OpenAiError::UnknownModel {
-                asked: self.model.clone(),
-                served: served.join("`, `"),
-            });
-        }
+        check_model(&self.model, served)?;
         if let Some(n) = self.n.filter(|&n| n != 1) {
             return Err(invalid(
                 "n",
@@ -359,18 +236,26 @@ impl Common {
 
     /// The grammar `response_format`, `guided_regex` or `guided_grammar` asks for (one at most).
     fn constraint(&self) -> Result<Option<v1::Constraint>, OpenAiError> {
-        use v1::constraint::Kind;
         let format = match &self.response_format {
             None | Some(ResponseFormat::Text) => None,
+            Some(ResponseFormat::JsonObject) if self.whitespace_flexible => {
+                Some(self.json(serde_json::json!({"type": "object"})))
+            }
             Some(ResponseFormat::JsonObject) => Some(Kind::JsonObject(true)),
-            Some(ResponseFormat::JsonSchema { json_schema }) => {
-                let schema = json_schema.schema.as_ref().ok_or_else(|| {
+            Some(ResponseFormat::JsonSchema {
+                json_schema: format,
+            }) => {
+                let mut schema = format.schema.clone().ok_or_else(|| {
                     invalid(
                         "response_format",
                         "response_format.json_schema.schema is required",
                     )
                 })?;
-                Some(Kind::JsonSchema(schema.to_string()))
+                // OpenAI's strict mode: only the listed properties.
+                if format.strict == Some(true) {
+                    json_schema::close_objects(&mut schema);
+                }
+                Some(self.json(schema))
             }
         };
         let kinds: Vec<(&'static str, Kind)> = [
@@ -400,6 +285,34 @@ impl Common {
         }
     }
 
+    /// A JSON Schema constraint, its whitespace flexible where the request asks.
+    fn json(&self, mut schema: serde_json::Value) -> Kind {
+        if self.whitespace_flexible {
+            json_schema::flexible_whitespace(&mut schema);
+        }
+        Kind::JsonSchema(schema.to_string())
+    }
+
+    /// Refuses `whitespace_flexible` on a request whose answer is not held to a JSON Schema.
+    fn check_whitespace(
+        &self,
+        req: &v1::GenerateRequest,
+        tools: &ToolAnswer,
+    ) -> Result<(), OpenAiError> {
+        let json = matches!(
+            req.constraint.as_ref().and_then(|c| c.kind.as_ref()),
+            Some(Kind::JsonSchema(_) | Kind::JsonObject(_))
+        ) || matches!(tools, ToolAnswer::Auto(_));
+        if self.whitespace_flexible && !json {
+            return Err(invalid(
+                "whitespace_flexible",
+                "whitespace_flexible applies to JSON answers only (response_format json_object or \
+                 json_schema, or tools)",
+            ));
+        }
+        Ok(())
+    }
+
     fn answer(&self, top_logprobs: Option<u32>) -> Answer {
         Answer {
             stream: self.stream,
@@ -412,9 +325,11 @@ impl Common {
 
 impl CompletionRequest {
     /// The request as the router core takes it.
+    /// Token ids past `vocab_size` are refused here, naming `prompt`.
     pub fn to_generate(
         &self,
         served: &[String],
+        vocab_size: u32,
     ) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
         let mut req = v1::GenerateRequest::default();
         self.common.apply(served, &mut req)?;
@@ -443,10 +358,13 @@ impl CompletionRequest {
                 req.token_ids = v[0].clone();
             }
         }
+        check_token_ids("prompt", &req.token_ids, vocab_size)?;
         req.max_tokens = self.common.max_tokens;
         req.logprobs = self.logprobs.unwrap_or(0);
         let top = self.logprobs.filter(|&n| n > 0);
-        Ok((req, self.common.answer(top)))
+        let answer = self.common.answer(top);
+        self.common.check_whitespace(&req, &answer.tools)?;
+        Ok((req, answer))
     }
 }
 
@@ -488,6 +406,7 @@ impl ChatRequest {
         req.logprobs = top.map_or(0, |n| n.max(1));
         let mut answer = self.common.answer(top);
         answer.tools = self.tool_call(&mut req, auto_tool_calls)?;
+        self.common.check_whitespace(&req, &answer.tools)?;
         Ok((req, answer))
     }
 
@@ -521,10 +440,14 @@ impl ChatRequest {
                 "one constraint per request: tools and a response format are both set",
             ));
         }
+        // A call's arguments hold only the properties its schema lists (unless it allows more).
         let parameters = |f: &FunctionTool| {
-            f.parameters
+            let mut schema = f
+                .parameters
                 .clone()
-                .unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}))
+                .unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}));
+            json_schema::close_objects(&mut schema);
+            schema
         };
         let call = || {
             call_schema(
@@ -534,10 +457,7 @@ impl ChatRequest {
             )
         };
         let (constraint, answer) = match choice {
-            Some(c) if c == "required" => (
-                v1::constraint::Kind::JsonSchema(call().to_string()),
-                ToolAnswer::Required,
-            ),
+            Some(c) if c == "required" => (self.common.json(call()), ToolAnswer::Required),
             Some(c) if c["type"] == "function" => {
                 let name = c["function"]["name"].as_str().unwrap_or_default();
                 let tool = tools
@@ -550,13 +470,13 @@ impl ChatRequest {
                         )
                     })?;
                 (
-                    v1::constraint::Kind::JsonSchema(parameters(&tool.function).to_string()),
+                    self.common.json(parameters(&tool.function)),
                     ToolAnswer::Named(name.to_string()),
                 )
             }
             // Free text, and calls in the model's markup held to the tools' schemas.
-            None => auto(auto_tool_calls, call)?,
-            Some(c) if c == "auto" => auto(auto_tool_calls, call)?,
+            None => auto(auto_tool_calls, call, self.common.whitespace_flexible)?,
+            Some(c) if c == "auto" => auto(auto_tool_calls, call, self.common.whitespace_flexible)?,
             Some(c) => {
                 return Err(invalid(
                     "tool_choice",
@@ -570,17 +490,140 @@ impl ChatRequest {
         req.constraint = Some(v1::Constraint {
             kind: Some(constraint),
         });
-        let mut variables = match self.chat_template_kwargs.as_ref() {
-            Some(serde_json::Value::Object(m)) => m.clone(),
-            _ => serde_json::Map::new(),
-        };
-        let functions: Vec<serde_json::Value> = tools
-            .iter()
-            .map(|t| serde_json::json!({"type": "function", "function": t.function}))
-            .collect();
-        variables.insert("tools".into(), functions.into());
-        req.chat_template_kwargs = serde_json::Value::Object(variables).to_string();
+        req.chat_template_kwargs = with_tools(self.chat_template_kwargs.as_ref(), tools);
         Ok(answer)
+    }
+}
+
+/// The chat template's variables: `chat_template_kwargs` (an object), with `tools` the tools'
+/// functions as HF's templates take them.
+fn with_tools(kwargs: Option<&serde_json::Value>, tools: &[Tool]) -> String {
+    let mut variables = match kwargs {
+        Some(serde_json::Value::Object(m)) => m.clone(),
+        _ => serde_json::Map::new(),
+    };
+    let functions: Vec<serde_json::Value> = tools
+        .iter()
+        .map(|t| serde_json::json!({"type": "function", "function": t.function}))
+        .collect();
+    variables.insert("tools".into(), functions.into());
+    serde_json::Value::Object(variables).to_string()
+}
+
+/// Refuses a `model` this router does not serve (any of its names).
+fn check_model(asked: &str, served: &[String]) -> Result<(), OpenAiError> {
+    if served.iter().any(|s| s == asked) {
+        return Ok(());
+    }
+    Err(OpenAiError::UnknownModel {
+        asked: asked.to_string(),
+        served: served.join("`, `"),
+    })
+}
+
+/// Refuses token ids outside the vocabulary, naming `param` and the first bad one.
+pub fn check_token_ids(
+    param: &'static str,
+    ids: &[u32],
+    vocab_size: u32,
+) -> Result<(), OpenAiError> {
+    match ids.iter().enumerate().find(|&(_, &id)| id >= vocab_size) {
+        Some((i, id)) => Err(invalid(
+            param,
+            format!(
+                "{param}[{i}] = {id} is outside the vocabulary (valid ids are 0..{vocab_size})"
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+impl DetokenizeRequest {
+    /// Refuses a model this router does not serve and ids outside the vocabulary.
+    pub fn check(&self, served: &[String], vocab_size: u32) -> Result<(), OpenAiError> {
+        if let Some(model) = &self.model {
+            check_model(model, served)?;
+        }
+        check_token_ids("tokens", &self.tokens, vocab_size)
+    }
+}
+
+impl TokenizeRequest {
+    /// The request as the core's Tokenize takes it: a prompt, or messages rendered as a chat
+    /// request's are (with its `chat_template_kwargs` and `tools`). duet tokenizes as it
+    /// generates: options asking for anything else are refused, naming them.
+    pub fn to_core(&self, served: &[String]) -> Result<v1::TokenizeRequest, OpenAiError> {
+        if let Some(model) = &self.model {
+            check_model(model, served)?;
+        }
+        if self.add_special_tokens == Some(false) {
+            return Err(invalid(
+                "add_special_tokens",
+                "add_special_tokens=false is not supported: duet tokenizes as it generates, with \
+                 the special tokens the model adds",
+            ));
+        }
+        if self.continue_final_message {
+            return Err(invalid(
+                "continue_final_message",
+                "continue_final_message is not supported",
+            ));
+        }
+        let tools = self.tools.as_deref().unwrap_or_default();
+        for t in tools {
+            only_functions("tools", "tools", &t.kind)?;
+        }
+        let kwargs = self.chat_template_kwargs.as_ref().filter(|v| !v.is_null());
+        match (&self.prompt, &self.messages) {
+            (Some(prompt), None) => {
+                for (param, set) in [
+                    ("chat_template_kwargs", kwargs.is_some()),
+                    ("tools", !tools.is_empty()),
+                    (
+                        "add_generation_prompt",
+                        self.add_generation_prompt.is_some(),
+                    ),
+                ] {
+                    if set {
+                        return Err(invalid(param, format!("{param} applies to messages only")));
+                    }
+                }
+                Ok(v1::TokenizeRequest {
+                    text: prompt.clone(),
+                    ..Default::default()
+                })
+            }
+            (None, Some(messages)) => {
+                if messages.is_empty() {
+                    return Err(invalid("messages", "messages must not be empty"));
+                }
+                if self.add_generation_prompt == Some(false) {
+                    return Err(invalid(
+                        "add_generation_prompt",
+                        "add_generation_prompt=false is not supported: messages are rendered as \
+                         a chat request's, with the generation prompt",
+                    ));
+                }
+                Ok(v1::TokenizeRequest {
+                    messages: messages
+                        .iter()
+                        .enumerate()
+                        .map(|(i, m)| m.to_wire(i))
+                        .collect::<Result<_, OpenAiError>>()?,
+                    chat_template_kwargs: match (kwargs, tools.is_empty()) {
+                        (_, false) => with_tools(kwargs, tools),
+                        (Some(vars), true) => vars.to_string(),
+                        (None, true) => String::new(),
+                    },
+                    ..Default::default()
+                })
+            }
+            (Some(_), Some(_)) => Err(invalid(
+                "messages",
+                "give either a prompt or messages, not both",
+            )),
+            (None, None) => Err(invalid("prompt", "give a prompt or messages to tokenize")),
+        }
     }
 }
 
@@ -600,7 +643,8 @@ fn only_functions(param: &'static str, what: &str, kind: &str) -> Result<(), Ope
 fn auto(
     format: Result<ToolCallFormat, &str>,
     call: impl FnOnce() -> serde_json::Value,
-) -> Result<(v1::constraint::Kind, ToolAnswer), OpenAiError> {
+    whitespace_flexible: bool,
+) -> Result<(Kind, ToolAnswer), OpenAiError> {
     let format = format.map_err(|why| {
         invalid(
             "tool_choice",
@@ -610,75 +654,11 @@ fn auto(
             ),
         )
     })?;
-    Ok((
-        v1::constraint::Kind::Lark(format.grammar(&call())),
-        ToolAnswer::Auto(format),
-    ))
-}
-
-/// The id of a tool call a request's answer makes: the `index`th (0 for the first).
-pub fn call_id(request_id: &str, index: u32) -> String {
-    match index {
-        0 => format!("call_{request_id}"),
-        n => format!("call_{request_id}_{n}"),
+    let mut call = call();
+    if whitespace_flexible {
+        json_schema::flexible_whitespace(&mut call);
     }
-}
-
-/// The function's name and its arguments' JSON text of a call written as
-/// `{"name": …, "arguments": …}` (missing arguments: none, `{}`).
-pub fn parse_call(text: &str) -> Option<(String, String)> {
-    let v: serde_json::Value = serde_json::from_str(text).ok()?;
-    let arguments = v
-        .get("arguments")
-        .map_or_else(|| "{}".into(), |a| a.to_string());
-    Some((v.get("name")?.as_str()?.to_string(), arguments))
-}
-
-/// One call in a chat answer's `tool_calls`.
-#[derive(Debug, Serialize)]
-pub struct ToolCall {
-    pub id: String,
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    pub function: CalledFunction,
-}
-
-#[derive(Debug, Serialize)]
-pub struct CalledFunction {
-    pub name: String,
-    /// The arguments as JSON text.
-    pub arguments: String,
-}
-
-impl ToolAnswer {
-    /// A finished answer's content and calls. A named or `required` call whose text is not a
-    /// whole call (generation stopped by `max_tokens`) answers in text.
-    pub fn answer(&self, text: &str, request_id: &str) -> (Option<String>, Vec<ToolCall>) {
-        let call = match self {
-            ToolAnswer::Text => None,
-            ToolAnswer::Named(name) => serde_json::from_str::<serde_json::Value>(text)
-                .ok()
-                .map(|_| (name.clone(), text.to_string())),
-            ToolAnswer::Required => parse_call(text),
-            ToolAnswer::Auto(_) => {
-                if let Some(stream) = ToolCallStream::new(self, request_id) {
-                    return stream.read_whole(text);
-                }
-                None
-            }
-        };
-        match call {
-            Some((name, arguments)) => (
-                None,
-                vec![ToolCall {
-                    id: call_id(request_id, 0),
-                    kind: "function",
-                    function: CalledFunction { name, arguments },
-                }],
-            ),
-            None => (Some(text.to_string()), Vec::new()),
-        }
-    }
+    Ok((Kind::Lark(format.grammar(&call)), ToolAnswer::Auto(format)))
 }
 
 fn text_of(content: Option<&Content>) -> Result<String, OpenAiError> {
@@ -698,239 +678,10 @@ fn text_of(content: Option<&Content>) -> Result<String, OpenAiError> {
     }
 }
 
-/// `usage`, with the prompt tokens served from the prefix cache and what speculative decoding
-/// did.
-#[derive(Clone, Debug, Serialize)]
-pub struct Usage {
-    pub prompt_tokens: u32,
-    pub completion_tokens: u32,
-    pub total_tokens: u32,
-    pub prompt_tokens_details: PromptTokensDetails,
-    pub completion_tokens_details: CompletionTokensDetails,
-}
-
-/// Speculative decoding's drafts in OpenAI's predicted-output fields (drafted tokens the model
-/// also sampled, and the others), and duet's `decode_steps` (the decode worker's steps that
-/// generated the answer).
-#[derive(Clone, Debug, Serialize)]
-pub struct CompletionTokensDetails {
-    pub accepted_prediction_tokens: u32,
-    pub rejected_prediction_tokens: u32,
-    pub decode_steps: u32,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct PromptTokensDetails {
-    pub cached_tokens: u32,
-}
-
-impl From<&v1::Usage> for Usage {
-    fn from(u: &v1::Usage) -> Self {
-        Usage {
-            prompt_tokens: u.prompt_tokens,
-            completion_tokens: u.completion_tokens,
-            total_tokens: u.prompt_tokens + u.completion_tokens,
-            prompt_tokens_details: PromptTokensDetails {
-                cached_tokens: u.cached_prompt_tokens,
-            },
-            completion_tokens_details: CompletionTokensDetails {
-                accepted_prediction_tokens: u.accepted_draft_tokens,
-                rejected_prediction_tokens: u.draft_tokens.saturating_sub(u.accepted_draft_tokens),
-                decode_steps: u.decode_steps,
-            },
-        }
-    }
-}
-
-/// `finish_reason` of a message: `None` until the last one.
-pub fn finish_reason(m: &v1::GenerateResponse) -> Option<&'static str> {
-    match v1::FinishReason::try_from(m.finish_reason).unwrap_or_default() {
-        v1::FinishReason::Unspecified => None,
-        v1::FinishReason::Stop => Some("stop"),
-        v1::FinishReason::Length => Some("length"),
-        v1::FinishReason::Aborted => Some("abort"),
-    }
-}
-
-/// `logprobs` of a `/v1/completions` choice.
-#[derive(Debug, Default, Serialize)]
-pub struct CompletionLogprobs {
-    pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<serde_json::Map<String, serde_json::Value>>,
-}
-
-impl CompletionLogprobs {
-    pub fn new(tokenizer: &Tokenizer, logprobs: &[v1::TokenLogprobs], top: u32) -> Self {
-        let mut out = Self::default();
-        for l in logprobs {
-            out.tokens.push(token_text(tokenizer, l.token_id));
-            out.token_logprobs.push(l.logprob);
-            out.top_logprobs.push(
-                l.top
-                    .iter()
-                    .take(top as usize)
-                    .map(|t| (token_text(tokenizer, t.token_id), t.logprob.into()))
-                    .collect(),
-            );
-        }
-        out
-    }
-}
-
-/// One token as `/v1/chat/completions` reports its logprob.
-#[derive(Debug, Serialize)]
-pub struct TokenLogprob {
-    pub token: String,
-    pub logprob: f32,
-    pub bytes: Vec<u8>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub top_logprobs: Option<Vec<TokenLogprob>>,
-}
-
-/// `logprobs` of a chat choice.
-#[derive(Debug, Serialize)]
-pub struct ChatLogprobs {
-    pub content: Vec<TokenLogprob>,
-}
-
-impl ChatLogprobs {
-    pub fn new(tokenizer: &Tokenizer, logprobs: &[v1::TokenLogprobs], top: u32) -> Self {
-        let entry = |id: u32, logprob: f32, top_logprobs| TokenLogprob {
-            token: token_text(tokenizer, id),
-            bytes: tokenizer.token_bytes(id).unwrap_or_default(),
-            logprob,
-            top_logprobs,
-        };
-        ChatLogprobs {
-            content: logprobs
-                .iter()
-                .map(|l| {
-                    let alternatives = l
-                        .top
-                        .iter()
-                        .take(top as usize)
-                        .map(|t| entry(t.token_id, t.logprob, None))
-                        .collect();
-                    entry(l.token_id, l.logprob, Some(alternatives))
-                })
-                .collect(),
-        }
-    }
-}
-
-/// A token's text on its own (special tokens included, as OpenAI shows them).
-fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
-    tokenizer.decode(&[id], false).unwrap_or_default()
-}
-
-#[derive(Debug, Serialize)]
-pub struct CompletionChoice {
-    pub index: u32,
-    pub text: String,
-    pub finish_reason: Option<&'static str>,
-    pub logprobs: Option<CompletionLogprobs>,
-}
-
-/// A `/v1/completions` answer, or one chunk of its stream (`object` says which).
-#[derive(Debug, Serialize)]
-pub struct Completion {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<CompletionChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-}
-
-#[derive(Debug, Default, Serialize)]
-pub struct ChatMessageOut {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub role: Option<&'static str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub content: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tool_calls: Option<ToolCalls>,
-}
-
-/// A message's `tool_calls`: the whole calls of an answer, or what a chunk of a stream adds.
-#[derive(Debug, Serialize)]
-#[serde(untagged)]
-pub enum ToolCalls {
-    Whole(Vec<ToolCall>),
-    Chunk(Vec<ToolCallChunk>),
-}
-
-#[derive(Debug, Serialize)]
-pub struct ChatChoice {
-    pub index: u32,
-    /// The whole answer (`chat.completion`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub message: Option<ChatMessageOut>,
-    /// What this chunk adds (`chat.completion.chunk`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub delta: Option<ChatMessageOut>,
-    pub finish_reason: Option<&'static str>,
-    pub logprobs: Option<ChatLogprobs>,
-}
-
-/// A `/v1/chat/completions` answer, or one chunk of its stream.
-#[derive(Debug, Serialize)]
-pub struct ChatCompletion {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<ChatChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-}
-
-impl ChatCompletion {
-    /// An answer that `called` a tool finishes with `tool_calls` where it would have stopped.
-    pub fn calling(mut self, called: bool) -> Self {
-        for choice in &mut self.choices {
-            if called && choice.finish_reason == Some("stop") {
-                choice.finish_reason = Some("tool_calls");
-            }
-        }
-        self
-    }
-}
-
-/// `GET /v1/models`.
-#[derive(Debug, Serialize)]
-pub struct ModelList {
-    pub object: &'static str,
-    pub data: Vec<ModelCard>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct ModelCard {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub owned_by: &'static str,
-}
-
-/// OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}`.
-#[derive(Debug, Serialize)]
-pub struct ErrorEnvelope {
-    pub error: ErrorBody,
-}
-
-#[derive(Debug, Serialize)]
-pub struct ErrorBody {
-    pub message: String,
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    pub param: Option<&'static str>,
-    pub code: Option<&'static str>,
-}
-
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
 
     /// A chat request to a router whose model writes Hermes tool calls.
@@ -950,7 +701,7 @@ mod tests {
     fn completion(json: &str) -> Result<(v1::GenerateRequest, Answer), OpenAiError> {
         serde_json::from_str::<CompletionRequest>(json)
             .unwrap()
-            .to_generate(&["m".to_string(), "alias".to_string()])
+            .to_generate(&["m".to_string(), "alias".to_string()], 384)
     }
 
     #[test]
@@ -1090,30 +841,13 @@ mod tests {
         r.constraint.as_ref().and_then(|c| c.kind.clone())
     }
 
-    /// `speculative: false` opts out; the usage reports the drafts in OpenAI's fields.
+    /// `speculative: false` opts out.
     #[test]
-    fn speculation_is_asked_for_and_reported() {
+    fn speculation_is_asked_for() {
         let (r, _) = completion(r#"{"model":"m","prompt":"a","speculative":false}"#).unwrap();
         assert_eq!(r.speculative, Some(false));
         let (r, _) = completion(r#"{"model":"m","prompt":"a"}"#).unwrap();
         assert_eq!(r.speculative, None);
-        let usage = Usage::from(&v1::Usage {
-            prompt_tokens: 5,
-            completion_tokens: 9,
-            decode_steps: 4,
-            draft_tokens: 8,
-            accepted_draft_tokens: 5,
-            ..Default::default()
-        });
-        let json = serde_json::to_value(&usage).unwrap();
-        assert_eq!(
-            json["completion_tokens_details"],
-            serde_json::json!({
-                "accepted_prediction_tokens": 5,
-                "rejected_prediction_tokens": 3,
-                "decode_steps": 4
-            })
-        );
     }
 
     /// `response_format`, `guided_regex` and `guided_grammar` become the request's constraint,
@@ -1246,40 +980,97 @@ mod tests {
                 other => panic!("{fields}: {other:?}"),
             }
         }
-        let (content, calls) =
-            ToolAnswer::Named("weather".into()).answer(r#"{"city":"Paris"}"#, "7");
-        let call = &calls[0];
+    }
+
+    /// Tool arguments and `strict` schemas hold only the properties they list (plain JSON
+    /// Schema allows any others); `whitespace_flexible` lets any JSON answer have whitespace,
+    /// and is refused where the answer is not JSON.
+    #[test]
+    fn tool_arguments_and_strict_schemas_are_closed_and_whitespace_is_asked_for() {
+        let schema_of = |r: &v1::GenerateRequest| -> serde_json::Value {
+            match kind(r) {
+                Some(Kind::JsonSchema(text)) => serde_json::from_str(&text).unwrap(),
+                other => panic!("{other:?}"),
+            }
+        };
+        let weather = r#"{"type":"function","function":{"name":"weather","parameters":{
+            "type":"object","properties":{"city":{"type":"string"},
+            "at":{"type":"object","properties":{"day":{"type":"integer"}}}}}}}"#;
+        let ask = |fields: &str| {
+            chat(&format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{fields}}}"#
+            ))
+        };
+        let (r, _) = ask(&format!(
+            r#""tools":[{weather}],"tool_choice":{{"type":"function","function":{{"name":"weather"}}}}"#
+        ))
+        .unwrap();
+        let named = schema_of(&r);
+        assert_eq!(named["additionalProperties"], false, "{named}");
+        assert_eq!(named["properties"]["at"]["additionalProperties"], false);
+        assert!(
+            named.get("x-guidance").is_none(),
+            "compact is the compiler's default"
+        );
+        let (r, _) = ask(&format!(r#""tools":[{weather}],"tool_choice":"required""#)).unwrap();
+        let required = schema_of(&r);
         assert_eq!(
-            (content, call.id.as_str(), call.function.name.as_str()),
-            (None, "call_7", "weather")
+            required["anyOf"][0]["properties"]["arguments"]["additionalProperties"],
+            false
         );
-        assert_eq!(call.function.arguments, r#"{"city":"Paris"}"#);
-        let (_, calls) = ToolAnswer::Required.answer(r#"{"name":"time","arguments":{}}"#, "8");
+        let (r, _) = ask(&format!(r#""tools":[{weather}]"#)).unwrap();
+        let Some(Kind::Lark(grammar)) = kind(&r) else {
+            panic!("{r:?}")
+        };
+        // The call's object, and both of its arguments' objects.
         assert_eq!(
-            (
-                calls[0].function.name.as_str(),
-                calls[0].function.arguments.as_str()
-            ),
-            ("time", "{}")
+            grammar.matches(r#""additionalProperties":false"#).count(),
+            3,
+            "{grammar}"
         );
-        let cut = r#"{"name":"time","argu"#;
-        let (content, calls) = ToolAnswer::Required.answer(cut, "9");
-        assert_eq!((content.as_deref(), calls.len()), (Some(cut), 0));
-        let (content, calls) = ToolAnswer::Text.answer("{}", "9");
-        assert_eq!((content.as_deref(), calls.len()), (Some("{}"), 0));
-        let (content, calls) = ToolAnswer::Auto(ToolCallFormat::Hermes).answer(
-            "Looking.\n<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>",
-            "9",
+        let format = |strict: bool| {
+            format!(
+                r#""response_format":{{"type":"json_schema","json_schema":{{"name":"p",
+                "strict":{strict},"schema":{{"type":"object","properties":{{"a":{{}}}}}}}}}}"#
+            )
+        };
+        let (r, _) = ask(&format(true)).unwrap();
+        assert_eq!(schema_of(&r)["additionalProperties"], false);
+        let (r, _) = ask(&format(false)).unwrap();
+        assert!(schema_of(&r).get("additionalProperties").is_none());
+        // Flexible whitespace where asked, for every kind of JSON answer.
+        let flexible =
+            |r: &v1::GenerateRequest| schema_of(r)["x-guidance"]["whitespace_flexible"] == true;
+        let (r, _) = ask(&format!(r#"{},"whitespace_flexible":true"#, format(false))).unwrap();
+        assert!(flexible(&r));
+        let (r, _) =
+            ask(r#""response_format":{"type":"json_object"},"whitespace_flexible":true"#).unwrap();
+        assert!(flexible(&r) && schema_of(&r)["type"] == "object");
+        let (r, _) = ask(&format!(
+            r#""tools":[{weather}],"tool_choice":"required","whitespace_flexible":true"#
+        ))
+        .unwrap();
+        assert!(flexible(&r));
+        let (r, _) = ask(&format!(
+            r#""tools":[{weather}],"whitespace_flexible":true"#
+        ))
+        .unwrap();
+        let Some(Kind::Lark(grammar)) = kind(&r) else {
+            panic!("{r:?}")
+        };
+        assert!(
+            grammar.contains(r#""whitespace_flexible":true"#),
+            "{grammar}"
         );
-        assert_eq!(content.as_deref(), Some("Looking."));
-        assert_eq!(
-            (
-                calls[0].id.as_str(),
-                calls[0].function.name.as_str(),
-                calls[0].function.arguments.as_str()
-            ),
-            ("call_9", "time", "{}")
-        );
+        for fields in [
+            r#""whitespace_flexible":true"#,
+            r#""guided_regex":"a+","whitespace_flexible":true"#,
+        ] {
+            match ask(fields) {
+                Err(OpenAiError::Invalid { param, .. }) => assert_eq!(param, "whitespace_flexible"),
+                other => panic!("{fields}: {other:?}"),
+            }
+        }
     }
 
     /// An assistant turn's `tool_calls` and a tool turn's `tool_call_id` reach the core; a
@@ -1328,5 +1119,73 @@ mod tests {
                 other => panic!("{messages}: {other:?}"),
             }
         }
+    }
+
+    /// `auto` is served where the chat template shows the tools and its markup is read (by
+    /// `--tool-call-parser`, or read off the template), and refused with why everywhere else.
+    #[test]
+    fn auto_tool_calls_need_a_template_that_shows_tools_and_a_markup() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/chat-templates");
+        let hermes =
+            ChatTemplate::new(&std::fs::read_to_string(dir.join("hermes-tools.jinja")).unwrap())
+                .unwrap();
+        let blind = ChatTemplate::chatml();
+        let json_calls = ChatTemplate::new(
+            "{% for t in tools %}{{ t | tojson }}{% endfor %}{% for m in messages %}\
+             {{ m.content }}{% endfor %}",
+        )
+        .unwrap();
+        let tokenizer = crate::openai::server::tests::tiny_tokenizer();
+        assert_eq!(
+            ToolCallParser::Detect.auto_tool_calls(&hermes, &tokenizer),
+            Ok(ToolCallFormat::Hermes)
+        );
+        assert_eq!(
+            ToolCallParser::Hermes.auto_tool_calls(&json_calls, &tokenizer),
+            Ok(ToolCallFormat::Hermes)
+        );
+        for (chat, parser, why) in [
+            (&hermes, ToolCallParser::None, "--tool-call-parser=none"),
+            (
+                &json_calls,
+                ToolCallParser::Detect,
+                "teaches no tool-call markup",
+            ),
+            (
+                &blind,
+                ToolCallParser::Detect,
+                "does not show the model the tools",
+            ),
+            (
+                &blind,
+                ToolCallParser::Hermes,
+                "does not show the model the tools",
+            ),
+        ] {
+            let e = parser.auto_tool_calls(chat, &tokenizer).unwrap_err();
+            assert!(e.contains(why), "{parser:?}: {e}");
+        }
+        // A tokenizer whose `<tool_call>` is a special token: answers' text would lack it.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+                .unwrap();
+        json["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+            "id": 384, "content": "<tool_call>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}));
+        let file = std::env::temp_dir().join(format!(
+            "duet-special-tool-call-{}.json",
+            std::process::id()
+        ));
+        std::fs::write(&file, json.to_string()).unwrap();
+        let special = Tokenizer::from_hf_file(&file).unwrap();
+        std::fs::remove_file(&file).unwrap();
+        let e = ToolCallParser::Detect
+            .auto_tool_calls(&hermes, &special)
+            .unwrap_err();
+        assert!(e.contains("`<tool_call>` is a special token"), "{e}");
     }
 }

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The simulator against the real cluster on this machine: each shape (colocated ×1, 1P+1D, 1P+2D,
+# 2P+1D, as processes with one kernel thread each) at three rates, on a Poisson workload and on a
+# shared-prefix trace, run by `duet bench serve` and simulated by `duet simulate` with the same
+# flags from a profile measured here; then the table (bench/planner/prediction_table.py).
+#   bench/planner/predict.sh PROFILE OUT_DIR "RATE1 RATE2 RATE3" [REQUESTS]
+set -euo pipefail
+profile=$1 out=$2 rates=$3 requests=${4:-120}
+duet=${DUET:-target/ci/duet}
+mkdir -p "$out"
+python3 bench/planner/make_trace.py --requests "$requests" --rate 1 --out "$out/shared-prefix.jsonl"
+common=(--processes --threads 1 --ttft-slo-ms 2000 --tpot-slo-ms 100 --local-prefill-threshold 32)
+shapes=("colocated-1:--launch colocated --decode-workers 1"
+        "1P1D:--launch disaggregated --prefill-workers 1 --decode-workers 1"
+        "1P2D:--launch disaggregated --prefill-workers 1 --decode-workers 2"
+        "2P1D:--launch disaggregated --prefill-workers 2 --decode-workers 1")
+for entry in "${shapes[@]}"; do
+  name=${entry%%:*}; shape=(${entry#*:})
+  for rate in $rates; do
+    for workload in poisson trace; do
+      case $workload in
+        poisson) load=(--rate "$rate" --requests "$requests" --prompt-tokens 64..256 --output-tokens 16..48 --seed 7);;
+        trace) load=(--trace "$out/shared-prefix.jsonl" --trace-speedup "$rate");;
+      esac
+      run="$name-$workload-$rate"
+      echo "== $run" >&2
+      "$duet" bench serve "${shape[@]}" "${common[@]}" "${load[@]}" --json-out "$out/$run.bench.json" > "$out/$run.bench.txt"
+      "$duet" simulate --profile "$profile" "${shape[@]}" "${common[@]}" "${load[@]}" --json-out "$out/$run.sim.json" > "$out/$run.sim.txt"
+    done
+  done
+done
+python3 bench/planner/prediction_table.py "$out" | tee "$out/prediction-table.md"

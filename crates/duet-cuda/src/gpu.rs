@@ -1,0 +1,126 @@
+//! What the backend asks of a GPU, as one trait: memory, copies, kernel launches, the cuBLAS
+//! product, synchronization and graph capture on the backend's one stream. The CUDA driver
+//! implements it (`cuda_gpu.rs`); a recording GPU does in the tests, so the backend's host logic
+//! (what a step allocates, uploads, launches and waits for) is tested without a GPU.
+
+use std::sync::Arc;
+
+use crate::CudaError;
+
+/// A device address.
+pub type DevicePtr = u64;
+
+/// One kernel argument.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg {
+    Ptr(DevicePtr),
+    I32(i32),
+    U32(u32),
+    U64(u64),
+    F32(f32),
+}
+
+/// A kernel launch: `kernel` (its `extern "C"` name) over `grid` blocks of `block` threads, each
+/// block with `shared_bytes` of dynamic shared memory.
+#[derive(Clone, Copy, Debug)]
+pub struct Launch<'a> {
+    pub kernel: &'static str,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub shared_bytes: u32,
+    pub args: &'a [Arg],
+}
+
+/// `out[rows][n] = x[rows][k] · wᵀ` with `w` `[n][k]` and `x` in bf16, `out` in f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gemm {
+    pub w: DevicePtr,
+    pub x: DevicePtr,
+    pub out: DevicePtr,
+    pub rows: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+pub trait Gpu: Send + Sync + 'static {
+    /// A captured graph, replayed by [`Gpu::replay`].
+    type Graph: Send;
+    /// Page-locked host memory: copies from it are asynchronous.
+    type Pinned: AsRef<[u8]> + AsMut<[u8]> + Send;
+
+    /// Device memory (a plain allocation: exportable over CUDA IPC).
+    fn alloc(&self, bytes: usize) -> Result<DevicePtr, CudaError>;
+    fn free(&self, ptr: DevicePtr);
+    fn alloc_pinned(&self, bytes: usize) -> Result<Self::Pinned, CudaError>;
+    /// Bytes of device memory free.
+    fn free_memory(&self) -> Result<usize, CudaError>;
+    /// Queues `dst[..src.len()] = src` (`src` must stay unchanged until the stream has run it).
+    fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<(), CudaError>;
+    /// Queues `dst = src[..dst.len()]`; `dst` holds it once the stream is synchronized.
+    fn download(&self, dst: &mut [u8], src: DevicePtr) -> Result<(), CudaError>;
+    /// Queues `bytes` zero bytes at `dst`.
+    fn zero(&self, dst: DevicePtr, bytes: usize) -> Result<(), CudaError>;
+    fn launch(&self, launch: &Launch<'_>) -> Result<(), CudaError>;
+    fn gemm(&self, gemm: &Gemm) -> Result<(), CudaError>;
+    /// Copies the chunks `chunks` (indices of `chunk_bytes`-byte pieces from `base`) into `dst`,
+    /// in order, through pinned memory in one copy, on a stream of its own once the work queued
+    /// so far on the backend's stream is done; waits for that stream only.
+    fn gather_download(
+        &self,
+        base: DevicePtr,
+        chunks: &[u32],
+        chunk_bytes: usize,
+        dst: &mut [u8],
+    ) -> Result<(), CudaError>;
+    /// Waits for everything queued.
+    fn synchronize(&self) -> Result<(), CudaError>;
+    /// From now on the stream's work is recorded, not run.
+    fn begin_capture(&self) -> Result<(), CudaError>;
+    fn end_capture(&self) -> Result<Self::Graph, CudaError>;
+    /// Queues a captured graph.
+    fn replay(&self, graph: &Self::Graph) -> Result<(), CudaError>;
+}
+
+/// Frees device memory; what [`DeviceBuffer`] keeps of its GPU.
+pub trait Free: Send + Sync {
+    fn free(&self, ptr: DevicePtr);
+}
+
+impl<G: Gpu> Free for G {
+    fn free(&self, ptr: DevicePtr) {
+        Gpu::free(self, ptr)
+    }
+}
+
+/// Device memory freed on drop.
+pub struct DeviceBuffer {
+    ptr: DevicePtr,
+    bytes: usize,
+    owner: Arc<dyn Free>,
+}
+
+impl DeviceBuffer {
+    pub fn new<G: Gpu>(gpu: &Arc<G>, bytes: usize) -> Result<Self, CudaError> {
+        // A zero-length allocation is an error in CUDA; keep one word.
+        let ptr = gpu.alloc(bytes.max(4))?;
+        Ok(Self {
+            ptr,
+            bytes,
+            owner: gpu.clone(),
+        })
+    }
+
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        self.owner.free(self.ptr);
+    }
+}

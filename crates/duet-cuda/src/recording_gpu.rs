@@ -1,0 +1,234 @@
+//! A GPU that runs nothing and records what it is asked (tests only): what a step allocates,
+//! uploads, launches, downloads and waits for, counted from the backend's own code path. Every
+//! launch is checked against its kernel's signature in `kernels/*.cu` (the count and kind of
+//! each argument) and its grid and block against CUDA's limits, since no GPU checks them here.
+
+use std::sync::Mutex;
+
+use crate::CudaError;
+use crate::gpu::{Arg, DevicePtr, Gemm, Gpu, Launch};
+use crate::kernels::FILES;
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Alloc(usize),
+    Free,
+    Upload(usize),
+    Download(usize),
+    Zero(usize),
+    Launch(&'static str),
+    Gemm(Gemm),
+    /// A layer's KV blocks read off the backend's stream (their count).
+    GatherDownload(usize),
+    Synchronize,
+    BeginCapture,
+    /// A capture ended, with the launches (kernels and products) it captured.
+    EndCapture(usize),
+    Replay,
+}
+
+#[derive(Default)]
+pub struct RecordingGpu {
+    events: Mutex<Vec<Event>>,
+    next: Mutex<DevicePtr>,
+    capturing: Mutex<bool>,
+}
+
+/// A recorded graph.
+pub struct Graph;
+
+impl RecordingGpu {
+    /// Events since the last call.
+    pub fn take(&self) -> Vec<Event> {
+        std::mem::take(&mut *self.events.lock().unwrap())
+    }
+
+    fn record(&self, e: Event) {
+        self.events.lock().unwrap().push(e);
+    }
+}
+
+impl Gpu for RecordingGpu {
+    type Graph = Graph;
+    type Pinned = Vec<u8>;
+
+    fn alloc(&self, bytes: usize) -> Result<DevicePtr, CudaError> {
+        assert!(
+            !*self.capturing.lock().unwrap(),
+            "an allocation under capture"
+        );
+        self.record(Event::Alloc(bytes));
+        let mut next = self.next.lock().unwrap();
+        let ptr = *next + 0x1_0000;
+        *next = ptr + bytes.div_ceil(256) as u64 * 256;
+        Ok(ptr)
+    }
+
+    fn free(&self, _: DevicePtr) {
+        self.record(Event::Free);
+    }
+
+    fn alloc_pinned(&self, bytes: usize) -> Result<Vec<u8>, CudaError> {
+        self.record(Event::Alloc(bytes));
+        Ok(vec![0; bytes])
+    }
+
+    fn free_memory(&self) -> Result<usize, CudaError> {
+        Ok(1 << 30)
+    }
+
+    fn upload(&self, _: DevicePtr, src: &[u8]) -> Result<(), CudaError> {
+        assert!(!*self.capturing.lock().unwrap(), "an upload under capture");
+        self.record(Event::Upload(src.len()));
+        Ok(())
+    }
+
+    fn download(&self, dst: &mut [u8], _: DevicePtr) -> Result<(), CudaError> {
+        assert!(!*self.capturing.lock().unwrap(), "a download under capture");
+        dst.fill(0);
+        self.record(Event::Download(dst.len()));
+        Ok(())
+    }
+
+    fn zero(&self, _: DevicePtr, bytes: usize) -> Result<(), CudaError> {
+        self.record(Event::Zero(bytes));
+        Ok(())
+    }
+
+    fn launch(&self, launch: &Launch<'_>) -> Result<(), CudaError> {
+        let params = signature(launch.kernel);
+        let kinds: Vec<&str> = launch.args.iter().map(kind).collect();
+        assert_eq!(
+            kinds, params,
+            "{}: the arguments do not match the kernel's parameters",
+            launch.kernel
+        );
+        let (x, y, z) = launch.grid;
+        assert!(
+            x >= 1 && y >= 1 && z >= 1 && y <= 65_535 && z <= 65_535,
+            "{}: grid {:?}",
+            launch.kernel,
+            launch.grid
+        );
+        assert!(
+            (1..=1024).contains(&launch.block),
+            "{}: block {}",
+            launch.kernel,
+            launch.block
+        );
+        // What a block may opt into on sm_90 (the launching GPU raises the limit at load).
+        assert!(
+            launch.shared_bytes <= 227 * 1024,
+            "{}: {} bytes of dynamic shared memory",
+            launch.kernel,
+            launch.shared_bytes
+        );
+        self.record(Event::Launch(launch.kernel));
+        Ok(())
+    }
+
+    fn gemm(&self, gemm: &Gemm) -> Result<(), CudaError> {
+        self.record(Event::Gemm(*gemm));
+        Ok(())
+    }
+
+    fn gather_download(
+        &self,
+        _: DevicePtr,
+        chunks: &[u32],
+        _: usize,
+        dst: &mut [u8],
+    ) -> Result<(), CudaError> {
+        dst.fill(0);
+        self.record(Event::GatherDownload(chunks.len()));
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), CudaError> {
+        assert!(
+            !*self.capturing.lock().unwrap(),
+            "a synchronization under capture"
+        );
+        self.record(Event::Synchronize);
+        Ok(())
+    }
+
+    fn begin_capture(&self) -> Result<(), CudaError> {
+        *self.capturing.lock().unwrap() = true;
+        self.record(Event::BeginCapture);
+        Ok(())
+    }
+
+    fn end_capture(&self) -> Result<Graph, CudaError> {
+        *self.capturing.lock().unwrap() = false;
+        let mut events = self.events.lock().unwrap();
+        let start = events
+            .iter()
+            .rposition(|e| *e == Event::BeginCapture)
+            .expect("a capture began");
+        // The captured work belongs to the graph; the log keeps the bracket and its count.
+        let captured = events
+            .drain(start + 1..)
+            .filter(|e| matches!(e, Event::Launch(_) | Event::Gemm(_)))
+            .count();
+        events.push(Event::EndCapture(captured));
+        Ok(Graph)
+    }
+
+    fn replay(&self, _: &Graph) -> Result<(), CudaError> {
+        self.record(Event::Replay);
+        Ok(())
+    }
+}
+
+/// What kind of parameter an argument fills.
+fn kind(a: &Arg) -> &'static str {
+    match a {
+        Arg::Ptr(_) => "pointer",
+        Arg::I32(_) => "int",
+        Arg::U32(_) => "unsigned",
+        Arg::U64(_) => "unsigned long long",
+        Arg::F32(_) => "float",
+    }
+}
+
+/// The kinds of `kernel`'s parameters, read off its `extern "C" __global__` definition.
+fn signature(kernel: &str) -> Vec<&'static str> {
+    let head = format!(" {kernel}(");
+    let (source, at) = FILES
+        .iter()
+        .find_map(|f| {
+            let mut from = 0;
+            while let Some(i) = f.source[from..].find("extern \"C\" __global__") {
+                let start = from + i;
+                let body = &f.source[start..];
+                let end = body.find('{').unwrap_or(body.len());
+                if let Some(j) = body[..end].find(&head) {
+                    return Some((f.source, start + j + head.len()));
+                }
+                from = start + 1;
+            }
+            None
+        })
+        .unwrap_or_else(|| panic!("no kernel {kernel} in kernels/"));
+    let params = &source[at..at + source[at..].find(')').expect("a parameter list")];
+    params
+        .split(',')
+        .map(|p| {
+            let p = p.trim();
+            if p.contains('*') {
+                "pointer"
+            } else if p.contains("unsigned long long") {
+                "unsigned long long"
+            } else if p.starts_with("unsigned") {
+                "unsigned"
+            } else if p.starts_with("int") {
+                "int"
+            } else if p.starts_with("float") {
+                "float"
+            } else {
+                panic!("{kernel}: a parameter of a kind the backend does not pass: {p}")
+            }
+        })
+        .collect()
+}

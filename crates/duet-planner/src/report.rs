@@ -1,0 +1,263 @@
+//! What a serving run is summarised by, whether it ran (`duet bench serve`) or was simulated
+//! (`duet simulate`): latency percentiles, SLO attainment and goodput as DistServe defines them
+//! (a request attains only if its TTFT and its TPOT both meet their SLOs), and the time to first
+//! token split into queue, prefill and transfer. One struct, serialised into both reports, so
+//! their JSON compares key by key.
+
+use hdrhistogram::Histogram;
+use serde::{Deserialize, Serialize};
+
+/// Latency SLOs.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Slo {
+    pub ttft_ms: f64,
+    pub tpot_ms: f64,
+}
+
+impl Slo {
+    /// Refuses an SLO that no latency can meet (0, negative, not a number), naming the flag.
+    pub fn check(&self) -> Result<(), crate::PlannerError> {
+        for (v, flag) in [
+            (self.ttft_ms, "--ttft-slo-ms"),
+            (self.tpot_ms, "--tpot-slo-ms"),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(crate::PlannerError::Invalid(format!(
+                    "{flag} must be a positive number of milliseconds, not {v}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn attained(&self, ttft_ms: f64, tpot_ms: f64) -> bool {
+        ttft_ms <= self.ttft_ms && tpot_ms <= self.tpot_ms
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub mean: f64,
+}
+
+/// Where the time to first token went, as the router and workers measured it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TtftBreakdown {
+    /// Routing, admission and the prefill queue.
+    pub queue_ms: Percentiles,
+    pub prefill_ms: Percentiles,
+    pub transfer_ms: Percentiles,
+    /// The router's TTFT (the client's TTFT less the client-side hops).
+    pub ttft_ms: Percentiles,
+}
+
+/// The part of a run's report that a measured and a simulated run share.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ServeSummary {
+    pub design: String,
+    pub requests: usize,
+    pub failed: usize,
+    pub duration_s: f64,
+    pub request_throughput: f64,
+    pub output_tokens_per_s: f64,
+    pub ttft_ms: Percentiles,
+    pub tpot_ms: Percentiles,
+    pub itl_ms: Percentiles,
+    pub e2e_ms: Percentiles,
+    pub server_ttft_ms: TtftBreakdown,
+    pub slo_attainment: f64,
+    pub goodput_rps: f64,
+    /// Refused at once (RESOURCE_EXHAUSTED: the in-flight limit, or a TTFT estimate past the
+    /// deadline).
+    pub shed: usize,
+}
+
+/// A latency distribution in milliseconds, kept as an HDR histogram (microsecond resolution,
+/// 3 significant digits) so that a million requests cost no more memory than ten.
+#[derive(Clone)]
+pub struct Latencies(Histogram<u64>);
+
+impl Default for Latencies {
+    fn default() -> Self {
+        Self(Histogram::new(3).expect("3 significant digits is valid"))
+    }
+}
+
+impl Latencies {
+    pub fn record(&mut self, ms: f64) {
+        // An auto-resizing histogram takes any value.
+        let _ = self.0.record((ms * 1e3).round().max(0.0) as u64);
+    }
+
+    /// The value at quantile `q` (0..=1), in milliseconds.
+    pub fn quantile(&self, q: f64) -> f64 {
+        self.0.value_at_quantile(q) as f64 / 1e3
+    }
+
+    pub fn percentiles(&self) -> Percentiles {
+        if self.0.is_empty() {
+            return Percentiles::default();
+        }
+        Percentiles {
+            p50: self.quantile(0.5),
+            p90: self.quantile(0.9),
+            p99: self.quantile(0.99),
+            mean: self.0.mean() / 1e3,
+        }
+    }
+}
+
+/// The percentiles of `values` (milliseconds).
+pub fn percentiles(values: impl IntoIterator<Item = f64>) -> Percentiles {
+    let mut l = Latencies::default();
+    for v in values {
+        l.record(v);
+    }
+    l.percentiles()
+}
+
+/// One request's outcome, as a run's summary counts it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Outcome {
+    pub ttft_ms: f64,
+    pub tpot_ms: f64,
+    pub e2e_ms: f64,
+    pub output_tokens: usize,
+    /// The servers' split of the TTFT, when they reported one.
+    pub split: Option<TtftSplit>,
+}
+
+/// The servers' account of a request's time to first token.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TtftSplit {
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
+    pub transfer_ms: f64,
+    pub ttft_ms: f64,
+}
+
+/// Accumulates a run's outcomes into its [`ServeSummary`].
+#[derive(Clone, Default)]
+pub struct SummaryBuilder {
+    requests: usize,
+    ok: usize,
+    shed: usize,
+    attained: usize,
+    output_tokens: u64,
+    ttft: Latencies,
+    tpot: Latencies,
+    itl: Latencies,
+    e2e: Latencies,
+    queue: Latencies,
+    prefill: Latencies,
+    transfer: Latencies,
+    server_ttft: Latencies,
+}
+
+impl SummaryBuilder {
+    /// A request that ended with its answer.
+    pub fn served(&mut self, o: &Outcome, slo: &Slo) {
+        self.requests += 1;
+        self.ok += 1;
+        self.output_tokens += o.output_tokens as u64;
+        self.attained += slo.attained(o.ttft_ms, o.tpot_ms) as usize;
+        self.ttft.record(o.ttft_ms);
+        self.tpot.record(o.tpot_ms);
+        self.e2e.record(o.e2e_ms);
+        if let Some(s) = o.split {
+            self.queue.record(s.queue_ms);
+            self.prefill.record(s.prefill_ms);
+            self.transfer.record(s.transfer_ms);
+            self.server_ttft.record(s.ttft_ms);
+        }
+    }
+
+    /// A request that failed; `shed`: refused at once for load.
+    pub fn failed(&mut self, shed: bool) {
+        self.requests += 1;
+        self.shed += shed as usize;
+    }
+
+    /// One gap between consecutive token messages of a request.
+    pub fn inter_token(&mut self, ms: f64) {
+        self.itl.record(ms);
+    }
+
+    /// The summary of a run of `design` that lasted `duration_s`.
+    pub fn build(&self, design: &str, duration_s: f64) -> ServeSummary {
+        let per_s = |n: f64| {
+            if duration_s > 0.0 {
+                n / duration_s
+            } else {
+                0.0
+            }
+        };
+        ServeSummary {
+            design: design.to_string(),
+            requests: self.requests,
+            failed: self.requests - self.ok,
+            duration_s,
+            request_throughput: per_s(self.ok as f64),
+            output_tokens_per_s: per_s(self.output_tokens as f64),
+            ttft_ms: self.ttft.percentiles(),
+            tpot_ms: self.tpot.percentiles(),
+            itl_ms: self.itl.percentiles(),
+            e2e_ms: self.e2e.percentiles(),
+            server_ttft_ms: TtftBreakdown {
+                queue_ms: self.queue.percentiles(),
+                prefill_ms: self.prefill.percentiles(),
+                transfer_ms: self.transfer.percentiles(),
+                ttft_ms: self.server_ttft.percentiles(),
+            },
+            slo_attainment: self.attained as f64 / self.requests.max(1) as f64,
+            goodput_rps: per_s(self.attained as f64),
+            shed: self.shed,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attainment_needs_both_slos_and_goodput_counts_attained_requests_per_second() {
+        let slo = Slo {
+            ttft_ms: 100.0,
+            tpot_ms: 10.0,
+        };
+        let mut b = SummaryBuilder::default();
+        let o = |ttft_ms, tpot_ms| Outcome {
+            ttft_ms,
+            tpot_ms,
+            e2e_ms: ttft_ms + 10.0 * tpot_ms,
+            output_tokens: 11,
+            split: None,
+        };
+        b.served(&o(50.0, 5.0), &slo);
+        b.served(&o(150.0, 5.0), &slo);
+        b.served(&o(50.0, 15.0), &slo);
+        b.failed(true);
+        let s = b.build("x", 2.0);
+        assert_eq!((s.requests, s.failed, s.shed), (4, 1, 1));
+        assert_eq!(s.slo_attainment, 0.25);
+        assert_eq!(s.goodput_rps, 0.5);
+        assert_eq!(s.request_throughput, 1.5);
+        assert_eq!(s.output_tokens_per_s, 16.5);
+        // Within the histogram's 3 significant digits.
+        assert!((s.ttft_ms.p50 - 50.0).abs() < 0.05, "{:?}", s.ttft_ms);
+        assert!(
+            Slo {
+                ttft_ms: 0.0,
+                tpot_ms: 1.0
+            }
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("--ttft-slo-ms")
+        );
+    }
+}
