@@ -1888,4 +1888,32 @@ mod tests {
         let rig = Rig::new(GpuOptions::default());
         assert_eq!(rig.model.backend().buckets(), vec![1, 2, 4, 8, 16]);
     }
+
+    /// A runner loaded for `--device cuda` without `--max-step-tokens` plans its step memory, and
+    /// its decode buckets, for the GPU's step budget.
+    #[test]
+    fn a_gpu_runner_reserves_the_gpu_step_budget_by_default() {
+        use duet_engine::device::Device;
+        use duet_engine::engine::EngineOptions;
+        use duet_engine::model_runner::ModelRunner;
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+        let files = duet_model::model_files::open_model(&dir).unwrap();
+        let options = EngineOptions {
+            device: Device::Cuda(0),
+            kv_cache_tokens: 256,
+            ..Default::default()
+        };
+        let backend = GpuBackend::with_gpu(
+            Arc::new(RecordingGpu::default()),
+            GpuOptions::default(),
+            0.5,
+        );
+        let runner = ModelRunner::load(backend, &files, &options).unwrap();
+        let buckets = runner.model().backend().buckets();
+        assert_eq!(
+            buckets.last(),
+            Some(&duet_engine::device::GPU_STEP_TOKENS),
+            "{buckets:?}"
+        );
+    }
 }
