@@ -7,6 +7,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod gpu_bench;
+pub mod mixed_load;
 pub mod row_invariance;
 
 use std::path::Path;
@@ -105,6 +106,7 @@ pub fn gpu_options(options: &EngineOptions) -> duet_cuda::backend::GpuOptions {
         cuda_graphs: options.cuda_graphs.is_on(),
         device_sampling: options.device_sampling.is_on(),
         fused_kernels: options.fused_kernels.is_on(),
+        prefill_attention: options.prefill_attention,
     }
 }
 
