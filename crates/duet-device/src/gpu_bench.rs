@@ -106,6 +106,7 @@ pub fn switch_settings() -> Vec<GpuOptions> {
             cuda_graphs: true,
             device_sampling: true,
             fused_kernels: true,
+            ..off
         },
     ]
 }
