@@ -1,8 +1,8 @@
 """HF transformers on the Llama-3-8B shape `duet bench gpu` times, on the same GPU in the same run.
 
 Random bf16 weights made on the GPU; decode steps through the model's KV cache (eager attention
-as transformers ships it), prefill of one 2048-token prompt. Prints one JSON object whose keys
-are `duet bench gpu`'s timing names. Run by `duet bench gpu --compare-hf`.
+as transformers ships it), prefill of one 2048-token and one 8192-token prompt. Prints one JSON
+object whose keys are `duet bench gpu`'s timing names. Run by `duet bench gpu --compare-hf`.
 """
 
 import json
@@ -64,6 +64,7 @@ def main() -> None:
         "decode, batch 1, context 128 (tokens/s)": decode_tokens_per_s(1, 128),
         "decode, batch 64, context 1024 (tokens/s)": decode_tokens_per_s(64, 1024),
         "prefill, one 2048-token prompt (ms)": prefill_ms(2048),
+        "prefill, one 8192-token prompt (ms)": prefill_ms(8192),
     }
     json.dump(result, sys.stdout)
     print()

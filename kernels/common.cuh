@@ -17,6 +17,8 @@
 //     result, so it may drive uniform control flow. Back-to-back calls are safe.
 //   * Helpers for 16-byte loads of 8 bf16 values.
 //   * mma_bf16_16816: one warp's bf16 tensor-core product (sm_80 and later).
+//   * DYNAMIC_SHARED, ldmatrix_x4[_trans], cp_async_16 / cp_async_commit / cp_async_wait: dynamic
+//     shared memory and the sm_80 shared-memory instructions of the tiled attention kernels.
 //   * rope_pair: one rotary pair turned (rope.cu and qkv_rope_kv.cu share it, so the fused
 //     and the separate kernels compute the same bits).
 
@@ -120,5 +122,48 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, cons
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// The block's dynamic shared memory (sized at launch), as `type* name`.
+// ldmatrix.sync.aligned.m8n8.x4: lanes 8j..8j+7 give the 16-byte rows of 8x8 b16 matrix j; lane i
+// gets in r[j] row i/4, columns 2(i%4), 2(i%4)+1 of matrix j (with _trans: column i/4, rows 2(i%4)
+// and 2(i%4)+1), the lower column (row) in the low half. Rows must be 16-byte aligned.
+// cp_async_16: a 16-byte global-to-shared copy that bypasses L1 (.cg), zero-filled when !valid
+// (nothing is read then); cp_async_commit closes the thread's group of copies, and
+// cp_async_wait<N> waits until at most N of its committed groups are still in flight. Other
+// threads see the data after a __syncthreads that follows the wait.
+// The CPU emulator defines all of these itself (emu.h).
+#ifndef DUET_EMULATOR
+#define DYNAMIC_SHARED(type, name) \
+    extern __shared__ __align__(16) unsigned char name##_bytes[]; \
+    type* name = reinterpret_cast<type*>(name##_bytes)
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 #endif

@@ -17,16 +17,26 @@
 # Steps:
 #   1. baseline    today's path re-baselined, every switch off first: `duet bench gpu --skip-speed`
 #                  on the tiny fixtures (plain RoPE, llama3 scaling, YaRN's attention factor: RoPE
-#                  after its signature change): paged attention vs float64, logits and greedy
-#                  tokens GPU == CPU; then each switch on (--cuda-graphs, --device-sampling,
-#                  --fused-kernels): the same greedy tokens, a seeded request GPU == CPU, device
-#                  sampling bit for bit, batch invariance. The default model too when it is here.
-#   2. disagg      `duet up --device cuda --processes` on the tiny fixture, KV over cuda-ipc and
-#                  over gRPC (a layer's blocks per copy through pinned memory): a short prompt ==
-#                  CPU, a prompt prefilled remotely the same tokens both ways.
-#   3. speed       `duet bench gpu --skip-checks --compare-torch`: the Llama-3-8B shape, decode at
-#                  batch 1 and 64 with each switch off and on, prefill, the PyTorch + CUDA graphs
-#                  peer (bench/torch_decode.py). GPU_VERIFY_HF=1 adds HF transformers.
+#                  after its signature change): paged attention vs float64 with each prefill
+#                  attention kernel (legacy, then fa), logits GPU vs CPU with each, greedy tokens
+#                  GPU == CPU; then each switch on (--cuda-graphs, --device-sampling,
+#                  --fused-kernels, --prefill-attention fa): the same greedy tokens, a seeded
+#                  request GPU == CPU, device sampling bit for bit, batch invariance with each
+#                  prefill kernel. The default model too when it is here.
+#   2. disagg      `duet up --device cuda --processes` on the tiny fixture (its context stretched
+#                  to 8192 positions in $OUT, the weights the same), KV over cuda-ipc and over gRPC
+#                  (a layer's blocks per copy through pinned memory), every prompt prefilled
+#                  remotely: a short prompt == CPU, a longer one the same tokens both ways; over
+#                  cuda-ipc, `duet bench serve --server` sends 4096-token prompts to the same
+#                  cluster and reports their TTFT split into queue, prefill and transfer.
+#   3. speed       `duet bench gpu --skip-checks --compare-torch --compare-hf`: the Llama-3-8B
+#                  shape, decode at batch 1 and 64 with each switch off and on; the 2048- and
+#                  8192-token prefills and the prefill attention alone with each prefill kernel
+#                  (legacy against fa), fused kernels off and on, against HF transformers'
+#                  (bench/hf_gpu.py) in the same run; the mixed load: TPOT of 32 decodes while an
+#                  8192-token prompt prefills beside them, per step budget and prefill kernel; the
+#                  PyTorch + CUDA graphs peer (bench/torch_decode.py). GPU_VERIFY_HF=0 leaves HF
+#                  out.
 #   4. kvtiers     the KV tiers and peer pulls through the CUDA backend, on the tiny fixture:
 #                  `duet bench serve --compare-kv-tiers` (multi-turn, a host tier under a small
 #                  pool) and `duet bench kv-pull` (a prefix pulled from a peer vs computed).
@@ -47,7 +57,7 @@ fixtures() { echo tests/fixtures/tiny-llama tests/fixtures/tiny-rope-llama3 test
 export -f bin_names fixtures
 # Seconds per step; with the set-up they must fit the 8 minutes.
 budget_total=480
-limit_setup=20 limit_baseline=120 limit_disagg=100 limit_speed=190 limit_kvtiers=50
+limit_setup=15 limit_baseline=100 limit_disagg=100 limit_speed=220 limit_kvtiers=45
 limits_sum() { echo $((limit_setup + limit_baseline + limit_disagg + limit_speed + limit_kvtiers)); }
 carry_limit=$((64 << 20))
 
@@ -165,7 +175,17 @@ EOF
 }
 
 disagg() {
-  local model=tests/fixtures/tiny-llama port=50551
+  local model=$OUT/tiny-llama-8k port=50551
+  # The fixture with room for a 4096-token prompt: only max_position_embeddings differs (no RoPE
+  # scaling, so the same weights give the same tokens).
+  mkdir -p "$model"
+  cp tests/fixtures/tiny-llama/model.safetensors tests/fixtures/tiny-llama/tokenizer.json "$model/"
+  python3 - tests/fixtures/tiny-llama/config.json "$model/config.json" <<'EOF'
+import json, sys
+config = json.load(open(sys.argv[1]))
+config["max_position_embeddings"] = 8192
+json.dump(config, open(sys.argv[2], "w"))
+EOF
   # ~150 tokens: over the router's local-prefill threshold (32), within the fixture's 256.
   local long_prompt
   long_prompt=$(python3 -c "print(' '.join(f'item {i} is {i*i % 97};' for i in range(25)))")
@@ -178,10 +198,10 @@ disagg() {
     log="$OUT/up-$t.log"
     if $dry; then
       gpu "$bin/duet" up --processes --device cuda --model "$model" --kv-transport "$t" \
-        --listen 127.0.0.1:$port --metrics-listen 127.0.0.1:0 || return 1
+        --prefill-saturation-factor 0 --listen 127.0.0.1:$port --metrics-listen 127.0.0.1:0 || return 1
     else
       "$bin/duet" up --processes --device cuda --model "$model" --kv-transport "$t" \
-        --listen 127.0.0.1:$port --metrics-listen 127.0.0.1:0 >"$log" 2>&1 &
+        --prefill-saturation-factor 0 --listen 127.0.0.1:$port --metrics-listen 127.0.0.1:0 >"$log" 2>&1 &
       up=$!
       for _ in $(seq 60); do grep -q "duet is ready" "$log" && break; kill -0 $up 2>/dev/null || break; sleep 1; done
     fi
@@ -189,6 +209,7 @@ disagg() {
       --prompt "The capital of France is" | ids)
     long[$t]=$(gpu "$bin/duet" generate --server 127.0.0.1:$port --json --temperature 0 --max-tokens 24 \
       --prompt "$long_prompt" | ids)
+    [[ $t == cuda-ipc ]] && cluster_ttft "$port"
     if ! $dry; then
       local pushed
       pushed=$(sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -o 'KV push opened.*' | grep -o 'transport=[a-z"-]*' | sort | uniq -c | tr -s ' ' | tr '\n' ' ')
@@ -207,9 +228,30 @@ disagg() {
     || row "remotely prefilled prompt: same tokens over cuda-ipc and grpc" FAIL "cuda-ipc=${long[cuda-ipc]} grpc=${long[grpc]}"
 }
 
+# The TTFT of 4096-token prompts through the cluster at $1, split into queue, prefill and transfer
+# as the servers saw it: one row.
+cluster_ttft() {
+  local json="$OUT/cluster-ttft-4096.json"
+  gpu "$bin/duet" bench serve --server "127.0.0.1:$1" --requests 4 --concurrency 1 \
+    --prompt-tokens 4096 --output-tokens 16 --json-out "$json" | tee "$OUT/cluster-ttft-4096.txt" \
+    || { row "cluster TTFT, 4096-token prompts over cuda-ipc" FAIL "duet bench serve failed"; return 0; }
+  $dry && return 0
+  python3 - "$json" <<'EOF' >>"$rows"
+import json, sys
+run = json.load(open(sys.argv[1]))["runs"][0]
+b = {k: v["p50"] for k, v in run["server_ttft_ms"].items()}
+ok = run["failed"] == 0
+detail = (f'p50: queue {b["queue_ms"]:.1f} + prefill {b["prefill_ms"]:.1f} + transfer '
+          f'{b["transfer_ms"]:.1f} ms (servers\' TTFT {b["ttft_ms"]:.1f}); client TTFT '
+          f'{run["ttft_ms"]["p50"]:.1f} ms, {run["failed"]} failed')
+print(f'{"cluster TTFT, 4096-token prompts over cuda-ipc":<62} {"DONE" if ok else "FAIL":<6} {detail}')
+EOF
+}
+export -f cluster_ttft
+
 speed() {
   local peers=(--compare-torch)
-  [[ ${GPU_VERIFY_HF:-0} == 1 ]] && peers+=(--compare-hf)
+  [[ ${GPU_VERIFY_HF:-1} == 1 ]] && peers+=(--compare-hf)
   gpu "$bin/duet" bench gpu --skip-checks "${peers[@]}" --json-out "$OUT/bench-gpu.json" \
     | tee "$OUT/bench-gpu.txt"
 }
@@ -273,7 +315,7 @@ step kvtiers kvtiers "$limit_kvtiers"
 summary="$out/summary.txt"
 {
   cat "$out/gpu.txt"
-  [[ -f $out/speed.log ]] && grep -A40 '^timing' "$out/speed.log" | grep -v '^\[' || true
+  [[ -f $out/speed.log ]] && grep -A80 '^timing' "$out/speed.log" | grep -v '^\[' || true
   printf '\n%-62s %-6s %s\n' check result detail
   cat "$rows"
   echo "total $((SECONDS - start))s; logs and JSON in $out"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every CUDA kernel file on the CPU emulator (crates/duet-cuda/emulator, see its README.md)
-# and checks it against numpy float64/bit-exact references. No GPU or CUDA toolkit needed:
+# and checks it against numpy float64/bit-exact references; then the emulator's own models of
+# ldmatrix and cp.async against the PTX ISA (emulator/emu_selftest.cu). No GPU or CUDA toolkit needed:
 # only a C++17 compiler (g++ or c++) and python3 with numpy. Prints one PASS/FAIL line per kernel
 # file (a kernel file without a t_<name>.py test fails too) and exits non-zero on any failure.
 # KERNELS_DIR may point at another copy of the kernel files (used to check that breakage is caught).
@@ -17,10 +18,10 @@ python3 -c 'import numpy' 2>/dev/null || { echo "python3 with numpy is required"
 
 # Build: emu.o once, then one shared library per kernel file, in parallel.
 names=()
-for cu in "$KERNELS"/*.cu; do names+=("$(basename "$cu" .cu)"); done
+for cu in "$KERNELS"/*.cu "$EMU/emu_selftest.cu"; do names+=("$(basename "$cu" .cu)"); done
 CXX="$CXX" "$EMU/build-lib.sh" "$KERNELS" "$BUILD" "${names[@]}" || true
 
-export DUET_EMU_BUILD="$BUILD" PYTHONDONTWRITEBYTECODE=1
+export DUET_EMU_BUILD="$BUILD" DUET_EMU_KERNELS="$(cd "$KERNELS" && pwd)" PYTHONDONTWRITEBYTECODE=1
 failed=0
 for name in "${names[@]}"; do
     log="$BUILD/run_$name.log"

@@ -1,6 +1,7 @@
 //! `duet bench gpu`: the GPU checks and timings of `duet_device::gpu_bench`, as a table and JSON;
-//! peers on the same shapes in the same run: HF transformers with `--compare-hf`, a lean PyTorch
-//! decoder replayed as a CUDA graph (`bench/torch_decode.py`) with `--compare-torch`.
+//! peers on the same shapes in the same run: HF transformers with `--compare-hf` (its 2048- and
+//! 8192-token prefills against duet's with each prefill attention kernel), a lean PyTorch decoder
+//! replayed as a CUDA graph (`bench/torch_decode.py`) with `--compare-torch`.
 
 use std::path::PathBuf;
 
@@ -97,7 +98,7 @@ pub fn run(args: GpuBenchArgs) -> Result<()> {
                             t.value / v
                         };
                         println!(
-                            "{:<44} {:<46} {:>8.1} {:<4}  duet/peer = {ratio:.2}x",
+                            "{:<44} {:<62} {:>8.1} {:<4}  duet/peer = {ratio:.2}x",
                             t.name, t.switches, v, t.unit
                         );
                     }

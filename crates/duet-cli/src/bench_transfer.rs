@@ -75,8 +75,8 @@ impl StandIn {
         let block_bytes = self.wire.block_bytes();
         let mut sender = push.sender;
         for layer in 0..self.wire.layout.num_layers {
-            sender.send_layer(layer, blocks.clone(), &mut |_, out| {
-                out.resize(out.len() + block_bytes, 0);
+            sender.send_layer(layer, blocks.clone(), &mut |range, out| {
+                out.resize(out.len() + range.len() * block_bytes, 0);
                 Ok(())
             })?;
         }

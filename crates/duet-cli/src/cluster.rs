@@ -514,7 +514,7 @@ fn below_ephemeral_ports() -> std::ops::Range<u16> {
 /// Polls with a one-token `Generate` until one succeeds (only then would a user's call succeed)
 /// and the router's `Info` shows the `(prefill, decode)` workers launched all routable (a
 /// prefill worker is ready once it knows a decode worker to push to, and the router sees that
-/// at its next poll). Stops at the first error of `services_alive`, checked before each try.
+/// at its next poll) and every decode worker accepting every prefill worker in a plan. Stops at the first error of `services_alive`, checked before each try.
 async fn wait_until_serving(
     router: SocketAddr,
     key: Option<&str>,
@@ -595,6 +595,20 @@ async fn probe(
     );
     if p < prefill || d < decode {
         bail!("{p} of {prefill} prefill and {d} of {decode} decode workers routable");
+    }
+    // A decode worker learns the prefill workers from the membership on its own schedule; until
+    // it accepts them the router prefills its prompts on it, and the cluster is not yet the one
+    // launched.
+    if let Some(w) = info
+        .decode_workers
+        .iter()
+        .find(|w| !w.refused_prefill_workers.is_empty())
+    {
+        bail!(
+            "decode worker {} does not accept prefill workers {:?} yet",
+            w.address,
+            w.refused_prefill_workers
+        );
     }
     Ok(())
 }

@@ -84,7 +84,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let jobs: Vec<Job> = args.workload.jobs()?.collect::<Result<_, _>>()?;
     let steps = match args.step_tokens.is_empty() {
         true => {
-            let s = args.shape.engine.max_step_tokens;
+            let s = args.shape.engine.step_tokens();
             vec![(s / 2).max(1), s, s * 2]
         }
         false => args.step_tokens.clone(),

@@ -264,7 +264,7 @@ impl WithEngine for Measure<'_> {
         let mut prompt = prompt_source(engine.config().vocab_size);
         let context_limit = engine.config().max_position_embeddings;
         // One untimed step first: the first forward pass allocates its buffers.
-        let warm = prompt(engine.options().max_step_tokens.min(64));
+        let warm = prompt(engine.options().step_tokens().min(64));
         let (id, _) = prefill_one(&mut engine, warm)?;
         engine.remove_sequence(id)?;
         let mut prefill = Vec::new();

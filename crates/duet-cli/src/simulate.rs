@@ -226,7 +226,7 @@ pub(crate) fn sim_config(
         design,
         prefill_workers: shape.prefill_workers_of(design),
         decode_workers: shape.decode_workers,
-        max_step_tokens: engine.max_step_tokens,
+        max_step_tokens: engine.step_tokens(),
         kv_cache_tokens,
         routing: RouterShape {
             policy: routing.params().policy,

@@ -5,9 +5,11 @@ import numpy as np
 from harness import bf2f, f2bf
 
 
-def make_store(rng, L, NB, nkv, bs, hd):
-    """Paged KV store [layer][block][k|v][kv_head][slot][head_dim] of bf16."""
-    return f2bf(rng.standard_normal(L * NB * 2 * nkv * bs * hd).astype(np.float32))
+def make_store(rng, L, NB, nkv, bs, hd, draw=None):
+    """Paged KV store [layer][block][k|v][kv_head][slot][head_dim] of bf16, values from
+    draw(n) (default: standard normal)."""
+    n = L * NB * 2 * nkv * bs * hd
+    return f2bf((draw(n) if draw else rng.standard_normal(n)).astype(np.float32))
 
 
 def make_tables(rng, nblocks_per_seq, spare):
@@ -38,4 +40,18 @@ def ref_attn(qrow, K, V, nh, nkv, scale, ntok):
         s = (K[:ntok, kh] @ qrow[h]) * scale
         p = np.exp(s - s.max()); p /= p.sum()
         out[h] = p @ V[:ntok, kh]
+    return out
+
+
+def ref_attn_fa(qrow, K, V, nh, nkv, scale, ntok):
+    """What FlashAttention's numerics give in exact arithmetic: ref_attn with Q (scaled by
+    scale·log2 e) and P each rounded to one bf16 term, the row sum taken over the unrounded P."""
+    G = nh // nkv
+    out = np.zeros((nh, qrow.shape[1]))
+    for h in range(nh):
+        kh = h // G
+        qb = bf2f(f2bf(np.float32(qrow[h] * (scale * np.log2(np.e))))).astype(np.float64)
+        s = K[:ntok, kh] @ qb
+        p = np.exp2(s - s.max())
+        out[h] = bf2f(f2bf(p.astype(np.float32))).astype(np.float64) @ V[:ntok, kh] / p.sum()
     return out

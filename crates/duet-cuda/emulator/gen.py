@@ -6,8 +6,8 @@ Usage: gen.py [--kernels DIR] KERNEL.cu OUT.cpp
 Writes emu.h's include, then common.cuh and the kernel file (prepended exactly as the
 host does for NVRTC), then one extern "C" launcher per kernel:
     L_<kernel>(grid_x, grid_y, grid_z, block_x, <the kernel's own parameters>)
-which harness.py calls through ctypes. Kernel sources (KERNEL.cu's file name and
-common.cuh) are read from DIR, by default the repository's kernels/.
+which harness.py calls through ctypes. common.cuh is read from DIR, by default the
+repository's kernels/.
 """
 import os
 import re
@@ -27,7 +27,7 @@ def main():
     kernel_file, out = args
     with open(os.path.join(kernels, 'common.cuh')) as f:
         body = f.read()
-    with open(os.path.join(kernels, os.path.basename(kernel_file))) as f:
+    with open(kernel_file) as f:
         body += '\n' + f.read()
     sigs = SIG.findall(body)
     if not sigs:

@@ -25,11 +25,12 @@ def lib(name):
     return _libs[name]
 
 
-def launch(libname, kname, grid, block, *args):
-    """Launch kernel `kname` of kernels/<libname>.cu with a 1-D block of `block` threads.
-    numpy arrays are passed as device pointers (the emulator shares host memory);
-    scalars must already be ctypes values matching the kernel's parameter types."""
+def launch(libname, kname, grid, block, *args, smem=0):
+    """Launch kernel `kname` of kernels/<libname>.cu with a 1-D block of `block` threads and `smem`
+    bytes of dynamic shared memory. numpy arrays are passed as device pointers (the emulator
+    shares host memory); scalars must already be ctypes values matching the kernel's parameter types."""
     g = list(grid) + [1] * (3 - len(grid))
+    lib(libname).emu_set_dynamic_smem(c_uint(smem))
     conv = [c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else a for a in args]
     for a in args:
         if isinstance(a, np.ndarray):
@@ -59,6 +60,17 @@ def check(name, good, detail=''):
         _failures.append(name)
     print(('ok   ' if good else 'FAIL ') + name + (f'  {detail}' if detail else ''))
     return good
+
+
+def kernel_define(libname, name):
+    """The integer value of `#define name` in kernels/<libname>.cu (launch constants the host reads too)."""
+    kernels = os.environ.get('DUET_EMU_KERNELS') or os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', '..', 'kernels')
+    with open(os.path.join(kernels, libname + '.cu')) as f:
+        for line in f:
+            parts = line.split()
+            if parts[:2] == ['#define', name]:
+                return int(parts[2])
+    sys.exit(f'kernels/{libname}.cu defines no {name}')
 
 
 def check_close(name, got, ref, tol=1e-5):

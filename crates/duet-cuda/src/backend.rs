@@ -18,7 +18,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use duet_engine::EngineError;
 use duet_engine::backend::{
-    AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout, StepMemoryPlan, StepRows,
+    AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout, PrefillAttention, StepMemoryPlan,
+    StepRows,
 };
 use duet_engine::batch::ForwardBatch;
 use duet_engine::sampling_steps::RowSampling;
@@ -36,8 +37,9 @@ use crate::packed_weights::{self, PackedLayout};
 use crate::sampling::{self, PackedRows};
 use crate::step::{self, Arena, GraphKey, InputLayout};
 
-/// Switches of the GPU path that have not run on a GPU yet, each off by default
-/// (`--cuda-graphs`, `--device-sampling`, `--fused-kernels`, `--gpu-weights`).
+/// Choices of the GPU path that have not run on a GPU yet, each off (or the kernel that has) by
+/// default (`--cuda-graphs`, `--device-sampling`, `--fused-kernels`, `--gpu-weights`,
+/// `--prefill-attention`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GpuOptions {
     /// Decode steps captured once per batch bucket as a CUDA graph, then replayed.
@@ -51,6 +53,9 @@ pub struct GpuOptions {
     /// of `kernels/quant_matvec.cu`; otherwise dequantized to bf16. Read when a matrix is
     /// loaded: switching it later changes no loaded weights.
     pub packed_weights: bool,
+    /// The kernel of prefill attention: prefill_attention.cu (legacy) or the FlashAttention-tiled
+    /// prefill_attention_fa.cu (fa).
+    pub prefill_attention: PrefillAttention,
 }
 
 /// [`GpuOptions`] as the backend holds them: switchable between steps (`duet bench gpu` times
@@ -61,6 +66,8 @@ struct Switches {
     device_sampling: AtomicBool,
     fused_kernels: AtomicBool,
     packed_weights: AtomicBool,
+    /// Whether prefill attention is `fa` (else `legacy`).
+    fa_prefill: AtomicBool,
 }
 
 impl Switches {
@@ -70,6 +77,10 @@ impl Switches {
             device_sampling: self.device_sampling.load(Ordering::Relaxed),
             fused_kernels: self.fused_kernels.load(Ordering::Relaxed),
             packed_weights: self.packed_weights.load(Ordering::Relaxed),
+            prefill_attention: match self.fa_prefill.load(Ordering::Relaxed) {
+                true => PrefillAttention::Fa,
+                false => PrefillAttention::Legacy,
+            },
         }
     }
 
@@ -80,6 +91,10 @@ impl Switches {
         self.fused_kernels.store(o.fused_kernels, Ordering::Relaxed);
         self.packed_weights
             .store(o.packed_weights, Ordering::Relaxed);
+        self.fa_prefill.store(
+            o.prefill_attention == PrefillAttention::Fa,
+            Ordering::Relaxed,
+        );
     }
 }
 
@@ -392,7 +407,19 @@ impl<G: Gpu> GpuBackend<G> {
         &self,
         s: &mut State<G>,
         kernel: &'static str,
+        grid: ((u32, u32, u32), u32),
+        args: &[Arg],
+    ) {
+        self.launch_shared(s, kernel, grid, 0, args);
+    }
+
+    /// [`Self::launch`] with `shared_bytes` of dynamic shared memory a block.
+    fn launch_shared(
+        &self,
+        s: &mut State<G>,
+        kernel: &'static str,
         (grid, block): ((u32, u32, u32), u32),
+        shared_bytes: u32,
         args: &[Arg],
     ) {
         if self.idle(s) {
@@ -404,6 +431,7 @@ impl<G: Gpu> GpuBackend<G> {
             kernel,
             grid,
             block,
+            shared_bytes,
             args,
         });
         self.check(kernel, r);
@@ -1388,14 +1416,6 @@ impl<G: Gpu> Backend for GpuBackend<G> {
                 .filter(|&n| n > 1)
                 .max()
                 .unwrap_or(0);
-            // One entry point per padded head size (each with its own registers).
-            let kernel = if shape.head_dim <= 64 {
-                "prefill_attention_hd64"
-            } else if shape.head_dim <= 128 {
-                "prefill_attention_hd128"
-            } else {
-                "prefill_attention_hd256"
-            };
             let mut args = vec![
                 Arg::Ptr(q.ptr),
                 Arg::Ptr(kv.base_ptr()),
@@ -1407,19 +1427,30 @@ impl<G: Gpu> Backend for GpuBackend<G> {
             ];
             args.extend(geometry);
             args.push(Arg::Ptr(out.ptr));
-            self.launch(
-                &mut s,
-                kernel,
-                (
-                    (
-                        max_len.div_ceil(kernels::PREFILL_BLOCK_M) as u32,
-                        shape.num_heads as u32,
-                        l.prefill_seqs as u32,
-                    ),
-                    kernels::PREFILL_THREADS,
-                ),
-                &args,
-            );
+            let seqs = l.prefill_seqs as u32;
+            let heads = shape.num_heads as u32;
+            // One entry point per padded head size (each with its own registers).
+            match self.options().prefill_attention {
+                PrefillAttention::Legacy => {
+                    let kernel = if shape.head_dim <= 64 {
+                        "prefill_attention_hd64"
+                    } else if shape.head_dim <= 128 {
+                        "prefill_attention_hd128"
+                    } else {
+                        "prefill_attention_hd256"
+                    };
+                    let tiles = max_len.div_ceil(kernels::PREFILL_BLOCK_M) as u32;
+                    let grid = ((tiles, heads, seqs), kernels::PREFILL_THREADS);
+                    self.launch(&mut s, kernel, grid, &args);
+                }
+                // The heads first in the grid: every head of a query tile runs at once.
+                PrefillAttention::Fa => {
+                    let e = kernels::fa_entry(shape.head_dim);
+                    let tiles = max_len.div_ceil(e.block_m) as u32;
+                    let grid = ((heads, tiles, seqs), kernels::FA_THREADS);
+                    self.launch_shared(&mut s, e.kernel, grid, e.smem_bytes, &args);
+                }
+            }
         }
     }
 
@@ -1962,14 +1993,19 @@ mod tests {
     }
 
     /// A prefill step (a prompt with a cached prefix) sampled on the device: the prefill
-    /// attention and sampling kernels get the arguments their signatures take (as every launch
-    /// of these tests, checked by the recording GPU), and the step still waits once.
+    /// attention kernel `--prefill-attention` picks and the sampling kernel get the arguments
+    /// their signatures take (as every launch of these tests, checked by the recording GPU), and
+    /// the step still waits once.
     #[test]
     fn prefill_and_device_sampling_launch_what_the_kernels_take() {
-        for fused_kernels in [false, true] {
+        let choices = [false, true].into_iter().flat_map(|fused| {
+            [PrefillAttention::Legacy, PrefillAttention::Fa].map(move |kernel| (fused, kernel))
+        });
+        for (fused_kernels, prefill_attention) in choices {
             let mut rig = Rig::new(GpuOptions {
                 device_sampling: true,
                 fused_kernels,
+                prefill_attention,
                 ..Default::default()
             });
             let table: Vec<u32> = (0..4).collect();
@@ -2008,7 +2044,12 @@ mod tests {
                     .iter()
                     .any(|e| matches!(e, Event::Launch(k) if k.starts_with(prefix)))
             };
-            assert!(launched("prefill_attention_hd") && launched("sample_rows"));
+            let (chosen, other) = match prefill_attention {
+                PrefillAttention::Legacy => ("prefill_attention_hd", "prefill_attention_fa_hd"),
+                PrefillAttention::Fa => ("prefill_attention_fa_hd", "prefill_attention_hd"),
+            };
+            assert!(launched(chosen) && !launched(other), "{events:?}");
+            assert!(launched("sample_rows"));
             assert_eq!(
                 count(&events, |e| *e == Event::Synchronize),
                 1,
@@ -2160,5 +2201,33 @@ mod tests {
     fn buckets_follow_the_reserved_maximum() {
         let rig = Rig::new(GpuOptions::default());
         assert_eq!(rig.model.backend().buckets(), vec![1, 2, 4, 8, 16]);
+    }
+
+    /// A runner loaded for `--device cuda` without `--max-step-tokens` plans its step memory, and
+    /// its decode buckets, for the GPU's step budget.
+    #[test]
+    fn a_gpu_runner_reserves_the_gpu_step_budget_by_default() {
+        use duet_engine::device::Device;
+        use duet_engine::engine::EngineOptions;
+        use duet_engine::model_runner::ModelRunner;
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+        let files = duet_model::model_files::open_model(&dir).unwrap();
+        let options = EngineOptions {
+            device: Device::Cuda(0),
+            kv_cache_tokens: 256,
+            ..Default::default()
+        };
+        let backend = GpuBackend::with_gpu(
+            Arc::new(RecordingGpu::default()),
+            GpuOptions::default(),
+            0.5,
+        );
+        let runner = ModelRunner::load(backend, &files, &options).unwrap();
+        let buckets = runner.model().backend().buckets();
+        assert_eq!(
+            buckets.last(),
+            Some(&duet_engine::device::GPU_STEP_TOKENS),
+            "{buckets:?}"
+        );
     }
 }

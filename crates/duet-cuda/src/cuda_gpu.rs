@@ -13,6 +13,8 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 
+use duet_engine::backend::PrefillAttention;
+
 use crate::CudaError;
 use crate::backend::{CudaKvStore, GpuBackend, GpuOptions};
 use crate::gpu::{Arg, DevicePtr, Gemm, Gpu, Launch};
@@ -33,6 +35,9 @@ pub struct CudaGpu {
     blas: CudaBlas,
     _blas_workspace: CudaSlice<u8>,
     functions: HashMap<&'static str, CudaFunction>,
+    /// Kernels whose dynamic shared memory this GPU cannot raise to what they launch with, and
+    /// why (the FlashAttention-tiled prefill kernels take ~100 KiB a block).
+    shared_refused: HashMap<&'static str, String>,
     info: DeviceInfo,
     gather: Mutex<GatherStaging>,
 }
@@ -119,6 +124,7 @@ impl CudaGpu {
                 functions.insert(name, module.load_function(name)?);
             }
         }
+        let shared_refused = raise_shared_limits(&functions);
         Ok(Self {
             ctx,
             stream,
@@ -126,6 +132,7 @@ impl CudaGpu {
             blas,
             _blas_workspace: workspace,
             functions,
+            shared_refused,
             info,
             gather: Mutex::new(GatherStaging::default()),
         })
@@ -141,6 +148,21 @@ impl CudaGpu {
 
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// Whether every kernel of `--prefill-attention fa` can launch here (an error naming the flag
+    /// where the GPU cannot give one its shared memory).
+    pub fn check_fa_prefill(&self) -> Result<(), CudaError> {
+        match kernels::FA_ENTRIES
+            .iter()
+            .find_map(|e| self.shared_refused.get(e.kernel))
+        {
+            Some(why) => Err(CudaError::Unsupported(format!(
+                "--prefill-attention fa: {why}; use --prefill-attention legacy on GPU {}",
+                self.info.ordinal
+            ))),
+            None => Ok(()),
+        }
     }
 
     fn function(&self, name: &str) -> Result<&CudaFunction, CudaError> {
@@ -159,6 +181,34 @@ impl CudaGpu {
             ctx: self.ctx.clone(),
         })
     }
+}
+
+/// Raises the dynamic shared memory limit of the kernels that launch with more than the default
+/// 48 KiB a block to what they use; returns those the GPU refuses, each with the reason.
+fn raise_shared_limits(
+    functions: &HashMap<&'static str, CudaFunction>,
+) -> HashMap<&'static str, String> {
+    use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    let mut refused = HashMap::new();
+    for e in &kernels::FA_ENTRIES {
+        let Some(f) = functions.get(e.kernel) else {
+            continue;
+        };
+        if let Err(err) = f.set_attribute(
+            CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            e.smem_bytes as i32,
+        ) {
+            refused.insert(
+                e.kernel,
+                format!(
+                    "{} needs {} KiB of shared memory a block, which this GPU does not give ({err})",
+                    e.kernel,
+                    e.smem_bytes / 1024
+                ),
+            );
+        }
+    }
+    refused
 }
 
 /// Our kernels compiled for `arch`, once per process: a process opening several backends (the
@@ -233,6 +283,9 @@ impl Gpu for CudaGpu {
     }
 
     fn launch(&self, launch: &Launch<'_>) -> Result<(), CudaError> {
+        if let Some(why) = self.shared_refused.get(launch.kernel) {
+            return Err(CudaError::Unsupported(why.clone()));
+        }
         let f = self.function(launch.kernel)?;
         let mut builder = self.stream.launch_builder(f);
         for a in launch.args {
@@ -247,7 +300,7 @@ impl Gpu for CudaGpu {
         let cfg = LaunchConfig {
             grid_dim: launch.grid,
             block_dim: (launch.block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: launch.shared_bytes,
         };
         // SAFETY: the argument lists match the kernels' signatures in kernels/*.cu (the backend
         // builds each from the kernel file's comment), and every grid guards its indices.
@@ -400,11 +453,11 @@ impl GpuBackend<CudaGpu> {
         memory_fraction: f64,
         options: GpuOptions,
     ) -> Result<Self, CudaError> {
-        Ok(Self::with_gpu(
-            Arc::new(CudaGpu::open(ordinal)?),
-            options,
-            memory_fraction,
-        ))
+        let gpu = CudaGpu::open(ordinal)?;
+        if options.prefill_attention == PrefillAttention::Fa {
+            gpu.check_fa_prefill()?;
+        }
+        Ok(Self::with_gpu(Arc::new(gpu), options, memory_fraction))
     }
 
     pub fn device_info(&self) -> &DeviceInfo {

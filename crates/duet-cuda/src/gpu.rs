@@ -20,12 +20,14 @@ pub enum Arg {
     F32(f32),
 }
 
-/// A kernel launch: `kernel` (its `extern "C"` name) over `grid` blocks of `block` threads.
+/// A kernel launch: `kernel` (its `extern "C"` name) over `grid` blocks of `block` threads, each
+/// block with `shared_bytes` of dynamic shared memory.
 #[derive(Clone, Copy, Debug)]
 pub struct Launch<'a> {
     pub kernel: &'static str,
     pub grid: (u32, u32, u32),
     pub block: u32,
+    pub shared_bytes: u32,
     pub args: &'a [Arg],
 }
 

@@ -102,6 +102,16 @@ pub const FILES: &[KernelFile] = &[
         options: &[],
     },
     KernelFile {
+        name: "prefill_attention_fa.cu",
+        source: include_str!("../../../kernels/prefill_attention_fa.cu"),
+        kernels: &[
+            "prefill_attention_fa_hd64",
+            "prefill_attention_fa_hd128",
+            "prefill_attention_fa_hd256",
+        ],
+        options: &[],
+    },
+    KernelFile {
         name: "sampling.cu",
         source: include_str!("../../../kernels/sampling.cu"),
         kernels: &["sample_rows"],
@@ -121,6 +131,48 @@ pub const PREFILL_THREADS: u32 = 128;
 pub const QMV_WARPS: usize = 4;
 /// Activation rows of a packed matrix-vector block (`QMV_ROWS` in quant_matvec.cu).
 pub const QMV_ROWS: usize = 8;
+
+/// Threads of a FlashAttention-tiled prefill block (`FA_THREADS` in prefill_attention_fa.cu).
+pub const FA_THREADS: u32 = 128;
+
+/// One entry point of prefill_attention_fa.cu: the padded head size it serves, its query rows a
+/// block (`FA_BLOCK_M_HD<n>`) and its dynamic shared memory (`FA_SMEM_HD<n>`).
+pub struct FaEntry {
+    pub kernel: &'static str,
+    pub head_dim: usize,
+    pub block_m: usize,
+    pub smem_bytes: u32,
+}
+
+/// The entry points of prefill_attention_fa.cu, smallest head size first.
+pub const FA_ENTRIES: [FaEntry; 3] = [
+    FaEntry {
+        kernel: "prefill_attention_fa_hd64",
+        head_dim: 64,
+        block_m: 128,
+        smem_bytes: 55_296,
+    },
+    FaEntry {
+        kernel: "prefill_attention_fa_hd128",
+        head_dim: 128,
+        block_m: 128,
+        smem_bytes: 104_448,
+    },
+    FaEntry {
+        kernel: "prefill_attention_fa_hd256",
+        head_dim: 256,
+        block_m: 64,
+        smem_bytes: 101_376,
+    },
+];
+
+/// The FlashAttention-tiled entry point for `head_dim` (<= 256): the smallest that holds it.
+pub fn fa_entry(head_dim: usize) -> &'static FaEntry {
+    FA_ENTRIES
+        .iter()
+        .find(|e| head_dim <= e.head_dim)
+        .unwrap_or(&FA_ENTRIES[FA_ENTRIES.len() - 1])
+}
 
 /// The program NVRTC compiles for `file`.
 pub fn program(file: &KernelFile) -> String {
@@ -166,6 +218,18 @@ mod tests {
             define("prefill_attention.cu", "PF_THREADS"),
             PREFILL_THREADS as usize
         );
+        let fa = "prefill_attention_fa.cu";
+        assert_eq!(define(fa, "FA_THREADS"), FA_THREADS as usize);
+        for e in &FA_ENTRIES {
+            let hd = e.head_dim;
+            assert_eq!(define(fa, &format!("FA_BLOCK_M_HD{hd}")), e.block_m, "{hd}");
+            assert_eq!(
+                define(fa, &format!("FA_SMEM_HD{hd}")),
+                e.smem_bytes as usize,
+                "{hd}"
+            );
+            assert_eq!(e.kernel, format!("prefill_attention_fa_hd{hd}"));
+        }
         use crate::sampling;
         assert_eq!(
             define("sampling.cu", "SP_THREADS"),
@@ -179,6 +243,16 @@ mod tests {
         assert_eq!(define("sampling.cu", "SP_MAX_TOP"), sampling::MAX_TOP);
         // SO_WORDS = 3 + 2 * SP_MAX_TOP, spelled as sums in the kernel file.
         assert_eq!(sampling::OUT_WORDS, 3 + 2 * sampling::MAX_TOP);
+    }
+
+    #[test]
+    fn each_head_size_takes_the_smallest_fa_entry_that_holds_it() {
+        let kernel = |hd| fa_entry(hd).kernel;
+        assert_eq!(kernel(32), "prefill_attention_fa_hd64");
+        assert_eq!(kernel(64), "prefill_attention_fa_hd64");
+        assert_eq!(kernel(96), "prefill_attention_fa_hd128");
+        assert_eq!(kernel(128), "prefill_attention_fa_hd128");
+        assert_eq!(kernel(256), "prefill_attention_fa_hd256");
     }
 
     #[test]

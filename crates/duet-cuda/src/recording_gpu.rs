@@ -116,6 +116,13 @@ impl Gpu for RecordingGpu {
             launch.kernel,
             launch.block
         );
+        // What a block may opt into on sm_90 (the launching GPU raises the limit at load).
+        assert!(
+            launch.shared_bytes <= 227 * 1024,
+            "{}: {} bytes of dynamic shared memory",
+            launch.kernel,
+            launch.shared_bytes
+        );
         self.record(Event::Launch(launch.kernel));
         Ok(())
     }

@@ -8,26 +8,34 @@
 //!   (decode rows past several 512-token partitions, prefill with cached prefixes, GQA), output
 //!   poisoned with NaN first; logits of the CUDA backend against the CPU backend (‖Δ‖/‖ref‖) and
 //!   greedy tokens equal, on the models given; the same greedy tokens with each switch of the GPU
-//!   path on (`--cuda-graphs`, `--device-sampling`, `--fused-kernels`) as with all off; a seeded
+//!   path on (`--cuda-graphs`, `--device-sampling`, `--fused-kernels`, `--prefill-attention fa`)
+//!   as with all off; paged attention, logits and batch invariance with each prefill attention
+//!   kernel (`legacy` and `fa`); a seeded
 //!   request's tokens on the GPU equal to the CPU's; tokens drawn on the device equal, bit for
 //!   bit, to the CPU sampler's on the same logits; whether a draft's positions verified in one
 //!   step are the same bits as decoded alone (speculative decoding needs it:
 //!   `Backend::batch_invariant`).
 //! - Speed on a Llama-3-8B-shaped model with random bf16 weights: decode (sampling included) at
 //!   batch 1 and at batch 64 with 1024-token contexts against the bandwidth roofline, with the
-//!   switches all off, each on alone, and all on; one 2048-token prefill against the matrix
-//!   rate, fused kernels off and on.
+//!   switches all off, each on alone, and all on; one 2048- and one 8192-token prefill, and the
+//!   2048-token prefill's attention alone, against the matrix rate, with each prefill attention
+//!   kernel (fused kernels off and on); the mixed load (`mixed_load`): the TPOT of 32 decodes
+//!   while an 8192-token prompt prefills beside them in chunks, against their TPOT alone, per
+//!   step token budget and prefill attention kernel.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use duet_cpu::CpuBackend;
 use duet_engine::EngineError;
-use duet_engine::backend::{AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout};
+use duet_engine::backend::{
+    AttentionShape, Backend, KvDtype, KvDtypeChoice, KvLayout, PrefillAttention,
+};
 use duet_engine::batch::{ForwardBatch, LogitsWanted, SeqInput};
 use duet_engine::device::{Device, Switch};
 use duet_engine::engine::EngineOptions;
 use duet_engine::llama::Llama;
+use duet_engine::model_runner::ModelRunner;
 use duet_engine::sampling_steps::{RowSampling, sample_row};
 use duet_model::config::ModelConfig;
 use duet_model::model_files::open_model;
@@ -38,7 +46,8 @@ use duet_model::synthetic::Uniform;
 use serde::Serialize;
 
 use crate::LoadedEngine;
-use duet_cuda::backend::{CudaBackend, GpuOptions, bf16_bits};
+use crate::mixed_load::{MixedLoad, MixedLoadShape, mixed_load};
+use duet_cuda::backend::{CudaBackend, CudaKvStore, GpuOptions, bf16_bits};
 use duet_cuda::sampling::same_draw;
 
 pub struct GpuBenchOptions {
@@ -78,8 +87,19 @@ pub struct GpuReport {
     pub bf16_tflop_per_s: f64,
     pub checks: Vec<Check>,
     pub timings: Vec<Timing>,
+    pub mixed_load: Vec<MixedLoadRun>,
     /// Timings that could not be taken, and why.
     pub timing_errors: Vec<String>,
+}
+
+/// The mixed load at one step token budget with one setting of the GPU path.
+#[derive(Serialize)]
+pub struct MixedLoadRun {
+    pub switches: String,
+    #[serde(flatten)]
+    pub load: MixedLoad,
+    /// TPOT while the prompt prefills over TPOT alone (the target: at most 1.5).
+    pub slowdown: f64,
 }
 
 type Result<T> = std::result::Result<T, EngineError>;
@@ -103,22 +123,40 @@ pub fn switch_settings() -> Vec<GpuOptions> {
             ..off
         },
         GpuOptions {
+            prefill_attention: PrefillAttention::Fa,
+            ..off
+        },
+        GpuOptions {
             cuda_graphs: true,
             device_sampling: true,
             fused_kernels: true,
+            prefill_attention: PrefillAttention::Fa,
             ..off
         },
     ]
 }
 
-/// `graphs on, sampling off, fused off`.
+/// The prefill attention kernels every attention check, logits check and prefill timing runs
+/// with.
+const PREFILL_KERNELS: [PrefillAttention; 2] = [PrefillAttention::Legacy, PrefillAttention::Fa];
+
+/// The default path with prefill attention by `kernel`.
+fn prefill_by(kernel: PrefillAttention) -> GpuOptions {
+    GpuOptions {
+        prefill_attention: kernel,
+        ..Default::default()
+    }
+}
+
+/// `graphs on, sampling off, fused off, prefill legacy`.
 pub fn describe(o: GpuOptions) -> String {
     let on = |b: bool| if b { "on" } else { "off" };
     format!(
-        "graphs {}, device sampling {}, fused {}",
+        "graphs {}, device sampling {}, fused {}, prefill {}",
         on(o.cuda_graphs),
         on(o.device_sampling),
-        on(o.fused_kernels)
+        on(o.fused_kernels),
+        o.prefill_attention
     )
 }
 
@@ -153,12 +191,17 @@ pub fn run(options: &GpuBenchOptions) -> Result<GpuReport> {
     let tflops = matrix_rate(&backend)?;
     let mut checks = Vec::new();
     if !options.skip_checks {
-        eprintln!("[2/4] paged attention against a float64 reference");
-        for (heads, kv_heads, head_dim) in [(9, 3, 64), (32, 8, 128)] {
-            checks.push(checked(
-                format!("paged attention vs f64, {heads}/{kv_heads} heads, head_dim {head_dim}"),
-                attention_check(&backend, heads, kv_heads, head_dim),
-            ));
+        eprintln!("[2/4] paged attention against a float64 reference, prefill by each kernel");
+        for kernel in PREFILL_KERNELS {
+            backend.set_options(prefill_by(kernel));
+            for (heads, kv_heads, head_dim) in [(9, 3, 64), (32, 8, 128)] {
+                checks.push(checked(
+                    format!(
+                        "paged attention vs f64, {kernel} prefill, {heads}/{kv_heads} heads, head_dim {head_dim}"
+                    ),
+                    attention_check(&backend, kernel, heads, kv_heads, head_dim),
+                ));
+            }
         }
     }
     drop(backend);
@@ -169,6 +212,7 @@ pub fn run(options: &GpuBenchOptions) -> Result<GpuReport> {
         }
     }
     let mut timings = Vec::new();
+    let mut mixed = Vec::new();
     let mut timing_errors = Vec::new();
     if !options.skip_speed {
         eprintln!("[4/4] Llama-3-8B shape, random bf16 weights");
@@ -177,6 +221,7 @@ pub fn run(options: &GpuBenchOptions) -> Result<GpuReport> {
             copy,
             tflops,
             &mut timings,
+            &mut mixed,
             &mut timing_errors,
         );
     }
@@ -186,6 +231,7 @@ pub fn run(options: &GpuBenchOptions) -> Result<GpuReport> {
         bf16_tflop_per_s: tflops / 1e12,
         checks,
         timings,
+        mixed_load: mixed,
         timing_errors,
     })
 }
@@ -203,17 +249,45 @@ impl GpuReport {
         }
         if !self.timings.is_empty() {
             s += &format!(
-                "\n{:<44} {:<46} {:>12} {:>9}\n",
+                "\n{:<44} {:<62} {:>12} {:>9}\n",
                 "timing", "switches", "value", "roofline"
             );
             for t in &self.timings {
                 s += &format!(
-                    "{:<44} {:<46} {:>8.1} {:<4}{:>8.0}%\n",
+                    "{:<44} {:<62} {:>8.1} {:<4}{:>8.0}%\n",
                     t.name,
                     t.switches,
                     t.value,
                     t.unit,
                     100.0 * t.of_roofline
+                );
+            }
+        }
+        if !self.mixed_load.is_empty() {
+            s += &format!(
+                "\nmixed load: TPOT of {MIXED_DECODES} decodes ({MIXED_CONTEXT}-token contexts) while a \
+                 {MIXED_PROMPT}-token prompt prefills beside them\n{:<62} {:>11} {:>9} {:>9} {:>11} {:>9} {:>11} {:>6}\n",
+                "switches",
+                "step tokens",
+                "alone ms",
+                "mixed ms",
+                "mixed/alone",
+                "worst ms",
+                "prefill ms",
+                "steps"
+            );
+            for m in &self.mixed_load {
+                let l = &m.load;
+                s += &format!(
+                    "{:<62} {:>11} {:>9.2} {:>9.2} {:>11.2} {:>9.2} {:>11.1} {:>6}\n",
+                    m.switches,
+                    l.step_tokens,
+                    l.tpot_alone_ms,
+                    l.tpot_mixed_ms,
+                    m.slowdown,
+                    l.worst_step_ms,
+                    l.prefill_ms,
+                    l.chunk_steps
                 );
             }
         }
@@ -296,6 +370,7 @@ fn matrix_rate(backend: &CudaBackend) -> Result<f64> {
 /// a cached prefix), compared with a float64 reference over the same bf16 values.
 fn attention_check(
     backend: &CudaBackend,
+    kernel: PrefillAttention,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -419,23 +494,34 @@ fn attention_check(
         }
     }
     let rel = (err2 / ref2).sqrt();
+    // fa's Q and P are one bf16 term each (~1e-3 from float64 by themselves); legacy's two.
+    let bound = match kernel {
+        PrefillAttention::Legacy => 1e-3,
+        PrefillAttention::Fa => 2e-3,
+    };
     Ok((
-        unwritten == 0 && rel <= 1e-3,
+        unwritten == 0 && rel <= bound,
         format!(
-            "‖Δ‖/‖ref‖ = {rel:.2e}, {unwritten} unwritten of {}",
+            "‖Δ‖/‖ref‖ = {rel:.2e} (bound {bound:.0e}), {unwritten} unwritten of {}",
             got.len()
         ),
     ))
 }
 
-/// Every check of one model: logits and greedy tokens against the CPU, the same tokens with each
-/// switch on, a seeded request, device sampling bit for bit, and batch invariance.
+/// Every check of one model: logits (with each prefill attention kernel) and greedy tokens
+/// against the CPU, the same tokens with each switch on, a seeded request, device sampling bit
+/// for bit, and batch invariance (with each prefill attention kernel).
 fn model_checks(options: &GpuBenchOptions, path: &Path) -> Vec<Check> {
     let name = file_name(path);
-    let mut checks = vec![checked(
-        format!("logits CUDA vs CPU, {name}"),
-        logits_check(options.ordinal, path),
-    )];
+    let mut checks: Vec<Check> = PREFILL_KERNELS
+        .iter()
+        .map(|&kernel| {
+            checked(
+                format!("logits CUDA vs CPU, {kernel} prefill, {name}"),
+                logits_check(options.ordinal, kernel, path),
+            )
+        })
+        .collect();
     let run = |device, setting, params: &SamplingParams| {
         tokens(path, device, setting, &options.prompts, params)
     };
@@ -494,7 +580,9 @@ fn model_checks(options: &GpuBenchOptions, path: &Path) -> Vec<Check> {
         format!("device sampling == CPU sampler on the GPU's logits, bit for bit, {name}"),
         device_sampling_check(options.ordinal, path),
     ));
-    checks.push(batch_invariance_check(options.ordinal, path));
+    for kernel in PREFILL_KERNELS {
+        checks.push(batch_invariance_check(options.ordinal, kernel, path));
+    }
     checks
 }
 
@@ -512,17 +600,15 @@ fn compare_tokens(prompts: &[String], a: &[Vec<u32>], b: &[Vec<u32>]) -> Result<
     })
 }
 
-/// Last-position logits of a fixed prompt on both backends.
-fn logits_check(ordinal: usize, path: &Path) -> Result<(bool, String)> {
+/// Last-position logits of a fixed prompt on both backends, the GPU's prefill attention by
+/// `kernel`.
+fn logits_check(ordinal: usize, kernel: PrefillAttention, path: &Path) -> Result<(bool, String)> {
     let files = open_model(path)?;
     let vocab = files.config.vocab_size as u32;
     let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let cpu = last_logits(Llama::load(CpuBackend::new(0), &files)?, &tokens)?;
     let gpu = last_logits(
-        Llama::load(
-            CudaBackend::new(ordinal, 0.5, GpuOptions::default())?,
-            &files,
-        )?,
+        Llama::load(CudaBackend::new(ordinal, 0.5, prefill_by(kernel))?, &files)?,
         &tokens,
     )?;
     let err: f64 = cpu
@@ -653,9 +739,9 @@ fn device_sampling_check(ordinal: usize, path: &Path) -> Result<(bool, String)> 
 /// backend does: a draft's positions verified in one step beside other sequences against the
 /// same positions decoded alone. A backend that does not claim it passes either way; the detail
 /// says whether it could.
-fn batch_invariance_check(ordinal: usize, path: &Path) -> Check {
+fn batch_invariance_check(ordinal: usize, kernel: PrefillAttention, path: &Path) -> Check {
     let run = || -> Result<(bool, String, bool)> {
-        let backend = CudaBackend::new(ordinal, 0.5, GpuOptions::default())?;
+        let backend = CudaBackend::new(ordinal, 0.5, prefill_by(kernel))?;
         let model = Llama::load(backend, &open_model(path)?)?;
         let claimed = model.backend().batch_invariant();
         let measured = crate::row_invariance::row_invariance(&model)?;
@@ -671,14 +757,17 @@ fn batch_invariance_check(ordinal: usize, path: &Path) -> Check {
     match run() {
         Ok((passed, detail, claimed)) => Check {
             name: format!(
-                "batch_invariant ({claimed}) as measured, {}",
+                "batch_invariant ({claimed}) as measured, {kernel} prefill, {}",
                 file_name(path)
             ),
             passed,
             detail,
         },
         Err(e) => Check {
-            name: format!("batch_invariant as measured, {}", file_name(path)),
+            name: format!(
+                "batch_invariant as measured, {kernel} prefill, {}",
+                file_name(path)
+            ),
             passed: false,
             detail: format!("error: {e}"),
         },
@@ -731,6 +820,7 @@ fn tokens(
             cuda_graphs: switch(setting.cuda_graphs),
             device_sampling: switch(setting.device_sampling),
             fused_kernels: switch(setting.fused_kernels),
+            prefill_attention: setting.prefill_attention,
             ..Default::default()
         },
     )?;
@@ -788,14 +878,23 @@ pub fn llama3_8b() -> ModelConfig {
     ModelConfig::from_hf_json(json, "llama-3-8b shape").expect("a valid config")
 }
 
-/// The decode and prefill timings of the Llama-3-8B shape, with the switches of
-/// [`switch_settings`] for decode and fused kernels off and on for prefill, on one loaded model.
-/// A timing that errs is recorded in `errors` and the others are still taken.
+/// The mixed load: decoding sequences, their contexts, the prompt prefilled beside them, and the
+/// step token budgets tried.
+const MIXED_DECODES: usize = 32;
+const MIXED_CONTEXT: usize = 512;
+const MIXED_PROMPT: usize = 8192;
+const MIXED_STEP_TOKENS: [usize; 5] = [256, 512, 1024, 2048, 4096];
+
+/// The decode, prefill and mixed-load timings of the Llama-3-8B shape, on one loaded model:
+/// decode with the switches of [`switch_settings`], prefill with each prefill attention kernel
+/// and fused kernels off and on, the mixed load with each prefill attention kernel. A timing that
+/// errs is recorded in `errors` and the others are still taken.
 fn llama3_8b_timings(
     ordinal: usize,
     copy: f64,
     matrix_rate: f64,
     timings: &mut Vec<Timing>,
+    mixed: &mut Vec<MixedLoadRun>,
     errors: &mut Vec<String>,
 ) {
     let c = llama3_8b();
@@ -809,7 +908,8 @@ fn llama3_8b_timings(
     let b = model.backend();
     let block_size = 16;
     let (batch, context) = (64usize, 1024usize);
-    model.reserve_step_memory(2048, block_size);
+    let prompts = [2048usize, 8192];
+    model.reserve_step_memory(prompts[1], block_size);
     let num_blocks = batch * (context + 64).div_ceil(block_size) + 256;
     let mut kv = match b.alloc_kv(model.kv_layout(block_size, num_blocks, KvDtype::Bf16)) {
         Ok(kv) => kv,
@@ -823,7 +923,7 @@ fn llama3_8b_timings(
 
     // Seconds per step of `seqs` sequences at `start` cached tokens bringing `len` new ones,
     // their tokens drawn as a greedy request's.
-    let mut step = |seqs: usize, start: usize, len: usize| -> Result<f64> {
+    let step = |kv: &mut CudaKvStore, seqs: usize, start: usize, len: usize| -> Result<f64> {
         let per_seq = (start + len).div_ceil(block_size);
         let tables: Vec<Vec<u32>> = (0..seqs)
             .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
@@ -863,7 +963,7 @@ fn llama3_8b_timings(
             .collect();
         time(b, 10, || {
             model
-                .forward_sampled(&fb, &mut kv, &mut |_, _| {}, &rows)
+                .forward_sampled(&fb, kv, &mut |_, _| {}, &rows)
                 .map(|_| ())
         })
     };
@@ -872,10 +972,14 @@ fn llama3_8b_timings(
         ("decode, batch 1, context 128 (tokens/s)", 1usize, 128usize),
         ("decode, batch 64, context 1024 (tokens/s)", batch, context),
     ];
-    for setting in switch_settings() {
+    // A decode step runs no prefill attention: the setting that only changes it is not timed.
+    let decode_settings = switch_settings()
+        .into_iter()
+        .filter(|&s| s != prefill_by(PrefillAttention::Fa));
+    for setting in decode_settings {
         b.set_options(setting);
         for (name, seqs, ctx) in decode {
-            match step(seqs, ctx, 1) {
+            match step(&mut kv, seqs, ctx, 1) {
                 Ok(t) => {
                     let roof =
                         (weight_bytes + (seqs * (ctx + 1)) as f64 * kv_bytes_per_token) / copy;
@@ -891,38 +995,89 @@ fn llama3_8b_timings(
             }
         }
     }
-    let n = 2048usize;
+    // Causal: half of the n × n scores, two products of head_dim each.
     let attention_flops =
-        (4 * c.num_layers * c.num_heads * c.head_dim) as f64 * (n * n) as f64 / 2.0;
-    let prefill_flops = 2.0 * matmul_params * n as f64 + attention_flops;
-    for fused_kernels in [false, true] {
-        let setting = GpuOptions {
-            fused_kernels,
-            ..Default::default()
-        };
+        |n: usize| (4 * c.num_layers * c.num_heads * c.head_dim) as f64 * (n * n) as f64 / 2.0;
+    for kernel in PREFILL_KERNELS {
+        for fused_kernels in [false, true] {
+            let setting = GpuOptions {
+                fused_kernels,
+                ..prefill_by(kernel)
+            };
+            b.set_options(setting);
+            for n in prompts {
+                let name = format!("prefill, one {n}-token prompt (ms)");
+                let prefill_flops = 2.0 * matmul_params * n as f64 + attention_flops(n);
+                match step(&mut kv, 1, 0, n) {
+                    Ok(tp) => timings.push(Timing {
+                        name,
+                        switches: describe(setting),
+                        value: tp * 1e3,
+                        unit: "ms",
+                        of_roofline: prefill_flops / tp / matrix_rate,
+                    }),
+                    Err(e) => errors.push(format!("{name} ({}): {e}", describe(setting))),
+                }
+            }
+        }
+        let setting = prefill_by(kernel);
         b.set_options(setting);
-        let name = "prefill, one 2048-token prompt (ms)";
-        match step(1, 0, n) {
-            Ok(tp) => timings.push(Timing {
-                name: name.into(),
+        let n = prompts[0];
+        match prefill_attention_time(b, &c, &kv, n) {
+            Ok(ta) => timings.push(Timing {
+                name: "  of which attention, all layers (ms)".into(),
                 switches: describe(setting),
-                value: tp * 1e3,
+                value: ta * 1e3,
                 unit: "ms",
-                of_roofline: prefill_flops / tp / matrix_rate,
+                of_roofline: attention_flops(n) / ta / matrix_rate,
             }),
-            Err(e) => errors.push(format!("{name} ({}): {e}", describe(setting))),
+            Err(e) => errors.push(format!(
+                "prefill attention alone ({}): {e}",
+                describe(setting)
+            )),
         }
     }
-    b.set_options(GpuOptions::default());
-    match prefill_attention_time(b, &c, &kv, n) {
-        Ok(ta) => timings.push(Timing {
-            name: "  of which attention, all layers (ms)".into(),
-            switches: describe(GpuOptions::default()),
-            value: ta * 1e3,
-            unit: "ms",
-            of_roofline: attention_flops / ta / matrix_rate,
-        }),
-        Err(e) => errors.push(format!("prefill attention alone: {e}")),
+    drop(kv);
+    mixed_loads(model, block_size, mixed, errors);
+}
+
+/// [`mixed_load`] on `model` at each of [`MIXED_STEP_TOKENS`], with each prefill attention
+/// kernel.
+fn mixed_loads(
+    model: Llama<CudaBackend>,
+    block_size: usize,
+    runs: &mut Vec<MixedLoadRun>,
+    errors: &mut Vec<String>,
+) {
+    let shape = MixedLoadShape {
+        decodes: MIXED_DECODES,
+        decode_context: MIXED_CONTEXT,
+        prompt_tokens: MIXED_PROMPT,
+        alone_steps: 20,
+    };
+    // The smallest budget takes the most steps, so the most KV.
+    let blocks = shape.blocks_needed(block_size, MIXED_STEP_TOKENS[0]);
+    let layout = model.kv_layout(block_size, blocks, KvDtype::Bf16);
+    let mut runner = match ModelRunner::new(model, layout) {
+        Ok(r) => r,
+        Err(e) => return errors.push(format!("mixed load: allocating its KV cache: {e}")),
+    };
+    for kernel in PREFILL_KERNELS {
+        let setting = prefill_by(kernel);
+        runner.model().backend().set_options(setting);
+        for budget in MIXED_STEP_TOKENS {
+            match mixed_load(&mut runner, &shape, budget) {
+                Ok(load) => runs.push(MixedLoadRun {
+                    switches: describe(setting),
+                    slowdown: load.slowdown(),
+                    load,
+                }),
+                Err(e) => errors.push(format!(
+                    "mixed load at {budget} step tokens ({}): {e}",
+                    describe(setting)
+                )),
+            }
+        }
     }
 }
 
@@ -931,7 +1086,7 @@ fn llama3_8b_timings(
 fn prefill_attention_time(
     b: &CudaBackend,
     c: &ModelConfig,
-    kv: &duet_cuda::backend::CudaKvStore,
+    kv: &CudaKvStore,
     n: usize,
 ) -> Result<f64> {
     let block_size = kv.layout().block_size;

@@ -7,6 +7,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod gpu_bench;
+pub mod mixed_load;
 pub mod row_invariance;
 
 use std::path::Path;
@@ -106,6 +107,7 @@ pub fn gpu_options(options: &EngineOptions) -> duet_cuda::backend::GpuOptions {
         device_sampling: options.device_sampling.is_on(),
         fused_kernels: options.fused_kernels.is_on(),
         packed_weights: options.gpu_weights == duet_engine::device::GpuWeights::Packed,
+        prefill_attention: options.prefill_attention,
     }
 }
 

@@ -115,6 +115,30 @@ impl std::fmt::Display for CpuKernels {
     }
 }
 
+/// Which kernel computes prefill attention on a GPU (sequences of several new tokens; decode rows
+/// have their own). Both read cached prefixes through the block table.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum PrefillAttention {
+    /// Q and P each in two bf16 terms: f32-grade results (2e-6 from float64), at two to four
+    /// times the tensor-core work; no cp.async or ldmatrix. Run on H100 and H200.
+    #[default]
+    Legacy,
+    /// FlashAttention's numerics (Q and P one bf16 term, f32 accumulation and softmax
+    /// statistics; ~1e-3 from float64) and FlashAttention-2's tiles (ldmatrix, cp.async
+    /// double-buffered K/V, causal-block skipping). Checked in the CPU emulator only so far.
+    Fa,
+}
+
+impl std::fmt::Display for PrefillAttention {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PrefillAttention::Legacy => "legacy",
+            PrefillAttention::Fa => "fa",
+        })
+    }
+}
+
 /// Geometry of the paged KV store: `num_blocks` blocks of `block_size` token slots, for every
 /// layer, K and V, `num_kv_heads × head_dim` values of `dtype` per slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

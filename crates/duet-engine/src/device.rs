@@ -4,12 +4,29 @@
 use std::fmt;
 use std::str::FromStr;
 
+/// Tokens a forward step computes on a CPU unless told otherwise: costs no prefill speed and keeps
+/// a step's activations small.
+pub const CPU_STEP_TOKENS: usize = 128;
+/// Tokens a forward step computes on a GPU unless told otherwise: a prompt chunk that fills the
+/// tensor cores (`duet bench gpu`'s mixed-load measurement times the decodes beside each size).
+pub const GPU_STEP_TOKENS: usize = 2048;
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Device {
     #[default]
     Cpu,
     /// A CUDA GPU by ordinal.
     Cuda(usize),
+}
+
+impl Device {
+    /// The step token budget this device gets when none is asked for.
+    pub fn step_tokens(self) -> usize {
+        match self {
+            Self::Cpu => CPU_STEP_TOKENS,
+            Self::Cuda(_) => GPU_STEP_TOKENS,
+        }
+    }
 }
 
 impl FromStr for Device {
@@ -101,6 +118,12 @@ mod tests {
             Device::Cpu.to_string().parse::<Device>().unwrap(),
             Device::Cpu
         );
+    }
+
+    #[test]
+    fn a_gpu_gets_a_larger_step_budget_than_a_cpu() {
+        assert_eq!(Device::Cpu.step_tokens(), 128);
+        assert_eq!(Device::Cuda(1).step_tokens(), 2048);
     }
 
     #[test]

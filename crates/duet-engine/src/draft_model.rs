@@ -68,7 +68,7 @@ impl<B: Backend> DraftModel<B> {
             runner,
             blocks: BlockPool::new(layout.num_blocks, layout.block_size),
             caches: HashMap::new(),
-            max_step_tokens: options.max_step_tokens,
+            max_step_tokens: options.step_tokens(),
         })
     }
 

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use duet_kv::{BlockPool, KvCacheManager};
 
 use crate::EngineError;
-use crate::backend::{Backend, CpuKernels, KvDtype, KvDtypeChoice, KvLayout};
+use crate::backend::{Backend, CpuKernels, KvDtype, KvDtypeChoice, KvLayout, PrefillAttention};
 use crate::device::{Device, GpuWeights, Switch};
 use crate::draft_model::DraftModel;
 use crate::generation::TextStream;
@@ -54,8 +54,9 @@ pub struct EngineOptions {
         arg(long, env = "DUET_KV_CACHE_TOKENS", default_value_t = EngineOptions::default().kv_cache_tokens)
     )]
     pub kv_cache_tokens: usize,
-    /// Most tokens one forward step computes; longer prompts are prefilled in chunks. On a CPU,
-    /// 128 costs no prefill speed and keeps a step's activations small; a GPU wants ~2048.
+    /// Most tokens one forward step computes; longer prompts are prefilled in chunks. 0: the
+    /// device's budget, 128 on a CPU (costs no prefill speed, keeps a step's activations small)
+    /// and 2048 on a GPU (a chunk that fills the tensor cores).
     #[cfg_attr(
         feature = "cli",
         arg(long, env = "DUET_MAX_STEP_TOKENS", default_value_t = EngineOptions::default().max_step_tokens)
@@ -81,6 +82,11 @@ pub struct EngineOptions {
     /// error at load.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_CPU_KERNELS", value_enum, default_value_t = EngineOptions::default().cpu_kernels))]
     pub cpu_kernels: CpuKernels,
+    /// Prefill attention on a GPU: legacy (Q and P in two bf16 terms each, f32-grade, run on
+    /// H100 and H200) or fa (FlashAttention's numerics and tiles, ~1e-3 from float64; checked in
+    /// the CPU emulator, not yet run on a GPU). Ignored on a CPU.
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_PREFILL_ATTENTION", value_enum, default_value_t = EngineOptions::default().prefill_attention))]
+    pub prefill_attention: PrefillAttention,
     /// Speculative decoding: off; ngram (prompt lookup: a decoding sequence's next tokens are
     /// drafted from what followed the last earlier occurrence of its last 2-4 tokens, in its
     /// prompt or output); or draft:<model> (the greedy continuation of a smaller model of the
@@ -140,11 +146,12 @@ impl Default for EngineOptions {
             threads: 0,
             block_size: 16,
             kv_cache_tokens: 16384,
-            max_step_tokens: 128,
+            max_step_tokens: 0,
             device: Device::Cpu,
             gpu_memory_fraction: 0.9,
             kv_dtype: KvDtypeChoice::Auto,
             cpu_kernels: CpuKernels::Auto,
+            prefill_attention: PrefillAttention::Legacy,
             speculative: SpeculativeMode::Off,
             num_speculative_tokens: 8,
             speculative_max_step_rows: 8,
@@ -153,6 +160,16 @@ impl Default for EngineOptions {
             fused_kernels: Switch::Off,
             gpu_weights: GpuWeights::Bf16,
             kv_tiers: KvTierOptions::default(),
+        }
+    }
+}
+
+impl EngineOptions {
+    /// The step token budget: `max_step_tokens`, or the device's when that is 0.
+    pub fn step_tokens(&self) -> usize {
+        match self.max_step_tokens {
+            0 => self.device.step_tokens(),
+            n => n,
         }
     }
 }
@@ -170,6 +187,7 @@ impl EngineOptions {
             gpu_memory_fraction,
             kv_dtype,
             cpu_kernels,
+            prefill_attention,
             speculative,
             num_speculative_tokens,
             speculative_max_step_rows,
@@ -190,6 +208,7 @@ impl EngineOptions {
             format!("--gpu-memory-fraction={gpu_memory_fraction}"),
             format!("--kv-dtype={}", kv_dtype.get_name()),
             format!("--cpu-kernels={cpu_kernels}"),
+            format!("--prefill-attention={prefill_attention}"),
             format!("--speculative={speculative}"),
             format!("--num-speculative-tokens={num_speculative_tokens}"),
             format!("--speculative-max-step-rows={speculative_max_step_rows}"),
@@ -283,13 +302,10 @@ impl<B: Backend> Engine<B> {
         files: ModelFiles,
         options: EngineOptions,
     ) -> Result<Self, EngineError> {
-        if options.block_size == 0
-            || options.kv_cache_tokens < options.block_size
-            || options.max_step_tokens == 0
-        {
+        if options.block_size == 0 || options.kv_cache_tokens < options.block_size {
             return Err(EngineError::Config(format!(
-                "block size {}, KV cache of {} tokens and step budget {} must all be positive, and the cache at least one block",
-                options.block_size, options.kv_cache_tokens, options.max_step_tokens
+                "block size {} and KV cache of {} tokens must be positive, and the cache at least one block",
+                options.block_size, options.kv_cache_tokens
             )));
         }
         let speculator = match &options.speculative {
@@ -344,7 +360,7 @@ impl<B: Backend> Engine<B> {
             runner,
             scheduler: Scheduler::new(
                 kv_cache,
-                options.max_step_tokens,
+                options.step_tokens(),
                 options.speculative_max_step_rows,
                 vocab_size,
             ),

@@ -30,7 +30,7 @@ impl<B: Backend> ModelRunner<B> {
     ) -> Result<Self, EngineError> {
         let model = Llama::load(backend, files)?;
         // Step memory before the KV cache, which a GPU sizes from the memory left.
-        model.reserve_step_memory(options.max_step_tokens, options.block_size);
+        model.reserve_step_memory(options.step_tokens(), options.block_size);
         let kv_dtype = model
             .backend()
             .kv_dtype(options.kv_dtype, files.tensors.matrices_all_f32())?;

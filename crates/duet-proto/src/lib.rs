@@ -151,7 +151,7 @@ mod tests {
         );
         assert_eq!(
             methods(&service(&fds, "duet.v1.KvTransfer")),
-            [m("Push", true, false)]
+            [m("Push", true, false), m("Pull", false, true)]
         );
         assert_eq!(
             methods(&service(&fds, "duet.v1.WorkerControl")),

@@ -111,6 +111,14 @@ impl KvSender for ChunkSender {
         // The whole layer's blocks in one read, then cut into messages.
         let mut layer_bytes = Vec::with_capacity(blocks.len() * self.block_bytes);
         read_blocks(blocks.clone(), &mut layer_bytes)?;
+        let expected = blocks.len() * self.block_bytes;
+        if layer_bytes.len() != expected {
+            // A reader that read too little or too much fails its push, never the process.
+            return Err(TransferError::Cache(format!(
+                "layer {layer}'s blocks {blocks:?} read as {} bytes, not {expected}",
+                layer_bytes.len()
+            )));
+        }
         let per_chunk = (MAX_CHUNK_BYTES / self.block_bytes).max(1);
         let mut start = blocks.start;
         while start < blocks.end {
@@ -792,6 +800,20 @@ mod tests {
         }
         let e = receive_all(chunks, &sink(Some(0..2))).unwrap_err();
         assert!(e.to_string().contains("bytes were expected"), "{e}");
+    }
+
+    #[test]
+    fn a_reader_that_reads_one_block_of_several_fails_its_push_not_the_process() {
+        let w = wire();
+        let (tx, _rx) = unbounded_channel();
+        let mut sender = ChunkSender::new(tx, w.block_bytes());
+        let e = sender
+            .send_layer(0, 0..3, &mut |_, out| {
+                out.resize(out.len() + w.block_bytes(), 0);
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("read as"), "{e}");
     }
 
     #[test]

@@ -137,7 +137,7 @@ impl WorkerArgs {
 #[cfg(test)]
 mod tests {
     use clap::Parser;
-    use duet_engine::backend::{CpuKernels, KvDtypeChoice};
+    use duet_engine::backend::{CpuKernels, KvDtypeChoice, PrefillAttention};
     use duet_engine::device::{Device, GpuWeights, Switch};
     use duet_engine::kv_tiers::KvTierOptions;
     use duet_engine::speculator::SpeculativeMode;
@@ -189,6 +189,7 @@ mod tests {
                 gpu_memory_fraction: 0.123,
                 kv_dtype: KvDtypeChoice::Bf16,
                 cpu_kernels: CpuKernels::Avx2,
+                prefill_attention: PrefillAttention::Fa,
                 speculative: SpeculativeMode::Draft("models dir/draft.gguf".into()),
                 num_speculative_tokens: 6,
                 speculative_max_step_rows: 5,

@@ -283,6 +283,9 @@ fn stream(
         "decode",
         gen_ai.usage.output_tokens = tracing::field::Empty,
         gen_ai.response.finish_reasons = tracing::field::Empty,
+        ttft.queue_us = tracing::field::Empty,
+        ttft.prefill_us = tracing::field::Empty,
+        ttft.transfer_us = tracing::field::Empty,
     );
     let task = async move {
         let _guard = guard;
@@ -305,7 +308,16 @@ fn stream(
                         span.record("gen_ai.usage.output_tokens", tokens);
                         span.record("gen_ai.response.finish_reasons", reason.as_str());
                     }
-                    if tx.send(Ok(responses.token(out))).await.is_err() || last {
+                    let msg = responses.token(out);
+                    // The timings of the last response: the TTFT split, as the trace's too.
+                    if let Some(t) = &msg.timings {
+                        let span = tracing::Span::current();
+                        let us = |ms: f64| (ms * 1e3).round() as i64;
+                        span.record("ttft.queue_us", us(t.queue_ms));
+                        span.record("ttft.prefill_us", us(t.prefill_ms));
+                        span.record("ttft.transfer_us", us(t.transfer_ms));
+                    }
+                    if tx.send(Ok(msg)).await.is_err() || last {
                         return;
                     }
                 }

@@ -285,8 +285,8 @@ impl Forger {
         let block_bytes = self.wire.block_bytes();
         for layer in 0..self.wire.layout.num_layers {
             sender
-                .send_layer(layer, blocks.clone(), &mut |_, out| {
-                    out.extend(std::iter::repeat_n(0x7f, block_bytes));
+                .send_layer(layer, blocks.clone(), &mut |range, out| {
+                    out.extend(std::iter::repeat_n(0x7f, range.len() * block_bytes));
                     Ok(())
                 })
                 .unwrap();

@@ -599,9 +599,15 @@ impl Pools {
     /// The workers as `Info` describes them.
     pub fn infos(&self) -> (Vec<v1::WorkerInfo>, Vec<v1::WorkerInfo>) {
         let fingerprint = self.fingerprint();
+        let refused = self.refused_prefill();
         let info = |w: &Arc<Worker>| {
             let st = w.status().stats.unwrap_or_default();
             v1::WorkerInfo {
+                refused_prefill_workers: refused
+                    .iter()
+                    .filter(|r| r.decode == w.address)
+                    .map(|r| r.prefill.clone())
+                    .collect(),
                 id: w.id(),
                 address: w.address.clone(),
                 healthy: duet_routing::routable(&w.snapshot(0), fingerprint.as_deref()),

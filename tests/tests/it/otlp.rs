@@ -222,4 +222,13 @@ fn one_generate_is_one_trace_across_router_decode_and_prefill() {
     assert_eq!(request.get("error.type"), None, "{request}");
     let decode = &one("decode")["attributes"];
     assert_eq!(decode["gen_ai.usage.output_tokens"], max_tokens as i64);
+    // The TTFT split of a remotely prefilled prompt: every part recorded, and a prefill that
+    // took time.
+    for part in ["ttft.queue_us", "ttft.prefill_us", "ttft.transfer_us"] {
+        assert!(
+            decode[part].as_i64().is_some_and(|us| us >= 0),
+            "{part}: {decode}"
+        );
+    }
+    assert!(decode["ttft.prefill_us"].as_i64().unwrap() > 0, "{decode}");
 }

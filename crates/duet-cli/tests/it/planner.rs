@@ -189,7 +189,7 @@ fn simulate_writes_bench_serves_keys_for_the_same_trace_and_plan_writes_values()
             .arg("--profile")
             .arg(&profile)
             // Enough requests that a burst of them misses the SLOs below.
-            .args(&load)
+            .args(load)
             .args(["--requests", "200"])
             .arg("--values-out")
             .arg(&values)
