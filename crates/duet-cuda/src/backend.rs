@@ -108,6 +108,8 @@ pub struct GpuBackend<G: Gpu> {
     /// The largest dequantized tile of a packed matrix loaded so far (bytes): the scratch
     /// buffer prefill's products over packed weights need, reserved with the step memory.
     packed_tile_bytes: AtomicUsize,
+    /// Device memory the weights loaded so far take (matrices and vectors), bytes.
+    weight_bytes: AtomicUsize,
     /// The first failure; once set, ops do nothing and `sync` reports it.
     failure: Mutex<Option<String>>,
     state: Mutex<State<G>>,
@@ -331,6 +333,7 @@ impl<G: Gpu> GpuBackend<G> {
             options: switches,
             memory_fraction,
             packed_tile_bytes: AtomicUsize::new(0),
+            weight_bytes: AtomicUsize::new(0),
             failure: Mutex::new(None),
             state: Mutex::new(State {
                 buckets: step::buckets(DEFAULT_MAX_BUCKET),
@@ -366,6 +369,12 @@ impl<G: Gpu> GpuBackend<G> {
 
     pub fn options(&self) -> GpuOptions {
         self.options.get()
+    }
+
+    /// Device memory the weights loaded so far take, in bytes (weights are never freed while
+    /// the backend lives).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes.load(Ordering::Relaxed)
     }
 
     /// Switches the GPU path between steps: graphs captured so far are dropped, and each shape
@@ -641,6 +650,7 @@ impl<G: Gpu> GpuBackend<G> {
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         self.gpu.upload(buf.ptr(), &bytes)?;
         self.gpu.synchronize()?;
+        self.weight_bytes.fetch_add(buf.bytes(), Ordering::Relaxed);
         Ok(CudaMatrix {
             buf,
             rows,
@@ -656,6 +666,7 @@ impl<G: Gpu> GpuBackend<G> {
         self.gpu.synchronize()?;
         self.packed_tile_bytes
             .fetch_max(layout.tile_bytes(), Ordering::Relaxed);
+        self.weight_bytes.fetch_add(buf.bytes(), Ordering::Relaxed);
         Ok(CudaMatrix {
             buf,
             rows: layout.rows,
@@ -927,6 +938,7 @@ impl<G: Gpu> Backend for GpuBackend<G> {
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
             self.gpu.upload(buf.ptr(), &bytes)?;
             self.gpu.synchronize()?;
+            self.weight_bytes.fetch_add(buf.bytes(), Ordering::Relaxed);
             Ok(CudaVector { buf })
         };
         Ok(upload().map_err(|e| CudaError::Driver(format!("uploading a vector: {e}")))?)
@@ -1810,6 +1822,11 @@ mod tests {
 
     impl Rig {
         fn new(options: GpuOptions) -> Self {
+            Self::synthetic(options, QuantType::BF16)
+        }
+
+        /// The tiny fixture's shapes with random weights stored as `ty`.
+        fn synthetic(options: GpuOptions, ty: QuantType) -> Self {
             let gpu = Arc::new(RecordingGpu::default());
             let backend = GpuBackend::with_gpu(gpu.clone(), options, 0.5);
             // Contexts past one 512-token attention partition.
@@ -1817,7 +1834,7 @@ mod tests {
                 max_position_embeddings: 4096,
                 ..fixture("tiny-llama")
             };
-            let model = Llama::synthetic(backend, config, 3).unwrap();
+            let model = Llama::synthetic(backend, config, ty, 3).unwrap();
             Self::ready(gpu, model)
         }
 
@@ -2091,8 +2108,11 @@ mod tests {
         let measure = |options: GpuOptions| {
             let gpu = Arc::new(RecordingGpu::default());
             let backend = GpuBackend::with_gpu(gpu.clone(), options, 0.5);
-            let _model = Llama::load(backend, &files).unwrap();
-            allocated(&gpu.take())
+            let model = Llama::load(backend, &files).unwrap();
+            let allocated = allocated(&gpu.take());
+            // What `duet bench gpu` reports as the weights' memory: all the load allocated.
+            assert_eq!(model.backend().weight_bytes(), allocated);
+            allocated
         };
         let (packed_bytes, bf16_bytes) = (measure(packed()), measure(GpuOptions::default()));
         let ratio = packed_bytes as f64 / file as f64;
@@ -2104,6 +2124,38 @@ mod tests {
             bf16_bytes as f64 > 1.7 * packed_bytes as f64,
             "bf16 {bf16_bytes}, packed {packed_bytes}"
         );
+    }
+
+    /// `duet bench gpu --gpu-weights packed`'s synthetic models load as a file of their format
+    /// would: kept packed, a fraction of bf16's memory (as `weight_bytes` reports it), a decode
+    /// step's products the format's kernel. (The tiny shape's 64 columns are not K-quant blocks.)
+    #[test]
+    fn a_synthetic_model_in_a_block_format_is_kept_packed() {
+        for (ty, bf16_over_packed) in [
+            (QuantType::Q4_0, 3.0),
+            (QuantType::Q4_1, 2.8),
+            (QuantType::Q8_0, 1.7),
+        ] {
+            let bf16 = Rig::synthetic(GpuOptions::default(), ty);
+            let mut rig = Rig::synthetic(packed(), ty);
+            let (b, p) = (
+                bf16.model.backend().weight_bytes(),
+                rig.model.backend().weight_bytes(),
+            );
+            assert!(
+                b as f64 > bf16_over_packed * p as f64,
+                "{ty}: bf16 {b}, packed {p}"
+            );
+            let c = rig.model.config().clone();
+            let events = rig.decode(3, 20);
+            let matvec = packed_weights::kernels(ty).unwrap().matvec;
+            assert_eq!(
+                count(&events, |e| *e == Event::Launch(matvec)),
+                4 * c.num_layers + 1,
+                "{ty}"
+            );
+            assert_eq!(count(&events, |e| matches!(e, Event::Gemm(_))), 0);
+        }
     }
 
     /// With packed weights a decode step's products read the blocks (one kernel each, no cuBLAS

@@ -245,13 +245,7 @@ mod tests {
             // Stacked QKV and gate/up as the backend uploads them, attention output, down.
             matrices.extend([(q + 2 * kv, h), (h, q), (2 * f, h), (h, f)]);
         }
-        for ty in [
-            QuantType::Q4_0,
-            QuantType::Q4_1,
-            QuantType::Q8_0,
-            QuantType::Q4_K,
-            QuantType::Q6_K,
-        ] {
+        for ty in QuantType::BLOCK_FORMATS {
             let file: usize = matrices
                 .iter()
                 .map(|&(r, cols)| (r * ty.row_bytes(cols).unwrap()).next_multiple_of(32))

@@ -9,7 +9,7 @@ use duet_cuda::kernels::{QMV_ROWS, QMV_WARPS};
 use duet_cuda::packed_weights::{PackedLayout, kernels};
 use duet_model::dequant::dequantize_row;
 use duet_model::quant_type::QuantType;
-use duet_model::synthetic::Uniform;
+use duet_model::synthetic::{Uniform, random_blocks};
 
 use crate::emulated::Emulated;
 
@@ -17,44 +17,6 @@ type LaunchMatvec =
     unsafe extern "C" fn(u32, u32, u32, u32, *const u8, *const f32, *mut f32, i32, i32, i32);
 type LaunchToBf16 = unsafe extern "C" fn(u32, u32, u32, u32, *const u8, *mut u16, i32, i32);
 type LaunchEmbed = unsafe extern "C" fn(u32, u32, u32, u32, *const u8, *const u32, *mut f32, i32);
-
-const FORMATS: [QuantType; 5] = [
-    QuantType::Q4_0,
-    QuantType::Q4_1,
-    QuantType::Q8_0,
-    QuantType::Q4_K,
-    QuantType::Q6_K,
-];
-
-/// `rows` rows of `cols` values of `ty`: random quants, f16 scales of a trained model's size.
-fn random_matrix(ty: QuantType, rows: usize, cols: usize, noise: &mut Uniform) -> Vec<u8> {
-    let blocks = rows * cols / ty.block_len();
-    let mut bytes: Vec<u8> = noise
-        .values(blocks * ty.block_bytes())
-        .iter()
-        .map(|v| ((v + 1.0) * 128.0) as u8)
-        .collect();
-    let f16_at = |block: &mut [u8], at: usize, lo: f32, hi: f32, noise: &mut Uniform| {
-        let v = lo + (hi - lo) * (noise.next_value() + 1.0) / 2.0;
-        block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
-    };
-    for block in bytes.chunks_exact_mut(ty.block_bytes()) {
-        match ty {
-            QuantType::Q4_0 | QuantType::Q8_0 => f16_at(block, 0, 1e-3, 2e-2, noise),
-            QuantType::Q4_1 => {
-                f16_at(block, 0, 1e-3, 2e-2, noise);
-                f16_at(block, 2, -0.1, 0.1, noise);
-            }
-            QuantType::Q4_K => {
-                f16_at(block, 0, 1e-4, 1e-3, noise);
-                f16_at(block, 2, 1e-4, 1e-3, noise);
-            }
-            QuantType::Q6_K => f16_at(block, 208, 1e-3, 2e-2, noise),
-            _ => unreachable!("a block format"),
-        }
-    }
-    bytes
-}
 
 /// ‖got − reference‖ / ‖reference‖.
 fn relative(got: &[f32], reference: &[f64]) -> f64 {
@@ -70,12 +32,12 @@ fn relative(got: &[f32], reference: &[f64]) -> f64 {
 fn packed_kernels_compute_what_the_cpu_reads_from_the_same_bytes() {
     let emulated = Emulated::build("quant_matvec");
     let mut noise = Uniform::new(11);
-    for ty in FORMATS {
+    for ty in QuantType::BLOCK_FORMATS {
         let k_names = kernels(ty).unwrap();
         let bl = ty.block_len();
         // Fewer units of 32 than a warp's lanes, and more.
         for (n, cols) in [(13usize, 7 * bl), (6, 1088usize.next_multiple_of(bl))] {
-            let w = random_matrix(ty, n, cols, &mut noise);
+            let w = random_blocks(ty, n, cols, 1.0 / (cols as f32).sqrt(), &mut noise);
             let layout = PackedLayout::of("w", ty, n, cols, w.len())
                 .unwrap()
                 .unwrap();
