@@ -22,7 +22,9 @@
 #                  GPU == CPU; then each switch on (--cuda-graphs, --device-sampling,
 #                  --fused-kernels, --prefill-attention fa): the same greedy tokens, a seeded
 #                  request GPU == CPU, device sampling bit for bit, batch invariance with each
-#                  prefill kernel. The default model too when it is here.
+#                  prefill kernel; the Q8_0 fixture with its weights kept packed too
+#                  (--gpu-weights packed): logits and greedy tokens against the CPU. The default
+#                  model (Q4_1) too when it is here, packed as well.
 #   2. disagg      `duet up --device cuda --processes` on the tiny fixture (its context stretched
 #                  to 8192 positions in $OUT, the weights the same), KV over cuda-ipc and over gRPC
 #                  (a layer's blocks per copy through pinned memory), every prompt prefilled
@@ -35,8 +37,10 @@
 #                  (legacy against fa), fused kernels off and on, against HF transformers'
 #                  (bench/hf_gpu.py) in the same run; the mixed load: TPOT of 32 decodes while an
 #                  8192-token prompt prefills beside them, per step budget and prefill kernel; the
-#                  PyTorch + CUDA graphs peer (bench/torch_decode.py). GPU_VERIFY_HF=0 leaves HF
-#                  out.
+#                  PyTorch + CUDA graphs peer (bench/torch_decode.py); `--gpu-weights packed`:
+#                  decode at batch 1 and 64 with the weights in Q4_0, Q4_1, Q8_0, Q4_K and Q6_K
+#                  kept packed against bf16, switches all off and all on, and each one's weight
+#                  memory. GPU_VERIFY_HF=0 leaves HF out.
 #   4. kvtiers     the KV tiers and peer pulls through the CUDA backend, on the tiny fixture:
 #                  `duet bench serve --compare-kv-tiers` (multi-turn, a host tier under a small
 #                  pool) and `duet bench kv-pull` (a prefix pulled from a peer vs computed).
@@ -53,11 +57,11 @@ esac
 pack=.gpu/duet-bin.tar.xz
 # Lists, as functions: the steps run in shells of their own, which inherit no arrays.
 bin_names() { echo duet duet-prefill duet-decode duet-router; }
-fixtures() { echo tests/fixtures/tiny-llama tests/fixtures/tiny-rope-llama3 tests/fixtures/tiny-rope-yarn; }
+fixtures() { echo tests/fixtures/tiny-llama tests/fixtures/tiny-rope-llama3 tests/fixtures/tiny-rope-yarn tests/fixtures/tiny-llama-q8_0.gguf; }
 export -f bin_names fixtures
 # Seconds per step; with the set-up they must fit the 8 minutes.
 budget_total=480
-limit_setup=15 limit_baseline=100 limit_disagg=100 limit_speed=220 limit_kvtiers=45
+limit_setup=15 limit_baseline=100 limit_disagg=80 limit_speed=250 limit_kvtiers=35
 limits_sum() { echo $((limit_setup + limit_baseline + limit_disagg + limit_speed + limit_kvtiers)); }
 carry_limit=$((64 << 20))
 
@@ -252,7 +256,8 @@ export -f cluster_ttft
 speed() {
   local peers=(--compare-torch)
   [[ ${GPU_VERIFY_HF:-1} == 1 ]] && peers+=(--compare-hf)
-  gpu "$bin/duet" bench gpu --skip-checks "${peers[@]}" --json-out "$OUT/bench-gpu.json" \
+  gpu "$bin/duet" bench gpu --skip-checks "${peers[@]}" --gpu-weights packed \
+    --weight-types Q4_0,Q4_1,Q8_0,Q4_K,Q6_K --json-out "$OUT/bench-gpu.json" \
     | tee "$OUT/bench-gpu.txt"
 }
 # The tiers below the KV pool and peer pulls (issue 84) through the CUDA backend's block reads and
@@ -315,7 +320,7 @@ step kvtiers kvtiers "$limit_kvtiers"
 summary="$out/summary.txt"
 {
   cat "$out/gpu.txt"
-  [[ -f $out/speed.log ]] && grep -A80 '^timing' "$out/speed.log" | grep -v '^\[' || true
+  [[ -f $out/speed.log ]] && grep -A120 '^timing' "$out/speed.log" | grep -v '^\[' || true
   printf '\n%-62s %-6s %s\n' check result detail
   cat "$rows"
   echo "total $((SECONDS - start))s; logs and JSON in $out"

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
+use duet_engine::device::GpuWeights;
 use duet_model::model_path::ModelArgs;
+use duet_model::quant_type::QuantType;
 
 #[derive(Args, Debug)]
 pub struct GpuBenchArgs {
@@ -41,6 +43,16 @@ pub struct GpuBenchArgs {
     /// print duet ÷ it.
     #[arg(long)]
     pub compare_torch: bool,
+    /// `packed`: also time decode of the Llama-3-8B shape with its weights in each of
+    /// `--weight-types` kept packed on the GPU (random blocks of realistic scales), against the
+    /// bf16 weights' decode of the same run, and report the memory each takes. The checks always
+    /// check a model holding block formats with its weights packed too.
+    #[arg(long, value_enum, default_value_t = GpuWeights::Bf16)]
+    pub gpu_weights: GpuWeights,
+    /// The GGUF block formats timed with `--gpu-weights packed`.
+    #[arg(long, value_delimiter = ',', value_parser = block_format,
+        default_value = "Q4_0,Q4_1,Q8_0,Q4_K,Q6_K")]
+    pub weight_types: Vec<QuantType>,
     /// Write the JSON report here too.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
@@ -67,6 +79,8 @@ pub fn run(args: GpuBenchArgs) -> Result<()> {
         prompts: args.prompts.clone(),
         skip_speed: args.skip_speed,
         skip_checks: args.skip_checks,
+        gpu_weights: args.gpu_weights,
+        weight_types: args.weight_types.clone(),
     })?;
     print!("{}", report.table());
     let mut json = serde_json::to_value(&report)?;
@@ -122,6 +136,17 @@ pub fn run(args: GpuBenchArgs) -> Result<()> {
         bail!("a peer failed: {}", peer_failures.join("; "));
     }
     Ok(())
+}
+
+/// A GGUF block format by name (`Q4_K`, `q4_k`).
+fn block_format(name: &str) -> Result<QuantType, String> {
+    QuantType::BLOCK_FORMATS
+        .into_iter()
+        .find(|t| t.name().eq_ignore_ascii_case(name))
+        .ok_or_else(|| {
+            let names: Vec<&str> = QuantType::BLOCK_FORMATS.iter().map(|t| t.name()).collect();
+            format!("{name} is not a block format ({})", names.join(", "))
+        })
 }
 
 /// A peer script's JSON object of timings under `duet bench gpu`'s timing names.

@@ -515,7 +515,7 @@ mod synthetic_model {
     use duet_engine::llama::Llama;
     use duet_model::config::ModelConfig;
 
-    use super::CpuBackend;
+    use super::{CpuBackend, QuantType};
 
     fn tiny() -> ModelConfig {
         let json = r#"{"model_type":"llama","architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
@@ -525,7 +525,7 @@ mod synthetic_model {
     }
 
     fn logits(seed: u64) -> Vec<f32> {
-        let model = Llama::synthetic(CpuBackend::new(1), tiny(), seed).unwrap();
+        let model = Llama::synthetic(CpuBackend::new(1), tiny(), QuantType::BF16, seed).unwrap();
         let mut kv =
             Backend::alloc_kv(model.backend(), model.kv_layout(4, 4, KvDtype::F32)).unwrap();
         let tokens = [1u32, 7, 42, 99, 3];

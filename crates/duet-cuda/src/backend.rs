@@ -13,7 +13,7 @@
 //! [`Backend::sync`]): the first failure is kept, later work is skipped, and `sync` reports it.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use duet_engine::EngineError;
@@ -33,11 +33,13 @@ use duet_model::storage::WeightBytes;
 use crate::CudaError;
 use crate::gpu::{Arg, DeviceBuffer, DevicePtr, Gemm, Gpu, Launch};
 use crate::kernels;
+use crate::packed_weights::{self, PackedLayout};
 use crate::sampling::{self, PackedRows};
 use crate::step::{self, Arena, GraphKey, InputLayout};
 
 /// Choices of the GPU path that have not run on a GPU yet, each off (or the kernel that has) by
-/// default (`--cuda-graphs`, `--device-sampling`, `--fused-kernels`, `--prefill-attention`).
+/// default (`--cuda-graphs`, `--device-sampling`, `--fused-kernels`, `--gpu-weights`,
+/// `--prefill-attention`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GpuOptions {
     /// Decode steps captured once per batch bucket as a CUDA graph, then replayed.
@@ -47,6 +49,10 @@ pub struct GpuOptions {
     /// QKV → RoPE → KV write as one kernel, and norms and attention writing the next matrix
     /// product's bf16 operand themselves.
     pub fused_kernels: bool,
+    /// GGUF block formats kept packed on the GPU (`--gpu-weights packed`), read by the kernels
+    /// of `kernels/quant_matvec.cu`; otherwise dequantized to bf16. Read when a matrix is
+    /// loaded: switching it later changes no loaded weights.
+    pub packed_weights: bool,
     /// The kernel of prefill attention: prefill_attention.cu (legacy) or the FlashAttention-tiled
     /// prefill_attention_fa.cu (fa).
     pub prefill_attention: PrefillAttention,
@@ -59,6 +65,7 @@ struct Switches {
     cuda_graphs: AtomicBool,
     device_sampling: AtomicBool,
     fused_kernels: AtomicBool,
+    packed_weights: AtomicBool,
     /// Whether prefill attention is `fa` (else `legacy`).
     fa_prefill: AtomicBool,
 }
@@ -69,6 +76,7 @@ impl Switches {
             cuda_graphs: self.cuda_graphs.load(Ordering::Relaxed),
             device_sampling: self.device_sampling.load(Ordering::Relaxed),
             fused_kernels: self.fused_kernels.load(Ordering::Relaxed),
+            packed_weights: self.packed_weights.load(Ordering::Relaxed),
             prefill_attention: match self.fa_prefill.load(Ordering::Relaxed) {
                 true => PrefillAttention::Fa,
                 false => PrefillAttention::Legacy,
@@ -81,6 +89,8 @@ impl Switches {
         self.device_sampling
             .store(o.device_sampling, Ordering::Relaxed);
         self.fused_kernels.store(o.fused_kernels, Ordering::Relaxed);
+        self.packed_weights
+            .store(o.packed_weights, Ordering::Relaxed);
         self.fa_prefill.store(
             o.prefill_attention == PrefillAttention::Fa,
             Ordering::Relaxed,
@@ -95,6 +105,11 @@ pub struct GpuBackend<G: Gpu> {
     gpu: Arc<G>,
     options: Switches,
     memory_fraction: f64,
+    /// The largest dequantized tile of a packed matrix loaded so far (bytes): the scratch
+    /// buffer prefill's products over packed weights need, reserved with the step memory.
+    packed_tile_bytes: AtomicUsize,
+    /// Device memory the weights loaded so far take (matrices and vectors), bytes.
+    weight_bytes: AtomicUsize,
     /// The first failure; once set, ops do nothing and `sync` reports it.
     failure: Mutex<Option<String>>,
     state: Mutex<State<G>>,
@@ -115,6 +130,8 @@ struct State<G: Gpu> {
     overflow: Vec<DeviceBuffer>,
     /// bf16 copy of a matrix product's input.
     cast: Option<DeviceBuffer>,
+    /// A tile of a packed matrix dequantized to bf16 (prefill's products over packed weights).
+    tile: Option<DeviceBuffer>,
     /// The activations whose bf16 copy `cast` holds (0: none). Set by the kernels that write the
     /// copy beside their output, cleared by every other launch, so a product skips its cast only
     /// when nothing can have changed its input since.
@@ -148,11 +165,24 @@ enum Mode {
     Replay(GraphKey),
 }
 
-/// A weight matrix `[rows][cols]` in bf16.
+/// A weight matrix `[rows][cols]` in bf16, or as the GGUF file's blocks (`--gpu-weights packed`).
 pub struct CudaMatrix {
     buf: DeviceBuffer,
     rows: usize,
     cols: usize,
+    packed: Option<PackedLayout>,
+}
+
+impl CudaMatrix {
+    /// Bytes of device memory the weights take.
+    pub fn bytes(&self) -> usize {
+        self.buf.bytes()
+    }
+
+    /// The packed layout, when the matrix is kept in its file's blocks.
+    pub fn packed(&self) -> Option<&PackedLayout> {
+        self.packed.as_ref()
+    }
 }
 
 /// A weight vector in f32.
@@ -302,6 +332,8 @@ impl<G: Gpu> GpuBackend<G> {
             gpu,
             options: switches,
             memory_fraction,
+            packed_tile_bytes: AtomicUsize::new(0),
+            weight_bytes: AtomicUsize::new(0),
             failure: Mutex::new(None),
             state: Mutex::new(State {
                 buckets: step::buckets(DEFAULT_MAX_BUCKET),
@@ -313,6 +345,7 @@ impl<G: Gpu> GpuBackend<G> {
                 workspace: None,
                 overflow: Vec::new(),
                 cast: None,
+                tile: None,
                 cast_holds: 0,
                 partitions: None,
                 packed: PackedRows::default(),
@@ -336,6 +369,12 @@ impl<G: Gpu> GpuBackend<G> {
 
     pub fn options(&self) -> GpuOptions {
         self.options.get()
+    }
+
+    /// Device memory the weights loaded so far take, in bytes (weights are never freed while
+    /// the backend lives).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes.load(Ordering::Relaxed)
     }
 
     /// Switches the GPU path between steps: graphs captured so far are dropped, and each shape
@@ -455,10 +494,25 @@ impl<G: Gpu> GpuBackend<G> {
         }
     }
 
-    /// `out = x · wᵀ` through cuBLAS: `x` cast to bf16 unless the cast buffer holds it already.
+    /// `out = x · wᵀ`: over packed weights and a few rows, one kernel reading the blocks and
+    /// `x` in f32; otherwise through cuBLAS, `x` cast to bf16 unless the cast buffer holds it
+    /// already (packed weights dequantized to bf16 a tile at a time).
     fn gemm(&self, s: &mut State<G>, w: &CudaMatrix, x: &CudaActivations, out: &CudaActivations) {
         if self.idle(s) || x.rows == 0 {
             return;
+        }
+        if let Some(p) = &w.packed
+            && x.rows <= packed_weights::MATVEC_MAX_ROWS
+        {
+            let args = [
+                Arg::Ptr(w.buf.ptr()),
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(out.ptr),
+                i32_of(x.rows),
+                i32_of(p.rows),
+                i32_of(p.cols),
+            ];
+            return self.launch(s, p.kernels().matvec, p.matvec_grid(x.rows), &args);
         }
         let n = x.rows * x.cols;
         let Some(xb) = self.cast_buffer(s, n) else {
@@ -474,31 +528,83 @@ impl<G: Gpu> GpuBackend<G> {
             // Several products of one input (unstacked projections) share the cast.
             s.cast_holds = x.ptr;
         }
-        self.gemm_bf16(s, w, xb, x.rows, out);
+        match &w.packed {
+            None => {
+                let shape = (w.rows, w.cols);
+                self.gemm_bf16(s, w.buf.ptr(), shape, xb, x.rows, out.ptr, w.rows)
+            }
+            Some(p) => self.gemm_packed_tiles(s, w, p, xb, x.rows, out),
+        }
         if s.cast_holds == out.ptr {
             s.cast_holds = 0;
         }
     }
 
-    fn gemm_bf16(
+    /// `out = x · wᵀ` over packed `w` for many rows of `x` (prefill; `xb` its bf16 copy): each
+    /// tile of `w`'s rows dequantized to bf16 into the tile buffer, then its band of `out`'s
+    /// columns through cuBLAS.
+    fn gemm_packed_tiles(
         &self,
         s: &mut State<G>,
         w: &CudaMatrix,
-        x: DevicePtr,
+        p: &PackedLayout,
+        xb: DevicePtr,
         rows: usize,
         out: &CudaActivations,
+    ) {
+        let Some(tile) = self.scratch(
+            "allocating the dequantized tile",
+            |s| &mut s.tile,
+            s,
+            p.tile_bytes(),
+        ) else {
+            return;
+        };
+        let cast_holds = s.cast_holds;
+        for (first, tile_rows) in p.tiles() {
+            self.launch(
+                s,
+                p.kernels().to_bf16,
+                grid1(tile_rows * p.cols / 32, 256),
+                &[
+                    Arg::Ptr(w.buf.ptr() + (first * p.row_bytes) as u64),
+                    Arg::Ptr(tile),
+                    i32_of(tile_rows),
+                    i32_of(p.cols),
+                ],
+            );
+            let band = out.ptr + (first * 4) as u64;
+            self.gemm_bf16(s, tile, (tile_rows, p.cols), xb, rows, band, p.rows);
+        }
+        // The tiles left the cast buffer alone.
+        s.cast_holds = cast_holds;
+    }
+
+    /// `out[rows][..n] = x · wᵀ` through cuBLAS, `w` `[n][k]` and `x` in bf16, `out`'s rows
+    /// `ld_out` values apart.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_bf16(
+        &self,
+        s: &mut State<G>,
+        w: DevicePtr,
+        (n, k): (usize, usize),
+        x: DevicePtr,
+        rows: usize,
+        out: DevicePtr,
+        ld_out: usize,
     ) {
         if self.idle(s) {
             return;
         }
         s.pending = true;
         let r = self.gpu.gemm(&Gemm {
-            w: w.buf.ptr(),
+            w,
             x,
-            out: out.ptr,
+            out,
             rows,
-            n: w.rows,
-            k: w.cols,
+            n,
+            k,
+            ld_out,
         });
         self.check("cublasGemmEx", r);
     }
@@ -506,7 +612,8 @@ impl<G: Gpu> GpuBackend<G> {
     /// `out = x · wᵀ` with `x` a bf16 matrix of its own (the matrix-rate benchmark).
     pub fn gemm_matrices(&self, w: &CudaMatrix, x: &CudaMatrix, out: &CudaActivations) {
         let mut s = self.state();
-        self.gemm_bf16(&mut s, w, x.buf.ptr(), x.rows, out);
+        let (n, k) = (w.rows, w.cols);
+        self.gemm_bf16(&mut s, w.buf.ptr(), (n, k), x.buf.ptr(), x.rows, out.ptr, n);
     }
 
     /// Activations made from host values (benchmarks and checks), in memory of their own.
@@ -543,7 +650,29 @@ impl<G: Gpu> GpuBackend<G> {
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         self.gpu.upload(buf.ptr(), &bytes)?;
         self.gpu.synchronize()?;
-        Ok(CudaMatrix { buf, rows, cols })
+        self.weight_bytes.fetch_add(buf.bytes(), Ordering::Relaxed);
+        Ok(CudaMatrix {
+            buf,
+            rows,
+            cols,
+            packed: None,
+        })
+    }
+
+    /// A packed matrix: its blocks uploaded as they are.
+    fn upload_packed(&self, layout: PackedLayout, bytes: &[u8]) -> Result<CudaMatrix, CudaError> {
+        let buf = DeviceBuffer::new(&self.gpu, bytes.len())?;
+        self.gpu.upload(buf.ptr(), bytes)?;
+        self.gpu.synchronize()?;
+        self.packed_tile_bytes
+            .fetch_max(layout.tile_bytes(), Ordering::Relaxed);
+        self.weight_bytes.fetch_add(buf.bytes(), Ordering::Relaxed);
+        Ok(CudaMatrix {
+            buf,
+            rows: layout.rows,
+            cols: layout.cols,
+            packed: Some(layout),
+        })
     }
 
     /// Ends a capture under way: the graph is kept and queued, so the step's work runs.
@@ -749,8 +878,15 @@ impl<G: Gpu> Backend for GpuBackend<G> {
         cols: usize,
         bytes: WeightBytes,
     ) -> Result<CudaMatrix, EngineError> {
-        self.upload_matrix(&bf16_matrix(ty, &bytes, rows * cols), rows, cols)
-            .map_err(|e| CudaError::Driver(format!("uploading {name}: {e}")).into())
+        let packed = match self.options().packed_weights {
+            true => PackedLayout::of(name, ty, rows, cols, bytes.len())?,
+            false => None,
+        };
+        let uploaded = match packed {
+            Some(layout) => self.upload_packed(layout, &bytes),
+            None => self.upload_matrix(&bf16_matrix(ty, &bytes, rows * cols), rows, cols),
+        };
+        uploaded.map_err(|e| CudaError::Driver(format!("uploading {name}: {e}")).into())
     }
 
     fn load_stacked_matrix(&self, parts: &[RawTensor]) -> Result<Option<CudaMatrix>, EngineError> {
@@ -759,6 +895,26 @@ impl<G: Gpu> Backend for GpuBackend<G> {
         };
         if parts.iter().any(|t| t.cols != first.cols) {
             return Ok(None);
+        }
+        let packed = |t: &RawTensor| {
+            self.options().packed_weights && packed_weights::kernels(t.ty).is_some()
+        };
+        if parts.iter().any(packed) {
+            // Rows of whole blocks stack as bytes; parts of other formats load apart.
+            if parts.iter().any(|t| t.ty != first.ty) {
+                return Ok(None);
+            }
+            let mut bytes = Vec::new();
+            for t in parts {
+                PackedLayout::of(&t.name, t.ty, t.rows, t.cols, t.bytes.len())?;
+                bytes.extend_from_slice(&t.bytes);
+            }
+            let rows = parts.iter().map(|t| t.rows).sum();
+            let layout = PackedLayout::of(&first.name, first.ty, rows, first.cols, bytes.len())?
+                .expect("a block format");
+            return Ok(Some(self.upload_packed(layout, &bytes).map_err(|e| {
+                CudaError::Driver(format!("uploading stacked matrices: {e}"))
+            })?));
         }
         // Every part becomes bf16, whatever its stored type, so mixed types stack too.
         let mut values = Vec::new();
@@ -782,6 +938,7 @@ impl<G: Gpu> Backend for GpuBackend<G> {
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
             self.gpu.upload(buf.ptr(), &bytes)?;
             self.gpu.synchronize()?;
+            self.weight_bytes.fetch_add(buf.bytes(), Ordering::Relaxed);
             Ok(CudaVector { buf })
         };
         Ok(upload().map_err(|e| CudaError::Driver(format!("uploading a vector: {e}")))?)
@@ -879,6 +1036,10 @@ impl<G: Gpu> Backend for GpuBackend<G> {
         let reserved = (|| -> Result<(), CudaError> {
             grow(&self.gpu, &mut s.workspace, activation_bytes)?;
             grow(&self.gpu, &mut s.cast, rows * widest * 2)?;
+            let tile = self.packed_tile_bytes.load(Ordering::Relaxed);
+            if tile > 0 {
+                grow(&self.gpu, &mut s.tile, tile)?;
+            }
             // Decode attention of every row within one partition; longer contexts grow it.
             grow(
                 &self.gpu,
@@ -976,9 +1137,13 @@ impl<G: Gpu> Backend for GpuBackend<G> {
 
     fn embed(&self, table: &CudaMatrix, batch: &CudaBatch<'_>, out: &mut CudaActivations) {
         let mut s = self.state();
+        let kernel = match &table.packed {
+            Some(p) => p.kernels().embed_rows,
+            None => "embed_rows",
+        };
         self.launch(
             &mut s,
-            "embed_rows",
+            kernel,
             per_row(batch.layout.rows, 256),
             &[
                 Arg::Ptr(table.buf.ptr()),
@@ -1620,9 +1785,12 @@ mod tests {
     use duet_engine::llama::Llama;
     use duet_model::params::SamplingParams;
 
+    fn fixtures() -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+    }
+
     fn fixture(name: &str) -> ModelConfig {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
-        ModelConfig::from_hf_config_file(&dir.join(name).join("config.json")).unwrap()
+        ModelConfig::from_hf_config_file(&fixtures().join(name).join("config.json")).unwrap()
     }
 
     #[test]
@@ -1654,6 +1822,11 @@ mod tests {
 
     impl Rig {
         fn new(options: GpuOptions) -> Self {
+            Self::synthetic(options, QuantType::BF16)
+        }
+
+        /// The tiny fixture's shapes with random weights stored as `ty`.
+        fn synthetic(options: GpuOptions, ty: QuantType) -> Self {
             let gpu = Arc::new(RecordingGpu::default());
             let backend = GpuBackend::with_gpu(gpu.clone(), options, 0.5);
             // Contexts past one 512-token attention partition.
@@ -1661,7 +1834,20 @@ mod tests {
                 max_position_embeddings: 4096,
                 ..fixture("tiny-llama")
             };
-            let model = Llama::synthetic(backend, config, 3).unwrap();
+            let model = Llama::synthetic(backend, config, ty, 3).unwrap();
+            Self::ready(gpu, model)
+        }
+
+        /// The model of a fixture's file (`tests/fixtures/<name>`).
+        fn from_file(options: GpuOptions, name: &str) -> Self {
+            let gpu = Arc::new(RecordingGpu::default());
+            let backend = GpuBackend::with_gpu(gpu.clone(), options, 0.5);
+            let files = duet_model::model_files::open_model(&fixtures().join(name)).unwrap();
+            Self::ready(gpu, Llama::load(backend, &files).unwrap())
+        }
+
+        /// A KV store and the step memory reserved for 16 rows, as `ModelRunner::load` does.
+        fn ready(gpu: Arc<RecordingGpu>, model: Llama<GpuBackend<RecordingGpu>>) -> Self {
             let kv = model
                 .backend()
                 .alloc_kv(model.kv_layout(BLOCK, BLOCKS, KvDtype::Bf16))
@@ -1688,9 +1874,16 @@ mod tests {
                     logits: LogitsWanted::Last,
                 })
                 .collect();
+            let (logit_rows, events) = self.step(&inputs);
+            assert_eq!(logit_rows, n, "padded rows are not returned");
+            events
+        }
+
+        /// One step of `inputs`: the logit rows it returned and the events it caused.
+        fn step(&mut self, inputs: &[SeqInput<'_>]) -> (usize, Vec<Event>) {
             let c = self.model.config();
             let batch = ForwardBatch::new(
-                &inputs,
+                inputs,
                 BLOCK,
                 BLOCKS,
                 c.vocab_size,
@@ -1701,8 +1894,7 @@ mod tests {
                 .model
                 .forward(&batch, &mut self.kv, &mut |_, _| {})
                 .unwrap();
-            assert_eq!(logits.num_rows(), n, "padded rows are not returned");
-            self.gpu.take()
+            (logits.num_rows(), self.gpu.take())
         }
     }
 
@@ -1881,6 +2073,180 @@ mod tests {
                 "{events:?}"
             );
         }
+    }
+
+    fn packed() -> GpuOptions {
+        GpuOptions {
+            packed_weights: true,
+            ..Default::default()
+        }
+    }
+
+    /// Bytes allocated on the device.
+    fn allocated(events: &[Event]) -> usize {
+        events
+            .iter()
+            .map(|e| match e {
+                Event::Alloc(b) => *b,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// The Q8_0 fixture loaded with `--gpu-weights packed` takes its file's tensor bytes on the
+    /// device (to within a few percent: the RoPE frequencies, and norms as f32 as stored);
+    /// dequantized to bf16 it takes 64/34 of its matrices.
+    #[test]
+    fn packed_weights_take_the_file_s_bytes() {
+        let name = "tiny-llama-q8_0.gguf";
+        let files = duet_model::model_files::open_model(&fixtures().join(name)).unwrap();
+        let file: usize = files
+            .tensors
+            .names()
+            .map(|n| files.tensors.get(n).unwrap().bytes.len())
+            .sum();
+        let measure = |options: GpuOptions| {
+            let gpu = Arc::new(RecordingGpu::default());
+            let backend = GpuBackend::with_gpu(gpu.clone(), options, 0.5);
+            let model = Llama::load(backend, &files).unwrap();
+            let allocated = allocated(&gpu.take());
+            // What `duet bench gpu` reports as the weights' memory: all the load allocated.
+            assert_eq!(model.backend().weight_bytes(), allocated);
+            allocated
+        };
+        let (packed_bytes, bf16_bytes) = (measure(packed()), measure(GpuOptions::default()));
+        let ratio = packed_bytes as f64 / file as f64;
+        assert!(
+            (0.97..1.03).contains(&ratio),
+            "packed {packed_bytes} bytes, file {file}"
+        );
+        assert!(
+            bf16_bytes as f64 > 1.7 * packed_bytes as f64,
+            "bf16 {bf16_bytes}, packed {packed_bytes}"
+        );
+    }
+
+    /// `duet bench gpu --gpu-weights packed`'s synthetic models load as a file of their format
+    /// would: kept packed, a fraction of bf16's memory (as `weight_bytes` reports it), a decode
+    /// step's products the format's kernel. (The tiny shape's 64 columns are not K-quant blocks.)
+    #[test]
+    fn a_synthetic_model_in_a_block_format_is_kept_packed() {
+        for (ty, bf16_over_packed) in [
+            (QuantType::Q4_0, 3.0),
+            (QuantType::Q4_1, 2.8),
+            (QuantType::Q8_0, 1.7),
+        ] {
+            let bf16 = Rig::synthetic(GpuOptions::default(), ty);
+            let mut rig = Rig::synthetic(packed(), ty);
+            let (b, p) = (
+                bf16.model.backend().weight_bytes(),
+                rig.model.backend().weight_bytes(),
+            );
+            assert!(
+                b as f64 > bf16_over_packed * p as f64,
+                "{ty}: bf16 {b}, packed {p}"
+            );
+            let c = rig.model.config().clone();
+            let events = rig.decode(3, 20);
+            let matvec = packed_weights::kernels(ty).unwrap().matvec;
+            assert_eq!(
+                count(&events, |e| *e == Event::Launch(matvec)),
+                4 * c.num_layers + 1,
+                "{ty}"
+            );
+            assert_eq!(count(&events, |e| matches!(e, Event::Gemm(_))), 0);
+        }
+    }
+
+    /// With packed weights a decode step's products read the blocks (one kernel each, no cuBLAS
+    /// call, no cast), the embedding gathers packed rows, and the step still allocates nothing
+    /// and waits once; a prefill of more rows dequantizes tiles for cuBLAS, each product's
+    /// bands written into the whole output.
+    #[test]
+    fn packed_weights_decode_in_one_kernel_and_prefill_through_tiles() {
+        let mut rig = Rig::from_file(packed(), "tiny-llama-q8_0.gguf");
+        let c = rig.model.config().clone();
+        for _ in 0..2 {
+            let events = rig.decode(3, 20);
+            assert_eq!(count(&events, |e| matches!(e, Event::Gemm(_))), 0);
+            assert_eq!(count(&events, |e| *e == Event::Launch("f32_to_bf16_n")), 0);
+            // Per layer QKV, output, gate/up, down; and the LM head.
+            assert_eq!(
+                count(&events, |e| *e == Event::Launch("quant_matvec_q8_0")),
+                4 * c.num_layers + 1
+            );
+            assert_eq!(
+                count(&events, |e| *e == Event::Launch("quant_embed_rows_q8_0")),
+                1
+            );
+            assert_eq!(count(&events, |e| matches!(e, Event::Alloc(_))), 0);
+            assert_eq!(count(&events, |e| *e == Event::Synchronize), 1);
+        }
+        let table: Vec<u32> = (0..4).collect();
+        let tokens: Vec<u32> = (1..=40).collect();
+        let inputs = [SeqInput::span(&tokens, 0, 40, &table, LogitsWanted::Last)];
+        let (_, events) = rig.step(&inputs);
+        let gemms: Vec<Gemm> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Gemm(g) => Some(*g),
+                _ => None,
+            })
+            .collect();
+        // The tiny matrices are one tile each: a tile launch per product of the 40 rows.
+        let tiles = count(&events, |e| *e == Event::Launch("quant_to_bf16_q8_0"));
+        assert_eq!(tiles, gemms.iter().filter(|g| g.rows == 40).count());
+        assert_eq!(tiles, 4 * c.num_layers);
+        assert!(gemms.iter().all(|g| g.ld_out == g.n), "{gemms:?}");
+    }
+
+    /// Products over tiles: each band of rows written at its columns of the whole output.
+    #[test]
+    fn a_product_of_several_tiles_writes_each_band() {
+        let gpu = Arc::new(RecordingGpu::default());
+        let backend = GpuBackend::with_gpu(gpu.clone(), packed(), 0.5);
+        // 9000 rows of 4096 values: 4096 rows a tile, so three tiles.
+        let (rows, cols) = (9000, 4096);
+        let ty = QuantType::Q4_0;
+        let bytes = WeightBytes::from_vec(vec![0u8; rows * ty.row_bytes(cols).unwrap()]);
+        let w = backend.load_matrix("w", ty, rows, cols, bytes).unwrap();
+        let x = backend
+            .upload_activations(20, cols, &vec![0.0; 20 * cols])
+            .unwrap();
+        let mut out = backend.alloc(20, rows);
+        gpu.take();
+        backend.matmul(&w, &x, &mut out);
+        let gemms: Vec<Gemm> = gpu
+            .take()
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Gemm(g) => Some(g),
+                _ => None,
+            })
+            .collect();
+        let bands: Vec<(u64, usize)> = gemms.iter().map(|g| (g.out - out.ptr, g.n)).collect();
+        assert_eq!(bands, vec![(0, 4096), (4096 * 4, 4096), (8192 * 4, 808)]);
+        assert!(
+            gemms
+                .iter()
+                .all(|g| g.ld_out == rows && g.k == cols && g.rows == 20)
+        );
+    }
+
+    /// A packed tensor that is not whole blocks is refused at load, naming the tensor.
+    #[test]
+    fn a_packed_tensor_of_the_wrong_size_is_named() {
+        let backend = GpuBackend::with_gpu(Arc::new(RecordingGpu::default()), packed(), 0.5);
+        let bytes = WeightBytes::from_vec(vec![0u8; 100]);
+        let Err(e) = backend.load_matrix("blk.0.attn_v.weight", QuantType::Q4_1, 2, 48, bytes)
+        else {
+            panic!("a Q4_1 row of 48 values loaded");
+        };
+        let e = e.to_string();
+        assert!(
+            e.contains("blk.0.attn_v.weight") && e.contains("Q4_1"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -330,7 +330,7 @@ impl Gpu for CudaGpu {
                 (&beta as *const f32).cast(),
                 g.out as *mut _,
                 cudaDataType::CUDA_R_32F,
-                g.n as i32,
+                g.ld_out as i32,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )

@@ -31,7 +31,8 @@ pub struct Launch<'a> {
     pub args: &'a [Arg],
 }
 
-/// `out[rows][n] = x[rows][k] · wᵀ` with `w` `[n][k]` and `x` in bf16, `out` in f32.
+/// `out[rows][n] = x[rows][k] · wᵀ` with `w` `[n][k]` and `x` in bf16, `out` in f32, its rows
+/// `ld_out` values apart (`n`, or more when the product fills a band of a wider output's columns).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Gemm {
     pub w: DevicePtr,
@@ -40,6 +41,7 @@ pub struct Gemm {
     pub rows: usize,
     pub n: usize,
     pub k: usize,
+    pub ld_out: usize,
 }
 
 pub trait Gpu: Send + Sync + 'static {

@@ -80,6 +80,28 @@ pub const FILES: &[KernelFile] = &[
         options: &[],
     },
     KernelFile {
+        name: "quant_matvec.cu",
+        source: include_str!("../../../kernels/quant_matvec.cu"),
+        kernels: &[
+            "quant_matvec_q4_0",
+            "quant_to_bf16_q4_0",
+            "quant_embed_rows_q4_0",
+            "quant_matvec_q4_1",
+            "quant_to_bf16_q4_1",
+            "quant_embed_rows_q4_1",
+            "quant_matvec_q8_0",
+            "quant_to_bf16_q8_0",
+            "quant_embed_rows_q8_0",
+            "quant_matvec_q4_k",
+            "quant_to_bf16_q4_k",
+            "quant_embed_rows_q4_k",
+            "quant_matvec_q6_k",
+            "quant_to_bf16_q6_k",
+            "quant_embed_rows_q6_k",
+        ],
+        options: &[],
+    },
+    KernelFile {
         name: "prefill_attention_fa.cu",
         source: include_str!("../../../kernels/prefill_attention_fa.cu"),
         kernels: &[
@@ -104,6 +126,11 @@ pub const PARTITION_TOKENS: usize = 512;
 pub const PREFILL_BLOCK_M: usize = 64;
 /// Threads of a prefill-attention block (`PF_THREADS` in prefill_attention.cu).
 pub const PREFILL_THREADS: u32 = 128;
+/// Output columns of a packed matrix-vector block, one warp each (`QMV_WARPS` in
+/// quant_matvec.cu).
+pub const QMV_WARPS: usize = 4;
+/// Activation rows of a packed matrix-vector block (`QMV_ROWS` in quant_matvec.cu).
+pub const QMV_ROWS: usize = 8;
 
 /// Threads of a FlashAttention-tiled prefill block (`FA_THREADS` in prefill_attention_fa.cu).
 pub const FA_THREADS: u32 = 128;
@@ -185,6 +212,8 @@ mod tests {
             define("prefill_attention.cu", "PREFILL_BLOCK_M"),
             PREFILL_BLOCK_M
         );
+        assert_eq!(define("quant_matvec.cu", "QMV_WARPS"), QMV_WARPS);
+        assert_eq!(define("quant_matvec.cu", "QMV_ROWS"), QMV_ROWS);
         assert_eq!(
             define("prefill_attention.cu", "PF_THREADS"),
             PREFILL_THREADS as usize

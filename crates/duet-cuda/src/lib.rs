@@ -15,6 +15,7 @@ pub mod cuda_gpu;
 pub mod error;
 pub mod gpu;
 pub mod kernels;
+pub mod packed_weights;
 #[cfg(feature = "cuda")]
 pub mod probe;
 #[cfg(test)]

@@ -106,6 +106,7 @@ pub fn gpu_options(options: &EngineOptions) -> duet_cuda::backend::GpuOptions {
         cuda_graphs: options.cuda_graphs.is_on(),
         device_sampling: options.device_sampling.is_on(),
         fused_kernels: options.fused_kernels.is_on(),
+        packed_weights: options.gpu_weights == duet_engine::device::GpuWeights::Packed,
         prefill_attention: options.prefill_attention,
     }
 }

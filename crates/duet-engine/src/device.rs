@@ -59,6 +59,26 @@ impl fmt::Display for Device {
     }
 }
 
+/// How a GPU holds GGUF weights of a block format (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum GpuWeights {
+    /// Dequantized to bf16 at load.
+    #[default]
+    Bf16,
+    /// Kept as the file's blocks, dequantized in registers by the matrix kernels.
+    Packed,
+}
+
+impl fmt::Display for GpuWeights {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Bf16 => "bf16",
+            Self::Packed => "packed",
+        })
+    }
+}
+
 /// A switch on the command line: `on` or `off`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "cli", derive(clap::ValueEnum))]

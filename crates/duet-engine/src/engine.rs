@@ -13,7 +13,7 @@ use duet_kv::{BlockPool, KvCacheManager};
 
 use crate::EngineError;
 use crate::backend::{Backend, CpuKernels, KvDtype, KvDtypeChoice, KvLayout, PrefillAttention};
-use crate::device::{Device, Switch};
+use crate::device::{Device, GpuWeights, Switch};
 use crate::draft_model::DraftModel;
 use crate::generation::TextStream;
 use crate::grammars::Grammars;
@@ -120,6 +120,12 @@ pub struct EngineOptions {
     /// Off until they have run on a GPU.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_FUSED_KERNELS", value_enum, default_value_t = EngineOptions::default().fused_kernels))]
     pub fused_kernels: Switch,
+    /// On a GPU: GGUF weights of a block format (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) dequantized to
+    /// bf16 at load, or kept packed (the file's bytes: about a quarter of bf16's memory and
+    /// reads for 4-bit formats) and dequantized in registers by the matrix kernels. bf16 until
+    /// packed has run on a GPU.
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_GPU_WEIGHTS", value_enum, default_value_t = EngineOptions::default().gpu_weights))]
+    pub gpu_weights: GpuWeights,
     /// The tiers below the KV pool (host memory, disk).
     #[cfg_attr(feature = "cli", command(flatten))]
     pub kv_tiers: KvTierOptions,
@@ -152,6 +158,7 @@ impl Default for EngineOptions {
             cuda_graphs: Switch::Off,
             device_sampling: Switch::Off,
             fused_kernels: Switch::Off,
+            gpu_weights: GpuWeights::Bf16,
             kv_tiers: KvTierOptions::default(),
         }
     }
@@ -187,6 +194,7 @@ impl EngineOptions {
             cuda_graphs,
             device_sampling,
             fused_kernels,
+            gpu_weights,
             kv_tiers,
         } = self;
         let kv_dtype =
@@ -207,6 +215,7 @@ impl EngineOptions {
             format!("--cuda-graphs={cuda_graphs}"),
             format!("--device-sampling={device_sampling}"),
             format!("--fused-kernels={fused_kernels}"),
+            format!("--gpu-weights={gpu_weights}"),
         ]
         .into_iter()
         .chain(kv_tiers.to_args())

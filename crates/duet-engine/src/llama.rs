@@ -111,10 +111,19 @@ impl<B: Backend> Llama<B> {
         )
     }
 
-    /// A model of `config`'s shapes with random bf16 weights (see [`duet_model::synthetic`]): for
-    /// benchmarks at sizes no file on hand has.
-    pub fn synthetic(backend: B, config: ModelConfig, seed: u64) -> Result<Self, EngineError> {
-        let tensors = |name: &str| Ok(duet_model::synthetic::tensor(&config, name, seed));
+    /// A model of `config`'s shapes with random weights, its matrices stored as `ty` (BF16 or a
+    /// GGUF block format; see [`duet_model::synthetic`]): for benchmarks at sizes no file on hand
+    /// has.
+    pub fn synthetic(
+        backend: B,
+        config: ModelConfig,
+        ty: QuantType,
+        seed: u64,
+    ) -> Result<Self, EngineError> {
+        let tensors = |name: &str| {
+            duet_model::synthetic::tensor(&config, name, ty, seed)
+                .map_err(|e| EngineError::Weights(e.to_string()))
+        };
         Self::build(backend, config.clone(), false, &tensors)
     }
 

@@ -26,6 +26,15 @@ impl QuantType {
         QuantType::Q6_K,
     ];
 
+    /// The block formats (quants with per-block scales).
+    pub const BLOCK_FORMATS: [QuantType; 5] = [
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q8_0,
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+    ];
+
     /// The type of a GGML type id (`ggml_type`), if we support it.
     pub fn from_ggml(id: u32) -> Option<QuantType> {
         Some(match id {

@@ -138,7 +138,7 @@ impl WorkerArgs {
 mod tests {
     use clap::Parser;
     use duet_engine::backend::{CpuKernels, KvDtypeChoice, PrefillAttention};
-    use duet_engine::device::{Device, Switch};
+    use duet_engine::device::{Device, GpuWeights, Switch};
     use duet_engine::kv_tiers::KvTierOptions;
     use duet_engine::speculator::SpeculativeMode;
 
@@ -196,6 +196,7 @@ mod tests {
                 cuda_graphs: Switch::On,
                 device_sampling: Switch::On,
                 fused_kernels: Switch::On,
+                gpu_weights: GpuWeights::Packed,
                 kv_tiers: KvTierOptions {
                     kv_offload_tokens: 4096,
                     kv_disk_dir: Some("kv dir/blocks".into()),

@@ -3,9 +3,6 @@
 //! penalised logits the kernel leaves, bit for bit. Needs a C++17 compiler and python3 (as
 //! `scripts/test-kernels-emulated.sh` does), no GPU.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
 use duet_cuda::sampling::{OUT_WORDS, PackedRows, THREADS, same_draw, unpack};
 use duet_engine::sampling_steps::{RowSampling, sample_row};
 use duet_model::params::{Sampled, SamplingParams};
@@ -25,33 +22,12 @@ type LaunchSampleRows = unsafe extern "C" fn(
     *mut u32,
 );
 
-/// The emulated `sampling.cu`, built into a temporary directory.
-struct Emulated {
-    lib: libloading::Library,
-    _build: tempfile::TempDir,
-}
+/// The emulated `sampling.cu`.
+struct Emulated(crate::emulated::Emulated);
 
 impl Emulated {
     fn build() -> Self {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let build = tempfile::tempdir().unwrap();
-        let script: PathBuf = root.join("crates/duet-cuda/emulator/build-lib.sh");
-        let status = Command::new(&script)
-            .arg(root.join("kernels"))
-            .arg(build.path())
-            .arg("sampling")
-            .status()
-            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-        let log =
-            std::fs::read_to_string(build.path().join("build_sampling.log")).unwrap_or_default();
-        assert!(
-            status.success(),
-            "building the emulated sampling.cu failed:\n{log}"
-        );
-        // SAFETY: the library is ours, built just now; loading runs no initialisers of note.
-        let lib =
-            unsafe { libloading::Library::new(build.path().join("lib_sampling.so")) }.unwrap();
-        Self { lib, _build: build }
+        Self(crate::emulated::Emulated::build("sampling"))
     }
 
     /// Runs `sample_rows` over `logits` (`rows.len()` rows of `vocab`), modified in place.
@@ -72,7 +48,7 @@ impl Emulated {
         // the kernel reads or writes for `rows.len()` rows of `vocab`.
         unsafe {
             let launch: libloading::Symbol<'_, LaunchSampleRows> =
-                self.lib.get(b"L_sample_rows").unwrap();
+                self.0.lib.get(b"L_sample_rows").unwrap();
             launch(
                 rows.len() as u32,
                 1,
