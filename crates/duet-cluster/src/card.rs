@@ -17,7 +17,7 @@ use sha2::Sha256;
 use crate::error::ClusterError;
 
 /// Which pool a worker serves in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     Prefill,

@@ -1,7 +1,7 @@
 //! The cluster token: a shared secret every internal call carries (metadata
 //! [`CLUSTER_TOKEN_HEADER`]), attached to outgoing calls by [`crate::channels::PeerMetadata`] and checked on
 //! arrival by [`ClusterAuthLayer`] in every service's edge. Internal RPCs (`Decode`, `Prefill`,
-//! `KvTransfer`, `WorkerControl`) without it are refused with UNAUTHENTICATED before any handler
+//! `KvTransfer`, `WorkerControl`, `WorkerAdmin`) without it are refused with UNAUTHENTICATED before any handler
 //! runs, so such a caller learns nothing about the model; the public `Generation` API, health
 //! and reflection stay open.
 
@@ -247,6 +247,7 @@ mod tests {
             "/duet.v1.PrefillWorker/Prefill",
             "/duet.v1.KvTransfer/Push",
             "/duet.v1.WorkerControl/Stats",
+            "/duet.v1.WorkerAdmin/SwitchRole",
             "/duet.v1.KvEvents/Subscribe",
             "/duet.v1.Unknown/Call",
         ] {

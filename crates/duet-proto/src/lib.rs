@@ -2,7 +2,7 @@
 //!
 //! [`v1`] holds the messages, clients and servers generated from `proto/duet/v1`:
 //! the public `Generation` service (`generate.proto`) and the internal worker services
-//! `DecodeWorker`, `PrefillWorker`, `KvTransfer`, `KvEvents` and `WorkerControl` (`worker.proto`).
+//! `DecodeWorker`, `PrefillWorker`, `KvTransfer`, `KvEvents`, `WorkerControl` and `WorkerAdmin` (`worker.proto`).
 //! The `.proto` comments are the API documentation and appear on the generated items.
 //!
 //! [`FILE_DESCRIPTOR_SET`] is the encoded descriptor set of those files, and
@@ -28,12 +28,14 @@ pub mod v1 {
 pub mod auth;
 pub mod channels;
 pub mod convert;
+pub mod gate;
 pub mod malformed;
 pub mod serve;
 pub mod tls;
 
 pub use auth::{ClusterAuth, ClusterToken};
 pub use channels::{Channels, PeerAuth, PeerChannel, PeerMetadata, channel, is_connection_refused};
+pub use gate::{Gate, GatePass, Gated};
 pub use serve::{
     DrainBegun, Draining, Edge, EdgeOptions, InFlightLimitLayer, MAX_MESSAGE_BYTES, Overloaded,
     deadline,
@@ -156,6 +158,10 @@ mod tests {
         assert_eq!(
             methods(&service(&fds, "duet.v1.WorkerControl")),
             [m("Stats", false, false)]
+        );
+        assert_eq!(
+            methods(&service(&fds, "duet.v1.WorkerAdmin")),
+            [m("SwitchRole", false, false)]
         );
         assert_eq!(
             methods(&service(&fds, "duet.v1.KvEvents")),

@@ -280,7 +280,7 @@ pub struct InFlightLimit<S> {
     limit: InFlightLimitLayer,
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 impl<S> Service<Request<Body>> for InFlightLimit<S>
 where
@@ -310,23 +310,28 @@ where
         Box::pin(async move {
             let response = response.await?;
             // The permit lives as long as the response body: a stream counts until it ends.
-            Ok(response.map(|body| {
-                Body::new(HoldPermit {
-                    body,
-                    _permit: permit,
-                })
-            }))
+            Ok(response.map(|body| Holding::body(body, permit)))
         })
     }
 }
 
-/// A response body that holds an in-flight permit until it is dropped.
-struct HoldPermit {
+/// A response body that holds `G` (an in-flight permit, a gate's pass) until it is dropped.
+pub(crate) struct Holding<G> {
     body: Body,
-    _permit: OwnedSemaphorePermit,
+    _guard: G,
 }
 
-impl http_body::Body for HoldPermit {
+impl<G: Send + Unpin + 'static> Holding<G> {
+    /// `body`, holding `guard` as long as it lives.
+    pub(crate) fn body(body: Body, guard: G) -> Body {
+        Body::new(Self {
+            body,
+            _guard: guard,
+        })
+    }
+}
+
+impl<G: Unpin> http_body::Body for Holding<G> {
     type Data = bytes::Bytes;
     type Error = tonic::Status;
 

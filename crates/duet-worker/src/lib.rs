@@ -23,6 +23,7 @@ pub mod membership;
 pub mod metrics;
 pub mod peers;
 pub mod request;
+pub mod role_switch;
 mod serve;
 pub mod stats;
 
@@ -32,5 +33,6 @@ pub use error::WorkerError;
 pub use handle::{CancelOnDrop, EngineHandle, EngineInfo};
 pub use peers::KnownPeers;
 pub use request::{Event, KvOut, Request, RequestId};
+pub use role_switch::{RoleSwitch, WorkerAdminService};
 pub use serve::StartedWorker;
 pub use stats::Identity;

@@ -4,6 +4,7 @@
 //! Each worker's `serve` adds only its own services and role-specific state.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -13,7 +14,7 @@ use duet_proto::{Edge, EdgeOptions, PeerAuth, Tls};
 use tokio::net::TcpListener;
 
 use crate::peers::MEMBERSHIP_RESYNC;
-use crate::{EngineHandle, KnownPeers, WorkerArgs, metrics};
+use crate::{EngineHandle, KnownPeers, RoleSwitch, WorkerArgs, metrics};
 
 /// A worker whose engine is loaded, ready to serve.
 pub struct StartedWorker {
@@ -34,6 +35,8 @@ pub struct StartedWorker {
     _metrics: metrics::Exported,
     /// The tasks following the cluster's membership for [`StartedWorker::peers`].
     followers: Vec<tokio::task::JoinHandle<()>>,
+    /// Set when the worker's role can change at run time ([`StartedWorker::switchable`]).
+    role_switch: Option<Arc<RoleSwitch>>,
 }
 
 impl StartedWorker {
@@ -95,6 +98,7 @@ impl StartedWorker {
             args: args.clone(),
             _metrics: exported,
             followers: Vec::new(),
+            role_switch: None,
         })
     }
 
@@ -106,6 +110,16 @@ impl StartedWorker {
             duet_cluster::membership::follow(self.cluster.clone(), MEMBERSHIP_RESYNC);
         self.followers.push(follower);
         KnownPeers::new(role, listed, membership)
+    }
+
+    /// Makes the worker's role switchable at run time, starting as `role`: the card is
+    /// registered under the switch's role, and the switch re-registers it (see
+    /// [`crate::role_switch`]).
+    pub fn switchable(&mut self, role: Role) -> Arc<RoleSwitch> {
+        let switch = RoleSwitch::new(role, self.args.lease.drain_timeout());
+        self.role = role;
+        self.role_switch = Some(switch.clone());
+        switch
     }
 
     /// Serves its edge with the worker's `services` added on `listener`, its card registered,
@@ -130,13 +144,20 @@ impl StartedWorker {
             "{} worker serving",
             self.role.as_str()
         );
+        let card = Arc::new(crate::membership::RegisteredCard::register(
+            &self.cluster,
+            &self.args.lease,
+            card,
+        )?);
+        if let Some(switch) = &self.role_switch {
+            switch.attach(card.clone());
+        }
         let served = crate::membership::serve_registered(
             services(self.edge),
             listener,
             shutdown,
             card,
-            &self.cluster,
-            &self.args.lease,
+            self.args.lease.drain_timeout(),
         )
         .await;
         for follower in &self.followers {

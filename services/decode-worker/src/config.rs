@@ -3,6 +3,7 @@
 use std::ffi::OsString;
 use std::net::SocketAddr;
 
+use duet_cluster::Role;
 use duet_engine::device::Switch;
 use duet_worker::WorkerArgs;
 
@@ -37,6 +38,9 @@ pub struct DecodeConfig {
     /// Pulling prefixes from peers.
     #[command(flatten)]
     pub peer_pull: PeerPullArgs,
+    /// Switching the worker's role at run time.
+    #[command(flatten)]
+    pub role_switch: RoleSwitchArgs,
     /// The flags both workers take.
     #[command(flatten)]
     pub worker: WorkerArgs,
@@ -66,6 +70,66 @@ impl PeerPullArgs {
     }
 }
 
+/// Whether the worker's role can change at run time.
+#[derive(clap::Args, Clone, Debug, PartialEq)]
+pub struct RoleSwitchArgs {
+    /// Make this worker's role switchable at run time: it also serves the prefill worker's
+    /// PrefillWorker on the same engine and weights, and WorkerAdmin/SwitchRole (cluster token
+    /// and mTLS like every worker RPC), which drains it (no request lost), switches it between
+    /// decode and prefill and registers its card again under the new role; the run-time
+    /// planner calls it. The router learns of the new role from the card, so the worker needs
+    /// the cluster's registry (--etcd, or the embedded one of `duet up`).
+    #[arg(long, env = "DUET_ROLE_SWITCH", value_enum, default_value_t = Switch::Off)]
+    pub role_switch: Switch,
+    /// The role a switchable worker starts in (prefill only with --role-switch on).
+    #[arg(long, env = "DUET_INITIAL_ROLE", value_enum, default_value_t = Role::Decode)]
+    pub initial_role: Role,
+    /// In the prefill role: most prompt tokens waiting to be computed; past it, `Prefill`
+    /// answers RESOURCE_EXHAUSTED at once (the prefill worker's --max-queued-tokens).
+    #[arg(long, env = "DUET_PREFILL_MAX_QUEUED_TOKENS", default_value_t = RoleSwitchArgs::default().prefill_max_queued_tokens)]
+    pub prefill_max_queued_tokens: u64,
+}
+
+impl Default for RoleSwitchArgs {
+    fn default() -> Self {
+        Self {
+            role_switch: Switch::Off,
+            initial_role: Role::Decode,
+            prefill_max_queued_tokens: duet_prefill_worker::PrefillConfig::default()
+                .max_queued_tokens,
+        }
+    }
+}
+
+impl RoleSwitchArgs {
+    pub fn on(&self) -> bool {
+        self.role_switch.is_on()
+    }
+
+    /// The role the worker starts in: prefill only when its role can switch.
+    pub fn initial_role(&self) -> anyhow::Result<Role> {
+        anyhow::ensure!(
+            self.on() || self.initial_role == Role::Decode,
+            "--initial-role prefill needs --role-switch on: a duet-decode worker serves as a \
+             prefill worker only when its role can switch (else run duet-prefill)"
+        );
+        Ok(self.initial_role)
+    }
+
+    /// These flags as a command line.
+    pub fn to_args(&self) -> Vec<OsString> {
+        vec![
+            format!("--role-switch={}", self.role_switch).into(),
+            format!("--initial-role={}", self.initial_role.as_str()).into(),
+            format!(
+                "--prefill-max-queued-tokens={}",
+                self.prefill_max_queued_tokens
+            )
+            .into(),
+        ]
+    }
+}
+
 /// The flags' defaults (the flags take theirs from here).
 impl Default for DecodeConfig {
     fn default() -> Self {
@@ -76,6 +140,7 @@ impl Default for DecodeConfig {
             reservation_timeout_ms: 30_000,
             prefill_timeout_ms: 60_000,
             peer_pull: PeerPullArgs::default(),
+            role_switch: RoleSwitchArgs::default(),
             worker: WorkerArgs::default(),
         }
     }
@@ -100,6 +165,7 @@ impl DecodeConfig {
             reservation_timeout_ms,
             prefill_timeout_ms,
             peer_pull,
+            role_switch,
             worker,
         } = self;
         let mut args: Vec<OsString> = vec![
@@ -110,6 +176,7 @@ impl DecodeConfig {
         args.extend(advertise.iter().map(|a| format!("--advertise={a}").into()));
         args.extend(prefill.iter().map(|a| format!("--prefill={a}").into()));
         args.extend(peer_pull.to_args());
+        args.extend(role_switch.to_args());
         args.extend(worker.to_args());
         args
     }
@@ -145,6 +212,11 @@ mod tests {
             prefill_timeout_ms: 2,
             peer_pull: PeerPullArgs {
                 kv_peer_pull: Switch::On,
+            },
+            role_switch: RoleSwitchArgs {
+                role_switch: Switch::On,
+                initial_role: Role::Prefill,
+                prefill_max_queued_tokens: 4,
             },
             worker: WorkerArgs {
                 worker_id: Some("d-7".into()),

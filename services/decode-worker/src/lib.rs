@@ -12,11 +12,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use duet_cluster::Role;
+use duet_prefill_worker::PrefillService;
 use duet_proto::v1;
-use duet_worker::{Identity, StartedWorker};
+use duet_worker::{Identity, KnownPeers, RoleSwitch, StartedWorker, WorkerAdminService};
 use tokio::net::TcpListener;
 
-pub use config::{DecodeConfig, PeerPullArgs};
+pub use config::{DecodeConfig, PeerPullArgs, RoleSwitchArgs};
 
 /// Loads the model and serves, registered in the cluster, until `shutdown` completes; then
 /// drains (see [`duet_worker::membership`]).
@@ -27,6 +28,7 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let device = config.worker.engine.device;
     config.worker.kv_transport.for_worker(device)?;
+    let initial_role = config.role_switch.initial_role()?;
     let mut worker = StartedWorker::start(
         Role::Decode,
         &config.worker,
@@ -43,8 +45,21 @@ pub async fn serve(
         transport = duet_transfer::choice::transport_name(kv_transport),
         "KV transport offered to prefill workers"
     );
-    let prefill_workers = worker.peers(Role::Prefill, &config.prefill);
     let decode_peers = worker.peers(Role::Decode, &[]);
+    let prefill_surface = match config.role_switch.on() {
+        true => Some(prefill_surface(
+            &mut worker,
+            &config,
+            initial_role,
+            decode_peers.clone(),
+        )?),
+        false => None,
+    };
+    let role = prefill_surface
+        .as_ref()
+        .map(|(switch, _)| switch.clone())
+        .unwrap_or_else(|| RoleSwitch::new(Role::Decode, config.worker.lease.drain_timeout()));
+    let prefill_workers = worker.peers(Role::Prefill, &config.prefill);
     let state = Arc::new(service::WorkerState {
         kv_transport,
         kv_transport_params,
@@ -56,22 +71,45 @@ pub async fn serve(
         prefill_workers,
         decode_peers,
         peer_pull: config.peer_pull.on(),
+        role: role.clone(),
     });
     let drain = worker.edge.drain_begun();
+    let decode_gate = role.gate(Role::Decode).clone();
     let services = |edge: duet_proto::Edge| {
+        let edge = match prefill_surface {
+            None => edge,
+            Some((switch, prefill)) => edge
+                .ready_when(switch.serving())
+                .service(
+                    switch.gate(Role::Prefill).wrap(
+                        v1::prefill_worker_server::PrefillWorkerServer::new(prefill)
+                            .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+                            .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+                    ),
+                )
+                .service(v1::worker_admin_server::WorkerAdminServer::new(
+                    WorkerAdminService { switch },
+                )),
+        };
+        // A decode worker's own work, behind the decode role's gate (always open when the role
+        // cannot switch).
         edge.service(
-            v1::decode_worker_server::DecodeWorkerServer::new(service::DecodeService {
-                state: state.clone(),
-            })
-            .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+            decode_gate.wrap(
+                v1::decode_worker_server::DecodeWorkerServer::new(service::DecodeService {
+                    state: state.clone(),
+                })
+                .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+            ),
         )
         .service(
-            v1::kv_transfer_server::KvTransferServer::new(service::TransferService {
-                state: state.clone(),
-            })
-            .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+            decode_gate.wrap(
+                v1::kv_transfer_server::KvTransferServer::new(service::TransferService {
+                    state: state.clone(),
+                })
+                .max_decoding_message_size(duet_proto::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(duet_proto::MAX_MESSAGE_BYTES),
+            ),
         )
         .service(v1::kv_events_server::KvEventsServer::new(
             duet_worker::kv_events::KvEventsService::new(
@@ -86,4 +124,29 @@ pub async fn serve(
         ))
     };
     worker.serve(services, listener, shutdown).await
+}
+
+/// What a worker whose role can switch serves beside a decode worker's services: the prefill
+/// worker's `Prefill` on the same engine (pushing KV to the decode cards of its cluster), and
+/// the switch itself.
+fn prefill_surface(
+    worker: &mut StartedWorker,
+    config: &DecodeConfig,
+    role: Role,
+    decode_workers: KnownPeers,
+) -> anyhow::Result<(Arc<RoleSwitch>, PrefillService)> {
+    let switch = worker.switchable(role);
+    let transport = duet_transfer::choice::open_transport(
+        config.worker.kv_transport,
+        config.worker.engine.device,
+        worker.peer_auth.clone(),
+    )?;
+    let prefill = PrefillService::new(
+        worker.engine.clone(),
+        transport,
+        decode_workers,
+        worker.worker_id.clone(),
+        config.role_switch.prefill_max_queued_tokens,
+    );
+    Ok((switch, prefill))
 }

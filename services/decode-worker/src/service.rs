@@ -6,12 +6,15 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use duet_cluster::Role;
 use duet_engine::engine::{Resumed, StepOutput};
 use duet_model::params::{SamplingParams, StopCriteria};
 use duet_proto::v1;
 use duet_transfer::choice::transport_name;
 use duet_worker::stats::{Counters, Direction, LocalFallback};
-use duet_worker::{EngineHandle, EngineInfo, Event, Identity, KnownPeers, Request, WorkerError};
+use duet_worker::{
+    EngineHandle, EngineInfo, Event, Identity, KnownPeers, Request, RoleSwitch, WorkerError,
+};
 use futures::Stream;
 use tokio::sync::mpsc;
 use tonic::{Response, Status, Streaming};
@@ -39,6 +42,8 @@ pub struct WorkerState {
     pub decode_peers: KnownPeers,
     /// Whether prefixes are pulled from peers (`--kv-peer-pull`).
     pub peer_pull: bool,
+    /// The worker's role now (decode for good unless `--role-switch on`).
+    pub role: Arc<RoleSwitch>,
 }
 
 #[derive(Clone)]
@@ -405,10 +410,15 @@ impl v1::worker_control_server::WorkerControl for ControlService {
         _: tonic::Request<v1::StatsRequest>,
     ) -> Result<Response<v1::StatsResponse>, Status> {
         let s = &self.state;
-        let mut stats = s.identity.stats(v1::WorkerRole::Decode, &s.engine);
-        stats.accepted_prefill_workers = Some(v1::AcceptedPrefillWorkers {
-            addresses: s.prefill_workers.addresses(),
-        });
+        let role = s.role.role();
+        let mut stats = s
+            .identity
+            .stats(duet_worker::role_switch::worker_role(role), &s.engine);
+        if role == Role::Decode {
+            stats.accepted_prefill_workers = Some(v1::AcceptedPrefillWorkers {
+                addresses: s.prefill_workers.addresses(),
+            });
+        }
         stats.kv_peer_pull = s.peer_pull;
         Ok(Response::new(stats))
     }

@@ -18,5 +18,6 @@ mod openai;
 mod otlp;
 mod prometheus;
 mod refused_prefill;
+mod role_switch;
 mod structured_failover;
 mod tls;
