@@ -1282,6 +1282,67 @@ pub(crate) mod tests {
         assert_eq!(windows, 200);
     }
 
+    /// Conversations over four shared system prompts (prefix hits, follow-up turns), on caches
+    /// small enough to evict and preempt: every decision path of the simulation.
+    fn pinned_jobs() -> Vec<Result<Job, PlannerError>> {
+        let mut source = crate::workload::TokenSource::new(7);
+        let systems: Vec<Vec<u32>> = (0..4).map(|i| source.tokens(64 + 48 * i)).collect();
+        (0..300)
+            .map(|i| {
+                let mut prompt = systems[i % systems.len()].clone();
+                let n = 8 + (source.next_u64() % 200) as usize;
+                prompt.extend(source.tokens(n));
+                let turns = (source.next_u64() % 3) as usize;
+                Ok(Job {
+                    prompt: Prompt::Tokens(prompt),
+                    max_tokens: 4 + (source.next_u64() % 60) as u32,
+                    follow_ups: (0..turns).map(|_| source.tokens(12)).collect(),
+                    at: None,
+                })
+            })
+            .collect()
+    }
+
+    /// The simulation is deterministic for a seed, and its speed-ups change nothing: the reports
+    /// of a disaggregated and a colocated run are pinned (`tests/golden/simulated-reports.json`,
+    /// written by the simulator before its hot paths were optimised).
+    #[test]
+    fn a_fixed_seed_gives_the_pinned_reports() {
+        let mut disaggregated = config(Design::Disaggregated, 2, 3);
+        disaggregated.kv_cache_tokens = 16 * 160;
+        disaggregated.prefill_max_queued_tokens = 2048;
+        let mut colocated = config(Design::Colocated, 0, 3);
+        colocated.kv_cache_tokens = 16 * 96;
+        colocated.sharing = Sharing::Cores {
+            cores: 2,
+            threads: 1,
+        };
+        let reports: Vec<serde_json::Value> = [
+            (disaggregated, Arrivals::Poisson { rate: 60.0 }),
+            (colocated, Arrivals::Gamma { rate: 25.0, cv: 2.0 }),
+        ]
+        .iter()
+        .map(|(c, arrivals)| {
+            let r = simulate(
+                &synthetic(),
+                c,
+                &mut pinned_jobs().into_iter(),
+                *arrivals,
+                3,
+                &mut |_| {},
+            )
+            .unwrap();
+            assert!(r.preemptions > 0 && r.prefix_hit_rate > 0.0, "{r:?}");
+            serde_json::to_value(&r).unwrap()
+        })
+        .collect();
+        // Compared as text: serde_json's float parsing is not exact, its printing is.
+        assert_eq!(
+            serde_json::to_string_pretty(&reports).unwrap(),
+            include_str!("../tests/golden/simulated-reports.json")
+        );
+    }
+
     #[test]
     fn a_prompt_larger_than_a_cache_is_an_error_not_a_hang() {
         let mut c = config(Design::Colocated, 0, 1);
