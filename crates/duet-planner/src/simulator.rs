@@ -237,6 +237,16 @@ struct Request {
     last_token: f64,
 }
 
+impl Request {
+    /// Its prompt, for the scheduler of the worker that decodes it, with room for its answer
+    /// (which the scheduler appends token by token).
+    fn decoded_tokens(&self) -> Vec<u32> {
+        let mut tokens = Vec::with_capacity(self.prompt.len() + self.max_tokens as usize);
+        tokens.extend_from_slice(&self.prompt);
+        tokens
+    }
+}
+
 struct Sim<'a> {
     profile: &'a Profile,
     config: &'a SimConfig,
@@ -627,13 +637,17 @@ impl<'a> Sim<'a> {
         if self.workers[w].step.is_some() || !self.workers[w].scheduler.has_work() {
             return;
         }
-        let plan = match self.workers[w].scheduler.plan_step(&mut |_, _| Vec::new()) {
-            Ok(plan) => plan,
-            // Everything waits for room that a transfer or a finish will make.
-            Err(_) => return,
-        };
-        self.drain_kv_events(w);
+        let worker = &mut self.workers[w];
+        let mut plan = std::mem::take(&mut worker.spare_plan);
+        let planned = worker
+            .scheduler
+            .plan_step_into(&mut plan, &mut |_, _| Vec::new());
+        // An error: everything waits for room that a transfer or a finish will make.
+        if planned.is_ok() {
+            self.drain_kv_events(w);
+        }
         if plan.is_empty() {
+            self.workers[w].spare_plan = plan;
             return;
         }
         let now = self.now;
@@ -772,6 +786,7 @@ impl<'a> Sim<'a> {
             }
         }
         self.workers[w].in_turn = false;
+        self.workers[w].spare_plan = step.plan;
         self.turn(w);
         Ok(())
     }
@@ -824,7 +839,7 @@ impl<'a> Sim<'a> {
     /// The decode worker prefills the request itself.
     fn prefill_here(&mut self, w: usize, slot: usize) {
         let now = self.now;
-        let tokens = self.request(slot).prompt.clone();
+        let tokens = self.request(slot).decoded_tokens();
         let n = tokens.len();
         self.workers[w].queued_tokens += n as u64;
         self.admit_sequence(w, slot, tokens);
@@ -895,7 +910,7 @@ impl<'a> Sim<'a> {
         let (tokens, reservation) = {
             let r = self.request(slot);
             (
-                r.prompt.clone(),
+                r.decoded_tokens(),
                 r.reservation.take().expect("a reserved request"),
             )
         };
@@ -1319,7 +1334,13 @@ pub(crate) mod tests {
         };
         let reports: Vec<serde_json::Value> = [
             (disaggregated, Arrivals::Poisson { rate: 60.0 }),
-            (colocated, Arrivals::Gamma { rate: 25.0, cv: 2.0 }),
+            (
+                colocated,
+                Arrivals::Gamma {
+                    rate: 25.0,
+                    cv: 2.0,
+                },
+            ),
         ]
         .iter()
         .map(|(c, arrivals)| {
