@@ -57,6 +57,10 @@ pub struct Scheduler {
     seqs: BTreeMap<SeqId, ScheduledSeq>,
     preemptions: u64,
     out_of_vocab_drafts: u64,
+    /// The planning order and the decoding rows of the step being planned, kept between steps
+    /// so that planning allocates nothing.
+    order: Vec<SeqId>,
+    decoding: Vec<usize>,
 }
 
 impl Scheduler {
@@ -76,6 +80,8 @@ impl Scheduler {
             seqs: BTreeMap::new(),
             preemptions: 0,
             out_of_vocab_drafts: 0,
+            order: Vec::new(),
+            decoding: Vec::new(),
         }
     }
 
@@ -170,20 +176,54 @@ impl Scheduler {
         &mut self,
         propose: &mut dyn FnMut(SeqId, &[u32]) -> Vec<u32>,
     ) -> Result<Vec<PlannedSeq>, KvError> {
-        let mut budget = self.max_step_tokens;
-        let (decoding, prefilling): (Vec<_>, Vec<_>) = self
-            .seqs
-            .iter()
-            .filter(|(_, s)| !s.finished)
-            .partition(|(_, s)| s.remaining() <= 1);
-        let order: Vec<SeqId> = decoding
-            .into_iter()
-            .chain(prefilling)
-            .map(|(&id, _)| id)
-            .collect();
         let mut plan = Vec::new();
-        // Where the decoding sequences are in `plan`.
-        let mut decoding = Vec::new();
+        self.plan_step_into(&mut plan, propose)?;
+        Ok(plan)
+    }
+
+    /// Plans the next step as [`plan_step`](Self::plan_step) does, into `plan`, whose rows'
+    /// allocations it reuses: a caller planning step after step (the planner's simulator, which
+    /// plans millions) copies block tables without allocating. `plan` is empty after an error.
+    pub fn plan_step_into(
+        &mut self,
+        plan: &mut Vec<PlannedSeq>,
+        propose: &mut dyn FnMut(SeqId, &[u32]) -> Vec<u32>,
+    ) -> Result<(), KvError> {
+        let mut order = std::mem::take(&mut self.order);
+        let mut decoding = std::mem::take(&mut self.decoding);
+        let planned = self.plan_rows(plan, &mut order, &mut decoding, propose);
+        self.order = order;
+        self.decoding = decoding;
+        if planned.is_err() {
+            plan.clear();
+        }
+        planned
+    }
+
+    /// [`plan_step_into`](Self::plan_step_into) with its scratch lists.
+    fn plan_rows(
+        &mut self,
+        plan: &mut Vec<PlannedSeq>,
+        order: &mut Vec<SeqId>,
+        decoding: &mut Vec<usize>,
+        propose: &mut dyn FnMut(SeqId, &[u32]) -> Vec<u32>,
+    ) -> Result<(), KvError> {
+        let mut budget = self.max_step_tokens;
+        let unfinished = || self.seqs.iter().filter(|(_, s)| !s.finished);
+        order.clear();
+        order.extend(
+            unfinished()
+                .filter(|(_, s)| s.remaining() <= 1)
+                .map(|(&id, _)| id),
+        );
+        order.extend(
+            unfinished()
+                .filter(|(_, s)| s.remaining() > 1)
+                .map(|(&id, _)| id),
+        );
+        // Rows of `plan` filled, and where the decoding sequences are among them.
+        let mut rows = 0;
+        decoding.clear();
         let mut preempted = Vec::new();
         for (i, &id) in order.iter().enumerate() {
             if budget == 0 {
@@ -197,9 +237,30 @@ impl Scheduler {
             let is_decoding = seq.remaining() == 1;
             let len = seq.remaining().min(budget);
             let mut victims = order[i + 1..].iter().rev();
-            let block_table = loop {
+            let planned = loop {
                 match self.kv_cache.allocate_slots(id, start_pos + len) {
-                    Ok(blocks) => break Some(blocks.ids().to_vec()),
+                    Ok(blocks) => {
+                        let row = PlannedSeq {
+                            seq: id,
+                            start_pos,
+                            len,
+                            draft: Vec::new(),
+                            block_table: Vec::new(),
+                        };
+                        match plan.get_mut(rows) {
+                            Some(p) => {
+                                let mut block_table = std::mem::take(&mut p.block_table);
+                                block_table.clear();
+                                block_table.extend_from_slice(blocks.ids());
+                                *p = PlannedSeq { block_table, ..row };
+                            }
+                            None => plan.push(PlannedSeq {
+                                block_table: blocks.ids().to_vec(),
+                                ..row
+                            }),
+                        }
+                        break true;
+                    }
                     Err(KvError::Exhausted { .. }) if is_decoding => {
                         // Make room by preempting the newest sequences not already in this step.
                         match victims.find(|v| !preempted.contains(*v)) {
@@ -207,37 +268,32 @@ impl Scheduler {
                                 self.preempt(victim)?;
                                 preempted.push(victim);
                             }
-                            None => break None,
+                            None => break false,
                         }
                     }
-                    Err(KvError::Exhausted { .. }) => break None, // a prompt waits for room
+                    Err(KvError::Exhausted { .. }) => break false, // a prompt waits for room
                     Err(e) => return Err(e),
                 }
             };
-            let Some(block_table) = block_table else {
+            if !planned {
                 continue;
-            };
+            }
             budget -= len;
             if is_decoding {
-                decoding.push(plan.len());
+                decoding.push(rows);
             }
-            plan.push(PlannedSeq {
-                seq: id,
-                start_pos,
-                len,
-                draft: Vec::new(),
-                block_table,
-            });
+            rows += 1;
         }
+        plan.truncate(rows);
         let draft_rows = self.max_draft_step_rows.saturating_sub(decoding.len());
-        self.plan_drafts(&mut plan, &decoding, budget.min(draft_rows), propose)?;
+        self.plan_drafts(plan, decoding, budget.min(draft_rows), propose)?;
         if plan.is_empty() && self.has_work() {
             return Err(KvError::Exhausted {
                 requested: 1,
                 available: self.kv_cache.pool().available(),
             });
         }
-        Ok(plan)
+        Ok(())
     }
 
     /// Gives the decoding sequences at `decoding` in `plan`, in order, the drafts `propose`
@@ -416,6 +472,41 @@ mod tests {
         // Both now decode: one token each.
         assert_eq!(step(&mut s), [(0, 19, 1), (1, 5, 1)]);
         assert_eq!(s.tokens(0).unwrap().len(), 21);
+    }
+
+    /// Planning into the last step's plan (rows reused, a longer plan cut) gives what a fresh
+    /// plan gives.
+    #[test]
+    fn a_plan_into_a_used_plan_is_a_fresh_plan() {
+        let rows = |plan: &[PlannedSeq]| {
+            plan.iter()
+                .map(|p| (p.seq, p.start_pos, p.len, p.block_table.clone()))
+                .collect::<Vec<_>>()
+        };
+        let (mut fresh, mut reusing) = (scheduler(64, 12), scheduler(64, 12));
+        let mut plan = Vec::new();
+        for s in [&mut fresh, &mut reusing] {
+            for id in 0..4 {
+                s.add_sequence(id, tokens(10 * id as u32, 3 + 2 * id as usize), "")
+                    .unwrap();
+            }
+        }
+        for round in 0..8 {
+            if round == 4 {
+                fresh.finish(1).unwrap();
+                reusing.finish(1).unwrap();
+            }
+            let expected = fresh.plan_step(&mut no_drafts).unwrap();
+            reusing.plan_step_into(&mut plan, &mut no_drafts).unwrap();
+            assert_eq!(rows(&plan), rows(&expected), "round {round}");
+            for (s, plan) in [(&mut fresh, &expected), (&mut reusing, &plan)] {
+                for p in plan {
+                    if s.record_computed(p).unwrap() {
+                        s.append_token(p.seq, 1).unwrap();
+                    }
+                }
+            }
+        }
     }
 
     #[test]

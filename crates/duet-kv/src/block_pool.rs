@@ -18,7 +18,7 @@
 //! again. An admitted block's eviction is not reported as removed: the owner reports where it
 //! went.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::hash_map::Entry;
 
 use crate::{BlockHash, SeqId, Tier};
 
@@ -92,10 +92,78 @@ impl KvDigest {
 struct BlockMeta {
     ref_count: u32,
     hash: Option<BlockHash>,
-    /// Position in the LRU order while cached.
-    lru_tick: Option<u64>,
     /// Worth moving down when evicted (see [`Eviction::admitted`]).
     admitted: bool,
+}
+
+/// The cached blocks in the order they were last released, oldest first: a doubly linked list
+/// threaded through per-block links, so that releasing, reusing (from anywhere in the order) and
+/// evicting a block cost O(1) and allocate nothing, on every block of every request.
+#[derive(Clone, Debug)]
+struct LruOrder {
+    /// `(previous, next)` of each block; [`NOT_LISTED`] as previous: not in the order.
+    links: Vec<(BlockId, BlockId)>,
+    head: BlockId,
+    tail: BlockId,
+    len: usize,
+}
+
+/// No block: the end of the order.
+const NONE: BlockId = BlockId::MAX;
+/// The previous link of a block not in the order.
+const NOT_LISTED: BlockId = BlockId::MAX - 1;
+
+impl LruOrder {
+    fn new(num_blocks: usize) -> Self {
+        Self {
+            links: vec![(NOT_LISTED, NONE); num_blocks],
+            head: NONE,
+            tail: NONE,
+            len: 0,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Appends `b` as the most recently used.
+    fn push_newest(&mut self, b: BlockId) {
+        debug_assert_eq!(self.links[b as usize].0, NOT_LISTED);
+        self.links[b as usize] = (self.tail, NONE);
+        match self.tail {
+            NONE => self.head = b,
+            tail => self.links[tail as usize].1 = b,
+        }
+        self.tail = b;
+        self.len += 1;
+    }
+
+    /// Takes `b` out of the order (if it is in it).
+    fn remove(&mut self, b: BlockId) {
+        let (prev, next) = self.links[b as usize];
+        if prev == NOT_LISTED {
+            return;
+        }
+        match prev {
+            NONE => self.head = next,
+            p => self.links[p as usize].1 = next,
+        }
+        match next {
+            NONE => self.tail = prev,
+            n => self.links[n as usize].0 = prev,
+        }
+        self.links[b as usize] = (NOT_LISTED, NONE);
+        self.len -= 1;
+    }
+
+    fn pop_oldest(&mut self) -> Option<BlockId> {
+        let b = self.head;
+        (b != NONE).then(|| {
+            self.remove(b);
+            b
+        })
+    }
 }
 
 /// Counts for metrics and admission decisions.
@@ -111,10 +179,9 @@ pub struct BlockPool {
     block_size: usize,
     blocks: Vec<BlockMeta>,
     free: Vec<BlockId>,
-    /// Cached blocks by last use (oldest first).
-    lru: BTreeMap<u64, BlockId>,
-    next_tick: u64,
-    by_hash: HashMap<BlockHash, BlockId>,
+    /// Cached blocks by last use.
+    lru: LruOrder,
+    by_hash: foldhash::HashMap<BlockHash, BlockId>,
     in_use: usize,
     /// Events not drained yet; `None` while not recording.
     events: Option<Vec<KvEvent>>,
@@ -132,9 +199,8 @@ impl BlockPool {
             blocks: vec![BlockMeta::default(); num_blocks],
             // Pop from the end: hand out low ids first.
             free: (0..num_blocks as BlockId).rev().collect(),
-            lru: BTreeMap::new(),
-            next_tick: 0,
-            by_hash: HashMap::new(),
+            lru: LruOrder::new(num_blocks),
+            by_hash: foldhash::HashMap::default(),
             in_use: 0,
             events: None,
             digest: KvDigest::default(),
@@ -250,12 +316,11 @@ impl BlockPool {
     }
 
     fn evict_oldest(&mut self) -> BlockId {
-        let (_, id) = self
+        let id = self
             .lru
-            .pop_first()
+            .pop_oldest()
             .expect("available() counted a cached block");
         let meta = &mut self.blocks[id as usize];
-        meta.lru_tick = None;
         let admitted = std::mem::take(&mut meta.admitted);
         if let Some(hash) = meta.hash.take() {
             self.by_hash.remove(&hash);
@@ -304,10 +369,7 @@ impl BlockPool {
             if meta.ref_count == 0 {
                 self.in_use -= 1;
                 if meta.hash.is_some() {
-                    let tick = self.next_tick;
-                    self.next_tick += 1;
-                    meta.lru_tick = Some(tick);
-                    self.lru.insert(tick, b);
+                    self.lru.push_newest(b);
                 } else {
                     meta.admitted = false;
                     self.free.push(b);
@@ -349,10 +411,14 @@ impl BlockPool {
         if self.blocks[block as usize].ref_count == 0 {
             return Err(KvError::NotInUse(block));
         }
-        if self.by_hash.contains_key(&hash) || self.blocks[block as usize].hash.is_some() {
+        if self.blocks[block as usize].hash.is_some() {
             return Ok(false);
         }
-        self.by_hash.insert(hash, block);
+        // One lookup (the map is large and each lookup a cache miss): taken, or taken now.
+        match self.by_hash.entry(hash) {
+            Entry::Occupied(_) => return Ok(false),
+            Entry::Vacant(v) => v.insert(block),
+        };
         self.blocks[block as usize].hash = Some(hash);
         self.changed(event);
         Ok(true)
@@ -376,9 +442,7 @@ impl BlockPool {
             };
             let meta = &mut self.blocks[id as usize];
             if meta.ref_count == 0 {
-                if let Some(tick) = meta.lru_tick.take() {
-                    self.lru.remove(&tick);
-                }
+                self.lru.remove(id);
                 self.in_use += 1;
             }
             meta.ref_count += 1;
@@ -401,8 +465,7 @@ impl BlockPool {
     /// Forgets every hash: cached blocks become free (their KV may be overwritten), in-use blocks
     /// anonymous (freed normally later). One [`KvEvent::Cleared`] says so.
     pub fn clear_cache(&mut self) {
-        for (_, id) in std::mem::take(&mut self.lru) {
-            self.blocks[id as usize].lru_tick = None;
+        while let Some(id) = self.lru.pop_oldest() {
             self.free.push(id);
         }
         for (_, id) in self.by_hash.drain() {

@@ -44,12 +44,24 @@ pub fn block_hashes(seed: u64, tokens: &[u32], block_size: usize) -> Vec<BlockHa
 
 /// The hash of `block` following a block whose hash is `prev` (0 for the first block).
 pub fn next_block_hash(seed: u64, prev: BlockHash, block: &[u32]) -> BlockHash {
-    let mut buf = Vec::with_capacity(8 + 4 * block.len());
-    buf.extend_from_slice(&prev.to_le_bytes());
-    for t in block {
-        buf.extend_from_slice(&t.to_le_bytes());
+    // The bytes of blocks of up to 64 tokens are laid out on the stack: hashing is on every
+    // block of every prompt, and an allocation would cost more than the hash.
+    const ON_STACK: usize = 8 + 4 * 64;
+    let len = 8 + 4 * block.len();
+    let mut stack = [0u8; ON_STACK];
+    let mut heap = Vec::new();
+    let buf = match len <= ON_STACK {
+        true => &mut stack[..len],
+        false => {
+            heap.resize(len, 0);
+            &mut heap[..]
+        }
+    };
+    buf[..8].copy_from_slice(&prev.to_le_bytes());
+    for (bytes, t) in buf[8..].chunks_exact_mut(4).zip(block) {
+        bytes.copy_from_slice(&t.to_le_bytes());
     }
-    xxh3_64_with_seed(&buf, seed)
+    xxh3_64_with_seed(buf, seed)
 }
 
 #[cfg(test)]
@@ -67,6 +79,22 @@ mod tests {
         let c = block_hashes(seed, &[0, 2, 3, 4, 5, 6, 7, 8], 4);
         assert_ne!(a[0], c[0]);
         assert_ne!(a[1], c[1]);
+    }
+
+    /// A block's hash is xxh3 of the previous hash and the tokens, little-endian, whatever the
+    /// block's size (routers and engines of other builds must agree).
+    #[test]
+    fn a_block_hash_is_xxh3_of_its_bytes() {
+        for n in [1, 16, 64, 65, 200] {
+            let block: Vec<u32> = (0..n).map(|i| i * 7919 + 3).collect();
+            let mut bytes = 42u64.to_le_bytes().to_vec();
+            bytes.extend(block.iter().flat_map(|t| t.to_le_bytes()));
+            assert_eq!(
+                next_block_hash(9, 42, &block),
+                xxh3_64_with_seed(&bytes, 9),
+                "{n} tokens"
+            );
+        }
     }
 
     #[test]

@@ -20,7 +20,6 @@
 //! them from the first turn that showed reuse, while a workload without any reuse (every prompt
 //! new) writes nothing below and pays nothing.
 
-use std::collections::HashMap;
 use std::time::Instant;
 
 use crate::{
@@ -99,7 +98,7 @@ pub struct KvCacheManager {
     pool: BlockPool,
     /// Seeds every prefix hash, so that only KV of the same model and geometry is shared.
     model_fingerprint: String,
-    seqs: HashMap<SeqId, SeqKv>,
+    seqs: foldhash::HashMap<SeqId, SeqKv>,
     lower: Option<LowerTiers>,
     /// Events in order: the pool's, moved here before each event of the tiers below.
     events: Vec<KvEvent>,
@@ -112,7 +111,7 @@ impl KvCacheManager {
         Self {
             pool: BlockPool::new(num_blocks, block_size),
             model_fingerprint: model_fingerprint.to_string(),
-            seqs: HashMap::new(),
+            seqs: foldhash::HashMap::default(),
             lower: None,
             events: Vec::new(),
             spills: Vec::new(),
@@ -417,6 +416,9 @@ impl KvCacheManager {
         let bs = self.pool.block_size();
         let s = tracked(&mut self.seqs, seq)?;
         let full = num_computed / bs;
+        if s.hashes.len() >= full {
+            return Ok(()); // no block filled (a decoding token's step, mostly)
+        }
         let mut prev = s.hashes.last().copied();
         for b in s.hashes.len()..full {
             let h = next_block_hash(
@@ -518,7 +520,7 @@ impl KvCacheManager {
     }
 }
 
-fn tracked(seqs: &mut HashMap<SeqId, SeqKv>, seq: SeqId) -> Result<&mut SeqKv, KvError> {
+fn tracked(seqs: &mut foldhash::HashMap<SeqId, SeqKv>, seq: SeqId) -> Result<&mut SeqKv, KvError> {
     seqs.get_mut(&seq).ok_or(KvError::UnknownSequence(seq))
 }
 
@@ -698,6 +700,8 @@ mod tests {
     }
 
     mod tiers {
+        use std::collections::HashMap;
+
         use super::*;
         use crate::HostTier;
 

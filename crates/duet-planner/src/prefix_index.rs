@@ -5,35 +5,35 @@
 //! The router's `KvIndex` does the same over gRPC streams, with gaps, resyncs and worker
 //! incarnations; here events arrive in order and at once, so the index is the workers' caches.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 use duet_kv::{BlockHash, KvEvent, Tier};
+use smallvec::SmallVec;
 
-#[derive(Default)]
-struct Holders {
-    /// Workers whose pools hold the block.
-    stored: Vec<u32>,
-    /// Workers the router placed it on, until when.
-    pending: Vec<(u32, f64)>,
+/// A worker holding a block: in its pool, or placed there by the router until `pending_until`.
+#[derive(Clone, Copy, Debug)]
+struct Holder {
+    worker: u32,
+    stored: bool,
+    /// The latest placement's expiry (placements only lengthen it: the router's clock runs
+    /// forward); none left when not past now.
+    pending_until: f64,
 }
 
-impl Holders {
-    fn holds(&self, worker: u32, now: f64) -> bool {
-        self.stored.contains(&worker)
-            || self
-                .pending
-                .iter()
-                .any(|&(w, until)| w == worker && until > now)
-    }
-
-    fn is_empty(&self) -> bool {
-        self.stored.is_empty() && self.pending.is_empty()
+impl Holder {
+    fn holds(&self, now: f64) -> bool {
+        self.stored || self.pending_until > now
     }
 }
+
+/// The workers holding one block. Most blocks have one or two (the prefill worker that
+/// computed it and the decode worker it was pushed to): they live inline, allocating nothing,
+/// since the index is updated on every block of every request.
+type Holders = SmallVec<[Holder; 2]>;
 
 #[derive(Default)]
 pub struct PrefixIndex {
-    blocks: HashMap<BlockHash, Holders>,
+    blocks: foldhash::HashMap<BlockHash, Holders>,
     /// Pending placements by expiry, oldest first.
     expiring: VecDeque<(f64, BlockHash, u32)>,
 }
@@ -47,8 +47,13 @@ impl PrefixIndex {
             match *e {
                 KvEvent::Stored(h) | KvEvent::BroughtUp { hash: h, .. } => {
                     let holders = self.blocks.entry(h).or_default();
-                    if !holders.stored.contains(&worker) {
-                        holders.stored.push(worker);
+                    match holders.iter_mut().find(|x| x.worker == worker) {
+                        Some(x) => x.stored = true,
+                        None => holders.push(Holder {
+                            worker,
+                            stored: true,
+                            pending_until: f64::NEG_INFINITY,
+                        }),
                     }
                 }
                 KvEvent::Removed {
@@ -59,18 +64,14 @@ impl PrefixIndex {
                     hash: h,
                     from: Tier::Device,
                     ..
-                } => {
-                    if let Some(holders) = self.blocks.get_mut(&h) {
-                        holders.stored.retain(|&w| w != worker);
-                        if holders.is_empty() {
-                            self.blocks.remove(&h);
-                        }
-                    }
-                }
+                } => self.forget(h, worker, |x| x.stored = false),
                 KvEvent::Removed { .. } | KvEvent::MovedDown { .. } => {}
                 KvEvent::Cleared => {
                     self.blocks.retain(|_, holders| {
-                        holders.stored.retain(|&w| w != worker);
+                        for x in holders.iter_mut().filter(|x| x.worker == worker) {
+                            x.stored = false;
+                        }
+                        holders.retain(|x| x.stored || x.pending_until != f64::NEG_INFINITY);
                         !holders.is_empty()
                     });
                 }
@@ -78,14 +79,37 @@ impl PrefixIndex {
         }
     }
 
+    /// Applies `change` to `worker`'s hold on block `h`, dropping the hold (and the block's
+    /// entry) once nothing is left of it.
+    fn forget(&mut self, h: BlockHash, worker: u32, change: impl FnOnce(&mut Holder)) {
+        let Some(holders) = self.blocks.get_mut(&h) else {
+            return;
+        };
+        let Some(i) = holders.iter().position(|x| x.worker == worker) else {
+            return;
+        };
+        change(&mut holders[i]);
+        let x = holders[i];
+        if !x.stored && x.pending_until == f64::NEG_INFINITY {
+            holders.remove(i);
+            if holders.is_empty() {
+                self.blocks.remove(&h);
+            }
+        }
+    }
+
     /// Counts `hashes` as held by `worker` until `until`.
     pub fn record_pending(&mut self, worker: u32, hashes: &[BlockHash], until: f64) {
         for &h in hashes {
-            self.blocks
-                .entry(h)
-                .or_default()
-                .pending
-                .push((worker, until));
+            let holders = self.blocks.entry(h).or_default();
+            match holders.iter_mut().find(|x| x.worker == worker) {
+                Some(x) => x.pending_until = x.pending_until.max(until),
+                None => holders.push(Holder {
+                    worker,
+                    stored: false,
+                    pending_until: until,
+                }),
+            }
             self.expiring.push_back((until, h, worker));
         }
     }
@@ -97,12 +121,11 @@ impl PrefixIndex {
                 break;
             }
             self.expiring.pop_front();
-            if let Some(holders) = self.blocks.get_mut(&h) {
-                holders.pending.retain(|&(w, u)| !(w == worker && u <= now));
-                if holders.is_empty() {
-                    self.blocks.remove(&h);
+            self.forget(h, worker, |x| {
+                if x.pending_until <= now {
+                    x.pending_until = f64::NEG_INFINITY;
                 }
-            }
+            });
         }
     }
 
@@ -113,19 +136,14 @@ impl PrefixIndex {
         let Some(first) = hashes.first().and_then(|h| self.blocks.get(h)) else {
             return;
         };
-        out.extend(first.stored.iter().map(|&w| (w, 1)));
-        for &(w, until) in &first.pending {
-            if until > now && !out.iter().any(|&(x, _)| x == w) {
-                out.push((w, 1));
-            }
-        }
+        out.extend(first.iter().filter(|x| x.holds(now)).map(|x| (x.worker, 1)));
         for (i, h) in hashes.iter().enumerate().skip(1) {
             let Some(holders) = self.blocks.get(h) else {
                 break;
             };
             let mut any = false;
             for (w, n) in out.iter_mut() {
-                if *n == i && holders.holds(*w, now) {
+                if *n == i && holders.iter().any(|x| x.worker == *w && x.holds(now)) {
                     *n = i + 1;
                     any = true;
                 }
@@ -193,7 +211,7 @@ mod tests {
                 from: Tier::Host,
             }],
         );
-        assert!(index.blocks[&3].stored.contains(&0));
+        assert!(index.blocks[&3].iter().any(|x| x.worker == 0 && x.stored));
         index.apply(1, &[KvEvent::Cleared]);
         index.prefix_matches(&[1], 6.0, &mut out);
         assert_eq!(out, [(0, 1)]);

@@ -69,6 +69,8 @@ pub struct SimWorker {
     /// Its engine thread is busy with a turn or a step's end: commands wait in the inbox.
     pub in_turn: bool,
     pub step: Option<Step>,
+    /// The last step's plan, whose rows the next plan reuses (see `Scheduler::plan_step_into`).
+    pub spare_plan: Vec<PlannedSeq>,
     /// Bumped whenever the step's end moves, so an outdated end event is ignored.
     pub epoch: u64,
     /// Sequences admitted and not yet removed.
@@ -102,6 +104,7 @@ impl SimWorker {
             inbox: Vec::new(),
             in_turn: false,
             step: None,
+            spare_plan: Vec::new(),
             epoch: 0,
             sequences: 0,
             queued_tokens: 0,
