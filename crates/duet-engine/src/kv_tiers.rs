@@ -5,9 +5,8 @@
 //! the engine owns the store.
 
 use std::path::PathBuf;
-use std::time::Instant;
 
-use duet_kv::{DiskTier, HostTier, KvCacheManager, LowerTiers, TierStore};
+use duet_kv::{DiskTier, HostTier, KvCacheManager, LowerTiers, Stopwatch, TierStore};
 
 use crate::EngineError;
 use crate::backend::{Backend, KvLayout};
@@ -69,8 +68,9 @@ impl KvTierOptions {
         args
     }
 
-    /// The tiers these options ask for, below a pool of `layout` (blocks of `block_bytes` in
-    /// transfer layout) whose model fingerprint is `fingerprint`; `None` when none is asked for.
+    /// The tiers these options ask for, below a pool of `layout` (blocks of `block_bytes`, in
+    /// the store's own layout) whose model fingerprint is `fingerprint`; `None` when none is
+    /// asked for.
     pub fn build(
         &self,
         layout: &KvLayout,
@@ -121,7 +121,7 @@ pub(crate) fn settle_kv_moves<B: Backend>(
     let mut bytes = vec![0; runner.kv_block_bytes() * runner.kv_layout().num_layers];
     let mut spills = moves.spills.into_iter();
     while let Some((block, hash)) = spills.next() {
-        if let Err(e) = runner.read_block(block, &mut bytes) {
+        if let Err(e) = runner.read_stored_block(block, &mut bytes) {
             // The device failed (sticky): nothing moves down.
             kv.spill_failed(hash);
             spills.for_each(|(_, h)| kv.spill_failed(h));
@@ -130,10 +130,11 @@ pub(crate) fn settle_kv_moves<B: Backend>(
         kv.store_below(hash, &bytes);
     }
     for load in moves.loads {
-        let started = Instant::now();
-        runner.write_block(load.block, &load.bytes)?;
-        let seconds = load.read_seconds + started.elapsed().as_secs_f64();
-        kv.loaded(load.tier, 1, seconds);
+        let watch = Stopwatch::start();
+        runner.write_stored_block(load.block, &load.bytes)?;
+        let mut took = load.read;
+        took += watch.elapsed();
+        kv.loaded(load.tier, 1, took);
     }
     Ok(())
 }
