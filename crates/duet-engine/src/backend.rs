@@ -315,12 +315,25 @@ pub trait Backend: Send + Sync {
             self.read_kv_block(kv, layer, block, out);
         }
     }
-    /// Stores every layer of one block from what [`Self::read_stored_block`] gave.
+    /// Stores every layer of one block from what [`Self::read_stored_block`] gave (a block
+    /// brought up from a tier below). A backend may queue the write to overlap a step in flight
+    /// (a GPU's copy engine, off the compute stream); no step may read the block until
+    /// [`Self::stored_writes_done`] says so, or [`Self::finish_stored_writes`] returned.
     fn write_stored_block(&self, kv: &mut Self::KvStore, block: usize, data: &[u8]) {
         let layer_bytes = self.kv_block_bytes(kv);
         for (layer, data) in data.chunks_exact(layer_bytes).enumerate() {
             self.write_kv_block(kv, layer, block, data);
         }
+    }
+    /// Whether every [`Self::write_stored_block`] so far has completed, without waiting. The
+    /// CPU's writes are copies done before they return: loading cannot overlap a step there,
+    /// since the copy needs the cores and the memory bandwidth the step is using.
+    fn stored_writes_done(&self) -> bool {
+        true
+    }
+    /// Waits until every [`Self::write_stored_block`] so far has completed.
+    fn finish_stored_writes(&self) -> Result<(), EngineError> {
+        Ok(())
     }
     /// Copies one layer's KV of `blocks` out in transfer layout, one block after another, and
     /// waits for it (a GPU reads them in one copy, off its compute stream, without ending the

@@ -110,14 +110,17 @@ fn xxhash_namespace(fingerprint: &str) -> u64 {
 /// Moves what the KV cache manager owes between the device store and the tiers below: first
 /// the KV of evicted blocks down (before anything writes their slots), then loaded blocks into
 /// their new slots. Called after every manager call that may allocate, whatever it returned.
+/// Returns whether blocks were written that a step may read only once the backend's stored
+/// writes are done ([`Backend::stored_writes_done`]).
 pub(crate) fn settle_kv_moves<B: Backend>(
     runner: &mut ModelRunner<B>,
     kv: &mut KvCacheManager,
-) -> Result<(), EngineError> {
+) -> Result<bool, EngineError> {
     let moves = kv.take_moves();
     if moves.spills.is_empty() && moves.loads.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
+    let loaded = !moves.loads.is_empty();
     let mut bytes = vec![0; runner.kv_block_bytes() * runner.kv_layout().num_layers];
     let mut spills = moves.spills.into_iter();
     while let Some((block, hash)) = spills.next() {
@@ -136,5 +139,5 @@ pub(crate) fn settle_kv_moves<B: Backend>(
         took += watch.elapsed();
         kv.loaded(load.tier, 1, took);
     }
-    Ok(())
+    Ok(loaded)
 }
