@@ -131,6 +131,7 @@ pub fn switch_settings() -> Vec<GpuOptions> {
             device_sampling: true,
             fused_kernels: true,
             prefill_attention: PrefillAttention::Fa,
+            load_stream: false,
         },
     ]
 }

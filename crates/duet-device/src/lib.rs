@@ -107,6 +107,7 @@ pub fn gpu_options(options: &EngineOptions) -> duet_cuda::backend::GpuOptions {
         device_sampling: options.device_sampling.is_on(),
         fused_kernels: options.fused_kernels.is_on(),
         prefill_attention: options.prefill_attention,
+        load_stream: options.kv_tiers.kv_load_stream.is_on(),
     }
 }
 

@@ -10,6 +10,7 @@ use duet_kv::{DiskTier, HostTier, KvCacheManager, LowerTiers, Stopwatch, TierSto
 
 use crate::EngineError;
 use crate::backend::{Backend, KvLayout};
+use crate::device::Switch;
 use crate::model_runner::ModelRunner;
 
 /// Default byte limit of the disk tier.
@@ -38,6 +39,14 @@ pub struct KvTierOptions {
     /// Most bytes the disk tier's files take.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_KV_DISK_BYTES", default_value_t = DEFAULT_DISK_BYTES))]
     pub kv_disk_bytes: u64,
+    /// On a GPU: blocks brought up from a tier below are copied on a stream of their own, beside
+    /// the step in flight, and their sequence joins the step after the copies complete, on or
+    /// off. Off until it has run on a GPU; the CPU copies at once either way.
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "DUET_KV_LOAD_STREAM", value_enum, default_value_t = Switch::Off)
+    )]
+    pub kv_load_stream: Switch,
 }
 
 impl Default for KvTierOptions {
@@ -46,6 +55,7 @@ impl Default for KvTierOptions {
             kv_offload_tokens: 0,
             kv_disk_dir: None,
             kv_disk_bytes: DEFAULT_DISK_BYTES,
+            kv_load_stream: Switch::Off,
         }
     }
 }
@@ -61,6 +71,7 @@ impl KvTierOptions {
         let mut args = vec![
             format!("--kv-offload-tokens={}", self.kv_offload_tokens),
             format!("--kv-disk-bytes={}", self.kv_disk_bytes),
+            format!("--kv-load-stream={}", self.kv_load_stream),
         ];
         if let Some(dir) = &self.kv_disk_dir {
             args.push(format!("--kv-disk-dir={}", dir.display()));
