@@ -175,6 +175,10 @@ pub struct TierReport {
     pub load_seconds: f64,
     /// bytes_loaded ÷ load_seconds, in GB/s.
     pub restore_gb_per_s: f64,
+    /// The CPU time of those loads (their wall time less waits for a core), and bytes_loaded
+    /// over it in GB/s: the copy's own speed on a shared machine.
+    pub load_cpu_seconds: f64,
+    pub restore_gb_per_cpu_s: f64,
     pub bytes_stored: u64,
     pub cost_model_misses: u64,
     pub corrupt: u64,
@@ -756,6 +760,7 @@ async fn tier_reports(cluster: &Cluster) -> (Vec<TierReport>, BTreeMap<String, u
             r.hits += t.hits;
             r.bytes_loaded += t.bytes_loaded;
             r.load_seconds += t.load_seconds;
+            r.load_cpu_seconds += t.load_cpu_seconds;
             r.bytes_stored += t.bytes_stored;
             r.cost_model_misses += t.cost_model_misses;
             r.corrupt += t.corrupt;
@@ -767,9 +772,13 @@ async fn tier_reports(cluster: &Cluster) -> (Vec<TierReport>, BTreeMap<String, u
     let tiers = tiers
         .into_values()
         .map(|mut r| {
-            if r.load_seconds > 0.0 {
-                r.restore_gb_per_s = r.bytes_loaded as f64 / r.load_seconds / 1e9;
-            }
+            let bytes = r.bytes_loaded as f64;
+            let gb_per_s = |seconds: f64| match seconds > 0.0 {
+                true => bytes / seconds / 1e9,
+                false => 0.0,
+            };
+            r.restore_gb_per_s = gb_per_s(r.load_seconds);
+            r.restore_gb_per_cpu_s = gb_per_s(r.load_cpu_seconds);
             r
         })
         .collect();
@@ -1058,13 +1067,15 @@ fn print_turns_and_tiers(runs: &[RunReport]) {
         }
         for t in &r.kv_tiers {
             println!(
-                "{:<27} {} tier: {} blocks brought up, {:.1} MB in {:.3} s ({:.2} GB/s); {:.1} MB moved down; {} cost-model misses; {} corrupt",
+                "{:<27} {} tier: {} blocks brought up, {:.1} MB in {:.3} s ({:.2} GB/s; CPU time {:.3} s, {:.2} GB/s); {:.1} MB moved down; {} cost-model misses; {} corrupt",
                 r.summary.design,
                 t.tier,
                 t.hits,
                 t.bytes_loaded as f64 / 1e6,
                 t.load_seconds,
                 t.restore_gb_per_s,
+                t.load_cpu_seconds,
+                t.restore_gb_per_cpu_s,
                 t.bytes_stored as f64 / 1e6,
                 t.cost_model_misses,
                 t.corrupt

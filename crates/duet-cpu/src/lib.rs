@@ -217,6 +217,15 @@ impl Backend for CpuBackend {
         kv.write_layer_block(layer, block, data);
     }
 
+    /// Keys stay transposed: bringing a block up from a tier is a copy.
+    fn read_stored_block(&self, kv: &CpuKvStore, block: usize, out: &mut [u8]) {
+        kv.read_stored_block(block, out);
+    }
+
+    fn write_stored_block(&self, kv: &mut CpuKvStore, block: usize, data: &[u8]) {
+        kv.write_stored_block(block, data);
+    }
+
     type StepTurn<'a> = crate::threadpool::Turn<'a>;
 
     fn step_turn(&self) -> crate::threadpool::Turn<'_> {

@@ -56,6 +56,9 @@ pub struct GpuOptions {
     /// The kernel of prefill attention: prefill_attention.cu (legacy) or the FlashAttention-tiled
     /// prefill_attention_fa.cu (fa).
     pub prefill_attention: PrefillAttention,
+    /// Blocks brought up from a tier below copied on the load stream, beside the step in flight
+    /// (`--kv-load-stream`), not on the backend's stream, waited for.
+    pub load_stream: bool,
 }
 
 /// [`GpuOptions`] as the backend holds them: switchable between steps (`duet bench gpu` times
@@ -68,6 +71,7 @@ struct Switches {
     packed_weights: AtomicBool,
     /// Whether prefill attention is `fa` (else `legacy`).
     fa_prefill: AtomicBool,
+    load_stream: AtomicBool,
 }
 
 impl Switches {
@@ -81,6 +85,7 @@ impl Switches {
                 true => PrefillAttention::Fa,
                 false => PrefillAttention::Legacy,
             },
+            load_stream: self.load_stream.load(Ordering::Relaxed),
         }
     }
 
@@ -95,6 +100,7 @@ impl Switches {
             o.prefill_attention == PrefillAttention::Fa,
             Ordering::Relaxed,
         );
+        self.load_stream.store(o.load_stream, Ordering::Relaxed);
     }
 }
 
@@ -1018,6 +1024,44 @@ impl<G: Gpu> Backend for GpuBackend<G> {
         self.check("writing a KV block", r);
     }
 
+    /// With `--kv-load-stream on`, on the load stream: the engine holds the block's sequence
+    /// out of the steps until [`Self::stored_writes_done`]. The source may be pageable memory:
+    /// the driver stages it before the call returns.
+    fn write_stored_block(&self, kv: &mut CudaKvStore, block: usize, data: &[u8]) {
+        let layer_bytes = self.kv_block_bytes(kv);
+        if !self.options().load_stream {
+            for (layer, part) in data.chunks_exact(layer_bytes).enumerate() {
+                self.write_kv_block(kv, layer, block, part);
+            }
+            return;
+        }
+        for (layer, part) in data.chunks_exact(layer_bytes).enumerate() {
+            if self.failed() {
+                return;
+            }
+            let r = self
+                .gpu
+                .upload_on_load_stream(kv.chunk_ptr(layer, block), part);
+            self.check("copying a KV block brought up from a tier below", r);
+        }
+    }
+
+    fn stored_writes_done(&self) -> bool {
+        if self.failed() {
+            return true; // nothing more runs; the step reports the failure
+        }
+        self.check("querying the KV block loads", self.gpu.loads_done())
+            .unwrap_or(true)
+    }
+
+    fn finish_stored_writes(&self) -> Result<(), EngineError> {
+        if !self.failed() {
+            let r = self.gpu.synchronize_loads();
+            self.check("waiting for the KV block loads", r);
+        }
+        self.status()
+    }
+
     fn reserve_step_memory(&self, plan: &StepMemoryPlan<'_>) {
         let c = plan.config;
         let (rows, logit_rows) = (plan.max_rows.max(1), plan.max_logit_rows.max(1));
@@ -1914,7 +1958,10 @@ mod tests {
         for _ in 0..3 {
             let events = rig.decode(3, 20);
             assert_eq!(
-                count(&events, |e| matches!(e, Event::Alloc(_))),
+                count(&events, |e| matches!(
+                    e,
+                    Event::Alloc(_) | Event::AllocPinned(_)
+                )),
                 0,
                 "{events:?}"
             );
@@ -1974,7 +2021,13 @@ mod tests {
             assert_eq!(count(&replayed, |e| *e == Event::Replay), 1);
             assert_eq!(count(&replayed, |e| matches!(e, Event::Upload(_))), 1);
             assert_eq!(count(&replayed, |e| *e == Event::Synchronize), 1);
-            assert_eq!(count(&replayed, |e| matches!(e, Event::Alloc(_))), 0);
+            assert_eq!(
+                count(&replayed, |e| matches!(
+                    e,
+                    Event::Alloc(_) | Event::AllocPinned(_)
+                )),
+                0
+            );
         }
         // Another bucket starts over: eager first.
         assert!(launches(&rig.decode(7, 20)) > 0);
@@ -2247,6 +2300,104 @@ mod tests {
             e.contains("blk.0.attn_v.weight") && e.contains("Q4_1"),
             "{e}"
         );
+    }
+
+    /// With `--kv-load-stream on`, a prefix brought up from the host tier is copied on the load
+    /// stream and its sequence is in no step until the copies complete, while the sequences
+    /// already running go on; with nothing else to run, the engine waits for the copies before
+    /// the step that reads them.
+    #[test]
+    fn a_sequence_joins_the_steps_only_once_its_blocks_have_loaded() {
+        use duet_engine::device::Device;
+        use duet_engine::engine::{Engine, EngineOptions};
+        use duet_model::params::StopCriteria;
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+        let files = duet_model::model_files::open_model(&dir).unwrap();
+        let mut options = EngineOptions {
+            device: Device::Cuda(0),
+            kv_cache_tokens: 256,
+            block_size: BLOCK,
+            ..Default::default()
+        };
+        options.kv_tiers.kv_offload_tokens = 256;
+        let gpu = Arc::new(RecordingGpu::default());
+        // 2 layers × K and V × 2 heads × 16 dims × 16 slots in bf16 a block: room for 6 blocks
+        // and the scratch block.
+        let block_bytes = 2 * 2 * 2 * 16 * BLOCK * 2;
+        let fraction = (7 * block_bytes + 100) as f64 / (1u64 << 30) as f64;
+        let load_stream = GpuOptions {
+            load_stream: true,
+            ..Default::default()
+        };
+        let backend = GpuBackend::with_gpu(gpu.clone(), load_stream, fraction);
+        let mut engine = Engine::with_backend(backend, files, options).unwrap();
+        assert_eq!(engine.kv_layout().num_blocks, 6);
+        let stop = |max_tokens| StopCriteria {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let run = |engine: &mut Engine<GpuBackend<RecordingGpu>>, prompt: Vec<u32>| {
+            let id = engine
+                .add_sequence(prompt, Default::default(), stop(1))
+                .unwrap();
+            while engine.has_work() {
+                engine.step().unwrap();
+            }
+            engine.remove_sequence(id).unwrap();
+        };
+        let prompt = |first: u32| (first..first + 2 * BLOCK as u32 + 1).collect::<Vec<u32>>();
+        let evict = |engine: &mut Engine<GpuBackend<RecordingGpu>>| {
+            for first in [100, 150, 200] {
+                run(engine, prompt(first));
+            }
+        };
+        // Reused once, then pushed out of the pool: its two blocks move down to the host tier.
+        run(&mut engine, prompt(3));
+        run(&mut engine, prompt(3));
+        evict(&mut engine);
+        let host = engine.kv_tier_stats()[0];
+        assert_eq!((host.blocks, host.hits), (2, 0), "{host:?}");
+        // A sequence decoding, then the prompt again: its prefix loads beside the next step.
+        let decoding = engine
+            .add_sequence(vec![300, 301], Default::default(), stop(20))
+            .unwrap();
+        engine.step().unwrap();
+        gpu.take();
+        let again = engine
+            .add_sequence(prompt(3), Default::default(), stop(1))
+            .unwrap();
+        assert_eq!(engine.cached_prompt_tokens(again), Some(2 * BLOCK));
+        let events = gpu.take();
+        let loads = count(&events, |e| *e == Event::LoadUpload(block_bytes / 2));
+        assert_eq!(loads, 2 * 2, "two blocks, a copy per layer: {events:?}");
+        let seqs = |out: Vec<duet_engine::engine::StepOutput>| -> Vec<u64> {
+            out.iter().map(|o| o.seq).collect()
+        };
+        assert_eq!(seqs(engine.step().unwrap()), [decoding], "still loading");
+        assert_eq!(seqs(engine.step().unwrap()), [decoding], "still loading");
+        gpu.complete_loads();
+        assert_eq!(seqs(engine.step().unwrap()), [decoding, again]);
+        assert!(!gpu.take().contains(&Event::SynchronizeLoads));
+        engine.remove_sequence(again).unwrap();
+        while engine.has_work() {
+            engine.step().unwrap();
+        }
+        engine.remove_sequence(decoding).unwrap();
+        // Alone, it waits for its copies before the step that reads its blocks.
+        evict(&mut engine);
+        gpu.take();
+        let alone = engine
+            .add_sequence(prompt(3), Default::default(), stop(1))
+            .unwrap();
+        assert_eq!(engine.cached_prompt_tokens(alone), Some(2 * BLOCK));
+        assert_eq!(seqs(engine.step().unwrap()), [alone]);
+        let events = gpu.take();
+        let waited = events.iter().position(|e| *e == Event::SynchronizeLoads);
+        let first_launch = events
+            .iter()
+            .position(|e| matches!(e, Event::Launch(_) | Event::Gemm(_)));
+        assert!(waited.is_some() && waited < first_launch, "{events:?}");
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! [`Gpu`] over the CUDA driver (cudarc): a stream of the backend's own (never the legacy NULL
 //! stream, where capture is illegal), our kernels compiled by NVRTC for the device, cuBLAS on
 //! that stream with a workspace of its own (so its products can be captured), pinned host
-//! memory, and a second stream for reading KV off the engine's stream.
+//! memory, a second stream for reading KV off the engine's stream, and a third for copying in
+//! blocks brought up from a tier below.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -32,6 +33,8 @@ pub struct CudaGpu {
     stream: Arc<CudaStream>,
     /// Where reads of the KV cache for transfers run, off the engine's stream.
     copy_stream: Arc<CudaStream>,
+    /// Where blocks brought up from a tier below are copied in, beside the engine's stream.
+    load_stream: Arc<CudaStream>,
     blas: CudaBlas,
     _blas_workspace: CudaSlice<u8>,
     functions: HashMap<&'static str, CudaFunction>,
@@ -101,6 +104,7 @@ impl CudaGpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let copy_stream = ctx.new_stream()?;
+        let load_stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
         {
@@ -129,6 +133,7 @@ impl CudaGpu {
             ctx,
             stream,
             copy_stream,
+            load_stream,
             blas,
             _blas_workspace: workspace,
             functions,
@@ -421,6 +426,24 @@ impl Gpu for CudaGpu {
         self.copy_stream.synchronize()?;
         dst.copy_from_slice(&host.as_ref()[..bytes]);
         Ok(())
+    }
+
+    fn upload_on_load_stream(&self, dst: DevicePtr, src: &[u8]) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: `dst` is a block of the KV store, `src.len()` bytes long; `src` is pinned and
+        // stays unchanged until the load stream has run the copy (the backend keeps it until
+        // `loads_done` or `synchronize_loads`).
+        Ok(unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst, src, self.load_stream.cu_stream())
+        }?)
+    }
+
+    fn loads_done(&self) -> Result<bool, CudaError> {
+        Ok(self.load_stream.record_event(None)?.try_is_complete()?)
+    }
+
+    fn synchronize_loads(&self) -> Result<(), CudaError> {
+        Ok(self.load_stream.synchronize()?)
     }
 
     fn synchronize(&self) -> Result<(), CudaError> {

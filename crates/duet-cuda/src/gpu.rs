@@ -1,5 +1,6 @@
 //! What the backend asks of a GPU, as one trait: memory, copies, kernel launches, the cuBLAS
-//! product, synchronization and graph capture on the backend's one stream. The CUDA driver
+//! product, synchronization and graph capture on the backend's stream (and copies of KV blocks
+//! brought up from a tier below on a load stream beside it). The CUDA driver
 //! implements it (`cuda_gpu.rs`); a recording GPU does in the tests, so the backend's host logic
 //! (what a step allocates, uploads, launches and waits for) is tested without a GPU.
 
@@ -74,6 +75,16 @@ pub trait Gpu: Send + Sync + 'static {
         chunk_bytes: usize,
         dst: &mut [u8],
     ) -> Result<(), CudaError>;
+    /// Queues `dst[..src.len()] = src` on the load stream, a stream of its own: a block brought
+    /// up from a tier below, copied by the copy engine while the backend's stream runs a step.
+    /// Pinned `src` must stay unchanged until [`Gpu::loads_done`] says the copy completed or
+    /// [`Gpu::synchronize_loads`] returned; pageable `src` is staged by the driver before this
+    /// returns.
+    fn upload_on_load_stream(&self, dst: DevicePtr, src: &[u8]) -> Result<(), CudaError>;
+    /// Whether every copy queued on the load stream has completed, without waiting.
+    fn loads_done(&self) -> Result<bool, CudaError>;
+    /// Waits for the copies queued on the load stream.
+    fn synchronize_loads(&self) -> Result<(), CudaError>;
     /// Waits for everything queued.
     fn synchronize(&self) -> Result<(), CudaError>;
     /// From now on the stream's work is recorded, not run.

@@ -12,6 +12,8 @@ use crate::kernels::FILES;
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     Alloc(usize),
+    /// Page-locked host memory.
+    AllocPinned(usize),
     Free,
     Upload(usize),
     Download(usize),
@@ -20,6 +22,10 @@ pub enum Event {
     Gemm(Gemm),
     /// A layer's KV blocks read off the backend's stream (their count).
     GatherDownload(usize),
+    /// A copy of `usize` bytes queued on the load stream.
+    LoadUpload(usize),
+    /// The host waited for the load stream.
+    SynchronizeLoads,
     Synchronize,
     BeginCapture,
     /// A capture ended, with the launches (kernels and products) it captured.
@@ -32,6 +38,9 @@ pub struct RecordingGpu {
     events: Mutex<Vec<Event>>,
     next: Mutex<DevicePtr>,
     capturing: Mutex<bool>,
+    /// Copies queued on the load stream that have not completed: they complete when the host
+    /// waits for them, or when a test says so ([`Self::complete_loads`]).
+    loads_pending: Mutex<bool>,
 }
 
 /// A recorded graph.
@@ -45,6 +54,11 @@ impl RecordingGpu {
 
     fn record(&self, e: Event) {
         self.events.lock().unwrap().push(e);
+    }
+
+    /// The copies queued on the load stream complete.
+    pub fn complete_loads(&self) {
+        *self.loads_pending.lock().unwrap() = false;
     }
 }
 
@@ -69,7 +83,7 @@ impl Gpu for RecordingGpu {
     }
 
     fn alloc_pinned(&self, bytes: usize) -> Result<Vec<u8>, CudaError> {
-        self.record(Event::Alloc(bytes));
+        self.record(Event::AllocPinned(bytes));
         Ok(vec![0; bytes])
     }
 
@@ -141,6 +155,23 @@ impl Gpu for RecordingGpu {
     ) -> Result<(), CudaError> {
         dst.fill(0);
         self.record(Event::GatherDownload(chunks.len()));
+        Ok(())
+    }
+
+    fn upload_on_load_stream(&self, _: DevicePtr, src: &[u8]) -> Result<(), CudaError> {
+        assert!(!*self.capturing.lock().unwrap(), "a load under capture");
+        *self.loads_pending.lock().unwrap() = true;
+        self.record(Event::LoadUpload(src.len()));
+        Ok(())
+    }
+
+    fn loads_done(&self) -> Result<bool, CudaError> {
+        Ok(!*self.loads_pending.lock().unwrap())
+    }
+
+    fn synchronize_loads(&self) -> Result<(), CudaError> {
+        self.complete_loads();
+        self.record(Event::SynchronizeLoads);
         Ok(())
     }
 

@@ -108,6 +108,7 @@ pub fn gpu_options(options: &EngineOptions) -> duet_cuda::backend::GpuOptions {
         fused_kernels: options.fused_kernels.is_on(),
         packed_weights: options.gpu_weights == duet_engine::device::GpuWeights::Packed,
         prefill_attention: options.prefill_attention,
+        load_stream: options.kv_tiers.kv_load_stream.is_on(),
     }
 }
 

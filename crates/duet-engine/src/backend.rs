@@ -305,6 +305,36 @@ pub trait Backend: Send + Sync {
     fn kv_block_bytes(&self, kv: &Self::KvStore) -> usize;
     fn read_kv_block(&self, kv: &Self::KvStore, layer: usize, block: usize, out: &mut [u8]);
     fn write_kv_block(&self, kv: &mut Self::KvStore, layer: usize, block: usize, data: &[u8]);
+    /// Copies every layer of one block out (`num_layers` × [`Self::kv_block_bytes`] bytes) in
+    /// the store's own layout, which may differ from the transfer layout wherever converting
+    /// costs more than a copy: what a tier below the pool keeps (it never leaves the worker).
+    /// By default the transfer layout, layer after layer.
+    fn read_stored_block(&self, kv: &Self::KvStore, block: usize, out: &mut [u8]) {
+        let layer_bytes = self.kv_block_bytes(kv);
+        for (layer, out) in out.chunks_exact_mut(layer_bytes).enumerate() {
+            self.read_kv_block(kv, layer, block, out);
+        }
+    }
+    /// Stores every layer of one block from what [`Self::read_stored_block`] gave (a block
+    /// brought up from a tier below). A backend may queue the write to overlap a step in flight
+    /// (a GPU's copy engine, off the compute stream); no step may read the block until
+    /// [`Self::stored_writes_done`] says so, or [`Self::finish_stored_writes`] returned.
+    fn write_stored_block(&self, kv: &mut Self::KvStore, block: usize, data: &[u8]) {
+        let layer_bytes = self.kv_block_bytes(kv);
+        for (layer, data) in data.chunks_exact(layer_bytes).enumerate() {
+            self.write_kv_block(kv, layer, block, data);
+        }
+    }
+    /// Whether every [`Self::write_stored_block`] so far has completed, without waiting. The
+    /// CPU's writes are copies done before they return: loading cannot overlap a step there,
+    /// since the copy needs the cores and the memory bandwidth the step is using.
+    fn stored_writes_done(&self) -> bool {
+        true
+    }
+    /// Waits until every [`Self::write_stored_block`] so far has completed.
+    fn finish_stored_writes(&self) -> Result<(), EngineError> {
+        Ok(())
+    }
     /// Copies one layer's KV of `blocks` out in transfer layout, one block after another, and
     /// waits for it (a GPU reads them in one copy, off its compute stream, without ending the
     /// step); see [`Backend::status`] for its failure.

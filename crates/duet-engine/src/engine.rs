@@ -431,9 +431,30 @@ impl<B: Backend> Engine<B> {
         self.scheduler.kv_cache_mut().set_prefill_rate(tokens_per_s);
     }
 
-    /// Moves KV the cache manager owes between the device store and the tiers below.
+    /// Moves KV the cache manager owes between the device store and the tiers below; blocks
+    /// brought up are written when it returns.
     fn settle_kv_moves(&mut self) -> Result<(), EngineError> {
-        settle_kv_moves(&mut self.runner, self.scheduler.kv_cache_mut())
+        if settle_kv_moves(&mut self.runner, self.scheduler.kv_cache_mut())? {
+            self.runner.model().backend().finish_stored_writes()?;
+        }
+        Ok(())
+    }
+
+    /// Sequences held while their blocks load from a tier below join the steps once the loads
+    /// have completed; the engine waits for them only when no other sequence could run.
+    fn admit_loaded(&mut self) -> Result<(), EngineError> {
+        if !self.scheduler.is_loading() {
+            return Ok(());
+        }
+        let backend = self.runner.model().backend();
+        if !backend.stored_writes_done() {
+            if self.scheduler.has_runnable() {
+                return Ok(());
+            }
+            backend.finish_stored_writes()?;
+        }
+        self.scheduler.end_loading();
+        Ok(())
     }
 
     /// Starts recording prefix-cache events (see [`take_kv_events`](Self::take_kv_events)).
@@ -530,8 +551,13 @@ impl<B: Backend> Engine<B> {
             resumed.sent_text_bytes,
         )?;
         let added = self.scheduler.add_sequence(id, tokens, cache_salt);
-        self.settle_kv_moves()?;
+        // Blocks brought up for its prefix may still be loading (a GPU copies them beside the
+        // step in flight): the sequence joins a step once they are written.
+        let loaded = settle_kv_moves(&mut self.runner, self.scheduler.kv_cache_mut())?;
         let num_cached = added?;
+        if loaded && !self.runner.model().backend().stored_writes_done() {
+            self.scheduler.hold_loading(id);
+        }
         self.seqs.insert(
             id,
             OutputState {
@@ -770,6 +796,10 @@ impl<B: Backend> Engine<B> {
         self.seqs
             .remove(&id)
             .ok_or(EngineError::UnknownSequence(id))?;
+        if self.scheduler.is_loading() {
+            // Its blocks go back to the pool: no load may still be writing them.
+            self.runner.model().backend().finish_stored_writes()?;
+        }
         if let Some(Proposer::Draft(draft)) = &mut self.speculator {
             draft.release(id)?;
         }
@@ -790,6 +820,7 @@ impl<B: Backend> Engine<B> {
         &mut self,
         on_layer: &mut dyn FnMut(&LayerDone<'_, B>),
     ) -> Result<Vec<StepOutput>, EngineError> {
+        self.admit_loaded()?;
         let max_positions = self.config().max_position_embeddings;
         let (seqs, speculator) = (&mut self.seqs, &mut self.speculator);
         // A draft model's failure ends the step once planning is done.

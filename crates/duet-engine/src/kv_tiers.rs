@@ -5,12 +5,12 @@
 //! the engine owns the store.
 
 use std::path::PathBuf;
-use std::time::Instant;
 
-use duet_kv::{DiskTier, HostTier, KvCacheManager, LowerTiers, TierStore};
+use duet_kv::{DiskTier, HostTier, KvCacheManager, LowerTiers, Stopwatch, TierStore};
 
 use crate::EngineError;
 use crate::backend::{Backend, KvLayout};
+use crate::device::Switch;
 use crate::model_runner::ModelRunner;
 
 /// Default byte limit of the disk tier.
@@ -39,6 +39,14 @@ pub struct KvTierOptions {
     /// Most bytes the disk tier's files take.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_KV_DISK_BYTES", default_value_t = DEFAULT_DISK_BYTES))]
     pub kv_disk_bytes: u64,
+    /// On a GPU: blocks brought up from a tier below are copied on a stream of their own, beside
+    /// the step in flight, and their sequence joins the step after the copies complete, on or
+    /// off. Off until it has run on a GPU; the CPU copies at once either way.
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "DUET_KV_LOAD_STREAM", value_enum, default_value_t = Switch::Off)
+    )]
+    pub kv_load_stream: Switch,
 }
 
 impl Default for KvTierOptions {
@@ -47,6 +55,7 @@ impl Default for KvTierOptions {
             kv_offload_tokens: 0,
             kv_disk_dir: None,
             kv_disk_bytes: DEFAULT_DISK_BYTES,
+            kv_load_stream: Switch::Off,
         }
     }
 }
@@ -62,6 +71,7 @@ impl KvTierOptions {
         let mut args = vec![
             format!("--kv-offload-tokens={}", self.kv_offload_tokens),
             format!("--kv-disk-bytes={}", self.kv_disk_bytes),
+            format!("--kv-load-stream={}", self.kv_load_stream),
         ];
         if let Some(dir) = &self.kv_disk_dir {
             args.push(format!("--kv-disk-dir={}", dir.display()));
@@ -69,8 +79,9 @@ impl KvTierOptions {
         args
     }
 
-    /// The tiers these options ask for, below a pool of `layout` (blocks of `block_bytes` in
-    /// transfer layout) whose model fingerprint is `fingerprint`; `None` when none is asked for.
+    /// The tiers these options ask for, below a pool of `layout` (blocks of `block_bytes`, in
+    /// the store's own layout) whose model fingerprint is `fingerprint`; `None` when none is
+    /// asked for.
     pub fn build(
         &self,
         layout: &KvLayout,
@@ -110,18 +121,21 @@ fn xxhash_namespace(fingerprint: &str) -> u64 {
 /// Moves what the KV cache manager owes between the device store and the tiers below: first
 /// the KV of evicted blocks down (before anything writes their slots), then loaded blocks into
 /// their new slots. Called after every manager call that may allocate, whatever it returned.
+/// Returns whether blocks were written that a step may read only once the backend's stored
+/// writes are done ([`Backend::stored_writes_done`]).
 pub(crate) fn settle_kv_moves<B: Backend>(
     runner: &mut ModelRunner<B>,
     kv: &mut KvCacheManager,
-) -> Result<(), EngineError> {
+) -> Result<bool, EngineError> {
     let moves = kv.take_moves();
     if moves.spills.is_empty() && moves.loads.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
+    let loaded = !moves.loads.is_empty();
     let mut bytes = vec![0; runner.kv_block_bytes() * runner.kv_layout().num_layers];
     let mut spills = moves.spills.into_iter();
     while let Some((block, hash)) = spills.next() {
-        if let Err(e) = runner.read_block(block, &mut bytes) {
+        if let Err(e) = runner.read_stored_block(block, &mut bytes) {
             // The device failed (sticky): nothing moves down.
             kv.spill_failed(hash);
             spills.for_each(|(_, h)| kv.spill_failed(h));
@@ -130,10 +144,11 @@ pub(crate) fn settle_kv_moves<B: Backend>(
         kv.store_below(hash, &bytes);
     }
     for load in moves.loads {
-        let started = Instant::now();
-        runner.write_block(load.block, &load.bytes)?;
-        let seconds = load.read_seconds + started.elapsed().as_secs_f64();
-        kv.loaded(load.tier, 1, seconds);
+        let watch = Stopwatch::start();
+        runner.write_stored_block(load.block, &load.bytes)?;
+        let mut took = load.read;
+        took += watch.elapsed();
+        kv.loaded(load.tier, 1, took);
     }
-    Ok(())
+    Ok(loaded)
 }

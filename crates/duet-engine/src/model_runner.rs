@@ -110,7 +110,7 @@ impl<B: Backend> ModelRunner<B> {
     }
 
     /// Copies every layer of one block out, in transfer layout, layer after layer (`out` is
-    /// [`KvLayout::block_bytes`] long): what a tier below the pool holds.
+    /// [`KvLayout::block_bytes`] long): what a peer's pull is sent.
     pub fn read_block(&self, block: u32, out: &mut [u8]) -> Result<(), EngineError> {
         let layer_bytes = self.whole_block_bytes(out.len())?;
         for (layer, part) in out.chunks_exact_mut(layer_bytes).enumerate() {
@@ -119,13 +119,27 @@ impl<B: Backend> ModelRunner<B> {
         Ok(())
     }
 
-    /// Writes every layer of one block from what [`read_block`](Self::read_block) gave.
-    pub fn write_block(&mut self, block: u32, data: &[u8]) -> Result<(), EngineError> {
-        let layer_bytes = self.whole_block_bytes(data.len())?;
-        for (layer, part) in data.chunks_exact(layer_bytes).enumerate() {
-            self.write_kv_block(layer, block, part)?;
-        }
-        Ok(())
+    /// Copies every layer of one block out in the store's own layout
+    /// ([`Backend::read_stored_block`]): what a tier below the pool keeps.
+    pub fn read_stored_block(&self, block: u32, out: &mut [u8]) -> Result<(), EngineError> {
+        self.check_whole_block(block, out.len())?;
+        let backend = self.model.backend();
+        backend.read_stored_block(&self.kv, block as usize, out);
+        backend.sync()
+    }
+
+    /// Writes every layer of one block from what [`read_stored_block`](Self::read_stored_block)
+    /// gave.
+    pub fn write_stored_block(&mut self, block: u32, data: &[u8]) -> Result<(), EngineError> {
+        self.check_whole_block(block, data.len())?;
+        let backend = self.model.backend();
+        backend.write_stored_block(&mut self.kv, block as usize, data);
+        backend.sync()
+    }
+
+    fn check_whole_block(&self, block: u32, len: usize) -> Result<(), EngineError> {
+        self.whole_block_bytes(len)?;
+        self.check_block(0, block, self.kv_block_bytes())
     }
 
     /// Bytes of one layer of a block, checking that `len` is a whole block.

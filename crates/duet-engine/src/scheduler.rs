@@ -3,7 +3,7 @@
 //! the cache is full. It knows sequences only as tokens and counts, and the cache only through
 //! the [`KvCacheManager`] it owns, so its decisions are tested without a model.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use duet_kv::{KvCacheManager, KvError, KvReservation, SeqId};
 
@@ -55,6 +55,9 @@ pub struct Scheduler {
     vocab_size: usize,
     /// By id, which is admission order: oldest first.
     seqs: BTreeMap<SeqId, ScheduledSeq>,
+    /// Sequences whose prefix blocks are still being written from a tier below: no step plans
+    /// them (nor preempts them) until [`end_loading`](Self::end_loading).
+    loading: BTreeSet<SeqId>,
     preemptions: u64,
     out_of_vocab_drafts: u64,
     /// The planning order and the decoding rows of the step being planned, kept between steps
@@ -78,6 +81,7 @@ impl Scheduler {
             max_draft_step_rows,
             vocab_size,
             seqs: BTreeMap::new(),
+            loading: BTreeSet::new(),
             preemptions: 0,
             out_of_vocab_drafts: 0,
             order: Vec::new(),
@@ -147,6 +151,31 @@ impl Scheduler {
         self.seqs.values().any(|s| !s.finished)
     }
 
+    /// Keeps `seq` out of the steps until [`end_loading`](Self::end_loading): its prefix blocks
+    /// are being written from a tier below, and no step may read them before that completes.
+    pub fn hold_loading(&mut self, seq: SeqId) {
+        if self.seqs.contains_key(&seq) {
+            self.loading.insert(seq);
+        }
+    }
+
+    /// Whether any sequence waits for its blocks' loads.
+    pub fn is_loading(&self) -> bool {
+        !self.loading.is_empty()
+    }
+
+    /// Whether an unfinished sequence could join a step now (none waits for loads).
+    pub fn has_runnable(&self) -> bool {
+        self.seqs
+            .iter()
+            .any(|(id, s)| !s.finished && !self.loading.contains(id))
+    }
+
+    /// Every load written so far has completed: the sequences held for them join the steps.
+    pub fn end_loading(&mut self) {
+        self.loading.clear();
+    }
+
     /// Sequences preempted (and recomputed) since the scheduler started.
     pub fn preemptions(&self) -> u64 {
         self.preemptions
@@ -209,7 +238,11 @@ impl Scheduler {
         propose: &mut dyn FnMut(SeqId, &[u32]) -> Vec<u32>,
     ) -> Result<(), KvError> {
         let mut budget = self.max_step_tokens;
-        let unfinished = || self.seqs.iter().filter(|(_, s)| !s.finished);
+        let unfinished = || {
+            self.seqs
+                .iter()
+                .filter(|(id, s)| !s.finished && !self.loading.contains(id))
+        };
         order.clear();
         order.extend(
             unfinished()
@@ -287,7 +320,7 @@ impl Scheduler {
         plan.truncate(rows);
         let draft_rows = self.max_draft_step_rows.saturating_sub(decoding.len());
         self.plan_drafts(plan, decoding, budget.min(draft_rows), propose)?;
-        if plan.is_empty() && self.has_work() {
+        if plan.is_empty() && self.has_runnable() {
             return Err(KvError::Exhausted {
                 requested: 1,
                 available: self.kv_cache.pool().available(),
@@ -399,10 +432,12 @@ impl Scheduler {
         self.kv_cache.free(seq)
     }
 
-    /// Forgets a sequence (finished or not) and releases its blocks.
+    /// Forgets a sequence (finished or not) and releases its blocks (the caller waits for its
+    /// loads first: see [`is_loading`](Self::is_loading)).
     pub fn remove(&mut self, seq: SeqId) -> Result<(), KvError> {
         self.kv_cache.remove(seq)?;
         self.seqs.remove(&seq);
+        self.loading.remove(&seq);
         Ok(())
     }
 }
@@ -578,6 +613,32 @@ mod tests {
         // Once room is back, 2 is recomputed from its first token.
         s.finish(1).unwrap();
         assert_eq!(step(&mut s), [(0, 9, 1), (2, 0, 5)]);
+    }
+
+    /// A sequence whose blocks are loading from a tier below is in no step, and is never a
+    /// preemption victim (its blocks are being written), until its loads complete.
+    #[test]
+    fn a_sequence_loading_its_blocks_joins_the_step_after_its_loads() {
+        let mut s = scheduler(4, 64);
+        for id in 0..3 {
+            s.add_sequence(id, tokens(10 * id as u32, 4), "").unwrap();
+        }
+        assert_eq!(step(&mut s), [(0, 0, 4), (1, 0, 4), (2, 0, 4)]);
+        s.hold_loading(2);
+        assert!(s.is_loading() && s.has_runnable());
+        // 0 and 1 need a second block: one is free, then 2 (the newest) would be the victim.
+        assert_eq!(step(&mut s), [(0, 4, 1)], "1 waits, 2 keeps its block");
+        assert_eq!(s.preemptions(), 0);
+        assert_eq!(s.kv_cache().blocks(2).unwrap().ids().len(), 1);
+        s.end_loading();
+        s.finish(0).unwrap();
+        assert_eq!(step(&mut s), [(1, 4, 1), (2, 4, 1)]);
+        // Only loading sequences left: an empty step, not an exhausted cache.
+        let mut s = scheduler(4, 64);
+        s.add_sequence(7, tokens(0, 4), "").unwrap();
+        s.hold_loading(7);
+        assert!(!s.has_runnable());
+        assert!(s.plan_step(&mut no_drafts).unwrap().is_empty());
     }
 
     #[test]

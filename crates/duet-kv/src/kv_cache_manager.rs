@@ -20,11 +20,9 @@
 //! them from the first turn that showed reuse, while a workload without any reuse (every prompt
 //! new) writes nothing below and pays nothing.
 
-use std::time::Instant;
-
 use crate::{
-    BlockHash, BlockId, BlockPool, BlockTable, KvDigest, KvError, KvEvent, LowerTiers, Tier,
-    TierStats, block_hashes, next_block_hash, request_hash_seed,
+    BlockHash, BlockId, BlockPool, BlockTable, Elapsed, KvDigest, KvError, KvEvent, LowerTiers,
+    Stopwatch, Tier, TierStats, block_hashes, next_block_hash, request_hash_seed,
 };
 
 /// Identifies a sequence (one request) among those whose blocks a manager tracks.
@@ -77,10 +75,10 @@ pub struct KvMoves {
 pub struct BlockLoad {
     pub block: BlockId,
     pub tier: Tier,
-    /// Every layer's K and V, in the transfer layout.
+    /// Every layer's K and V, in the device store's own layout.
     pub bytes: Vec<u8>,
-    /// Seconds the tier read took.
-    pub read_seconds: f64,
+    /// The time the tier read took.
+    pub read: Elapsed,
 }
 
 struct SeqKv {
@@ -167,8 +165,8 @@ impl KvCacheManager {
         }
     }
 
-    /// The KV of an evicted block (every layer, transfer layout), read from the device before
-    /// its slot was written: it moves down.
+    /// The KV of an evicted block (every layer, in the device store's own layout), read from the
+    /// device before its slot was written: it moves down.
     pub fn store_below(&mut self, hash: BlockHash, block: &[u8]) {
         self.flush_pool_events();
         if let Some(lower) = &mut self.lower {
@@ -188,11 +186,11 @@ impl KvCacheManager {
         }
     }
 
-    /// `blocks` blocks were brought up from `tier` in `seconds` (tier reads and device
-    /// writes): for the metrics and the cost model.
-    pub fn loaded(&mut self, tier: Tier, blocks: usize, seconds: f64) {
+    /// `blocks` blocks were brought up from `tier` in `took` (tier reads and device writes):
+    /// for the metrics and the cost model.
+    pub fn loaded(&mut self, tier: Tier, blocks: usize, took: Elapsed) {
         if let Some(lower) = &mut self.lower {
-            lower.loaded(tier, blocks, seconds);
+            lower.loaded(tier, blocks, took);
         }
     }
 
@@ -269,9 +267,9 @@ impl KvCacheManager {
             self.flush_pool_events();
             let lower = self.lower.as_mut().expect("checked above");
             let mut bytes = vec![0; lower.block_bytes()];
-            let started = Instant::now();
+            let watch = Stopwatch::start();
             let found = lower.load(hash, &mut bytes, &mut self.events);
-            let read_seconds = started.elapsed().as_secs_f64();
+            let read = watch.elapsed();
             let registered = found.map(|tier| self.pool.register_loaded(fresh[0], hash, tier));
             let Some(Ok(true)) = registered else {
                 // Unreadable below (dropped there): recomputed. The fresh block goes back.
@@ -282,7 +280,7 @@ impl KvCacheManager {
                 block: fresh[0],
                 tier: found.expect("registered"),
                 bytes,
-                read_seconds,
+                read,
             });
             blocks.push(fresh[0]);
         }
@@ -739,7 +737,7 @@ mod tests {
                     self.spilled += 1;
                 }
                 for load in moves.loads {
-                    kv.loaded(load.tier, 1, load.read_seconds);
+                    kv.loaded(load.tier, 1, load.read);
                     self.blocks.insert(load.block, load.bytes);
                 }
             }
@@ -862,7 +860,11 @@ mod tests {
             let prompt = tokens(9);
             let (mut kv, mut dev) = reused_then_evicted(3, &prompt, "");
             // A worker computing 16 tokens in well under the measured load time.
-            kv.loaded(Tier::Host, 1, 1.0);
+            let one_second = Elapsed {
+                wall_seconds: 1.0,
+                cpu_seconds: 1.0,
+            };
+            kv.loaded(Tier::Host, 1, one_second);
             kv.set_prefill_rate(1e6);
             assert_eq!(dev.run(&mut kv, 3, &prompt, ""), 0);
             assert_eq!(kv.tier_stats()[0].cost_model_misses, 1);

@@ -10,7 +10,8 @@
 //! - Tiers below the pool ([`Tier`], [`TierStore`]): [`HostTier`] (memory) and [`DiskTier`]
 //!   (files), chained as [`LowerTiers`] with their eviction order ([`FrequencyLru`]) and the
 //!   [`CostModel`] that decides whether a block found below is loaded or recomputed;
-//!   [`HeldBlocks`], what a stream of events says a worker holds in which tier.
+//!   [`HeldBlocks`], what a stream of events says a worker holds in which tier; [`Stopwatch`],
+//!   the wall and CPU time of loading blocks.
 
 mod block_pool;
 mod block_table;
@@ -22,6 +23,7 @@ mod held_blocks;
 mod host_tier;
 mod kv_cache_manager;
 mod lower_tiers;
+mod stopwatch;
 mod tier;
 
 pub use block_pool::{BlockId, BlockPool, Eviction, KvDigest, KvError, KvEvent, PoolStats};
@@ -34,4 +36,5 @@ pub use held_blocks::{HeldBlocks, Presence};
 pub use host_tier::HostTier;
 pub use kv_cache_manager::{BlockLoad, KvBlocks, KvCacheManager, KvMoves, KvReservation, SeqId};
 pub use lower_tiers::{LowerTiers, TierStats};
+pub use stopwatch::{Elapsed, Stopwatch};
 pub use tier::{Tier, TierError, TierStore};

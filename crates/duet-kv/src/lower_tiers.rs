@@ -4,6 +4,10 @@
 //!
 //! - **Moving down**: a block leaving the device enters the first tier; to make room, a tier's
 //!   victim moves to the tier below it, or leaves the worker from the last one.
+//! - **Blocks in the device store's own layout** (whatever the engine reads from it for a tier:
+//!   the CPU's keys stay transposed), so bringing one back up is a copy; the tiers never look
+//!   inside a block, and a block leaving the worker (a peer's pull) is read from the device in
+//!   the transfer layout.
 //! - **Inclusive**: a block brought up keeps its copy below, so when the device evicts it again
 //!   nothing is written (a churn of the same hot blocks between a small host tier and the
 //!   device costs one copy, not one per round trip).
@@ -15,7 +19,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::time::Instant;
 
-use crate::{BlockHash, CostModel, KvDigest, KvEvent, LoadDecision, Tier, TierStore};
+use crate::{BlockHash, CostModel, Elapsed, KvDigest, KvEvent, LoadDecision, Tier, TierStore};
 
 /// What one tier did since the worker started.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -26,8 +30,10 @@ pub struct TierStats {
     /// Blocks brought up from this tier (instead of recomputed).
     pub hits: u64,
     pub bytes_loaded: u64,
-    /// Seconds spent bringing blocks up (tier read and device write).
+    /// Seconds spent bringing blocks up (tier read and device write), and the CPU time of the
+    /// threads that did it (apart from their waits for a core).
     pub load_seconds: f64,
+    pub load_cpu_seconds: f64,
     /// Blocks written into this tier.
     pub stored: u64,
     pub bytes_stored: u64,
@@ -295,14 +301,15 @@ impl LowerTiers {
         None
     }
 
-    /// `blocks` blocks were brought up from `tier` in `seconds` (tier reads and device writes):
-    /// counted, and fitted into the cost model.
-    pub fn loaded(&mut self, tier: Tier, blocks: usize, seconds: f64) {
+    /// `blocks` blocks were brought up from `tier` in `took` (tier reads and device writes):
+    /// counted, and the wall time fitted into the cost model.
+    pub fn loaded(&mut self, tier: Tier, blocks: usize, took: Elapsed) {
         let s = &mut self.stats[tier.index()];
         s.hits += blocks as u64;
         s.bytes_loaded += (blocks * self.block_bytes) as u64;
-        s.load_seconds += seconds;
-        self.cost.observe_load(tier, blocks, seconds);
+        s.load_seconds += took.wall_seconds;
+        s.load_cpu_seconds += took.cpu_seconds;
+        self.cost.observe_load(tier, blocks, took.wall_seconds);
     }
 
     /// Forgets every block of every tier.
@@ -419,9 +426,17 @@ mod tests {
         events.clear();
         t.store(1, &block(1), &mut events);
         assert_eq!(t.find(1), Some(Tier::Host));
-        t.loaded(Tier::Host, 1, 1e-6);
+        t.loaded(
+            Tier::Host,
+            1,
+            Elapsed {
+                wall_seconds: 2e-6,
+                cpu_seconds: 1e-6,
+            },
+        );
         let host = t.stats()[0];
         assert_eq!((host.hits, host.bytes_loaded), (1, BYTES as u64));
+        assert_eq!((host.load_seconds, host.load_cpu_seconds), (2e-6, 1e-6));
         assert!(t.load(9, &mut out, &mut events).is_none());
     }
 

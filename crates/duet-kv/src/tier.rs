@@ -2,8 +2,9 @@
 //! implements ([`TierStore`]): host memory ([`HostTier`](crate::HostTier)) and local disk
 //! ([`DiskTier`](crate::DiskTier)).
 //!
-//! A tier below the device holds whole blocks (every layer, K and V, in the transfer layout)
-//! under their chained hash; the hash's seed carries the model fingerprint and the request's
+//! A tier below the device holds whole blocks (every layer, K and V, in the device store's own
+//! layout, so that bringing one back is a copy; it never leaves the worker) under their chained
+//! hash; the hash's seed carries the model fingerprint and the request's
 //! cache salt, so a tier keyed by it keeps tenants apart exactly as the device pool does. It
 //! keeps its own order of what to evict ([`FrequencyLru`](crate::FrequencyLru)); the chain of
 //! tiers ([`LowerTiers`](crate::LowerTiers)) decides what enters and where victims go.

@@ -201,6 +201,7 @@ mod tests {
                     kv_offload_tokens: 4096,
                     kv_disk_dir: Some("kv dir/blocks".into()),
                     kv_disk_bytes: 123_456,
+                    kv_load_stream: Switch::On,
                 },
             },
             kv_transport: TransportChoice::Nccl,

@@ -504,6 +504,7 @@ fn tier_stats_to_wire(t: &TierStats) -> Option<v1::KvTierStats> {
         hits: t.hits,
         bytes_loaded: t.bytes_loaded,
         load_seconds: t.load_seconds,
+        load_cpu_seconds: t.load_cpu_seconds,
         stored: t.stored,
         bytes_stored: t.bytes_stored,
         cost_model_misses: t.cost_model_misses,
