@@ -72,12 +72,24 @@ fn a_worker_switches_role_under_load_and_no_request_fails() {
                 tokio::spawn(async move {
                     let mut served = 0u32;
                     while !stop.load(Ordering::Relaxed) {
-                        let prompt: Vec<u32> = (0..48u32)
-                            .map(|t| 1 + (t * 7 + client * 13 + served * 31) % 200)
+                        // Every prompt's first block its own (client and count in its first
+                        // tokens): no prefix is cached anywhere, so where a prompt is prefilled
+                        // is the router's plan alone, however many requests ran before.
+                        let prompt: Vec<u32> = [3 + client, 3 + served % 300, 3 + served / 300]
+                            .into_iter()
+                            .chain(
+                                (3..48u32).map(|t| 1 + (t * 7 + client * 13 + served * 31) % 200),
+                            )
                             .collect();
-                        let (ids, _, _) = generate(router, greedy_request(&prompt, 12))
-                            .await
-                            .unwrap_or_else(|e| panic!("request {served} of client {client}: {e}"));
+                        let (ids, _, _) = generate(
+                            router,
+                            v1::GenerateRequest {
+                                ignore_eos: true,
+                                ..greedy_request(&prompt, 12)
+                            },
+                        )
+                        .await
+                        .unwrap_or_else(|e| panic!("request {served} of client {client}: {e}"));
                         assert_eq!(ids.len(), 12);
                         served += 1;
                     }
