@@ -261,6 +261,50 @@ else
   fail "the GIE InferencePool selects the decode pods; its picker reads their metrics port and duet's names" "$out"
 fi
 
+# The GIE front: the pool's target port on each decode pod is a router pinned to that pod's decode
+# worker, reachable through the NetworkPolicy; with TLS and API keys on (the secure values too),
+# it takes them from read-only Secret mounts and is probed over HTTPS.
+gie_front_check() {
+  py - "$1" "$2" <<'PY'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+secure = sys.argv[2] == "secure"
+pool = next(d for d in docs if d["kind"] == "InferencePool")
+decode = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-decode"))
+spec = decode["spec"]["template"]["spec"]
+worker, front = spec["containers"][0], next(c for c in spec["containers"] if c["name"] == "front")
+port = pool["spec"]["targetPorts"][0]["number"]
+args = front["args"]
+assert front["command"] == ["/usr/local/bin/duet-router"], front["command"]
+assert f"--http-listen=0.0.0.0:{port}" in args, args
+assert "--only-decode-worker=$(POD_NAME)" in args and "--worker-id=$(POD_NAME)" in worker["args"], args
+env = {e["name"]: e for e in front["env"]}
+assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", env
+assert any(p["containerPort"] == port for p in front["ports"]), front["ports"]
+policy = next((d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-decode")), None)
+assert policy is None or any(p["port"] == port for rule in policy["spec"]["ingress"] for p in rule["ports"]), \
+    "the decode pods' NetworkPolicy refuses the front's port"
+scheme = {front[p]["httpGet"]["scheme"] for p in ("startupProbe", "readinessProbe", "livenessProbe")}
+assert scheme == {"HTTPS" if secure else "HTTP"}, scheme
+if secure:
+    mounts = {m["mountPath"]: m for m in front["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for flag in ("--api-keys-file=", "--cluster-token-file=", "--tls-cert="):
+        path = next(a for a in args if a.startswith(flag)).split("=", 1)[1]
+        mount = next(m for p, m in mounts.items() if path.startswith(p + "/"))
+        assert mount.get("readOnly") and "secret" in volumes[mount["name"]], (flag, mount)
+print(f"port {port}")
+PY
+}
+helm template duet "$chart" --namespace duet $(values_files secure) $(values_files gie) >"$work/gie-secure.yaml"
+for rendering in gie gie-secure; do
+  if out=$(gie_front_check "$work/$rendering.yaml" "${rendering#gie-}" 2>&1); then
+    pass "the GIE front: a router pinned to its pod's decode worker on the pool's target port ($rendering values): $out"
+  else
+    fail "the GIE front: a router pinned to its pod's decode worker on the pool's target port ($rendering values)" "$out"
+  fi
+done
+
 # NOTES.txt (rendered only by install): how to call the release, with grpcurl and ghz; with TLS
 # and API keys on, with the CA and a key read from their Secrets.
 notes=$(helm install duet "$chart" --namespace duet --dry-run=client 2>&1)

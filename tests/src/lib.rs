@@ -82,6 +82,31 @@ pub fn http(
     (status, body)
 }
 
+/// The services of a cluster wired by hand, each served in `runtime` on its `listen` address
+/// until the runtime is dropped.
+pub fn spawn_prefill(runtime: &tokio::runtime::Runtime, config: PrefillConfig) {
+    runtime.spawn(async move {
+        let listener = tokio::net::TcpListener::bind(config.listen).await.unwrap();
+        duet_prefill_worker::serve(config, listener, std::future::pending()).await
+    });
+}
+
+/// See [`spawn_prefill`].
+pub fn spawn_decode(runtime: &tokio::runtime::Runtime, config: DecodeConfig) {
+    runtime.spawn(async move {
+        let listener = tokio::net::TcpListener::bind(config.listen).await.unwrap();
+        duet_decode_worker::serve(config, listener, std::future::pending()).await
+    });
+}
+
+/// See [`spawn_prefill`].
+pub fn spawn_router(runtime: &tokio::runtime::Runtime, config: RouterConfig) {
+    runtime.spawn(async move {
+        let listener = tokio::net::TcpListener::bind(config.listen).await.unwrap();
+        duet_router::serve(config, listener, std::future::pending()).await
+    });
+}
+
 /// A free loopback address for a service or a test's server to bind
 /// ([`duet_cli::cluster::free_port`]: one no other test's server or kernel-picked port takes).
 pub fn free_addr() -> SocketAddr {

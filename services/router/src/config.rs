@@ -52,6 +52,13 @@ pub struct RouterConfig {
     )]
     pub decode: Vec<String>,
 
+    /// Route every request to the decode worker registered in the cluster under this worker id,
+    /// and to no other: the router beside one decode worker in its pod, for a gateway that has
+    /// already picked that pod (the GIE endpoint picker: the chart's `gie` front). Prefill
+    /// workers are still chosen from the cluster. Not with `--decode`.
+    #[arg(long, value_name = "WORKER_ID", env = "DUET_ONLY_DECODE_WORKER")]
+    pub only_decode_worker: Option<String>,
+
     /// Where the workers' cards are (with `--prefill`/`--decode` workers routed to as well).
     #[command(flatten)]
     pub cluster: ClusterArgs,
@@ -107,6 +114,7 @@ impl Default for RouterConfig {
             http_listen: None,
             prefill: Vec::new(),
             decode: Vec::new(),
+            only_decode_worker: None,
             cluster: ClusterArgs::default(),
             membership_resync_s: 30,
             model: ModelArgs::default(),
@@ -129,6 +137,7 @@ impl RouterConfig {
             http_listen,
             prefill,
             decode,
+            only_decode_worker,
             cluster,
             membership_resync_s,
             model,
@@ -143,6 +152,11 @@ impl RouterConfig {
         args.extend(http_listen.map(|a| format!("--http-listen={a}").into()));
         args.extend(prefill.iter().map(|a| format!("--prefill={a}").into()));
         args.extend(decode.iter().map(|a| format!("--decode={a}").into()));
+        args.extend(
+            only_decode_worker
+                .iter()
+                .map(|id| format!("--only-decode-worker={id}").into()),
+        );
         args.extend(cluster.to_args());
         args.push(format!("--membership-resync-s={membership_resync_s}").into());
         args.extend(model.to_args());
@@ -442,6 +456,7 @@ mod tests {
             http_listen: Some("0.0.0.0:7002".parse().unwrap()),
             prefill: vec!["p:1".into(), "p:2".into()],
             decode: vec!["d:1".into()],
+            only_decode_worker: Some("decode-7f9c".into()),
             cluster: ClusterArgs {
                 etcd: vec!["etcd:2379".into()],
                 cluster: "prod".into(),

@@ -84,6 +84,11 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    if config.only_decode_worker.is_some() && !config.decode.is_empty() {
+        anyhow::bail!(
+            "--only-decode-worker takes its decode worker from the cluster's cards: it cannot be combined with --decode"
+        );
+    }
     let path = config.model.resolve()?;
     let (load_path, options) = (path.clone(), config.routing.clone());
     let model = tokio::task::spawn_blocking(move || load_prompt_model(&load_path, &options))
@@ -99,7 +104,8 @@ pub async fn serve(
             tls: tls.as_ref().map(duet_proto::Tls::client),
         },
         config.routing.params(),
-    )?;
+    )?
+    .only_decode_worker(config.only_decode_worker.clone());
     pools.start_polling(Duration::from_millis(
         config.routing.stats_interval_ms.max(1),
     ));
@@ -143,6 +149,7 @@ pub async fn serve(
         model = %state.model_name,
         static_decode_workers = config.decode.len(),
         static_prefill_workers = config.prefill.len(),
+        only_decode_worker = ?config.only_decode_worker,
         etcd = ?config.cluster.etcd,
         routing = %config.routing.routing,
         cluster = config.cluster.cluster,

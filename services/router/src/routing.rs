@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use duet_cluster::{Membership, Role};
+use duet_cluster::{Membership, Role, WorkerCard};
 use duet_proto::PeerAuth;
 use duet_proto::v1;
 use tokio::sync::Notify;
@@ -191,6 +191,8 @@ pub struct Pools {
     pub index: Arc<KvIndex>,
     pub params: RoutingParams,
     pub decisions: Arc<Decisions>,
+    /// The one decode worker (by worker id) taken from the cluster's cards, when set.
+    only_decode_worker: Option<String>,
 }
 
 impl Pools {
@@ -218,7 +220,23 @@ impl Pools {
             index: Arc::default(),
             params,
             decisions: Arc::default(),
+            only_decode_worker: None,
         })
+    }
+
+    /// Takes only the decode worker registered as `worker_id` from the cluster's cards (the
+    /// router beside one decode worker: `--only-decode-worker`); prefill workers as before.
+    pub fn only_decode_worker(mut self, worker_id: Option<String>) -> Self {
+        self.only_decode_worker = worker_id;
+        self
+    }
+
+    /// Whether a card's worker belongs in the pools.
+    fn takes(&self, card: &WorkerCard) -> bool {
+        match (&self.only_decode_worker, card.role) {
+            (Some(id), Role::Decode) => card.worker_id == *id,
+            _ => true,
+        }
     }
 
     fn pool(&self, role: Role) -> &RwLock<Vec<Arc<Worker>>> {
@@ -295,7 +313,7 @@ impl Pools {
                 .map(|(k, _)| k)
                 .collect();
             for (key, card) in &membership.cards {
-                if card.role != role || known.contains(key) {
+                if card.role != role || known.contains(key) || !self.takes(card) {
                     continue;
                 }
                 match Worker::from_card(key, card, &self.auth) {
@@ -962,6 +980,39 @@ mod tests {
         assert_eq!(routable(&pools), ["127.0.0.1:2", "127.0.0.1:9"]);
         pools.sync(&Membership::default());
         assert_eq!(routable(&pools), ["127.0.0.1:9"]);
+    }
+
+    /// `--only-decode-worker`: of the cluster's decode workers only the named one is routed
+    /// to, and prefill workers still come from the cards.
+    #[tokio::test]
+    async fn a_router_pinned_to_one_decode_worker_routes_only_to_it() {
+        let pools = Pools::new(&[], &[], PeerAuth::default(), params(RoutingPolicy::Load))
+            .unwrap()
+            .only_decode_worker(Some("b".into()));
+        let prefill = WorkerCard {
+            role: Role::Prefill,
+            ..card("p", 4, 1, CardState::Ready, "fp")
+        };
+        let (a, b) = (
+            card("a", 1, 1, CardState::Ready, "fp"),
+            card("b", 2, 1, CardState::Ready, "fp"),
+        );
+        pools.sync(&membership(&[a.clone(), b.clone(), prefill.clone()]));
+        answer(&pools);
+        for w in pools.prefill() {
+            set(&w, true, stats("fp", 50, 0));
+        }
+        let decode: Vec<String> = pools.decode().iter().map(|w| w.id()).collect();
+        assert_eq!(decode, ["b"]);
+        assert_eq!(pools.prefill().len(), 1, "prefill workers still join");
+        for _ in 0..8 {
+            let r = route(&pools, 10, &[]).expect("routable");
+            assert_eq!(r.decode.address, "127.0.0.1:2");
+        }
+        // Its worker gone, the router has no decode worker, never another one.
+        pools.sync(&membership(&[a, prefill]));
+        assert!(pools.decode().is_empty());
+        assert!(route(&pools, 10, &[]).is_none());
     }
 
     /// Two idle prefill workers and one decode worker, all answering for model "fp".

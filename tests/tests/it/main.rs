@@ -11,6 +11,7 @@ mod disaggregated;
 mod etcd_cluster;
 mod etcd_security;
 mod failures;
+mod gie_front;
 mod kv_routing;
 mod kv_tiers;
 mod membership;

@@ -88,18 +88,9 @@ fn a_router_plans_only_the_prefill_workers_its_decode_workers_accept() {
         auth: auth.clone(),
         ..Default::default()
     };
-    runtime.spawn(async move {
-        let listener = tokio::net::TcpListener::bind(prefill).await.unwrap();
-        duet_prefill_worker::serve(prefill_config, listener, std::future::pending()).await
-    });
-    runtime.spawn(async move {
-        let listener = tokio::net::TcpListener::bind(decode).await.unwrap();
-        duet_decode_worker::serve(decode_config, listener, std::future::pending()).await
-    });
-    runtime.spawn(async move {
-        let listener = tokio::net::TcpListener::bind(router).await.unwrap();
-        duet_router::serve(router_config, listener, std::future::pending()).await
-    });
+    spawn_prefill(&runtime, prefill_config);
+    spawn_decode(&runtime, decode_config);
+    spawn_router(&runtime, router_config);
     let health = health_until(http_addr, |h| {
         h["decode_workers_up"] == 1 && h["prefill_workers_up"] == 1
     });

@@ -2,7 +2,7 @@
 One duet Deployment (router, prefill or decode pool). Takes (dict "root" $ "component" NAME
 "pool" VALUES "cuda" BOOL "command" LIST "args" LIST "ports" LIST-OF-{name,port} "grpcPort" PORT
 "env" LIST), and optionally "volumes" LIST and "mounts" LIST (the pod's own, besides the pool's
-extra ones).
+extra ones) and "gieFront" BOOL (a decode pod's GIE front container beside the worker).
 */}}
 {{- define "duet.deployment" -}}
 {{- $root := .root -}}
@@ -97,9 +97,12 @@ spec:
             {{- with $pool.extraVolumeMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
+        {{- if .gieFront }}
+        {{- include "duet.gieFront" (dict "root" $root "image" $image) | nindent 8 }}
+        {{- end }}
       volumes:
         {{- include "duet.modelVolume" $root | nindent 8 }}
-        {{- with include "duet.securityVolumes" (dict "root" $root "component" .component) | trim }}
+        {{- with include "duet.securityVolumes" (dict "root" $root "component" .component "gieFront" .gieFront) | trim }}
         {{- . | nindent 8 }}
         {{- end }}
         {{- with .volumes }}

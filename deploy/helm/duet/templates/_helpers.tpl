@@ -289,7 +289,7 @@ Takes (dict "root" $ "component" NAME); a JSON list.
     items: [{key: tls.crt, path: tls.crt}, {key: tls.key, path: tls.key}, {key: ca.crt, path: ca.crt}]
     defaultMode: 288
 {{- end }}
-{{- if and (eq .component "router") $values.security.apiKeys.enabled }}
+{{- if and (or (eq .component "router") .gieFront) $values.security.apiKeys.enabled }}
 - name: api-keys
   secret:
     secretName: {{ $values.security.apiKeys.existingSecret }}
