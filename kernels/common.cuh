@@ -21,6 +21,8 @@
 //     shared memory and the sm_80 shared-memory instructions of the tiled attention kernels.
 //   * rope_pair: one rotary pair turned (rope.cu and qkv_rope_kv.cu share it, so the fused
 //     and the separate kernels compute the same bits).
+//   * E4M3 (FP8) conversions and the KV cache's element types, KvBf16 and KvE4m3: what the KV
+//     write and the attention kernels are written over, once for both caches.
 
 typedef unsigned short bf16;
 
@@ -112,6 +114,103 @@ __device__ __forceinline__ void rope_pair(float x1, float x2, unsigned pos, floa
     y1 = x1 * c - x2 * s;
     y2 = x2 * c + x1 * s;
 }
+
+// ---- E4M3 (float8_e4m3fn): 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; no
+// infinities, S.1111.111 is NaN; largest finite 448, smallest subnormal 2^-9. Every E4M3 value is
+// exact in f16, bf16 and f32. ----
+
+// f32 -> E4M3, round to nearest even; finite values past 448 and infinities saturate to ±448 (as
+// PTX's cvt.rn.satfinite), NaN -> S.1111.111. Integer arithmetic only, so the emulator and every
+// GPU compute the same bits.
+__device__ __forceinline__ unsigned f32_to_e4m3(float f) {
+    const unsigned u = __float_as_uint(f);
+    const unsigned sign = (u >> 24) & 0x80u;
+    const unsigned a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7fu;  // NaN
+    if (a >= 0x43e00000u) return sign | 0x7eu;  // >= 448
+    if (a >= 0x3c800000u) {                     // >= 2^-6: a normal E4M3, 3 of 23 mantissa bits kept
+        const unsigned r = a + 0x7ffffu + ((a >> 20) & 1u);
+        return sign | ((r >> 20) - (120u << 3));  // exponent rebiased from 127 to 7 (a carry is fine)
+    }
+    // Below 2^-6: a multiple of 2^-9 (8 of them is the smallest normal, 0x08).
+    const unsigned e = a >> 23;
+    if (e < 117u) return sign;  // below 2^-10: rounds to zero
+    const unsigned mant = 0x800000u | (a & 0x7fffffu);  // the value is mant · 2^(e - 150)
+    const unsigned shift = 141u - e;                     // to units of 2^-9: 21..24
+    const unsigned q = mant >> shift;
+    const unsigned rest = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    return sign | (q + ((rest > half || (rest == half && (q & 1u))) ? 1u : 0u));
+}
+
+// E4M3 -> f32, exactly.
+__device__ __forceinline__ float e4m3_to_f32(unsigned b) {
+    const unsigned e = (b >> 3) & 15u, m = b & 7u;
+    float mag = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
+    if ((b & 0x7fu) == 0x7fu) mag = __uint_as_float(0x7fc00000u);
+    return (b & 0x80u) ? -mag : mag;
+}
+
+// Two E4M3 (the low byte first) -> f32. On sm_89 and later the hardware conversion to f16, which
+// is exact, as e4m3_to_f32 is: the same numbers.
+__device__ __forceinline__ void e4m3x2_to_f32(unsigned two, float& lo, float& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"((unsigned short)two));
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+        : "=f"(lo), "=f"(hi)
+        : "r"(h2));
+#else
+    lo = e4m3_to_f32(two & 0xffu);
+    hi = e4m3_to_f32((two >> 8) & 0xffu);
+#endif
+}
+
+// ---- The KV cache's element types. A bf16 cache stores values as they round; an E4M3 cache
+// stores x / scale (one scale per layer for K, one for V) and is read back as e4m3 · scale, the
+// scale applied outside the products: the attention kernels fold K's into the logits' scale and
+// V's into the output, so the values they multiply are the stored ones, exact in bf16. ----
+struct KvBf16 {
+    typedef bf16 Elem;
+    typedef uint4 Chunk8;  // 8 values, one 16-byte load
+    __device__ __forceinline__ static Elem from_f32(float x, float) { return f32_to_bf16(x); }
+    // Two neighbouring values, one 4-byte store.
+    __device__ __forceinline__ static void store_pair(Elem* p, float a, float b, float) {
+        *reinterpret_cast<unsigned*>(p) = pack_bf16x2(a, b);
+    }
+    __device__ __forceinline__ static Chunk8 zero8() { return make_uint4(0u, 0u, 0u, 0u); }
+    __device__ __forceinline__ static void to_f32x8(Chunk8 c, float* o) { bf16x8_to_f32(c, o); }
+    __device__ __forceinline__ static uint4 to_bf16x8(Chunk8 c) { return c; }
+};
+
+struct KvE4m3 {
+    typedef unsigned char Elem;
+    typedef uint2 Chunk8;  // 8 values, one 8-byte load
+    __device__ __forceinline__ static Elem from_f32(float x, float scale) {
+        return (Elem)f32_to_e4m3(x / scale);
+    }
+    // Two neighbouring values, one 2-byte store.
+    __device__ __forceinline__ static void store_pair(Elem* p, float a, float b, float scale) {
+        *reinterpret_cast<unsigned short*>(p) =
+            (unsigned short)(f32_to_e4m3(a / scale) | (f32_to_e4m3(b / scale) << 8));
+    }
+    __device__ __forceinline__ static Chunk8 zero8() { return make_uint2(0u, 0u); }
+    __device__ __forceinline__ static void to_f32x8(Chunk8 c, float* o) {
+        e4m3x2_to_f32(c.x, o[0], o[1]);
+        e4m3x2_to_f32(c.x >> 16, o[2], o[3]);
+        e4m3x2_to_f32(c.y, o[4], o[5]);
+        e4m3x2_to_f32(c.y >> 16, o[6], o[7]);
+    }
+    // Exact: an E4M3 value's f32 bits end in 16 zeros.
+    __device__ __forceinline__ static uint4 to_bf16x8(Chunk8 c) {
+        float f[8];
+        to_f32x8(c, f);
+        unsigned w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            w[i] = (__float_as_uint(f[2 * i]) >> 16) | (__float_as_uint(f[2 * i + 1]) & 0xffff0000u);
+        return make_uint4(w[0], w[1], w[2], w[3]);
+    }
+};
 
 // d += a·b for one warp: mma.sync m16n8k16, bf16 operands, f32 accumulators (fragment layout in
 // prefill_attention.cu). Every lane of the warp must call it. The CPU emulator defines its own.

@@ -1,6 +1,6 @@
 // kv_cache.cu — paged KV store writes and whole-chunk pack/unpack.
 //
-// Store layout (bf16), for layer L, physical block B, kv (0 = K, 1 = V),
+// Store layout (bf16, or E4M3 bytes in an FP8 cache), for layer L, physical block B, kv (0 = K, 1 = V),
 // kv head h, slot s, dim d:
 //   ((((L*num_blocks + B)*2 + kv)*num_kv_heads + h)*block_size + s)*head_dim + d
 // One (layer, block) chunk is contiguous: chunk_elems = 2*num_kv_heads*block_size*head_dim,
@@ -13,6 +13,9 @@
 //   (e.g. a 0xffffffff padding sentinel) are skipped.
 //   Launch: grid.x = rows, block = 128 threads (any), no shared memory.
 //   head_dim must be even; k/v/store 8-byte aligned (cudaMalloc is).
+// write_kv_fp8(..., head_dim, k_scale, v_scale)
+//   The same into an FP8 cache: K stored as E4M3 of k / k_scale, V of v / v_scale (f32_to_e4m3:
+//   round to nearest even, saturating at ±448).
 //
 // pack_kv_chunks(store, chunks, chunk_elems, out)
 //   out[i*chunk_elems + e] = store[chunks[i]*chunk_elems + e]
@@ -22,11 +25,14 @@
 //   `chunks` and `out`/`in` offset), grid.x = any (grid-stride; e.g.
 //   min(ceil(chunk_elems / 8 / 256), 1024)), block = 256 threads (any).
 //   chunk_elems must be a multiple of 8; store/out/in 16-byte aligned
-//   (copies use 16-byte loads and stores).
+//   (copies use 16-byte loads and stores). They move bits: an FP8 cache's chunk of B bytes is
+//   copied as B / 2 bf16 elements.
 
-extern "C" __global__ void write_kv(bf16* store, const float* k, const float* v,
-                                    const unsigned* slots, int layer, int num_blocks,
-                                    int num_kv_heads, int block_size, int head_dim) {
+template <class KV>
+__device__ __forceinline__ void write_kv_rows(typename KV::Elem* store, const float* k,
+                                              const float* v, const unsigned* slots, int layer,
+                                              int num_blocks, int num_kv_heads, int block_size,
+                                              int head_dim, float k_scale, float v_scale) {
     const unsigned r = blockIdx.x;
     const unsigned g = slots[r];
     if ((unsigned long long)g >= (unsigned long long)num_blocks * (unsigned long long)block_size)
@@ -49,9 +55,24 @@ extern "C" __global__ void write_kv(bf16* store, const float* k, const float* v,
         const unsigned long long vidx = (((chunk * 2ull + 1ull) * nkv + h) * bs + s) * hd + d;
         const float2 kk = k2[p];
         const float2 vv = v2[p];
-        *reinterpret_cast<unsigned*>(store + kidx) = pack_bf16x2(kk.x, kk.y);
-        *reinterpret_cast<unsigned*>(store + vidx) = pack_bf16x2(vv.x, vv.y);
+        KV::store_pair(store + kidx, kk.x, kk.y, k_scale);
+        KV::store_pair(store + vidx, vv.x, vv.y, v_scale);
     }
+}
+
+extern "C" __global__ void write_kv(bf16* store, const float* k, const float* v,
+                                    const unsigned* slots, int layer, int num_blocks,
+                                    int num_kv_heads, int block_size, int head_dim) {
+    write_kv_rows<KvBf16>(store, k, v, slots, layer, num_blocks, num_kv_heads, block_size,
+                          head_dim, 1.0f, 1.0f);
+}
+
+extern "C" __global__ void write_kv_fp8(unsigned char* store, const float* k, const float* v,
+                                        const unsigned* slots, int layer, int num_blocks,
+                                        int num_kv_heads, int block_size, int head_dim,
+                                        float k_scale, float v_scale) {
+    write_kv_rows<KvE4m3>(store, k, v, slots, layer, num_blocks, num_kv_heads, block_size,
+                          head_dim, k_scale, v_scale);
 }
 
 extern "C" __global__ void pack_kv_chunks(const bf16* store, const unsigned* chunks,

@@ -1,6 +1,7 @@
 // paged_attention.cu — decode attention over the paged KV store, split over
 // the context in partitions of PARTITION_TOKENS tokens (FlashDecoding / vLLM
-// v2 style). All math in f32; K/V are read as bf16 with 16-byte loads.
+// v2 style). All math in f32; K/V are read as bf16 with 16-byte loads (E4M3 with 8-byte loads
+// from an FP8 cache, converted in registers).
 //
 // paged_attention_partial(q, store, row_ids, row_seq, positions, block_tables,
 //     table_offsets, layer, num_blocks, num_heads, num_kv_heads, block_size,
@@ -17,6 +18,10 @@
 //     part_out[o*head_dim + d] = sum_t exp(s_t - max) * v_t[d]   (unnormalised)
 //   where s_t = scale * dot(q[r*num_heads*head_dim + qh*head_dim + :], k_t).
 //   Empty partitions write part_max = -inf, part_sum = 0, part_out = 0.
+//
+// paged_attention_partial_fp8(..., part_out, part_max, part_sum, k_scale, v_scale)
+//   The same over an FP8 cache: k_t = k_scale · (stored E4M3), v_t = v_scale · (stored E4M3); the
+//   scales multiply the logits' scale and part_out, not each value.
 //
 // paged_attention_reduce(part_out, part_max, part_sum, row_ids, positions,
 //     num_heads, head_dim, max_partitions, out, out_bf16)
@@ -41,7 +46,9 @@
 #define PA_UNROLL 4
 
 // Pointer to the 8-element chunk `sub` of token t's K (kv = 0) or V (kv = 1).
-__device__ __forceinline__ const uint4* pa_kv_chunk(const bf16* store, const unsigned* table,
+template <class KV>
+__device__ __forceinline__ const typename KV::Chunk8* pa_kv_chunk(const typename KV::Elem* store,
+                                                    const unsigned* table,
                                                     unsigned long long layer_base, int t,
                                                     int block_size, int kv,
                                                     unsigned long long nkv, int kvh,
@@ -54,14 +61,17 @@ __device__ __forceinline__ const uint4* pa_kv_chunk(const bf16* store, const uns
          slot) *
             (unsigned long long)head_dim +
         (unsigned long long)(sub * 8);
-    return reinterpret_cast<const uint4*>(store + off);
+    return reinterpret_cast<const typename KV::Chunk8*>(store + off);
 }
 
-extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_partial(
-    const float* q, const bf16* store, const unsigned* row_ids, const unsigned* row_seq,
-    const unsigned* positions, const unsigned* block_tables, const unsigned* table_offsets,
-    int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim,
-    float scale, int max_partitions, float* part_out, float* part_max, float* part_sum) {
+template <class KV>
+__device__ __forceinline__ void pa_partial(
+    const float* q, const typename KV::Elem* store, const unsigned* row_ids,
+    const unsigned* row_seq, const unsigned* positions, const unsigned* block_tables,
+    const unsigned* table_offsets, int layer, int num_blocks, int num_heads, int num_kv_heads,
+    int block_size, int head_dim, float scale, int max_partitions, float* part_out,
+    float* part_max, float* part_sum, float k_scale, float v_scale) {
+    typedef typename KV::Chunk8 Chunk8;
     // Phases 1-3: logits / probabilities [PA_MAX_G][PARTITION_TOKENS].
     // Phase 4: cross-warp reduction buffer [PA_WARPS][PA_MAX_G][head_dim].
     __shared__ float smem[PA_WARPS * PA_MAX_G * PA_MAX_HEAD_DIM];
@@ -111,6 +121,7 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_partial
     const unsigned long long nkv = (unsigned long long)num_kv_heads;
     const float* qrow = q + (unsigned long long)r * (unsigned long long)num_heads * hd;
     float* logits = smem;
+    const float logit_scale = scale * k_scale;
 
     for (int hg = 0; hg < G; hg += PA_MAX_G) {
         const int ng = min(PA_MAX_G, G - hg);  // heads in this pass (block-uniform)
@@ -131,20 +142,20 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_partial
                 qv[g][4] = b.x; qv[g][5] = b.y; qv[g][6] = b.z; qv[g][7] = b.w;
             }
             for (int base = t0; base < t1; base += tpb * PA_UNROLL) {
-                uint4 kr[PA_UNROLL];
+                Chunk8 kr[PA_UNROLL];
 #pragma unroll
                 for (int u = 0; u < PA_UNROLL; ++u) {
                     const int t = base + u * tpb + tok;
-                    kr[u] = make_uint4(0u, 0u, 0u, 0u);
+                    kr[u] = KV::zero8();
                     if (active && t < t1)
-                        kr[u] = *pa_kv_chunk(store, table, layer_base, t, block_size, 0, nkv, kvh,
-                                             head_dim, sub);
+                        kr[u] = *pa_kv_chunk<KV>(store, table, layer_base, t, block_size, 0, nkv,
+                                                 kvh, head_dim, sub);
                 }
 #pragma unroll
                 for (int u = 0; u < PA_UNROLL; ++u) {
                     const int t = base + u * tpb + tok;
                     float kf[8];
-                    bf16x8_to_f32(kr[u], kf);
+                    KV::to_f32x8(kr[u], kf);
 #pragma unroll
                     for (int g = 0; g < PA_MAX_G; ++g) {
                         if (g < ng) {  // uniform: every lane takes part in the shuffles
@@ -153,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_partial
                             for (int e = 0; e < 8; ++e) dot = fmaf(qv[g][e], kf[e], dot);
                             for (int o = tpt >> 1; o > 0; o >>= 1)
                                 dot += __shfl_xor_sync(FULL_MASK, dot, o);
-                            if (sub == 0 && t < t1) logits[g * PARTITION_TOKENS + (t - t0)] = dot * scale;
+                            if (sub == 0 && t < t1) logits[g * PARTITION_TOKENS + (t - t0)] = dot * logit_scale;
                         }
                     }
                 }
@@ -189,21 +200,21 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_partial
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
         for (int base = t0; base < t1; base += tpb * PA_UNROLL) {
-            uint4 vr[PA_UNROLL];
+            Chunk8 vr[PA_UNROLL];
 #pragma unroll
             for (int u = 0; u < PA_UNROLL; ++u) {
                 const int t = base + u * tpb + tok;
-                vr[u] = make_uint4(0u, 0u, 0u, 0u);
+                vr[u] = KV::zero8();
                 if (active && t < t1)
-                    vr[u] = *pa_kv_chunk(store, table, layer_base, t, block_size, 1, nkv, kvh,
-                                         head_dim, sub);
+                    vr[u] = *pa_kv_chunk<KV>(store, table, layer_base, t, block_size, 1, nkv, kvh,
+                                             head_dim, sub);
             }
 #pragma unroll
             for (int u = 0; u < PA_UNROLL; ++u) {
                 const int t = base + u * tpb + tok;
                 if (t < t1) {
                     float vf[8];
-                    bf16x8_to_f32(vr[u], vf);
+                    KV::to_f32x8(vr[u], vf);
 #pragma unroll
                     for (int g = 0; g < PA_MAX_G; ++g) {
                         if (g < ng) {
@@ -246,10 +257,31 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_partial
             float s = 0.0f;
 #pragma unroll
             for (int w = 0; w < PA_WARPS; ++w) s += red[(w * PA_MAX_G + g) * head_dim + d];
-            part_out[((head_base + hg + g) * maxp + p) * hd + d] = s;
+            part_out[((head_base + hg + g) * maxp + p) * hd + d] = s * v_scale;
         }
         __syncthreads();  // before the next head group reuses smem
     }
+}
+
+extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_partial(
+    const float* q, const bf16* store, const unsigned* row_ids, const unsigned* row_seq,
+    const unsigned* positions, const unsigned* block_tables, const unsigned* table_offsets,
+    int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim,
+    float scale, int max_partitions, float* part_out, float* part_max, float* part_sum) {
+    pa_partial<KvBf16>(q, store, row_ids, row_seq, positions, block_tables, table_offsets, layer,
+                       num_blocks, num_heads, num_kv_heads, block_size, head_dim, scale,
+                       max_partitions, part_out, part_max, part_sum, 1.0f, 1.0f);
+}
+
+extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_partial_fp8(
+    const float* q, const unsigned char* store, const unsigned* row_ids, const unsigned* row_seq,
+    const unsigned* positions, const unsigned* block_tables, const unsigned* table_offsets,
+    int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim,
+    float scale, int max_partitions, float* part_out, float* part_max, float* part_sum,
+    float k_scale, float v_scale) {
+    pa_partial<KvE4m3>(q, store, row_ids, row_seq, positions, block_tables, table_offsets, layer,
+                       num_blocks, num_heads, num_kv_heads, block_size, head_dim, scale,
+                       max_partitions, part_out, part_max, part_sum, k_scale, v_scale);
 }
 
 extern "C" __global__ void paged_attention_reduce(const float* part_out, const float* part_max,

@@ -28,6 +28,11 @@
 //   causal limit of the block's last query are not loaded, and a warp skips the
 //   tiles past its own last query.
 //
+// prefill_attention_fp8_hd{64,128,256}(..., scale, out, k_scale, v_scale)
+//   The same over an FP8 cache (K = k_scale · stored E4M3, V = v_scale · stored E4M3): the E4M3
+//   values, exact in bf16, are converted as they are staged; K's scale multiplies Q's, V's the
+//   output. The same launch.
+//
 // Fragments (PTX ISA, mma.m16n8k16, lane = 4g + t): A a0 = (row g, k 2t..2t+1),
 // a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..); B b0 = (k 2t..2t+1, col g),
 // b1 = (k 2t+8.., col g); C c0,c1 = (row g, cols 2t, 2t+1), c2,c3 = (row g+8, ...).
@@ -74,11 +79,12 @@ __device__ __forceinline__ void split_pair(float a, float b, unsigned* regs, int
     for (int i = 0; i < TERMS; ++i) regs[i * stride] = (unsigned)ta[i] | ((unsigned)tb[i] << 16);
 }
 
-template <int HDP>
-__device__ __forceinline__ void prefill_tile(const float* q, const bf16* store,
+template <int HDP, class KV>
+__device__ __forceinline__ void prefill_tile(const float* q, const typename KV::Elem* store,
                                              const unsigned* table, int layer, int num_blocks,
                                              int num_heads, int num_kv_heads, int block_size,
-                                             int head_dim, float scale, float* out, bf16* smem,
+                                             int head_dim, float scale, float k_scale,
+                                             float v_scale, float* out, bf16* smem,
                                              unsigned row_start, int len, int start_pos, int m0,
                                              int qh) {
     typedef PrefillTile<HDP> T;
@@ -121,7 +127,7 @@ __device__ __forceinline__ void prefill_tile(const float* q, const bf16* store,
     // ---- Q fragments (pre-scaled to log2 units), QTERMS bf16 terms each ----
     unsigned qf[QTERMS][KSTEPS][4];
     {
-        const float qscale = scale * PF_LOG2E;
+        const float qscale = scale * k_scale * PF_LOG2E;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
@@ -165,7 +171,7 @@ __device__ __forceinline__ void prefill_tile(const float* q, const bf16* store,
                         ((((layer_base + blk) * 2ull + (unsigned long long)which) * nkv +
                           (unsigned long long)kvh) * bs + slot) * hd +
                         (unsigned long long)(ch * 8);
-                    raw = *reinterpret_cast<const uint4*>(store + idx);
+                    raw = KV::to_bf16x8(*reinterpret_cast<const typename KV::Chunk8*>(store + idx));
                 }
                 if (which == 0) {
                     *reinterpret_cast<uint4*>(ks + n * T::KS + ch * 8) = raw;
@@ -267,7 +273,7 @@ __device__ __forceinline__ void prefill_tile(const float* q, const bf16* store,
         l += __shfl_xor_sync(FULL_MASK, l, 1);
         l += __shfl_xor_sync(FULL_MASK, l, 2);
         if (!row_ok[h]) continue;
-        const float inv = 1.0f / l;
+        const float inv = v_scale / l;
         float* orow = out + (unsigned long long)(row_start + w0 + g + 8 * h) * row_stride +
                       (unsigned long long)qh * hd;
 #pragma unroll
@@ -281,15 +287,15 @@ __device__ __forceinline__ void prefill_tile(const float* q, const bf16* store,
 }
 
 // The block's sequence, head and query tile, then the tile itself.
-template <int HDP>
-__device__ __forceinline__ void prefill_block(const float* q, const bf16* store,
+template <int HDP, class KV>
+__device__ __forceinline__ void prefill_block(const float* q, const typename KV::Elem* store,
                                               const unsigned* seq_row_start, const unsigned* seq_len,
                                               const unsigned* seq_start_pos,
                                               const unsigned* block_tables,
                                               const unsigned* table_offsets, int layer,
                                               int num_blocks, int num_heads, int num_kv_heads,
                                               int block_size, int head_dim, float scale,
-                                              float* out) {
+                                              float* out, float k_scale, float v_scale) {
     __shared__ __align__(16) bf16 smem[PrefillTile<HDP>::SMEM];
     const int qh = blockIdx.y;
     const unsigned s = blockIdx.z;
@@ -298,20 +304,21 @@ __device__ __forceinline__ void prefill_block(const float* q, const bf16* store,
     const int m0 = (gridDim.x - 1 - blockIdx.x) * PREFILL_BLOCK_M;
     const int len = (int)seq_len[s];
     if (qh >= num_heads || m0 >= len) return;  // uniform per block
-    prefill_tile<HDP>(q, store, block_tables + table_offsets[s], layer, num_blocks, num_heads,
-                      num_kv_heads, block_size, head_dim, scale, out, smem, seq_row_start[s], len,
-                      (int)seq_start_pos[s], m0, qh);
+    prefill_tile<HDP, KV>(q, store, block_tables + table_offsets[s], layer, num_blocks, num_heads,
+                          num_kv_heads, block_size, head_dim, scale, k_scale, v_scale, out, smem,
+                          seq_row_start[s], len, (int)seq_start_pos[s], m0, qh);
 }
 
-// One entry point per padded head size, so that each gets the registers it needs (the 256 one
-// would otherwise set the register count, and the occupancy, of the others).
+// One entry point per padded head size and cache type, so that each gets the registers it needs
+// (the 256 one would otherwise set the register count, and the occupancy, of the others).
 extern "C" __global__ void __launch_bounds__(PF_THREADS) prefill_attention_hd64(
     const float* q, const bf16* store, const unsigned* seq_row_start, const unsigned* seq_len,
     const unsigned* seq_start_pos, const unsigned* block_tables, const unsigned* table_offsets,
     int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim,
     float scale, float* out) {
-    prefill_block<64>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables, table_offsets,
-                      layer, num_blocks, num_heads, num_kv_heads, block_size, head_dim, scale, out);
+    prefill_block<64, KvBf16>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
+                              table_offsets, layer, num_blocks, num_heads, num_kv_heads,
+                              block_size, head_dim, scale, out, 1.0f, 1.0f);
 }
 
 extern "C" __global__ void __launch_bounds__(PF_THREADS) prefill_attention_hd128(
@@ -319,8 +326,9 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) prefill_attention_hd128
     const unsigned* seq_start_pos, const unsigned* block_tables, const unsigned* table_offsets,
     int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim,
     float scale, float* out) {
-    prefill_block<128>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables, table_offsets,
-                       layer, num_blocks, num_heads, num_kv_heads, block_size, head_dim, scale, out);
+    prefill_block<128, KvBf16>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
+                              table_offsets, layer, num_blocks, num_heads, num_kv_heads,
+                              block_size, head_dim, scale, out, 1.0f, 1.0f);
 }
 
 extern "C" __global__ void __launch_bounds__(PF_THREADS) prefill_attention_hd256(
@@ -328,6 +336,37 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) prefill_attention_hd256
     const unsigned* seq_start_pos, const unsigned* block_tables, const unsigned* table_offsets,
     int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim,
     float scale, float* out) {
-    prefill_block<256>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables, table_offsets,
-                       layer, num_blocks, num_heads, num_kv_heads, block_size, head_dim, scale, out);
+    prefill_block<256, KvBf16>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
+                              table_offsets, layer, num_blocks, num_heads, num_kv_heads,
+                              block_size, head_dim, scale, out, 1.0f, 1.0f);
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS) prefill_attention_fp8_hd64(
+    const float* q, const unsigned char* store, const unsigned* seq_row_start,
+    const unsigned* seq_len, const unsigned* seq_start_pos, const unsigned* block_tables,
+    const unsigned* table_offsets, int layer, int num_blocks, int num_heads, int num_kv_heads,
+    int block_size, int head_dim, float scale, float* out, float k_scale, float v_scale) {
+    prefill_block<64, KvE4m3>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
+                              table_offsets, layer, num_blocks, num_heads, num_kv_heads,
+                              block_size, head_dim, scale, out, k_scale, v_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS) prefill_attention_fp8_hd128(
+    const float* q, const unsigned char* store, const unsigned* seq_row_start,
+    const unsigned* seq_len, const unsigned* seq_start_pos, const unsigned* block_tables,
+    const unsigned* table_offsets, int layer, int num_blocks, int num_heads, int num_kv_heads,
+    int block_size, int head_dim, float scale, float* out, float k_scale, float v_scale) {
+    prefill_block<128, KvE4m3>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
+                              table_offsets, layer, num_blocks, num_heads, num_kv_heads,
+                              block_size, head_dim, scale, out, k_scale, v_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS) prefill_attention_fp8_hd256(
+    const float* q, const unsigned char* store, const unsigned* seq_row_start,
+    const unsigned* seq_len, const unsigned* seq_start_pos, const unsigned* block_tables,
+    const unsigned* table_offsets, int layer, int num_blocks, int num_heads, int num_kv_heads,
+    int block_size, int head_dim, float scale, float* out, float k_scale, float v_scale) {
+    prefill_block<256, KvE4m3>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
+                              table_offsets, layer, num_blocks, num_heads, num_kv_heads,
+                              block_size, head_dim, scale, out, k_scale, v_scale);
 }

@@ -6,6 +6,9 @@
 // ONE bf16 term, K and V are bf16 as stored, both products accumulate in f32 (mma.sync m16n8k16),
 // and the softmax statistics (running max, running sum of the f32 weights) stay in f32.
 // Against a float64 reference that is ‖Δ‖/‖ref‖ ≈ 1e-3 (the emulated test's bound is 2e-3).
+// An FP8 cache's E4M3 values are exact in bf16: its tiles are converted on their way into shared
+// memory (plain loads, not cp.async, which cannot convert), K's scale multiplies Q's, V's the
+// output.
 //
 // Tiles: a block of 4 warps takes BM = 64·WM query rows of one (sequence, head); warp w owns the
 // m16 row tiles i·64 + 16w (i < WM), so each K/V fragment it loads feeds WM products. K/V tiles of
@@ -34,6 +37,9 @@
 //           dynamic shared memory FA_SMEM_HD<n> bytes (over 48 KiB: the host raises the limit).
 //   Block (qh, y, s) handles the queries [m0, m0 + BM) of sequence s, m0 = (gridDim.y - 1 - y)·BM
 //   (exits if m0 >= seq_len[s]).
+// prefill_attention_fa_fp8_hd{64,128,256}(..., scale, out, k_scale, v_scale)
+//   The same over an FP8 cache (K = k_scale · stored E4M3, V = v_scale · stored E4M3); the same
+//   launch.
 //
 // Fragments (PTX ISA; lane = 4g + t): mma.m16n8k16's A a0 = (row g, k 2t..2t+1), a1 = (g+8, 2t..),
 // a2 = (g, 2t+8..), a3 = (g+8, 2t+8..); B b0 = (k 2t..2t+1, col g), b1 = (k 2t+8.., col g);
@@ -86,12 +92,24 @@ __device__ __forceinline__ unsigned fa_bf16x2(float lo, float hi) {
 inline unsigned fa_bf16x2(float lo, float hi) { return pack_bf16x2(lo, hi); }
 #endif
 
-template <class T>
-__device__ __forceinline__ void fa_tile(const float* q, const bf16* store, const unsigned* table,
-                                        int layer, int num_blocks, int num_heads, int num_kv_heads,
-                                        int block_size, int head_dim, float scale, float* out,
-                                        bf16* smem, unsigned row_start, int len, int start_pos,
-                                        int m0, int qh) {
+// 8 values of a K/V row into shared memory as bf16 (zeros when !valid): cp.async from a bf16
+// cache, a load converted in registers from an FP8 one.
+__device__ __forceinline__ void fa_stage8(KvBf16, bf16* dst, const bf16* src, bool valid) {
+    cp_async_16(dst, src, valid);
+}
+__device__ __forceinline__ void fa_stage8(KvE4m3, bf16* dst, const unsigned char* src, bool valid) {
+    *reinterpret_cast<uint4*>(dst) =
+        valid ? KvE4m3::to_bf16x8(*reinterpret_cast<const uint2*>(src)) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+template <class T, class KV>
+__device__ __forceinline__ void fa_tile(const float* q, const typename KV::Elem* store,
+                                        const unsigned* table, int layer, int num_blocks,
+                                        int num_heads, int num_kv_heads, int block_size,
+                                        int head_dim, float scale, float k_scale, float v_scale,
+                                        float* out, bf16* smem, unsigned row_start, int len,
+                                        int start_pos, int m0, int qh) {
+    typedef typename KV::Elem Elem;
     constexpr int HDP = T::HDP, WM = T::WM, BN = T::BN, BM = T::BM, S = T::STRIDE;
     constexpr int KSTEPS = HDP / 16;  // k steps of Q·Kᵀ
     constexpr int NT = BN / 8;        // 8-key tiles of S
@@ -130,15 +148,15 @@ __device__ __forceinline__ void fa_tile(const float* q, const bf16* store, const
             const int n = c / CPR, ch = c % CPR;
             const int tk = tile * BN + n;
             const bool valid = tk < kv_end && ch < hchunks;
-            const bf16* k_src = store;
+            const Elem* k_src = store;
             if (valid) {
                 const unsigned blk = table[(unsigned)tk / (unsigned)block_size];
                 const unsigned slot = (unsigned)tk % (unsigned)block_size;
                 k_src = store + head_base + (unsigned long long)blk * 2ull * v_offset +
                         (unsigned long long)slot * hd + (unsigned long long)(ch * 8);
             }
-            cp_async_16(ks + n * S + ch * 8, k_src, valid);
-            cp_async_16(vs + n * S + ch * 8, valid ? k_src + v_offset : store, valid);
+            fa_stage8(KV(), ks + n * S + ch * 8, k_src, valid);
+            fa_stage8(KV(), vs + n * S + ch * 8, valid ? k_src + v_offset : store, valid);
         }
     };
     load_kv(0, 0);
@@ -146,7 +164,7 @@ __device__ __forceinline__ void fa_tile(const float* q, const bf16* store, const
 
     // ---- Q: f32 rows, scaled to log2 units, one bf16 term, into shared memory ----
     {
-        const float qscale = scale * FA_LOG2E;
+        const float qscale = scale * k_scale * FA_LOG2E;
         for (int c = tid; c < BM * CPR; c += FA_THREADS) {
             const int r = c / CPR, ch = c % CPR;
             uint4 packed = make_uint4(0u, 0u, 0u, 0u);
@@ -310,7 +328,7 @@ __device__ __forceinline__ void fa_tile(const float* q, const bf16* store, const
             l += __shfl_xor_sync(FULL_MASK, l, 1);
             l += __shfl_xor_sync(FULL_MASK, l, 2);
             if (!row_ok[i][h]) continue;
-            const float inv = 1.0f / l;
+            const float inv = v_scale / l;
             float* orow = out + (unsigned long long)(row_start + m0 + i * 64 + warp * 16 + g + 8 * h) * row_stride +
                           (unsigned long long)qh * hd;
 #pragma unroll
@@ -325,32 +343,34 @@ __device__ __forceinline__ void fa_tile(const float* q, const bf16* store, const
 }
 
 // The block's head, sequence and query tile, then the tile itself.
-template <class T>
-__device__ __forceinline__ void fa_block(const float* q, const bf16* store,
+template <class T, class KV>
+__device__ __forceinline__ void fa_block(const float* q, const typename KV::Elem* store,
                                          const unsigned* seq_row_start, const unsigned* seq_len,
                                          const unsigned* seq_start_pos, const unsigned* block_tables,
                                          const unsigned* table_offsets, int layer, int num_blocks,
                                          int num_heads, int num_kv_heads, int block_size,
-                                         int head_dim, float scale, float* out) {
+                                         int head_dim, float scale, float* out, float k_scale,
+                                         float v_scale) {
     DYNAMIC_SHARED(bf16, smem);
     const int qh = blockIdx.x;
     const unsigned s = blockIdx.z;
     const int m0 = (gridDim.y - 1 - blockIdx.y) * T::BM;
     const int len = (int)seq_len[s];
     if (qh >= num_heads || m0 >= len) return;  // uniform per block
-    fa_tile<T>(q, store, block_tables + table_offsets[s], layer, num_blocks, num_heads,
-                         num_kv_heads, block_size, head_dim, scale, out, smem, seq_row_start[s], len,
-                         (int)seq_start_pos[s], m0, qh);
+    fa_tile<T, KV>(q, store, block_tables + table_offsets[s], layer, num_blocks, num_heads,
+                   num_kv_heads, block_size, head_dim, scale, k_scale, v_scale, out, smem,
+                   seq_row_start[s], len, (int)seq_start_pos[s], m0, qh);
 }
 
+// One entry point per padded head size and cache type, each with the registers it needs.
 extern "C" __global__ void __launch_bounds__(FA_THREADS) prefill_attention_fa_hd64(
     const float* q, const bf16* store, const unsigned* seq_row_start, const unsigned* seq_len,
     const unsigned* seq_start_pos, const unsigned* block_tables, const unsigned* table_offsets,
     int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim,
     float scale, float* out) {
-    fa_block<FaHd64>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
+    fa_block<FaHd64, KvBf16>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
                          table_offsets, layer, num_blocks, num_heads, num_kv_heads, block_size,
-                         head_dim, scale, out);
+                         head_dim, scale, out, 1.0f, 1.0f);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS) prefill_attention_fa_hd128(
@@ -358,9 +378,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) prefill_attention_fa_hd
     const unsigned* seq_start_pos, const unsigned* block_tables, const unsigned* table_offsets,
     int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim,
     float scale, float* out) {
-    fa_block<FaHd128>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
+    fa_block<FaHd128, KvBf16>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
                          table_offsets, layer, num_blocks, num_heads, num_kv_heads, block_size,
-                         head_dim, scale, out);
+                         head_dim, scale, out, 1.0f, 1.0f);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS) prefill_attention_fa_hd256(
@@ -368,7 +388,37 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) prefill_attention_fa_hd
     const unsigned* seq_start_pos, const unsigned* block_tables, const unsigned* table_offsets,
     int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim,
     float scale, float* out) {
-    fa_block<FaHd256>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
+    fa_block<FaHd256, KvBf16>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
                          table_offsets, layer, num_blocks, num_heads, num_kv_heads, block_size,
-                         head_dim, scale, out);
+                         head_dim, scale, out, 1.0f, 1.0f);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS) prefill_attention_fa_fp8_hd64(
+    const float* q, const unsigned char* store, const unsigned* seq_row_start,
+    const unsigned* seq_len, const unsigned* seq_start_pos, const unsigned* block_tables,
+    const unsigned* table_offsets, int layer, int num_blocks, int num_heads, int num_kv_heads,
+    int block_size, int head_dim, float scale, float* out, float k_scale, float v_scale) {
+    fa_block<FaHd64, KvE4m3>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
+                         table_offsets, layer, num_blocks, num_heads, num_kv_heads, block_size,
+                         head_dim, scale, out, k_scale, v_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS) prefill_attention_fa_fp8_hd128(
+    const float* q, const unsigned char* store, const unsigned* seq_row_start,
+    const unsigned* seq_len, const unsigned* seq_start_pos, const unsigned* block_tables,
+    const unsigned* table_offsets, int layer, int num_blocks, int num_heads, int num_kv_heads,
+    int block_size, int head_dim, float scale, float* out, float k_scale, float v_scale) {
+    fa_block<FaHd128, KvE4m3>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
+                         table_offsets, layer, num_blocks, num_heads, num_kv_heads, block_size,
+                         head_dim, scale, out, k_scale, v_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS) prefill_attention_fa_fp8_hd256(
+    const float* q, const unsigned char* store, const unsigned* seq_row_start,
+    const unsigned* seq_len, const unsigned* seq_start_pos, const unsigned* block_tables,
+    const unsigned* table_offsets, int layer, int num_blocks, int num_heads, int num_kv_heads,
+    int block_size, int head_dim, float scale, float* out, float k_scale, float v_scale) {
+    fa_block<FaHd256, KvE4m3>(q, store, seq_row_start, seq_len, seq_start_pos, block_tables,
+                         table_offsets, layer, num_blocks, num_heads, num_kv_heads, block_size,
+                         head_dim, scale, out, k_scale, v_scale);
 }

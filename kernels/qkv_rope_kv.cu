@@ -1,6 +1,7 @@
 // qkv_rope_kv.cu — the QKV projection's output to attention's inputs in one pass: Q turned by
-// RoPE into its own buffer, K turned and V as is stored into the paged KV cache (bf16). What
-// copy_cols (three times), rope_rotate_half (twice) and write_kv do, in one launch.
+// RoPE into its own buffer, K turned and V as is stored into the paged KV cache (bf16, or E4M3
+// with qkv_rope_write_kv_fp8). What copy_cols (three times), rope_rotate_half (twice) and
+// write_kv (write_kv_fp8) do, in one launch.
 //
 // qkv_rope_write_kv(qkv, q, store, positions, slots, inv_freq, layer, num_blocks, num_heads,
 //     num_kv_heads, block_size, head_dim, scale)
@@ -12,8 +13,16 @@
 //   Rotation: rope_pair (common.cuh) of pairs (i, i + head_dim/2), exactly as rope_rotate_half.
 //   Launch: grid = (rows, num_heads + 2*num_kv_heads), block = head_dim / 2 threads (rounding
 //   up to a multiple of 32 is fine), no shared memory. head_dim must be even.
+// qkv_rope_write_kv_fp8(..., scale, k_scale, v_scale)
+//   The same into an FP8 cache, K and V quantized as write_kv_fp8 quantizes them.
 
-extern "C" __global__ void qkv_rope_write_kv(const float* qkv, float* q, bf16* store, const unsigned* positions, const unsigned* slots, const float* inv_freq, int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim, float scale) {
+template <class KV>
+__device__ __forceinline__ void qkv_rope_store(const float* qkv, float* q, typename KV::Elem* store,
+                                               const unsigned* positions, const unsigned* slots,
+                                               const float* inv_freq, int layer, int num_blocks,
+                                               int num_heads, int num_kv_heads, int block_size,
+                                               int head_dim, float scale, float k_scale,
+                                               float v_scale) {
     const int half = head_dim >> 1;
     const int i = threadIdx.x;
     const int j = blockIdx.y;
@@ -45,6 +54,17 @@ extern "C" __global__ void qkv_rope_write_kv(const float* qkv, float* q, bf16* s
          s) *
             hd +
         i;
-    store[idx] = f32_to_bf16(y1);
-    store[idx + half] = f32_to_bf16(y2);
+    const float kv_scale = kv == 0 ? k_scale : v_scale;
+    store[idx] = KV::from_f32(y1, kv_scale);
+    store[idx + half] = KV::from_f32(y2, kv_scale);
+}
+
+extern "C" __global__ void qkv_rope_write_kv(const float* qkv, float* q, bf16* store, const unsigned* positions, const unsigned* slots, const float* inv_freq, int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim, float scale) {
+    qkv_rope_store<KvBf16>(qkv, q, store, positions, slots, inv_freq, layer, num_blocks, num_heads,
+                           num_kv_heads, block_size, head_dim, scale, 1.0f, 1.0f);
+}
+
+extern "C" __global__ void qkv_rope_write_kv_fp8(const float* qkv, float* q, unsigned char* store, const unsigned* positions, const unsigned* slots, const float* inv_freq, int layer, int num_blocks, int num_heads, int num_kv_heads, int block_size, int head_dim, float scale, float k_scale, float v_scale) {
+    qkv_rope_store<KvE4m3>(qkv, q, store, positions, slots, inv_freq, layer, num_blocks, num_heads,
+                           num_kv_heads, block_size, head_dim, scale, k_scale, v_scale);
 }

@@ -2,7 +2,8 @@
 # Runs every CUDA kernel file on the CPU emulator (crates/duet-cuda/emulator, see its README.md)
 # and checks it against numpy float64/bit-exact references; then the emulator's own models of
 # ldmatrix and cp.async against the PTX ISA (emulator/emu_selftest.cu). No GPU or CUDA toolkit needed:
-# only a C++17 compiler (g++ or c++) and python3 with numpy. Prints one PASS/FAIL line per kernel
+# only a C++17 compiler (g++ or c++) and python3 with numpy and ml_dtypes (the independent E4M3
+# encoder of the FP8 KV cases). Prints one PASS/FAIL line per kernel
 # file (a kernel file without a t_<name>.py test fails too) and exits non-zero on any failure.
 # KERNELS_DIR may point at another copy of the kernel files (used to check that breakage is caught).
 set -euo pipefail
@@ -14,7 +15,7 @@ CXX=${CXX:-$(command -v g++ || command -v c++)}
 BUILD=$(mktemp -d "${TMPDIR:-/tmp}/duet-kernel-emu.XXXXXX")
 trap 'rm -rf "$BUILD"' EXIT
 
-python3 -c 'import numpy' 2>/dev/null || { echo "python3 with numpy is required" >&2; exit 1; }
+python3 -c 'import numpy, ml_dtypes' 2>/dev/null || { echo "python3 with numpy and ml_dtypes is required" >&2; exit 1; }
 
 # Build: emu.o once, then one shared library per kernel file, in parallel.
 names=()

@@ -49,6 +49,11 @@ pub struct GpuBenchArgs {
     /// check a model holding block formats with its weights packed too.
     #[arg(long, value_enum, default_value_t = GpuWeights::Bf16)]
     pub gpu_weights: GpuWeights,
+    /// Also check an FP8 KV cache against bf16 (each checked model's logits, ‖Δ‖/‖ref‖ ≤ 5e-2)
+    /// and time it (decode of the Llama-3-8B shape at batch 64 with 4096-token contexts over each
+    /// cache; the target is 1.4× bf16). Needs a GPU of compute capability 8.9 or later.
+    #[arg(long)]
+    pub fp8_kv: bool,
     /// The GGUF block formats timed with `--gpu-weights packed`.
     #[arg(long, value_delimiter = ',', value_parser = block_format,
         default_value = "Q4_0,Q4_1,Q8_0,Q4_K,Q6_K")]
@@ -81,6 +86,7 @@ pub fn run(args: GpuBenchArgs) -> Result<()> {
         skip_checks: args.skip_checks,
         gpu_weights: args.gpu_weights,
         weight_types: args.weight_types.clone(),
+        fp8_kv: args.fp8_kv,
     })?;
     print!("{}", report.table());
     let mut json = serde_json::to_value(&report)?;

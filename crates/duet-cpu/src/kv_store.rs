@@ -187,10 +187,11 @@ impl CpuKvStore {
                     )?,
                 })
             }),
-            KvDtype::Bf16 => {
-                return Err(EngineError::Config(
-                    "the CPU KV cache stores f32, f16 or int8, not bf16".into(),
-                ));
+            KvDtype::Bf16 | KvDtype::Fp8E4m3 => {
+                return Err(EngineError::Config(format!(
+                    "the CPU KV cache stores f32, f16 or int8, not {}",
+                    layout.dtype
+                )));
             }
         };
         let data = data.map_err(|e| {

@@ -142,6 +142,11 @@ impl Backend for CpuBackend {
             Some(KvDtype::Bf16) => Err(EngineError::Config(
                 "the CPU KV cache stores f32 or f16, not bf16 (--kv-dtype)".into(),
             )),
+            Some(KvDtype::Fp8E4m3) => Err(EngineError::Config(
+                "--kv-dtype fp8 is a CUDA KV cache (--device cuda); the CPU's stores f32, f16 or \
+                 int8"
+                    .into(),
+            )),
             Some(d) => Ok(d),
             // f32 weights keep their precision end to end (the tiny fixtures check logits to
             // 1e-4); quantized weights already round far more than f16 does.
@@ -568,6 +573,27 @@ mod synthetic_model {
         assert!((0.05..50.0).contains(&rms), "logit rms {rms}");
         assert_eq!(a, logits(1));
         assert_ne!(a, logits(2));
+    }
+
+    #[test]
+    fn an_fp8_kv_cache_is_refused_with_the_device_that_has_one() {
+        use duet_engine::backend::KvDtypeChoice;
+        let backend = CpuBackend::new(1);
+        let e = backend
+            .kv_dtype(KvDtypeChoice::Fp8, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--kv-dtype fp8") && e.contains("--device cuda"),
+            "{e}"
+        );
+        let model = Llama::synthetic(backend, tiny(), QuantType::BF16, 1).unwrap();
+        let layout = model.kv_layout(4, 4, KvDtype::Fp8E4m3);
+        let e = Backend::alloc_kv(model.backend(), layout)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("not fp8"), "{e}");
     }
 }
 

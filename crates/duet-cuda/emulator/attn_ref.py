@@ -1,8 +1,8 @@
 """attn_ref.py — shared fixtures and the float64 reference for the emulated attention tests
-(t_paged_attention.py, t_prefill_attention.py): a bf16 paged KV store with shuffled block tables."""
+(t_paged_attention.py, t_prefill_attention.py): a bf16 or FP8 paged KV store with shuffled block tables."""
 import numpy as np
 
-from harness import bf2f, f2bf
+from harness import bf2f, e4m32f, f2bf, f2e4m3
 
 
 def make_store(rng, L, NB, nkv, bs, hd, draw=None):
@@ -10,6 +10,20 @@ def make_store(rng, L, NB, nkv, bs, hd, draw=None):
     draw(n) (default: standard normal)."""
     n = L * NB * 2 * nkv * bs * hd
     return f2bf((draw(n) if draw else rng.standard_normal(n)).astype(np.float32))
+
+
+def make_store_fp8(rng, L, NB, nkv, bs, hd, scales, draw=None):
+    """The same store in E4M3: x / scales[0] for K, x / scales[1] for V. Its bytes, and the values
+    x [layer][block][k|v][kv_head][slot][head_dim] it holds (f32)."""
+    n = L * NB * 2 * nkv * bs * hd
+    x = (draw(n) if draw else rng.standard_normal(n)).astype(np.float32).reshape(L, NB, 2, nkv, bs, hd)
+    return f2e4m3(x / np.array(scales, np.float32).reshape(1, 1, 2, 1, 1, 1)).reshape(-1), x
+
+
+def fp8_values(scales):
+    """What an FP8 store's bytes hold, to gather_kv: E4M3 · scale (K's, V's)."""
+    sc = np.array(scales, np.float64).reshape(2, 1, 1, 1)
+    return lambda store, shape: (e4m32f(store).reshape(shape).astype(np.float64) * sc)
 
 
 def make_tables(rng, nblocks_per_seq, spare):
@@ -22,8 +36,12 @@ def make_tables(rng, nblocks_per_seq, spare):
     return NB, tables, np.concatenate(tables).astype(np.uint32), np.array(offs, np.uint32)
 
 
-def gather_kv(store, L, NB, nkv, bs, hd, layer, table, ntok):
-    S = bf2f(store).reshape(L, NB, 2, nkv, bs, hd)
+def gather_kv(store, L, NB, nkv, bs, hd, layer, table, ntok, values=None):
+    """K and V [ntok, kv_head, head_dim] (float64) of the first ntok tokens through `table`; the
+    store's values are bf16 bits, or values(store, shape) (fp8_values; for f32 values themselves,
+    `lambda x, shape: x.reshape(shape)`)."""
+    shape = (L, NB, 2, nkv, bs, hd)
+    S = values(store, shape) if values else bf2f(store).reshape(shape)
     t = np.arange(ntok)
     blk, sl = table[t // bs], t % bs
     K = S[layer, blk, 0][t, :, sl]  # [ntok, nkv, hd]

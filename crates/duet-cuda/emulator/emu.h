@@ -29,6 +29,7 @@ struct float4 { float x, y, z, w; } __attribute__((aligned(16)));
 struct float2 { float x, y; } __attribute__((aligned(8)));
 struct uint2 { unsigned x, y; } __attribute__((aligned(8)));
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return {a, b}; }
 

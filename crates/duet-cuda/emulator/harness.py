@@ -52,6 +52,33 @@ def bf2f(b):
     return (b.astype(np.uint32) << 16).view(np.float32)
 
 
+def f2e4m3(x):
+    """f32 -> E4M3 bits by ml_dtypes' float8_e4m3fn (an independent encoder): round to nearest
+    even, NaN stays NaN (its sign kept). Clipped to ±448 first: the kernels saturate there, as PTX's
+    cvt.rn.satfinite does, where ml_dtypes gives NaN. The reference for f32_to_e4m3."""
+    import ml_dtypes
+    return np.clip(np.asarray(x, np.float32), -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def e4m32f(b):
+    """E4M3 bits -> f32 by ml_dtypes (exact)."""
+    import ml_dtypes
+    return np.asarray(b, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def e4m3_edges():
+    """f32 values at E4M3's rounding edges: every finite code's value, the midpoints between
+    neighbours (ties, to even) and one f32 ulp either side, values past 448 up to infinity,
+    below the smallest subnormal, f32 subnormals, NaN; both signs."""
+    codes = e4m32f(np.arange(0x7f, dtype=np.uint8))  # 0 .. 448, increasing
+    mids = (codes[:-1] + codes[1:]) / np.float32(2)
+    v = np.concatenate([codes, mids, np.nextafter(mids, np.float32(np.inf)),
+                        np.nextafter(mids, np.float32(0)),
+                        np.array([448.5, 463.9, 464, 465, 1e6, 3e38, np.inf, 2.0 ** -10, 2.0 ** -11,
+                                  1e-20, 1e-40, np.nan], np.float32)]).astype(np.float32)
+    return np.concatenate([v, -v])
+
+
 def check(name, good, detail=''):
     global _checks
     _checks += 1

@@ -1,7 +1,8 @@
 """Emulated test of kernels/qkv_rope_kv.cu: qkv_rope_write_kv against a float64 reference (Q
 rotated, K rotated and V stored in bf16 at each row's slot; a row with no slot stores nothing;
 other blocks and layers untouched), and against the separate kernels it replaces (copy_cols,
-rope_rotate_half, write_kv), bit for bit."""
+rope_rotate_half, write_kv), bit for bit. qkv_rope_write_kv_fp8: V as ml_dtypes encodes v / v_scale,
+and everything the same bits as rope_rotate_half and write_kv_fp8."""
 from harness import *
 
 rng = np.random.default_rng(5)
@@ -52,4 +53,21 @@ for hd, nh, nkv in ((64, 4, 2), (128, 8, 8)):
     launch('kv_cache', 'write_kv', (rows,), 128, store2, ks, vs, slots, c_int(1), c_int(NB), c_int(nkv), c_int(bs), c_int(hd))
     check(f'same bits as rope_rotate_half and write_kv, head_dim {hd}',
           np.array_equal(q.view(np.uint32), qs.view(np.uint32)) and np.array_equal(store, store2))
+
+    # Into an FP8 cache, scales that are not powers of two.
+    ksc, vsc = 0.8, 1.7
+    q8 = np.full((rows, nh * hd), np.nan, np.float32)
+    store8 = np.full(L * NB * 2 * nkv * bs * hd, 0xa5, np.uint8)
+    launch('qkv_rope_kv', 'qkv_rope_write_kv_fp8', (rows, nh + 2 * nkv), half, qkv, q8, store8, pos, slots, inv,
+           c_int(1), c_int(NB), c_int(nh), c_int(nkv), c_int(bs), c_int(hd), c_float(scale), c_float(ksc),
+           c_float(vsc))
+    got8 = store8.reshape(L, NB, 2, nkv, bs, hd)
+    ok_v = all(np.array_equal(got8[1, int(slots[r]) // bs, 1, :, int(slots[r]) % bs, :],
+                              f2e4m3(v[r] / np.float32(vsc))) for r in range(rows - 1))
+    check(f'fp8: v / v_scale into the cache as ml_dtypes encodes it, head_dim {hd}', ok_v)
+    store9 = np.full_like(store8, 0xa5)
+    launch('kv_cache', 'write_kv_fp8', (rows,), 128, store9, ks, vs, slots, c_int(1), c_int(NB), c_int(nkv), c_int(bs),
+           c_int(hd), c_float(ksc), c_float(vsc))
+    check(f'fp8: same bits as rope_rotate_half and write_kv_fp8, head_dim {hd}',
+          np.array_equal(q8.view(np.uint32), qs.view(np.uint32)) and np.array_equal(store8, store9))
 finish()

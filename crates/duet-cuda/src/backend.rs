@@ -210,24 +210,40 @@ impl CudaActivations {
     }
 }
 
-/// The paged KV store in bf16, laid out `[layer][block][K|V][kv_head][slot][head_dim]`, with one
-/// block more per layer than the engine has (the scratch block padded rows write): one (layer,
-/// block) is contiguous and is the transfer layout as it stands. A plain allocation, so that it
-/// can be exported through CUDA IPC.
+/// The paged KV store in bf16 or FP8 E4M3 (`--kv-dtype fp8`), laid out
+/// `[layer][block][K|V][kv_head][slot][head_dim]`, with one block more per layer than the engine
+/// has (the scratch block padded rows write): one (layer, block) is contiguous and is the transfer
+/// layout as it stands. A plain allocation, so that it can be exported through CUDA IPC.
 pub struct CudaKvStore {
     buf: DeviceBuffer,
     layout: KvLayout,
 }
 
+/// The scale of every layer's K and V in an FP8 cache (stored E4M3 = value / scale): 1, vLLM's
+/// default without calibrated scales. E4M3 keeps 3 mantissa bits at any magnitude from 2^-6 to
+/// 448, which holds a Llama's keys and values (|x| ≲ 20; 2.2 on the tiny fixture model), so the
+/// scale guards only the range: per-token scales give the tiny model's logits 1.0e-2 from float64
+/// against 1.5e-2 with this one, at the cost of scales in every block. Kernels take the scales as
+/// arguments; a checkpoint's calibrated `k_scale`/`v_scale` are not read yet.
+pub const FP8_KV_SCALE: f32 = 1.0;
+
+/// The lowest compute capability with FP8 (E4M3) conversions: Ada (8.9), then Hopper (9.0).
+pub const FP8_MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 9);
+
 impl CudaKvStore {
-    /// Elements of one (layer, block).
-    pub fn chunk_elems(&self) -> usize {
-        2 * self.layout.num_kv_heads * self.layout.block_size * self.layout.head_dim
+    /// Bytes of one (layer, block): half a bf16 cache's in an FP8 one.
+    pub fn chunk_bytes(&self) -> usize {
+        self.layout.layer_block_bytes()
     }
 
     /// Device address of (layer, block).
     pub fn chunk_ptr(&self, layer: usize, block: usize) -> DevicePtr {
-        self.buf.ptr() + (self.chunk_index(layer, block) * self.chunk_elems() * 2) as u64
+        self.buf.ptr() + (self.chunk_index(layer, block) * self.chunk_bytes()) as u64
+    }
+
+    /// Whether values are stored as FP8 E4M3 (else bf16).
+    pub fn fp8(&self) -> bool {
+        self.layout.dtype == KvDtype::Fp8E4m3
     }
 
     /// Index of (layer, block) among the store's chunks.
@@ -371,6 +387,19 @@ impl<G: Gpu> GpuBackend<G> {
 
     pub fn gpu(&self) -> &Arc<G> {
         &self.gpu
+    }
+
+    /// An error unless this GPU converts FP8 (`--kv-dtype fp8`).
+    fn check_fp8_kv(&self) -> Result<(), EngineError> {
+        let (major, minor) = self.gpu.compute_capability();
+        if (major, minor) >= FP8_MIN_COMPUTE_CAPABILITY {
+            return Ok(());
+        }
+        let (need_major, need_minor) = FP8_MIN_COMPUTE_CAPABILITY;
+        Err(EngineError::Config(format!(
+            "--kv-dtype fp8 needs a GPU of compute capability {need_major}.{need_minor} or later \
+             (Ada, Hopper); this GPU's is {major}.{minor}: use --kv-dtype bf16"
+        )))
     }
 
     pub fn options(&self) -> GpuOptions {
@@ -827,6 +856,21 @@ fn not_run_on_a_gpu(config: &ModelConfig) -> Option<&'static str> {
     }
 }
 
+/// The kernel of a KV cache's type: `bf16`, or `fp8` with the K and V scales appended to `args`
+/// (every FP8 kernel takes them last).
+fn kv_kernel(
+    kv: &CudaKvStore,
+    bf16: &'static str,
+    fp8: &'static str,
+    args: &mut Vec<Arg>,
+) -> &'static str {
+    if !kv.fp8() {
+        return bf16;
+    }
+    args.extend([Arg::F32(FP8_KV_SCALE), Arg::F32(FP8_KV_SCALE)]);
+    fp8
+}
+
 /// The geometry arguments both attention kernels take, in their order.
 fn attention_geometry(layer: usize, kv: &CudaKvStore, shape: AttentionShape) -> [Arg; 7] {
     [
@@ -870,8 +914,12 @@ impl<G: Gpu> Backend for GpuBackend<G> {
     fn kv_dtype(&self, choice: KvDtypeChoice, _f32_weights: bool) -> Result<KvDtype, EngineError> {
         match choice.fixed() {
             None | Some(KvDtype::Bf16) => Ok(KvDtype::Bf16),
+            Some(KvDtype::Fp8E4m3) => {
+                self.check_fp8_kv()?;
+                Ok(KvDtype::Fp8E4m3)
+            }
             Some(other) => Err(EngineError::Config(format!(
-                "the CUDA KV cache stores bf16, not {other} (--kv-dtype)"
+                "the CUDA KV cache stores bf16 or fp8, not {other} (--kv-dtype)"
             ))),
         }
     }
@@ -950,25 +998,28 @@ impl<G: Gpu> Backend for GpuBackend<G> {
         Ok(upload().map_err(|e| CudaError::Driver(format!("uploading a vector: {e}")))?)
     }
 
-    fn kv_capacity_blocks(&self, values_per_block: usize) -> Option<usize> {
+    fn kv_capacity_blocks(&self, block_bytes: usize) -> Option<usize> {
         let free = self.gpu.free_memory().ok()?;
         let bytes = (free as f64 * self.memory_fraction) as usize;
         // One block per layer more is the scratch block.
-        Some((bytes / (values_per_block * 2).max(1)).saturating_sub(1))
+        Some((bytes / block_bytes.max(1)).saturating_sub(1))
     }
 
     fn alloc_kv(&self, layout: KvLayout) -> Result<CudaKvStore, EngineError> {
-        if layout.dtype != KvDtype::Bf16 {
-            return Err(EngineError::Config(format!(
-                "the CUDA KV cache stores bf16, not {}",
-                layout.dtype
-            )));
+        match layout.dtype {
+            KvDtype::Bf16 => {}
+            KvDtype::Fp8E4m3 => self.check_fp8_kv()?,
+            other => {
+                return Err(EngineError::Config(format!(
+                    "the CUDA KV cache stores bf16 or fp8, not {other}"
+                )));
+            }
         }
         let physical = KvLayout {
             num_blocks: layout.num_blocks + 1,
             ..layout
         };
-        let bytes = physical.num_blocks * physical.block_size * physical.values_per_token() * 2;
+        let bytes = physical.bytes();
         let fail = |e: CudaError| {
             CudaError::Driver(format!(
                 "allocating the KV cache ({} MiB): {e}",
@@ -985,7 +1036,7 @@ impl<G: Gpu> Backend for GpuBackend<G> {
     }
 
     fn kv_block_bytes(&self, kv: &CudaKvStore) -> usize {
-        kv.chunk_elems() * 2
+        kv.chunk_bytes()
     }
 
     fn read_kv_block(&self, kv: &CudaKvStore, layer: usize, block: usize, out: &mut [u8]) {
@@ -1009,7 +1060,7 @@ impl<G: Gpu> Backend for GpuBackend<G> {
             .collect();
         let r = self
             .gpu
-            .gather_download(kv.base_ptr(), &chunks, kv.chunk_elems() * 2, out);
+            .gather_download(kv.base_ptr(), &chunks, kv.chunk_bytes(), out);
         self.check("reading a layer's KV blocks", r);
     }
 
@@ -1310,22 +1361,19 @@ impl<G: Gpu> Backend for GpuBackend<G> {
     ) {
         let l = kv.layout;
         let mut s = self.state();
-        self.launch(
-            &mut s,
-            "write_kv",
-            per_row(k.rows, 128),
-            &[
-                Arg::Ptr(kv.base_ptr()),
-                Arg::Ptr(k.ptr),
-                Arg::Ptr(v.ptr),
-                batch.at(batch.layout.slots),
-                i32_of(layer),
-                i32_of(kv.physical_blocks()),
-                i32_of(l.num_kv_heads),
-                i32_of(l.block_size),
-                i32_of(l.head_dim),
-            ],
-        );
+        let mut args = vec![
+            Arg::Ptr(kv.base_ptr()),
+            Arg::Ptr(k.ptr),
+            Arg::Ptr(v.ptr),
+            batch.at(batch.layout.slots),
+            i32_of(layer),
+            i32_of(kv.physical_blocks()),
+            i32_of(l.num_kv_heads),
+            i32_of(l.block_size),
+            i32_of(l.head_dim),
+        ];
+        let kernel = kv_kernel(kv, "write_kv", "write_kv_fp8", &mut args);
+        self.launch(&mut s, kernel, per_row(k.rows, 128), &args);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1350,9 +1398,25 @@ impl<G: Gpu> Backend for GpuBackend<G> {
         }
         let l = kv.layout;
         let mut s = self.state();
+        let mut args = vec![
+            Arg::Ptr(qkv.ptr),
+            Arg::Ptr(q.ptr),
+            Arg::Ptr(kv.base_ptr()),
+            batch.at(batch.layout.positions),
+            batch.at(batch.layout.slots),
+            Arg::Ptr(inv_freq.buf.ptr()),
+            i32_of(layer),
+            i32_of(kv.physical_blocks()),
+            i32_of(shape.num_heads),
+            i32_of(shape.num_kv_heads),
+            i32_of(l.block_size),
+            i32_of(shape.head_dim),
+            Arg::F32(attention_factor),
+        ];
+        let kernel = kv_kernel(kv, "qkv_rope_write_kv", "qkv_rope_write_kv_fp8", &mut args);
         self.launch(
             &mut s,
-            "qkv_rope_write_kv",
+            kernel,
             (
                 (
                     qkv.rows as u32,
@@ -1361,21 +1425,7 @@ impl<G: Gpu> Backend for GpuBackend<G> {
                 ),
                 (shape.head_dim / 2) as u32,
             ),
-            &[
-                Arg::Ptr(qkv.ptr),
-                Arg::Ptr(q.ptr),
-                Arg::Ptr(kv.base_ptr()),
-                batch.at(batch.layout.positions),
-                batch.at(batch.layout.slots),
-                Arg::Ptr(inv_freq.buf.ptr()),
-                i32_of(layer),
-                i32_of(kv.physical_blocks()),
-                i32_of(shape.num_heads),
-                i32_of(shape.num_kv_heads),
-                i32_of(l.block_size),
-                i32_of(shape.head_dim),
-                Arg::F32(attention_factor),
-            ],
+            &args,
         );
     }
 
@@ -1421,9 +1471,15 @@ impl<G: Gpu> Backend for GpuBackend<G> {
                 Arg::Ptr(part_max),
                 Arg::Ptr(part_sum),
             ]);
+            let kernel = kv_kernel(
+                kv,
+                "paged_attention_partial",
+                "paged_attention_partial_fp8",
+                &mut args,
+            );
             self.launch(
                 &mut s,
-                "paged_attention_partial",
+                kernel,
                 (
                     (
                         l.decode_rows as u32,
@@ -1488,13 +1544,14 @@ impl<G: Gpu> Backend for GpuBackend<G> {
             // One entry point per padded head size (each with its own registers).
             match self.options().prefill_attention {
                 PrefillAttention::Legacy => {
-                    let kernel = if shape.head_dim <= 64 {
-                        "prefill_attention_hd64"
+                    let (kernel, kernel_fp8) = if shape.head_dim <= 64 {
+                        ("prefill_attention_hd64", "prefill_attention_fp8_hd64")
                     } else if shape.head_dim <= 128 {
-                        "prefill_attention_hd128"
+                        ("prefill_attention_hd128", "prefill_attention_fp8_hd128")
                     } else {
-                        "prefill_attention_hd256"
+                        ("prefill_attention_hd256", "prefill_attention_fp8_hd256")
                     };
+                    let kernel = kv_kernel(kv, kernel, kernel_fp8, &mut args);
                     let tiles = max_len.div_ceil(kernels::PREFILL_BLOCK_M) as u32;
                     let grid = ((tiles, heads, seqs), kernels::PREFILL_THREADS);
                     self.launch(&mut s, kernel, grid, &args);
@@ -1502,9 +1559,10 @@ impl<G: Gpu> Backend for GpuBackend<G> {
                 // The heads first in the grid: every head of a query tile runs at once.
                 PrefillAttention::Fa => {
                     let e = kernels::fa_entry(shape.head_dim);
+                    let kernel = kv_kernel(kv, e.kernel, e.kernel_fp8, &mut args);
                     let tiles = max_len.div_ceil(e.block_m) as u32;
                     let grid = ((heads, tiles, seqs), kernels::FA_THREADS);
-                    self.launch_shared(&mut s, e.kernel, grid, e.smem_bytes, &args);
+                    self.launch_shared(&mut s, kernel, grid, e.smem_bytes, &args);
                 }
             }
         }
@@ -1892,9 +1950,23 @@ mod tests {
 
         /// A KV store and the step memory reserved for 16 rows, as `ModelRunner::load` does.
         fn ready(gpu: Arc<RecordingGpu>, model: Llama<GpuBackend<RecordingGpu>>) -> Self {
+            Self::ready_with(gpu, model, KvDtype::Bf16)
+        }
+
+        /// The tiny fixture's shapes, bf16 weights, an FP8 KV cache.
+        fn fp8_kv(options: GpuOptions) -> Self {
+            let rig = Self::new(options);
+            Self::ready_with(rig.gpu, rig.model, KvDtype::Fp8E4m3)
+        }
+
+        fn ready_with(
+            gpu: Arc<RecordingGpu>,
+            model: Llama<GpuBackend<RecordingGpu>>,
+            dtype: KvDtype,
+        ) -> Self {
             let kv = model
                 .backend()
-                .alloc_kv(model.kv_layout(BLOCK, BLOCKS, KvDtype::Bf16))
+                .alloc_kv(model.kv_layout(BLOCK, BLOCKS, dtype))
                 .unwrap();
             model.reserve_step_memory(16, BLOCK);
             gpu.take();
@@ -2125,6 +2197,125 @@ mod tests {
                 1,
                 "{events:?}"
             );
+        }
+    }
+
+    #[test]
+    fn fp8_kv_needs_compute_capability_8_9_and_bf16_stays_the_default() {
+        let layout = |dtype| KvLayout {
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 16,
+            block_size: BLOCK,
+            num_blocks: 8,
+            dtype,
+        };
+        for (cc, fp8) in [
+            ((8, 0), false),
+            ((8, 6), false),
+            ((8, 9), true),
+            ((9, 0), true),
+        ] {
+            let gpu = Arc::new(RecordingGpu::with_compute_capability(cc));
+            let backend = GpuBackend::with_gpu(gpu, GpuOptions::default(), 0.5);
+            assert_eq!(
+                backend.kv_dtype(KvDtypeChoice::Auto, false).unwrap(),
+                KvDtype::Bf16
+            );
+            let chosen = backend.kv_dtype(KvDtypeChoice::Fp8, false);
+            let allocated = backend.alloc_kv(layout(KvDtype::Fp8E4m3));
+            if fp8 {
+                assert_eq!(chosen.unwrap(), KvDtype::Fp8E4m3);
+                assert!(allocated.unwrap().fp8());
+            } else {
+                let named = format!("this GPU's is {}.{}", cc.0, cc.1);
+                for e in [chosen.unwrap_err(), allocated.err().unwrap()] {
+                    let e = e.to_string();
+                    assert!(e.contains(&named) && e.contains("8.9"), "{e}");
+                }
+            }
+        }
+        let backend = GpuBackend::with_gpu(
+            Arc::new(RecordingGpu::default()),
+            GpuOptions::default(),
+            0.5,
+        );
+        for other in [KvDtypeChoice::F16, KvDtypeChoice::Int8] {
+            let e = backend.kv_dtype(other, false).unwrap_err().to_string();
+            assert!(e.contains("bf16 or fp8") && e.contains("--kv-dtype"), "{e}");
+        }
+    }
+
+    #[test]
+    fn an_fp8_kv_cache_takes_half_the_bytes_of_a_bf16_one() {
+        let bf16 = Rig::new(GpuOptions::default());
+        let fp8 = Rig::fp8_kv(GpuOptions::default());
+        let b = bf16.model.backend();
+        let f = fp8.model.backend();
+        assert_eq!(b.kv_block_bytes(&bf16.kv), 2 * f.kv_block_bytes(&fp8.kv));
+        assert_eq!(bf16.kv.bytes(), 2 * fp8.kv.bytes());
+        // K and V of 2 heads × 16 slots × 16 dims, one byte each, the scratch block included.
+        assert_eq!(f.kv_block_bytes(&fp8.kv), 2 * 2 * BLOCK * 16);
+        assert_eq!(fp8.kv.bytes(), 2 * (BLOCKS + 1) * 2 * 2 * BLOCK * 16);
+        assert_eq!(
+            fp8.kv.chunk_ptr(1, 3) - fp8.kv.base_ptr(),
+            ((BLOCKS + 1 + 3) * 2 * 2 * BLOCK * 16) as u64
+        );
+        // Sized from free memory, the FP8 cache holds twice the blocks.
+        let blocks = |dtype| {
+            b.kv_capacity_blocks(bf16.model.kv_layout(BLOCK, 1, dtype).block_bytes())
+                .unwrap()
+        };
+        assert_eq!(
+            blocks(KvDtype::Fp8E4m3) + 1,
+            2 * (blocks(KvDtype::Bf16) + 1)
+        );
+    }
+
+    #[test]
+    fn an_fp8_kv_cache_is_written_and_read_by_the_fp8_kernels() {
+        let choices = [false, true].into_iter().flat_map(|fused| {
+            [PrefillAttention::Legacy, PrefillAttention::Fa].map(move |kernel| (fused, kernel))
+        });
+        for (fused_kernels, prefill_attention) in choices {
+            let mut rig = Rig::fp8_kv(GpuOptions {
+                fused_kernels,
+                prefill_attention,
+                ..Default::default()
+            });
+            // A prefill of 48 tokens after 8 cached ones, then a decode step of 3 rows.
+            let table: Vec<u32> = (0..4).collect();
+            let tokens: Vec<u32> = (1..=48).collect();
+            let (_, mut events) =
+                rig.step(&[SeqInput::span(&tokens, 8, 48, &table, LogitsWanted::Last)]);
+            events.extend(rig.decode(3, 600));
+            let kv_kernels: Vec<&str> = events
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Launch(k) if k.contains("write_kv") || k.contains("attention") => {
+                        Some(*k)
+                    }
+                    _ => None,
+                })
+                .collect();
+            let writer = match fused_kernels {
+                true => "qkv_rope_write_kv_fp8",
+                false => "write_kv_fp8",
+            };
+            let prefill = match prefill_attention {
+                PrefillAttention::Legacy => "prefill_attention_fp8_hd64",
+                PrefillAttention::Fa => "prefill_attention_fa_fp8_hd64",
+            };
+            for k in [writer, prefill, "paged_attention_partial_fp8"] {
+                assert!(kv_kernels.contains(&k), "{k} not in {kv_kernels:?}");
+            }
+            // Every other reader or writer of the cache is an FP8 one (the reduce reads none).
+            for k in &kv_kernels {
+                assert!(
+                    k.contains("fp8") || *k == "paged_attention_reduce",
+                    "{k} in {kv_kernels:?}"
+                );
+            }
         }
     }
 

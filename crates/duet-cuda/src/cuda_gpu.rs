@@ -196,21 +196,23 @@ fn raise_shared_limits(
     use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
     let mut refused = HashMap::new();
     for e in &kernels::FA_ENTRIES {
-        let Some(f) = functions.get(e.kernel) else {
-            continue;
-        };
-        if let Err(err) = f.set_attribute(
-            CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            e.smem_bytes as i32,
-        ) {
-            refused.insert(
-                e.kernel,
-                format!(
-                    "{} needs {} KiB of shared memory a block, which this GPU does not give ({err})",
-                    e.kernel,
-                    e.smem_bytes / 1024
-                ),
-            );
+        for kernel in [e.kernel, e.kernel_fp8] {
+            let Some(f) = functions.get(kernel) else {
+                continue;
+            };
+            if let Err(err) = f.set_attribute(
+                CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                e.smem_bytes as i32,
+            ) {
+                refused.insert(
+                    kernel,
+                    format!(
+                        "{kernel} needs {} KiB of shared memory a block, which this GPU does not \
+                         give ({err})",
+                        e.smem_bytes / 1024
+                    ),
+                );
+            }
         }
     }
     refused
@@ -255,6 +257,10 @@ impl Gpu for CudaGpu {
 
     fn free_memory(&self) -> Result<usize, CudaError> {
         Ok(self.ctx.mem_get_info()?.0)
+    }
+
+    fn compute_capability(&self) -> (i32, i32) {
+        self.info.compute_capability
     }
 
     fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<(), CudaError> {
@@ -496,8 +502,8 @@ impl GpuBackend<CudaGpu> {
         self.gpu().context()
     }
 
-    /// Packs chunks (indices [`CudaKvStore::chunk_index`]) into one buffer of bf16 bytes, in
-    /// order: what the NCCL transport sends.
+    /// Packs chunks (indices [`CudaKvStore::chunk_index`]) into one buffer of the store's bytes,
+    /// in order: what the NCCL transport sends.
     pub fn pack_chunks(
         &self,
         store: &CudaKvStore,
@@ -505,7 +511,7 @@ impl GpuBackend<CudaGpu> {
     ) -> Result<CudaSlice<u8>, CudaError> {
         let packed = self
             .stream()
-            .alloc_zeros::<u8>(chunks.len() * store.chunk_elems() * 2)?;
+            .alloc_zeros::<u8>(chunks.len() * store.chunk_bytes())?;
         self.move_chunks("pack_kv_chunks", store, chunks, &packed)?;
         Ok(packed)
     }
@@ -530,7 +536,8 @@ impl GpuBackend<CudaGpu> {
     ) -> Result<(), CudaError> {
         use cudarc::driver::DevicePtr as _;
         let stream = self.stream();
-        let elems = store.chunk_elems() as u64;
+        // The kernels move bf16 elements; an FP8 chunk's bytes are half as many of them.
+        let elems = (store.chunk_bytes() / 2) as u64;
         let ids = stream.clone_htod(chunks)?;
         let (packed_ptr, _) = packed.device_ptr(stream);
         let base = store.base_ptr();

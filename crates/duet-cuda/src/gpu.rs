@@ -57,6 +57,8 @@ pub trait Gpu: Send + Sync + 'static {
     fn alloc_pinned(&self, bytes: usize) -> Result<Self::Pinned, CudaError>;
     /// Bytes of device memory free.
     fn free_memory(&self) -> Result<usize, CudaError>;
+    /// The device's compute capability (major, minor): 9.0 on Hopper.
+    fn compute_capability(&self) -> (i32, i32);
     /// Queues `dst[..src.len()] = src` (`src` must stay unchanged until the stream has run it).
     fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<(), CudaError>;
     /// Queues `dst = src[..dst.len()]`; `dst` holds it once the stream is synchronized.

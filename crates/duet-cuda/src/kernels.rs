@@ -39,7 +39,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "qkv_rope_kv.cu",
         source: include_str!("../../../kernels/qkv_rope_kv.cu"),
-        kernels: &["qkv_rope_write_kv"],
+        kernels: &["qkv_rope_write_kv", "qkv_rope_write_kv_fp8"],
         options: &[],
     },
     KernelFile {
@@ -60,13 +60,22 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "kv_cache.cu",
         source: include_str!("../../../kernels/kv_cache.cu"),
-        kernels: &["write_kv", "pack_kv_chunks", "unpack_kv_chunks"],
+        kernels: &[
+            "write_kv",
+            "write_kv_fp8",
+            "pack_kv_chunks",
+            "unpack_kv_chunks",
+        ],
         options: &[],
     },
     KernelFile {
         name: "paged_attention.cu",
         source: include_str!("../../../kernels/paged_attention.cu"),
-        kernels: &["paged_attention_partial", "paged_attention_reduce"],
+        kernels: &[
+            "paged_attention_partial",
+            "paged_attention_partial_fp8",
+            "paged_attention_reduce",
+        ],
         options: &[],
     },
     KernelFile {
@@ -76,6 +85,9 @@ pub const FILES: &[KernelFile] = &[
             "prefill_attention_hd64",
             "prefill_attention_hd128",
             "prefill_attention_hd256",
+            "prefill_attention_fp8_hd64",
+            "prefill_attention_fp8_hd128",
+            "prefill_attention_fp8_hd256",
         ],
         options: &[],
     },
@@ -108,6 +120,9 @@ pub const FILES: &[KernelFile] = &[
             "prefill_attention_fa_hd64",
             "prefill_attention_fa_hd128",
             "prefill_attention_fa_hd256",
+            "prefill_attention_fa_fp8_hd64",
+            "prefill_attention_fa_fp8_hd128",
+            "prefill_attention_fa_fp8_hd256",
         ],
         options: &[],
     },
@@ -135,10 +150,12 @@ pub const QMV_ROWS: usize = 8;
 /// Threads of a FlashAttention-tiled prefill block (`FA_THREADS` in prefill_attention_fa.cu).
 pub const FA_THREADS: u32 = 128;
 
-/// One entry point of prefill_attention_fa.cu: the padded head size it serves, its query rows a
-/// block (`FA_BLOCK_M_HD<n>`) and its dynamic shared memory (`FA_SMEM_HD<n>`).
+/// One entry point of prefill_attention_fa.cu (and its twin over an FP8 KV cache, launched the
+/// same way): the padded head size it serves, its query rows a block (`FA_BLOCK_M_HD<n>`) and its
+/// dynamic shared memory (`FA_SMEM_HD<n>`).
 pub struct FaEntry {
     pub kernel: &'static str,
+    pub kernel_fp8: &'static str,
     pub head_dim: usize,
     pub block_m: usize,
     pub smem_bytes: u32,
@@ -148,18 +165,21 @@ pub struct FaEntry {
 pub const FA_ENTRIES: [FaEntry; 3] = [
     FaEntry {
         kernel: "prefill_attention_fa_hd64",
+        kernel_fp8: "prefill_attention_fa_fp8_hd64",
         head_dim: 64,
         block_m: 128,
         smem_bytes: 55_296,
     },
     FaEntry {
         kernel: "prefill_attention_fa_hd128",
+        kernel_fp8: "prefill_attention_fa_fp8_hd128",
         head_dim: 128,
         block_m: 128,
         smem_bytes: 104_448,
     },
     FaEntry {
         kernel: "prefill_attention_fa_hd256",
+        kernel_fp8: "prefill_attention_fa_fp8_hd256",
         head_dim: 256,
         block_m: 64,
         smem_bytes: 101_376,
@@ -229,6 +249,7 @@ mod tests {
                 "{hd}"
             );
             assert_eq!(e.kernel, format!("prefill_attention_fa_hd{hd}"));
+            assert_eq!(e.kernel_fp8, format!("prefill_attention_fa_fp8_hd{hd}"));
         }
         use crate::sampling;
         assert_eq!(

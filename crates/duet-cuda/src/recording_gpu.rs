@@ -33,7 +33,6 @@ pub enum Event {
     Replay,
 }
 
-#[derive(Default)]
 pub struct RecordingGpu {
     events: Mutex<Vec<Event>>,
     next: Mutex<DevicePtr>,
@@ -41,12 +40,31 @@ pub struct RecordingGpu {
     /// Copies queued on the load stream that have not completed: they complete when the host
     /// waits for them, or when a test says so ([`Self::complete_loads`]).
     loads_pending: Mutex<bool>,
+    compute_capability: (i32, i32),
+}
+
+/// A Hopper (9.0).
+impl Default for RecordingGpu {
+    fn default() -> Self {
+        Self::with_compute_capability((9, 0))
+    }
 }
 
 /// A recorded graph.
 pub struct Graph;
 
 impl RecordingGpu {
+    /// A GPU of compute capability `(major, minor)`.
+    pub fn with_compute_capability(compute_capability: (i32, i32)) -> Self {
+        Self {
+            events: Mutex::default(),
+            next: Mutex::default(),
+            capturing: Mutex::default(),
+            loads_pending: Mutex::default(),
+            compute_capability,
+        }
+    }
+
     /// Events since the last call.
     pub fn take(&self) -> Vec<Event> {
         std::mem::take(&mut *self.events.lock().unwrap())
@@ -89,6 +107,10 @@ impl Gpu for RecordingGpu {
 
     fn free_memory(&self) -> Result<usize, CudaError> {
         Ok(1 << 30)
+    }
+
+    fn compute_capability(&self) -> (i32, i32) {
+        self.compute_capability
     }
 
     fn upload(&self, _: DevicePtr, src: &[u8]) -> Result<(), CudaError> {

@@ -23,15 +23,33 @@ pub enum KvDtype {
     /// 8-bit integers with f32 scales: each token's key, per KV head, one per group of
     /// [`KvLayout::key_scale_group`] dimensions; its value one per KV head.
     Int8,
+    /// FP8 E4M3 (`float8_e4m3fn`) bytes of value / scale, one scale per layer for K and one for V
+    /// held by the backend, not the blocks (as vLLM's `--kv-cache-dtype fp8`): a block is half a
+    /// bf16 block's bytes. The CUDA backend's, on devices of compute capability 8.9 and later.
+    Fp8E4m3,
 }
 
 impl KvDtype {
+    pub const ALL: [KvDtype; 5] = [
+        KvDtype::F32,
+        KvDtype::F16,
+        KvDtype::Bf16,
+        KvDtype::Int8,
+        KvDtype::Fp8E4m3,
+    ];
+
+    /// The type of [`Self::name`] `name` (what a peer's message names).
+    pub fn from_name(name: &str) -> Option<KvDtype> {
+        Self::ALL.into_iter().find(|d| d.name() == name)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             KvDtype::F32 => "f32",
             KvDtype::F16 => "f16",
             KvDtype::Bf16 => "bf16",
             KvDtype::Int8 => "int8",
+            KvDtype::Fp8E4m3 => "fp8",
         }
     }
 
@@ -40,7 +58,7 @@ impl KvDtype {
         match self {
             KvDtype::F32 => 4,
             KvDtype::F16 | KvDtype::Bf16 => 2,
-            KvDtype::Int8 => 1,
+            KvDtype::Int8 | KvDtype::Fp8E4m3 => 1,
         }
     }
 }
@@ -62,6 +80,8 @@ pub enum KvDtypeChoice {
     F16,
     Bf16,
     Int8,
+    /// FP8 E4M3 with a scale per layer (CUDA, compute capability 8.9 and later).
+    Fp8,
 }
 
 impl KvDtypeChoice {
@@ -73,6 +93,7 @@ impl KvDtypeChoice {
             KvDtypeChoice::F16 => Some(KvDtype::F16),
             KvDtypeChoice::Bf16 => Some(KvDtype::Bf16),
             KvDtypeChoice::Int8 => Some(KvDtype::Int8),
+            KvDtypeChoice::Fp8 => Some(KvDtype::Fp8E4m3),
         }
     }
 }
@@ -183,14 +204,14 @@ impl KvLayout {
     }
 
     /// f32 scales one layer of one block holds: in an int8 cache, per KV head and slot, one per
-    /// key group and one for the value; none in the float types.
+    /// key group and one for the value; none in the float types (an FP8 cache's are per layer).
     pub fn layer_block_scales(&self) -> usize {
         match self.dtype {
             KvDtype::Int8 => {
                 let per_slot = self.head_dim / self.key_scale_group() + 1;
                 self.num_kv_heads * self.block_size * per_slot
             }
-            KvDtype::F32 | KvDtype::F16 | KvDtype::Bf16 => 0,
+            KvDtype::F32 | KvDtype::F16 | KvDtype::Bf16 | KvDtype::Fp8E4m3 => 0,
         }
     }
 
@@ -293,10 +314,10 @@ pub trait Backend: Send + Sync {
     fn matrix_rows(&self, m: &Self::Matrix) -> usize;
     fn load_vector(&self, values: Vec<f32>) -> Result<Self::Vector, EngineError>;
 
-    /// How many KV blocks of `values_per_block` values this backend should hold, when it sizes
+    /// How many KV blocks of `block_bytes` bytes (every layer, K and V) this backend should hold, when it sizes
     /// the cache itself (a GPU: a share of its free memory); `None` keeps the configured size.
-    fn kv_capacity_blocks(&self, values_per_block: usize) -> Option<usize> {
-        let _ = values_per_block;
+    fn kv_capacity_blocks(&self, block_bytes: usize) -> Option<usize> {
+        let _ = block_bytes;
         None
     }
     fn alloc_kv(&self, layout: KvLayout) -> Result<Self::KvStore, EngineError>;

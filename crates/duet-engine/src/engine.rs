@@ -70,11 +70,13 @@ pub struct EngineOptions {
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_GPU_MEMORY_FRACTION", default_value_t = EngineOptions::default().gpu_memory_fraction,
           value_parser = parse_fraction))]
     pub gpu_memory_fraction: f64,
-    /// Element type of the KV cache: auto, f32, f16, bf16 or int8. `auto` is f16 on a CPU for
-    /// quantized or 16-bit weights (half the cache memory, attention reads and KV transfer
+    /// Element type of the KV cache: auto, f32, f16, bf16, int8 or fp8. `auto` is f16 on a CPU
+    /// for quantized or 16-bit weights (half the cache memory, attention reads and KV transfer
     /// bytes; greedy outputs of the default model unchanged) and f32 for f32 weights; bf16 on a
     /// GPU. int8 (CPU) keeps one scale per token and KV head: about half of f16's memory, reads
-    /// and transfer bytes again. Workers exchanging KV must use the same type.
+    /// and transfer bytes again. fp8 (GPU, compute capability 8.9+): E4M3 with a scale of 1 per
+    /// layer, half bf16's bytes; not yet run on a GPU. Workers exchanging KV must use the same
+    /// type.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_KV_DTYPE", value_enum, default_value_t = EngineOptions::default().kv_dtype))]
     pub kv_dtype: KvDtypeChoice,
     /// CPU kernels: auto (the best this CPU supports), portable, avx2, avx2-vnni (AVX2 with

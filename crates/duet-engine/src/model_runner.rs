@@ -34,18 +34,16 @@ impl<B: Backend> ModelRunner<B> {
         let kv_dtype = model
             .backend()
             .kv_dtype(options.kv_dtype, files.tensors.matrices_all_f32())?;
-        let values_per_block = model
+        let block_bytes = model
             .kv_layout(options.block_size, 1, kv_dtype)
-            .values_per_token()
-            * options.block_size;
+            .block_bytes();
         let num_blocks = model
             .backend()
-            .kv_capacity_blocks(values_per_block)
+            .kv_capacity_blocks(block_bytes)
             .unwrap_or(options.kv_cache_tokens / options.block_size);
         if num_blocks == 0 {
             return Err(EngineError::Config(format!(
-                "no room for a KV cache block ({} values) on {}",
-                values_per_block,
+                "no room for a KV cache block ({block_bytes} bytes) on {}",
                 model.backend().name()
             )));
         }

@@ -23,7 +23,10 @@ use crate::grpc::GrpcTransport;
 use crate::transport::{LayerSource, ReadBlocks};
 use crate::{KvSender, KvTransport, KvWire, OpenPush, PushSpec, TransferError};
 
-const MAGIC: &[u8; 8] = b"duetipc1";
+const MAGIC: &[u8; 8] = b"duetipc2";
+/// Bytes of the KV type's name in the transport parameters (zero-padded).
+const DTYPE_NAME_BYTES: usize = 8;
+const ENCODED_BYTES: usize = 8 + 64 + 8 + 5 * 4 + DTYPE_NAME_BYTES;
 
 /// What a decode worker publishes about its KV store.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,7 +52,7 @@ impl KvIpcExport {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(8 + 64 + 8 + 5 * 4);
+        let mut out = Vec::with_capacity(ENCODED_BYTES);
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&self.handle);
         out.extend_from_slice(&self.bytes.to_le_bytes());
@@ -63,14 +66,24 @@ impl KvIpcExport {
         ] {
             out.extend_from_slice(&(v as u32).to_le_bytes());
         }
+        let mut name = [0u8; DTYPE_NAME_BYTES];
+        let dtype = l.dtype.name().as_bytes();
+        name[..dtype.len()].copy_from_slice(dtype);
+        out.extend_from_slice(&name);
         out
     }
 
     pub fn decode(bytes: &[u8]) -> Result<Self, CudaError> {
         let bad = || CudaError::Unsupported("malformed CUDA IPC transport parameters".into());
-        if bytes.len() != 8 + 64 + 8 + 20 || &bytes[..8] != MAGIC {
+        if bytes.len() != ENCODED_BYTES || &bytes[..8] != MAGIC {
             return Err(bad());
         }
+        let name = &bytes[100..];
+        let dtype =
+            std::str::from_utf8(&name[..name.iter().position(|&b| b == 0).unwrap_or(name.len())])
+                .ok()
+                .and_then(KvDtype::from_name)
+                .ok_or_else(bad)?;
         let u32_at =
             |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes")) as usize;
         Ok(Self {
@@ -82,7 +95,7 @@ impl KvIpcExport {
                 head_dim: u32_at(88),
                 block_size: u32_at(92),
                 num_blocks: u32_at(96),
-                dtype: KvDtype::Bf16,
+                dtype,
             },
         })
     }
@@ -110,21 +123,26 @@ pub struct KvIpcPeer {
 }
 
 impl KvIpcPeer {
-    /// Opens `export`; its geometry must equal ours except for the number of blocks.
+    /// Opens `export`; its geometry and KV type must equal ours, except for the number of blocks.
     pub fn open(
         ctx: &Arc<CudaContext>,
         export: &KvIpcExport,
         ours: KvLayout,
     ) -> Result<Self, CudaError> {
         let l = export.layout;
-        if (l.num_layers, l.num_kv_heads, l.head_dim, l.block_size)
-            != (
-                ours.num_layers,
-                ours.num_kv_heads,
-                ours.head_dim,
-                ours.block_size,
-            )
-        {
+        if (
+            l.num_layers,
+            l.num_kv_heads,
+            l.head_dim,
+            l.block_size,
+            l.dtype,
+        ) != (
+            ours.num_layers,
+            ours.num_kv_heads,
+            ours.head_dim,
+            ours.block_size,
+            ours.dtype,
+        ) {
             return Err(CudaError::Unsupported(format!(
                 "the decode worker's KV geometry {l:?} differs from this worker's {ours:?}"
             )));
@@ -160,7 +178,7 @@ impl KvIpcPeer {
         layer: usize,
         pairs: &[(u32, u32)],
     ) -> Result<(), CudaError> {
-        let chunk_bytes = src.chunk_elems() * 2;
+        let chunk_bytes = src.chunk_bytes();
         for &(s, d) in pairs {
             if d as usize >= self.layout.num_blocks {
                 return Err(CudaError::Unsupported(format!(
@@ -496,6 +514,15 @@ mod tests {
         };
         let bytes = export.encode();
         assert_eq!(KvIpcExport::decode(&bytes).unwrap(), export);
+        // The KV type travels: an FP8 store is not read as a bf16 one.
+        let fp8 = KvIpcExport {
+            layout: KvLayout {
+                dtype: KvDtype::Fp8E4m3,
+                ..export.layout
+            },
+            ..export.clone()
+        };
+        assert_eq!(KvIpcExport::decode(&fp8.encode()).unwrap(), fp8);
         assert!(KvIpcExport::decode(&bytes[..bytes.len() - 1]).is_err());
         let mut wrong = bytes.clone();
         wrong[0] ^= 1;

@@ -696,6 +696,20 @@ mod tests {
         let e = receive_all(foreign, &sink(Some(0..3))).unwrap_err();
         assert!(matches!(e, TransferError::Mismatch(_)), "{e}");
 
+        // KV of another type (an FP8 cache's) under the same model is refused too.
+        let mut other_type = good.clone();
+        let mut h = match other_type[0].kind.clone() {
+            Some(Kind::Header(h)) => h,
+            _ => panic!("the first chunk is the header"),
+        };
+        h.dtype = KvDtype::Fp8E4m3.name().into();
+        other_type[0].kind = Some(Kind::Header(h));
+        let e = receive_all(other_type, &sink(Some(0..3))).unwrap_err();
+        assert!(
+            matches!(e, TransferError::Mismatch(_)) && e.to_string().contains("fp8"),
+            "{e}"
+        );
+
         let e = receive_all(good.clone(), &sink(Some(0..4))).unwrap_err();
         assert!(matches!(e, TransferError::Malformed(_)), "{e}");
 

@@ -79,7 +79,7 @@ impl KvNcclLink {
     ) -> Result<(), CudaError> {
         let mut staging: CudaSlice<u8> = self
             .stream
-            .alloc_zeros(chunks.len() * store.chunk_elems() * 2)?;
+            .alloc_zeros(chunks.len() * store.chunk_bytes())?;
         self.comm
             .recv(&mut staging, (1 - self.comm.rank()) as i32)
             .map_err(|e| CudaError::Nccl(format!("receiving KV: {e:?}")))?;
