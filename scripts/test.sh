@@ -61,6 +61,7 @@ pip_need() { # MODULE REQUIREMENT
 }
 tools() {
   pip_need numpy numpy
+  pip_need ml_dtypes ml_dtypes==0.5.4
   pip_need openai openai==3.54.0
   pip_need jsonschema jsonschema==4.26.0
   pip_need grpc grpcio==1.85.1

@@ -18,6 +18,8 @@ use duet_engine::backend::PrefillAttention;
 
 use crate::CudaError;
 use crate::backend::{CudaKvStore, GpuBackend, GpuOptions};
+use crate::fp8_gemm::Fp8Blas;
+use crate::fp8_weights;
 use crate::gpu::{Arg, DevicePtr, Gemm, Gpu, Launch};
 use crate::kernels;
 use crate::probe::{self, DeviceInfo};
@@ -36,6 +38,9 @@ pub struct CudaGpu {
     /// Where blocks brought up from a tier below are copied in, beside the engine's stream.
     load_stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLASLt for FP8 products, where the GPU has them and the library is present (declared
+    /// before the workspace it shares with cuBLAS, so dropped first).
+    fp8_blas: Option<Fp8Blas>,
     _blas_workspace: CudaSlice<u8>,
     functions: HashMap<&'static str, CudaFunction>,
     /// Kernels whose dynamic shared memory this GPU cannot raise to what they launch with, and
@@ -107,6 +112,15 @@ impl CudaGpu {
         let load_stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
+        let fp8_blas = {
+            use cudarc::driver::DevicePtr;
+            let (ptr, _) = workspace.device_ptr(&stream);
+            let fp8 = fp8_weights::require_fp8(info.compute_capability, "").is_ok();
+            match fp8 && probe::cublaslt_present() {
+                true => Some(Fp8Blas::new(ptr, BLAS_WORKSPACE_BYTES)?),
+                false => None,
+            }
+        };
         {
             use cudarc::driver::DevicePtr;
             let (ptr, _) = workspace.device_ptr(&stream);
@@ -135,6 +149,7 @@ impl CudaGpu {
             copy_stream,
             load_stream,
             blas,
+            fp8_blas,
             _blas_workspace: workspace,
             functions,
             shared_refused,
@@ -341,6 +356,23 @@ impl Gpu for CudaGpu {
             )
         }?;
         Ok(())
+    }
+
+    fn fp8_gemm(&self, g: &Gemm) -> Result<(), CudaError> {
+        self.fp8_products("an FP8 product")?;
+        let blas = self.fp8_blas.as_ref().expect("checked above");
+        blas.gemm(g, self.stream.cu_stream() as _)
+    }
+
+    fn fp8_products(&self, what: &str) -> Result<(), CudaError> {
+        fp8_weights::require_fp8(self.info.compute_capability, what)?;
+        match self.fp8_blas {
+            Some(_) => Ok(()),
+            None => Err(CudaError::LibraryMissing {
+                library: "libcublasLt.so.13 (cuBLASLt, FP8 products)",
+                hint: "install the CUDA 13 toolkit, or `pip install nvidia-cublas` and put its lib folder on LD_LIBRARY_PATH",
+            }),
+        }
     }
 
     fn gather_download(
