@@ -5,7 +5,7 @@
 //! blocks brought up from a tier below.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
@@ -38,10 +38,11 @@ pub struct CudaGpu {
     /// Where blocks brought up from a tier below are copied in, beside the engine's stream.
     load_stream: Arc<CudaStream>,
     blas: CudaBlas,
-    /// cuBLASLt for FP8 products, where the GPU has them and the library is present (declared
-    /// before the workspace it shares with cuBLAS, so dropped first).
-    fp8_blas: Option<Fp8Blas>,
-    _blas_workspace: CudaSlice<u8>,
+    /// cuBLASLt for FP8 products, made when the first FP8 matrix loads (a model without one
+    /// never opens the library), or why it could not be (declared before the workspace it shares
+    /// with cuBLAS, so dropped first).
+    fp8_blas: OnceLock<Result<Fp8Blas, String>>,
+    blas_workspace: CudaSlice<u8>,
     functions: HashMap<&'static str, CudaFunction>,
     /// Kernels whose dynamic shared memory this GPU cannot raise to what they launch with, and
     /// why (the FlashAttention-tiled prefill kernels take ~100 KiB a block).
@@ -112,15 +113,6 @@ impl CudaGpu {
         let load_stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
-        let fp8_blas = {
-            use cudarc::driver::DevicePtr;
-            let (ptr, _) = workspace.device_ptr(&stream);
-            let fp8 = fp8_weights::require_fp8(info.compute_capability, "").is_ok();
-            match fp8 && probe::cublaslt_present() {
-                true => Some(Fp8Blas::new(ptr, BLAS_WORKSPACE_BYTES)?),
-                false => None,
-            }
-        };
         {
             use cudarc::driver::DevicePtr;
             let (ptr, _) = workspace.device_ptr(&stream);
@@ -149,8 +141,8 @@ impl CudaGpu {
             copy_stream,
             load_stream,
             blas,
-            fp8_blas,
-            _blas_workspace: workspace,
+            fp8_blas: OnceLock::new(),
+            blas_workspace: workspace,
             functions,
             shared_refused,
             info,
@@ -160,6 +152,28 @@ impl CudaGpu {
 
     pub fn device_info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// cuBLASLt for FP8 products, opened on first use; an error naming `what` needs it when
+    /// the GPU has no FP8 or the library is missing.
+    fn fp8_blas(&self, what: &str) -> Result<&Fp8Blas, CudaError> {
+        fp8_weights::require_fp8(self.info.compute_capability, what)?;
+        let opened = self.fp8_blas.get_or_init(|| {
+            if !probe::cublaslt_present() {
+                return Err(
+                    "libcublasLt.so.13 (cuBLASLt) was not found: install the CUDA 13 \
+                     toolkit, or `pip install nvidia-cublas` and put its lib folder on \
+                     LD_LIBRARY_PATH"
+                        .into(),
+                );
+            }
+            use cudarc::driver::DevicePtr;
+            let (ptr, _) = self.blas_workspace.device_ptr(&self.stream);
+            Fp8Blas::new(ptr, BLAS_WORKSPACE_BYTES).map_err(|e| e.to_string())
+        });
+        opened
+            .as_ref()
+            .map_err(|why| CudaError::Unsupported(format!("FP8 products ({what}): {why}")))
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -359,20 +373,12 @@ impl Gpu for CudaGpu {
     }
 
     fn fp8_gemm(&self, g: &Gemm) -> Result<(), CudaError> {
-        self.fp8_products("an FP8 product")?;
-        let blas = self.fp8_blas.as_ref().expect("checked above");
-        blas.gemm(g, self.stream.cu_stream() as _)
+        self.fp8_blas("an FP8 product")?
+            .gemm(g, self.stream.cu_stream() as _)
     }
 
     fn fp8_products(&self, what: &str) -> Result<(), CudaError> {
-        fp8_weights::require_fp8(self.info.compute_capability, what)?;
-        match self.fp8_blas {
-            Some(_) => Ok(()),
-            None => Err(CudaError::LibraryMissing {
-                library: "libcublasLt.so.13 (cuBLASLt, FP8 products)",
-                hint: "install the CUDA 13 toolkit, or `pip install nvidia-cublas` and put its lib folder on LD_LIBRARY_PATH",
-            }),
-        }
+        self.fp8_blas(what).map(|_| ())
     }
 
     fn gather_download(
