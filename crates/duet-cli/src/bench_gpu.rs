@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use duet_engine::device::GpuWeights;
+use duet_model::fp8::Quantization;
 use duet_model::model_path::ModelArgs;
 use duet_model::quant_type::QuantType;
 
@@ -58,6 +59,12 @@ pub struct GpuBenchArgs {
     #[arg(long, value_delimiter = ',', value_parser = block_format,
         default_value = "Q4_0,Q4_1,Q8_0,Q4_K,Q6_K")]
     pub weight_types: Vec<QuantType>,
+    /// `fp8`: in place of the bf16 timings, the Llama-3-8B shape's random weights in bf16 and
+    /// quantized to FP8 at load: decode at batch 1, a 2048-token prefill and the memory of each,
+    /// and the FP8 logits against bf16's (a check, ‖Δ‖/‖ref‖ ≤ 5e-2). Needs compute capability
+    /// 8.9 or later.
+    #[arg(long, value_enum, default_value_t = Quantization::None)]
+    pub quantization: Quantization,
     /// Write the JSON report here too.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
@@ -87,6 +94,7 @@ pub fn run(args: GpuBenchArgs) -> Result<()> {
         gpu_weights: args.gpu_weights,
         weight_types: args.weight_types.clone(),
         fp8_kv: args.fp8_kv,
+        quantization: args.quantization,
     })?;
     print!("{}", report.table());
     let mut json = serde_json::to_value(&report)?;

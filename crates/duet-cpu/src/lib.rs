@@ -539,7 +539,14 @@ mod synthetic_model {
     }
 
     fn logits(seed: u64) -> Vec<f32> {
-        let model = Llama::synthetic(CpuBackend::new(1), tiny(), QuantType::BF16, seed).unwrap();
+        let model = Llama::synthetic(
+            CpuBackend::new(1),
+            tiny(),
+            QuantType::BF16,
+            duet_model::fp8::Quantization::None,
+            seed,
+        )
+        .unwrap();
         let mut kv =
             Backend::alloc_kv(model.backend(), model.kv_layout(4, 4, KvDtype::F32)).unwrap();
         let tokens = [1u32, 7, 42, 99, 3];
@@ -587,7 +594,14 @@ mod synthetic_model {
             e.contains("--kv-dtype fp8") && e.contains("--device cuda"),
             "{e}"
         );
-        let model = Llama::synthetic(backend, tiny(), QuantType::BF16, 1).unwrap();
+        let model = Llama::synthetic(
+            backend,
+            tiny(),
+            QuantType::BF16,
+            duet_model::fp8::Quantization::None,
+            1,
+        )
+        .unwrap();
         let layout = model.kv_layout(4, 4, KvDtype::Fp8E4m3);
         let e = Backend::alloc_kv(model.backend(), layout)
             .err()

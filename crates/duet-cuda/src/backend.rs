@@ -25,12 +25,14 @@ use duet_engine::batch::ForwardBatch;
 use duet_engine::sampling_steps::RowSampling;
 use duet_model::config::ModelConfig;
 use duet_model::dequant::dequantize_row;
+use duet_model::fp8::Fp8Matrix;
 use duet_model::model_files::RawTensor;
 use duet_model::params::Sampled;
 use duet_model::quant_type::QuantType;
 use duet_model::storage::WeightBytes;
 
 use crate::CudaError;
+use crate::fp8_weights::{self, Fp8Layout};
 use crate::gpu::{Arg, DeviceBuffer, DevicePtr, Gemm, Gpu, Launch};
 use crate::kernels;
 use crate::packed_weights::{self, PackedLayout};
@@ -114,6 +116,9 @@ pub struct GpuBackend<G: Gpu> {
     /// The largest dequantized tile of a packed matrix loaded so far (bytes): the scratch
     /// buffer prefill's products over packed weights need, reserved with the step memory.
     packed_tile_bytes: AtomicUsize,
+    /// The widest input of an FP8 matrix loaded so far (values): the scratch its products'
+    /// quantized inputs need, reserved with the step memory.
+    fp8_widest_cols: AtomicUsize,
     /// Device memory the weights loaded so far take (matrices and vectors), bytes.
     weight_bytes: AtomicUsize,
     /// The first failure; once set, ops do nothing and `sync` reports it.
@@ -138,6 +143,8 @@ struct State<G: Gpu> {
     cast: Option<DeviceBuffer>,
     /// A tile of a packed matrix dequantized to bf16 (prefill's products over packed weights).
     tile: Option<DeviceBuffer>,
+    /// An FP8 product's input quantized to E4M3, then its row scales.
+    fp8_input: Option<DeviceBuffer>,
     /// The activations whose bf16 copy `cast` holds (0: none). Set by the kernels that write the
     /// copy beside their output, cleared by every other launch, so a product skips its cast only
     /// when nothing can have changed its input since.
@@ -171,12 +178,14 @@ enum Mode {
     Replay(GraphKey),
 }
 
-/// A weight matrix `[rows][cols]` in bf16, or as the GGUF file's blocks (`--gpu-weights packed`).
+/// A weight matrix `[rows][cols]` in bf16, as the GGUF file's blocks (`--gpu-weights packed`),
+/// or in FP8 with its row scales (an FP8 checkpoint, `--quantization fp8`).
 pub struct CudaMatrix {
     buf: DeviceBuffer,
     rows: usize,
     cols: usize,
     packed: Option<PackedLayout>,
+    fp8: Option<Fp8Layout>,
 }
 
 impl CudaMatrix {
@@ -188,6 +197,11 @@ impl CudaMatrix {
     /// The packed layout, when the matrix is kept in its file's blocks.
     pub fn packed(&self) -> Option<&PackedLayout> {
         self.packed.as_ref()
+    }
+
+    /// The FP8 layout, when the matrix is kept in FP8.
+    pub fn fp8(&self) -> Option<&Fp8Layout> {
+        self.fp8.as_ref()
     }
 }
 
@@ -355,6 +369,7 @@ impl<G: Gpu> GpuBackend<G> {
             options: switches,
             memory_fraction,
             packed_tile_bytes: AtomicUsize::new(0),
+            fp8_widest_cols: AtomicUsize::new(0),
             weight_bytes: AtomicUsize::new(0),
             failure: Mutex::new(None),
             state: Mutex::new(State {
@@ -368,6 +383,7 @@ impl<G: Gpu> GpuBackend<G> {
                 overflow: Vec::new(),
                 cast: None,
                 tile: None,
+                fp8_input: None,
                 cast_holds: 0,
                 partitions: None,
                 packed: PackedRows::default(),
@@ -536,6 +552,9 @@ impl<G: Gpu> GpuBackend<G> {
         if self.idle(s) || x.rows == 0 {
             return;
         }
+        if let Some(layout) = &w.fp8 {
+            return self.gemm_fp8(s, w, layout, x, out);
+        }
         if let Some(p) = &w.packed
             && x.rows <= packed_weights::MATVEC_MAX_ROWS
         {
@@ -691,6 +710,7 @@ impl<G: Gpu> GpuBackend<G> {
             rows,
             cols,
             packed: None,
+            fp8: None,
         })
     }
 
@@ -707,7 +727,87 @@ impl<G: Gpu> GpuBackend<G> {
             rows: layout.rows,
             cols: layout.cols,
             packed: Some(layout),
+            fp8: None,
         })
+    }
+
+    /// An FP8 matrix: its E4M3 bytes and row scales uploaded in one allocation.
+    fn upload_fp8(&self, layout: Fp8Layout, m: &Fp8Matrix) -> Result<CudaMatrix, CudaError> {
+        let buf = DeviceBuffer::new(&self.gpu, layout.bytes())?;
+        self.gpu.upload(buf.ptr(), &layout.image(m))?;
+        self.gpu.synchronize()?;
+        self.fp8_widest_cols
+            .fetch_max(layout.cols, Ordering::Relaxed);
+        self.weight_bytes.fetch_add(buf.bytes(), Ordering::Relaxed);
+        Ok(CudaMatrix {
+            buf,
+            rows: layout.rows,
+            cols: layout.cols,
+            packed: None,
+            fp8: Some(layout),
+        })
+    }
+
+    /// `out = x · wᵀ` over FP8 `w`: `x` quantized to E4M3 a row at a time (or with `w`'s static
+    /// input scale), the E4M3 product through cuBLASLt in f32, then each output value times its
+    /// row's input scale and its column's weight scale.
+    fn gemm_fp8(
+        &self,
+        s: &mut State<G>,
+        w: &CudaMatrix,
+        layout: &Fp8Layout,
+        x: &CudaActivations,
+        out: &CudaActivations,
+    ) {
+        let (rows, k, n) = (x.rows, layout.cols, layout.rows);
+        let Some(input) = self.scratch(
+            "allocating the FP8 input",
+            |s| &mut s.fp8_input,
+            s,
+            fp8_weights::input_bytes(rows, k),
+        ) else {
+            return;
+        };
+        let input_scales = input + fp8_weights::input_scales_offset(rows, k) as u64;
+        self.launch(
+            s,
+            "quantize_rows_e4m3",
+            ((rows as u32, 1, 1), fp8_weights::QUANTIZE_THREADS),
+            &[
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(input),
+                Arg::Ptr(input_scales),
+                i32_of(rows),
+                i32_of(k),
+                Arg::F32(layout.static_input_scale()),
+            ],
+        );
+        if self.idle(s) {
+            return;
+        }
+        s.pending = true;
+        let r = self.gpu.fp8_gemm(&Gemm {
+            w: w.buf.ptr(),
+            x: input,
+            out: out.ptr,
+            rows,
+            n,
+            k,
+            ld_out: n,
+        });
+        self.check("cublasLtMatmul (FP8)", r);
+        self.launch(
+            s,
+            "fp8_scale_output",
+            grid1(rows * n, 256),
+            &[
+                Arg::Ptr(out.ptr),
+                Arg::Ptr(input_scales),
+                Arg::Ptr(w.buf.ptr() + layout.scales_offset() as u64),
+                i32_of(rows),
+                i32_of(n),
+            ],
+        );
     }
 
     /// Ends a capture under way: the graph is kept and queued, so the step's work runs.
@@ -982,6 +1082,16 @@ impl<G: Gpu> Backend for GpuBackend<G> {
         ))
     }
 
+    /// Kept FP8 on a GPU of compute capability 8.9 or later; an error naming the matrix and the
+    /// compute capability elsewhere.
+    fn load_fp8_matrix(&self, m: Fp8Matrix) -> Result<CudaMatrix, EngineError> {
+        self.gpu.fp8_products(&m.name)?;
+        let layout = Fp8Layout::of(&m)?;
+        Ok(self
+            .upload_fp8(layout, &m)
+            .map_err(|e| CudaError::Driver(format!("uploading {}: {e}", m.name)))?)
+    }
+
     fn matrix_rows(&self, m: &CudaMatrix) -> usize {
         m.rows
     }
@@ -1134,6 +1244,14 @@ impl<G: Gpu> Backend for GpuBackend<G> {
             let tile = self.packed_tile_bytes.load(Ordering::Relaxed);
             if tile > 0 {
                 grow(&self.gpu, &mut s.tile, tile)?;
+            }
+            let fp8_cols = self.fp8_widest_cols.load(Ordering::Relaxed);
+            if fp8_cols > 0 {
+                grow(
+                    &self.gpu,
+                    &mut s.fp8_input,
+                    fp8_weights::input_bytes(rows, fp8_cols),
+                )?;
             }
             // Decode attention of every row within one partition; longer contexts grow it.
             grow(
@@ -1885,6 +2003,7 @@ mod tests {
     use crate::recording_gpu::{Event, RecordingGpu};
     use duet_engine::batch::{LogitsWanted, SeqInput};
     use duet_engine::llama::Llama;
+    use duet_model::fp8::Quantization;
     use duet_model::params::SamplingParams;
 
     fn fixtures() -> std::path::PathBuf {
@@ -1893,6 +2012,148 @@ mod tests {
 
     fn fixture(name: &str) -> ModelConfig {
         ModelConfig::from_hf_config_file(&fixtures().join(name).join("config.json")).unwrap()
+    }
+
+    /// The FP8 products of a step's events, with the arguments of the kernels around them.
+    fn fp8_products(gpu: &RecordingGpu, events: &[Event]) -> Vec<(Gemm, Vec<Arg>, Vec<Arg>)> {
+        let gemms: Vec<Gemm> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Fp8Gemm(g) => Some(*g),
+                _ => None,
+            })
+            .collect();
+        let quantized = gpu.take_args("quantize_rows_e4m3");
+        let scaled = gpu.take_args("fp8_scale_output");
+        assert_eq!((quantized.len(), scaled.len()), (gemms.len(), gemms.len()));
+        gemms
+            .into_iter()
+            .zip(quantized)
+            .zip(scaled)
+            .map(|((g, q), s)| (g, q, s))
+            .collect()
+    }
+
+    /// An FP8 checkpoint (and `--quantization fp8`) stays FP8 on the device: a byte a weight and
+    /// four a row, so the layers' projections take half of bf16's memory. Each product of a
+    /// decode step is its input quantized a row at a time into the scratch the FP8 GEMM reads,
+    /// cuBLASLt's FP8 GEMM of the projection's shape, and the output scaled by the input's row
+    /// scales and the weight's (stored after its E4M3 bytes); the output projection stays a bf16
+    /// product, and the step still allocates nothing and waits once.
+    #[test]
+    fn fp8_weights_stay_fp8_and_multiply_through_cublaslt() {
+        let bf16 = Rig::new(GpuOptions::default());
+        let quantized = Rig::synthetic(GpuOptions::default(), QuantType::BF16, Quantization::Fp8);
+        let c = bf16.model.config().clone();
+        let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let shapes = [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f)];
+        let weights: usize = c.num_layers * shapes.iter().map(|(r, c)| r * c).sum::<usize>();
+        let rows: usize = c.num_layers * shapes.iter().map(|(r, _)| r).sum::<usize>();
+        assert_eq!(
+            quantized.model.backend().weight_bytes(),
+            bf16.model.backend().weight_bytes() - 2 * weights + weights + 4 * rows
+        );
+        for mut rig in [
+            quantized,
+            Rig::from_file(GpuOptions::default(), "tiny-llama-fp8"),
+        ] {
+            for _ in 0..2 {
+                let events = rig.decode(3, 20);
+                assert_eq!(count(&events, |e| matches!(e, Event::Alloc(_))), 0);
+                assert_eq!(count(&events, |e| *e == Event::Synchronize), 1);
+                assert_eq!(count(&events, |e| matches!(e, Event::Gemm(_))), 1);
+                let products = fp8_products(&rig.gpu, &events);
+                assert_eq!(products.len(), 4 * c.num_layers);
+                for (i, (g, quantize, scale)) in products.iter().enumerate() {
+                    assert_eq!((g.n, g.k), shapes[i % 4], "product {i}");
+                    assert_eq!(g.rows, products[0].0.rows);
+                    let scales_at = g.x + fp8_weights::input_scales_offset(g.rows, g.k) as u64;
+                    let weight_scales = g.w + (g.n * g.k).next_multiple_of(16) as u64;
+                    assert_eq!(
+                        quantize[1..],
+                        [
+                            Arg::Ptr(g.x),
+                            Arg::Ptr(scales_at),
+                            i32_of(g.rows),
+                            i32_of(g.k),
+                            Arg::F32(0.0)
+                        ]
+                    );
+                    assert_eq!(
+                        scale[..],
+                        [
+                            Arg::Ptr(g.out),
+                            Arg::Ptr(scales_at),
+                            Arg::Ptr(weight_scales),
+                            i32_of(g.rows),
+                            i32_of(g.n)
+                        ]
+                    );
+                }
+            }
+        }
+    }
+
+    /// A checkpoint's static input scale quantizes every input row with it (the largest of the
+    /// stacked parts'), for any number of rows.
+    #[test]
+    fn a_static_input_scale_reaches_the_quantizing_kernel() {
+        let gpu = Arc::new(RecordingGpu::default());
+        let b = GpuBackend::with_gpu(gpu.clone(), GpuOptions::default(), 0.5);
+        let part = |name: &str, input_scale| {
+            Fp8Matrix::new(
+                name,
+                16,
+                48,
+                WeightBytes::from_vec(vec![0x38; 16 * 48]),
+                vec![0.5; 16],
+                input_scale,
+            )
+            .unwrap()
+        };
+        let stacked = Fp8Matrix::stack(&[part("q", Some(0.25)), part("k", Some(2.0))]).unwrap();
+        let m = b.load_fp8_matrix(stacked).unwrap();
+        assert_eq!(m.fp8().map(|l| (l.rows, l.cols)), Some((32, 48)));
+        for rows in [1, 40] {
+            let x = b
+                .upload_activations(rows, 48, &vec![1.0; rows * 48])
+                .unwrap();
+            let mut out = b.alloc(rows, 32);
+            b.matmul(&m, &x, &mut out);
+            let events = gpu.take();
+            let products = fp8_products(&gpu, &events);
+            assert_eq!(products.len(), 1);
+            let (g, quantize, _) = &products[0];
+            assert_eq!((g.rows, g.n, g.k, g.w), (rows, 32, 48, m.buf.ptr()));
+            assert_eq!(quantize[5], Arg::F32(2.0));
+            b.sync().unwrap();
+        }
+    }
+
+    /// FP8 weights on a GPU without FP8 products (below compute capability 8.9) are an error
+    /// naming the matrix and the compute capability, at load; bf16 weights load there.
+    #[test]
+    fn fp8_weights_on_a_gpu_without_fp8_are_named() {
+        let load = |quantization| {
+            let gpu = Arc::new(RecordingGpu::with_compute_capability((8, 6)));
+            let backend = GpuBackend::with_gpu(gpu, GpuOptions::default(), 0.5);
+            Llama::synthetic(
+                backend,
+                fixture("tiny-llama"),
+                QuantType::BF16,
+                quantization,
+                3,
+            )
+        };
+        let Err(e) = load(Quantization::Fp8) else {
+            panic!("FP8 weights loaded on a GPU of compute capability 8.6");
+        };
+        let e = e.to_string();
+        assert!(
+            e.contains("blk.0.attn_q.weight") && e.contains("8.9") && e.contains("is 8.6"),
+            "{e}"
+        );
+        assert!(load(Quantization::None).is_ok());
     }
 
     #[test]
@@ -1924,11 +2185,12 @@ mod tests {
 
     impl Rig {
         fn new(options: GpuOptions) -> Self {
-            Self::synthetic(options, QuantType::BF16)
+            Self::synthetic(options, QuantType::BF16, Quantization::None)
         }
 
-        /// The tiny fixture's shapes with random weights stored as `ty`.
-        fn synthetic(options: GpuOptions, ty: QuantType) -> Self {
+        /// The tiny fixture's shapes with random weights stored as `ty`, the layers'
+        /// projections quantized as `quantization` asks.
+        fn synthetic(options: GpuOptions, ty: QuantType, quantization: Quantization) -> Self {
             let gpu = Arc::new(RecordingGpu::default());
             let backend = GpuBackend::with_gpu(gpu.clone(), options, 0.5);
             // Contexts past one 512-token attention partition.
@@ -1936,7 +2198,7 @@ mod tests {
                 max_position_embeddings: 4096,
                 ..fixture("tiny-llama")
             };
-            let model = Llama::synthetic(backend, config, ty, 3).unwrap();
+            let model = Llama::synthetic(backend, config, ty, quantization, 3).unwrap();
             Self::ready(gpu, model)
         }
 
@@ -2380,8 +2642,8 @@ mod tests {
             (QuantType::Q4_1, 2.8),
             (QuantType::Q8_0, 1.7),
         ] {
-            let bf16 = Rig::synthetic(GpuOptions::default(), ty);
-            let mut rig = Rig::synthetic(packed(), ty);
+            let bf16 = Rig::synthetic(GpuOptions::default(), ty, Quantization::None);
+            let mut rig = Rig::synthetic(packed(), ty, Quantization::None);
             let (b, p) = (
                 bf16.model.backend().weight_bytes(),
                 rig.model.backend().weight_bytes(),

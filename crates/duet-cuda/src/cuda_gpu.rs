@@ -5,7 +5,7 @@
 //! blocks brought up from a tier below.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
@@ -18,6 +18,8 @@ use duet_engine::backend::PrefillAttention;
 
 use crate::CudaError;
 use crate::backend::{CudaKvStore, GpuBackend, GpuOptions};
+use crate::fp8_gemm::Fp8Blas;
+use crate::fp8_weights;
 use crate::gpu::{Arg, DevicePtr, Gemm, Gpu, Launch};
 use crate::kernels;
 use crate::probe::{self, DeviceInfo};
@@ -36,7 +38,11 @@ pub struct CudaGpu {
     /// Where blocks brought up from a tier below are copied in, beside the engine's stream.
     load_stream: Arc<CudaStream>,
     blas: CudaBlas,
-    _blas_workspace: CudaSlice<u8>,
+    /// cuBLASLt for FP8 products, made when the first FP8 matrix loads (a model without one
+    /// never opens the library), or why it could not be (declared before the workspace it shares
+    /// with cuBLAS, so dropped first).
+    fp8_blas: OnceLock<Result<Fp8Blas, String>>,
+    blas_workspace: CudaSlice<u8>,
     functions: HashMap<&'static str, CudaFunction>,
     /// Kernels whose dynamic shared memory this GPU cannot raise to what they launch with, and
     /// why (the FlashAttention-tiled prefill kernels take ~100 KiB a block).
@@ -135,7 +141,8 @@ impl CudaGpu {
             copy_stream,
             load_stream,
             blas,
-            _blas_workspace: workspace,
+            fp8_blas: OnceLock::new(),
+            blas_workspace: workspace,
             functions,
             shared_refused,
             info,
@@ -145,6 +152,28 @@ impl CudaGpu {
 
     pub fn device_info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// cuBLASLt for FP8 products, opened on first use; an error naming `what` needs it when
+    /// the GPU has no FP8 or the library is missing.
+    fn fp8_blas(&self, what: &str) -> Result<&Fp8Blas, CudaError> {
+        fp8_weights::require_fp8(self.info.compute_capability, what)?;
+        let opened = self.fp8_blas.get_or_init(|| {
+            if !probe::cublaslt_present() {
+                return Err(
+                    "libcublasLt.so.13 (cuBLASLt) was not found: install the CUDA 13 \
+                     toolkit, or `pip install nvidia-cublas` and put its lib folder on \
+                     LD_LIBRARY_PATH"
+                        .into(),
+                );
+            }
+            use cudarc::driver::DevicePtr;
+            let (ptr, _) = self.blas_workspace.device_ptr(&self.stream);
+            Fp8Blas::new(ptr, BLAS_WORKSPACE_BYTES).map_err(|e| e.to_string())
+        });
+        opened
+            .as_ref()
+            .map_err(|why| CudaError::Unsupported(format!("FP8 products ({what}): {why}")))
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -347,6 +376,15 @@ impl Gpu for CudaGpu {
             )
         }?;
         Ok(())
+    }
+
+    fn fp8_gemm(&self, g: &Gemm) -> Result<(), CudaError> {
+        self.fp8_blas("an FP8 product")?
+            .gemm(g, self.stream.cu_stream() as _)
+    }
+
+    fn fp8_products(&self, what: &str) -> Result<(), CudaError> {
+        self.fp8_blas(what).map(|_| ())
     }
 
     fn gather_download(

@@ -32,7 +32,8 @@ pub struct Launch<'a> {
     pub args: &'a [Arg],
 }
 
-/// `out[rows][n] = x[rows][k] · wᵀ` with `w` `[n][k]` and `x` in bf16, `out` in f32, its rows
+/// `out[rows][n] = x[rows][k] · wᵀ` with `w` `[n][k]` and `x` in bf16 ([`Gpu::gemm`]) or E4M3
+/// ([`Gpu::fp8_gemm`], unscaled: `fp8_scale_output` applies the scales), `out` in f32, its rows
 /// `ld_out` values apart (`n`, or more when the product fills a band of a wider output's columns).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Gemm {
@@ -67,6 +68,11 @@ pub trait Gpu: Send + Sync + 'static {
     fn zero(&self, dst: DevicePtr, bytes: usize) -> Result<(), CudaError>;
     fn launch(&self, launch: &Launch<'_>) -> Result<(), CudaError>;
     fn gemm(&self, gemm: &Gemm) -> Result<(), CudaError>;
+    /// An FP8 product, through cuBLASLt (where [`Gpu::fp8_products`] says yes; `ld_out` is `n`).
+    fn fp8_gemm(&self, gemm: &Gemm) -> Result<(), CudaError>;
+    /// Whether this GPU runs FP8 products (compute capability 8.9 or later, cuBLASLt present);
+    /// the error says why not, naming `what` needs them.
+    fn fp8_products(&self, what: &str) -> Result<(), CudaError>;
     /// Copies the chunks `chunks` (indices of `chunk_bytes`-byte pieces from `base`) into `dst`,
     /// in order, through pinned memory in one copy, on a stream of its own once the work queued
     /// so far on the backend's stream is done; waits for that stream only.

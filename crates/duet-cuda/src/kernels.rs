@@ -127,6 +127,12 @@ pub const FILES: &[KernelFile] = &[
         options: &[],
     },
     KernelFile {
+        name: "fp8_weights.cu",
+        source: include_str!("../../../kernels/fp8_weights.cu"),
+        kernels: &["quantize_rows_e4m3", "fp8_scale_output"],
+        options: &[],
+    },
+    KernelFile {
         name: "sampling.cu",
         source: include_str!("../../../kernels/sampling.cu"),
         kernels: &["sample_rows"],

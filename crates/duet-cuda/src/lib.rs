@@ -13,6 +13,9 @@ pub mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda_gpu;
 pub mod error;
+#[cfg(feature = "cuda")]
+mod fp8_gemm;
+pub mod fp8_weights;
 pub mod gpu;
 pub mod kernels;
 pub mod packed_weights;

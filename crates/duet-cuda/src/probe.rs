@@ -24,6 +24,11 @@ pub fn cublas_present() -> bool {
     unsafe { cudarc::cublas::sys::is_culib_present() }
 }
 
+pub fn cublaslt_present() -> bool {
+    // SAFETY: as above.
+    unsafe { cudarc::cublaslt::sys::is_culib_present() }
+}
+
 pub fn nccl_present() -> bool {
     // SAFETY: as above.
     unsafe { cudarc::nccl::sys::is_culib_present() }

@@ -20,6 +20,7 @@ pub enum Event {
     Zero(usize),
     Launch(&'static str),
     Gemm(Gemm),
+    Fp8Gemm(Gemm),
     /// A layer's KV blocks read off the backend's stream (their count).
     GatherDownload(usize),
     /// A copy of `usize` bytes queued on the load stream.
@@ -35,6 +36,8 @@ pub enum Event {
 
 pub struct RecordingGpu {
     events: Mutex<Vec<Event>>,
+    /// The arguments of every launch, in order (read by [`Self::take_args`]).
+    args: Mutex<Vec<(&'static str, Vec<Arg>)>>,
     next: Mutex<DevicePtr>,
     capturing: Mutex<bool>,
     /// Copies queued on the load stream that have not completed: they complete when the host
@@ -58,6 +61,7 @@ impl RecordingGpu {
     pub fn with_compute_capability(compute_capability: (i32, i32)) -> Self {
         Self {
             events: Mutex::default(),
+            args: Mutex::default(),
             next: Mutex::default(),
             capturing: Mutex::default(),
             loads_pending: Mutex::default(),
@@ -68,6 +72,16 @@ impl RecordingGpu {
     /// Events since the last call.
     pub fn take(&self) -> Vec<Event> {
         std::mem::take(&mut *self.events.lock().unwrap())
+    }
+
+    /// The arguments of each launch of `kernel` since the last call (other kernels' are kept).
+    pub fn take_args(&self, kernel: &str) -> Vec<Vec<Arg>> {
+        let mut args = self.args.lock().unwrap();
+        let (taken, kept) = std::mem::take(&mut *args)
+            .into_iter()
+            .partition(|(k, _)| *k == kernel);
+        *args = kept;
+        taken.into_iter().map(|(_, a)| a).collect()
     }
 
     fn record(&self, e: Event) {
@@ -160,12 +174,38 @@ impl Gpu for RecordingGpu {
             launch.shared_bytes
         );
         self.record(Event::Launch(launch.kernel));
+        self.args
+            .lock()
+            .unwrap()
+            .push((launch.kernel, launch.args.to_vec()));
         Ok(())
     }
 
     fn gemm(&self, gemm: &Gemm) -> Result<(), CudaError> {
         self.record(Event::Gemm(*gemm));
         Ok(())
+    }
+
+    fn fp8_gemm(&self, gemm: &Gemm) -> Result<(), CudaError> {
+        assert!(
+            self.fp8_products("a product").is_ok(),
+            "an FP8 product on a GPU without FP8"
+        );
+        // cuBLASLt's FP8 kernels: 16-byte aligned operands, leading dimensions multiples of 16.
+        assert!(
+            gemm.k.is_multiple_of(16) && gemm.n.is_multiple_of(16) && gemm.ld_out == gemm.n,
+            "{gemm:?}: dimensions cuBLASLt's FP8 GEMM does not take"
+        );
+        assert!(
+            [gemm.w, gemm.x, gemm.out].iter().all(|p| p % 16 == 0),
+            "{gemm:?}: an operand off a 16-byte boundary"
+        );
+        self.record(Event::Fp8Gemm(*gemm));
+        Ok(())
+    }
+
+    fn fp8_products(&self, what: &str) -> Result<(), CudaError> {
+        crate::fp8_weights::require_fp8(self.compute_capability, what)
     }
 
     fn gather_download(
@@ -222,7 +262,7 @@ impl Gpu for RecordingGpu {
         // The captured work belongs to the graph; the log keeps the bracket and its count.
         let captured = events
             .drain(start + 1..)
-            .filter(|e| matches!(e, Event::Launch(_) | Event::Gemm(_)))
+            .filter(|e| matches!(e, Event::Launch(_) | Event::Gemm(_) | Event::Fp8Gemm(_)))
             .count();
         events.push(Event::EndCapture(captured));
         Ok(Graph)

@@ -31,6 +31,11 @@
 //!   and 64 against the bf16 weights' decode of the same run, switches all off and all on, and the
 //!   memory the weights take. Every model checked whose file holds block formats is also checked
 //!   with its weights kept packed: logits and greedy tokens against the CPU.
+//! - With `--quantization fp8`, in place of the bf16 timings: the Llama-3-8B shape's random
+//!   weights in bf16 and quantized to FP8 at load, the same values: decode at batch 1 and a
+//!   2048-token prefill of each, the memory each takes, and the FP8 model's last logits against
+//!   the bf16 model's (‖Δ‖/‖ref‖ ≤ 5e-2, a check). A model checked that holds FP8 weights is
+//!   checked against the CPU within 2e-2, as a packed one.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -47,6 +52,7 @@ use duet_engine::llama::Llama;
 use duet_engine::model_runner::ModelRunner;
 use duet_engine::sampling_steps::{RowSampling, sample_row};
 use duet_model::config::ModelConfig;
+use duet_model::fp8::Quantization;
 use duet_model::model_files::open_model;
 use duet_model::params::{Sampled, SamplingParams, StopCriteria};
 use duet_model::quant_type::QuantType;
@@ -74,6 +80,9 @@ pub struct GpuBenchOptions {
     pub weight_types: Vec<QuantType>,
     /// Also check and time an FP8 KV cache against bf16.
     pub fp8_kv: bool,
+    /// `fp8`: time and check the Llama-3-8B shape with FP8 weights against bf16, in place of the
+    /// bf16 timings.
+    pub quantization: Quantization,
 }
 
 #[derive(Serialize)]
@@ -107,6 +116,8 @@ pub struct GpuReport {
     pub weights: Vec<WeightRun>,
     /// Decode of the Llama-3-8B shape by its KV cache's type (with `--fp8-kv`).
     pub kv_dtypes: Vec<KvDtypeRun>,
+    /// FP8 weights against bf16 on the Llama-3-8B shape (with `--quantization fp8`).
+    pub fp8: Option<Fp8Comparison>,
     /// Timings that could not be taken, and why.
     pub timing_errors: Vec<String>,
 }
@@ -156,6 +167,33 @@ pub struct KvDtypeRun {
     /// Share of the bandwidth roofline (the weights and the cache's KV read once a step).
     pub of_roofline: f64,
 }
+
+/// The Llama-3-8B shape's random weights in bf16 and in FP8 (quantized at load from the same
+/// values), one run.
+#[derive(Serialize)]
+pub struct Fp8Comparison {
+    pub bf16_weight_bytes: usize,
+    pub fp8_weight_bytes: usize,
+    /// FP8's weight memory over bf16's (the projections at half, the embedding and output in
+    /// bf16 either way).
+    pub memory_of_bf16: f64,
+    pub bf16_decode_batch1_tok_s: f64,
+    pub fp8_decode_batch1_tok_s: f64,
+    /// The target: at least 1.7.
+    pub decode_batch1_speedup: f64,
+    pub bf16_prefill_ms: f64,
+    pub fp8_prefill_ms: f64,
+    /// bf16's 2048-token prefill time over FP8's (the target: at least 1.4).
+    pub prefill_speedup: f64,
+    /// The FP8 model's last logits of a 64-token prompt against the bf16 model's, ‖Δ‖/‖ref‖
+    /// (the bound: 5e-2).
+    pub logits_relative_to_bf16: f64,
+}
+
+/// Tokens of the prefill timed against bf16 with `--quantization fp8`.
+const FP8_PREFILL_TOKENS: usize = 2048;
+/// The issue's bound for FP8 weights' logits against bf16's, ‖Δ‖/‖ref‖.
+const FP8_VS_BF16_BOUND: f64 = 5e-2;
 
 type Result<T> = std::result::Result<T, EngineError>;
 
@@ -271,7 +309,11 @@ pub fn run(options: &GpuBenchOptions) -> Result<GpuReport> {
     let mut timing_errors = Vec::new();
     let mut weights = Vec::new();
     let mut kv_dtypes = Vec::new();
-    if !options.skip_speed {
+    let mut fp8 = None;
+    if !options.skip_speed && options.quantization == Quantization::Fp8 {
+        eprintln!("[4/4] Llama-3-8B shape, random weights in bf16 and in FP8");
+        fp8 = fp8_comparison(options.ordinal, &mut checks, &mut timing_errors);
+    } else if !options.skip_speed {
         eprintln!("[4/4] Llama-3-8B shape, random bf16 weights");
         let bf16_weight_bytes = llama3_8b_timings(
             options,
@@ -313,7 +355,66 @@ pub fn run(options: &GpuBenchOptions) -> Result<GpuReport> {
         mixed_load: mixed,
         weights,
         kv_dtypes,
+        fp8,
         timing_errors,
+    })
+}
+
+/// `--quantization fp8`: the Llama-3-8B shape with the same random weights in bf16, then
+/// quantized to FP8 at load: decode at batch 1, a 2048-token prefill, the memory, and the last
+/// logits of a prompt, FP8 against bf16 (a check). A model that errs is recorded in `errors`.
+fn fp8_comparison(
+    ordinal: usize,
+    checks: &mut Vec<Check>,
+    errors: &mut Vec<String>,
+) -> Option<Fp8Comparison> {
+    let vocab = llama3_8b().vocab_size as u32;
+    let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let measure = |quantization| -> Result<(usize, f64, f64, Vec<f32>)> {
+        let (model, mut kv) = llama3_8b_model(
+            ordinal,
+            GpuOptions::default(),
+            QuantType::BF16,
+            quantization,
+            FP8_PREFILL_TOKENS,
+        )?;
+        let bytes = model.backend().weight_bytes();
+        let (_, seqs, ctx) = DECODE[0];
+        let decode = seqs as f64 / step_time(&model, &mut kv, seqs, ctx, 1)?;
+        let prefill = step_time(&model, &mut kv, 1, 0, FP8_PREFILL_TOKENS)?;
+        drop(kv);
+        Ok((bytes, decode, prefill, last_logits(model, &prompt)?))
+    };
+    let runs = measure(Quantization::None).and_then(|bf16| Ok((bf16, measure(Quantization::Fp8)?)));
+    let (
+        (bf16_bytes, bf16_decode, bf16_prefill, bf16_logits),
+        (fp8_bytes, fp8_decode, fp8_prefill, fp8_logits),
+    ) = match runs {
+        Ok(runs) => runs,
+        Err(e) => {
+            errors.push(format!(
+                "FP8 weights against bf16 on the Llama-3-8B shape: {e}"
+            ));
+            return None;
+        }
+    };
+    let relative = relative_error(&bf16_logits, &fp8_logits);
+    checks.push(Check {
+        name: "FP8 weights vs bf16 logits, Llama-3-8B shape".into(),
+        passed: relative <= FP8_VS_BF16_BOUND && fp8_logits.iter().all(|v| v.is_finite()),
+        detail: format!("‖Δ‖/‖ref‖ = {relative:.2e} (bound {FP8_VS_BF16_BOUND:.0e})"),
+    });
+    Some(Fp8Comparison {
+        bf16_weight_bytes: bf16_bytes,
+        fp8_weight_bytes: fp8_bytes,
+        memory_of_bf16: fp8_bytes as f64 / bf16_bytes as f64,
+        bf16_decode_batch1_tok_s: bf16_decode,
+        fp8_decode_batch1_tok_s: fp8_decode,
+        decode_batch1_speedup: fp8_decode / bf16_decode,
+        bf16_prefill_ms: bf16_prefill * 1e3,
+        fp8_prefill_ms: fp8_prefill * 1e3,
+        prefill_speedup: bf16_prefill / fp8_prefill,
+        logits_relative_to_bf16: relative,
     })
 }
 
@@ -421,6 +522,33 @@ impl GpuReport {
                     100.0 * r.of_roofline
                 );
             }
+        }
+        if let Some(f) = &self.fp8 {
+            let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+            s += &format!(
+                "\nFP8 weights against bf16 (Llama-3-8B shape, the same random weights)\n\
+                 {:<8} {:>9} {:>10} {:>14}\n\
+                 {:<8} {:>9.2} {:>10.1} {:>14.1}\n\
+                 {:<8} {:>9.2} {:>10.1} {:>14.1}\n\
+                 FP8 ÷ bf16: memory {:.2}, decode {:.2}× (target 1.7×), prefill {:.2}× faster \
+                 (target 1.4×); logits ‖Δ‖/‖ref‖ {:.2e} (bound {FP8_VS_BF16_BOUND:.0e})\n",
+                "weights",
+                "GiB",
+                "b1 tok/s",
+                "prefill ms",
+                "bf16",
+                gib(f.bf16_weight_bytes),
+                f.bf16_decode_batch1_tok_s,
+                f.bf16_prefill_ms,
+                "fp8",
+                gib(f.fp8_weight_bytes),
+                f.fp8_decode_batch1_tok_s,
+                f.fp8_prefill_ms,
+                f.memory_of_bf16,
+                f.decode_batch1_speedup,
+                f.prefill_speedup,
+                f.logits_relative_to_bf16,
+            );
         }
         for e in &self.timing_errors {
             s += &format!("timing not taken: {e}\n");
@@ -790,7 +918,8 @@ fn logits_check(ordinal: usize, options: GpuOptions, path: &Path) -> Result<(boo
     let rel = relative_error(&cpu, &gpu);
     // The token greedy sampling would pick from each.
     let argmax = duet_engine::sampling::argmax;
-    let bound = match options.packed_weights {
+    // FP8 weights: the GPU quantizes each product's input to E4M3 too, the CPU does not.
+    let bound = match options.packed_weights || files.tensors.holds_fp8() {
         true => 2e-2,
         false => 1e-2,
     };
@@ -1147,17 +1276,18 @@ const BLOCK_SIZE: usize = 16;
 /// The decode step timed over each KV cache type (`--fp8-kv`): name, sequences, context.
 const KV_DECODE: (&str, usize, usize) = ("decode, batch 64, context 4096 (tokens/s)", 64, 4096);
 
-/// The Llama-3-8B shape with random weights stored as `ty`, on a backend of `options`, and a KV
-/// cache for [`DECODE`]'s largest batch.
+/// The Llama-3-8B shape with random weights stored as `ty` (its projections quantized as
+/// `quantization` asks), on a backend of `options`, and a KV cache for [`DECODE`]'s largest batch.
 fn llama3_8b_model(
     ordinal: usize,
     options: GpuOptions,
     ty: QuantType,
+    quantization: Quantization,
     step_tokens: usize,
 ) -> Result<(Llama<CudaBackend>, CudaKvStore)> {
     let c = llama3_8b();
     let backend = CudaBackend::new(ordinal, 0.9, options)?;
-    let model = Llama::synthetic(backend, c, ty, 7)?;
+    let model = Llama::synthetic(backend, c, ty, quantization, 7)?;
     model.reserve_step_memory(step_tokens, BLOCK_SIZE);
     let (batch, context) = (DECODE[1].1, DECODE[1].2);
     let num_blocks = batch * (context + 64).div_ceil(BLOCK_SIZE) + 256;
@@ -1297,6 +1427,7 @@ fn llama3_8b_timings(
         options.ordinal,
         GpuOptions::default(),
         QuantType::BF16,
+        Quantization::None,
         prompts[1],
     ) {
         Ok(loaded) => loaded,
@@ -1441,13 +1572,14 @@ fn packed_weight_runs(
             packed_weights: true,
             ..Default::default()
         };
-        let (model, mut kv) = match llama3_8b_model(ordinal, packed, ty, DECODE[1].1) {
-            Ok(loaded) => loaded,
-            Err(e) => {
-                errors.push(format!("loading the Llama-3-8B shape in {ty}: {e}"));
-                continue;
-            }
-        };
+        let (model, mut kv) =
+            match llama3_8b_model(ordinal, packed, ty, Quantization::None, DECODE[1].1) {
+                Ok(loaded) => loaded,
+                Err(e) => {
+                    errors.push(format!("loading the Llama-3-8B shape in {ty}: {e}"));
+                    continue;
+                }
+            };
         let cols = c.hidden_size;
         let bytes_per_weight = ty.row_bytes(cols).unwrap_or(2 * cols) as f64 / cols as f64;
         for setting in weight_settings() {

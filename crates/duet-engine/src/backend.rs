@@ -9,6 +9,7 @@ use crate::EngineError;
 use crate::batch::ForwardBatch;
 use crate::sampling_steps::{RowSampling, sample_row};
 use duet_model::config::ModelConfig;
+use duet_model::fp8::Fp8Matrix;
 use duet_model::model_files::RawTensor;
 use duet_model::params::Sampled;
 use duet_model::quant_type::QuantType;
@@ -311,6 +312,13 @@ pub trait Backend: Send + Sync {
     /// keeps the parts from ever taking memory of their own.
     fn load_stacked_matrix(&self, parts: &[RawTensor])
     -> Result<Option<Self::Matrix>, EngineError>;
+    /// An FP8 matrix (E4M3 values, a scale per row): by default dequantized to bf16 at load, so
+    /// every backend serves FP8 checkpoints (the CPU's is the accuracy reference); a backend
+    /// with FP8 products keeps it FP8.
+    fn load_fp8_matrix(&self, m: Fp8Matrix) -> Result<Self::Matrix, EngineError> {
+        let t = m.dequantize_bf16();
+        self.load_matrix(&t.name, t.ty, t.rows, t.cols, t.bytes)
+    }
     fn matrix_rows(&self, m: &Self::Matrix) -> usize;
     fn load_vector(&self, values: Vec<f32>) -> Result<Self::Vector, EngineError>;
 

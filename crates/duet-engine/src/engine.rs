@@ -26,6 +26,7 @@ use crate::scheduler::Scheduler;
 use crate::speculator::{DraftLength, NgramSpeculator, SpeculativeMode};
 use duet_model::chat::{ChatMessage, ChatTemplate};
 use duet_model::config::ModelConfig;
+use duet_model::fp8::Quantization;
 use duet_model::grammar::Grammar;
 use duet_model::model_files::ModelFiles;
 use duet_model::params::{FinishReason, PromptLimits, Sampled, SamplingParams, StopCriteria};
@@ -128,6 +129,14 @@ pub struct EngineOptions {
     /// packed has run on a GPU.
     #[cfg_attr(feature = "cli", arg(long, env = "DUET_GPU_WEIGHTS", value_enum, default_value_t = EngineOptions::default().gpu_weights))]
     pub gpu_weights: GpuWeights,
+    /// Weight quantization at load: none (matrices as the file stores them; an FP8 checkpoint
+    /// stays FP8) or fp8 (the layers' projections of a F32/F16/BF16 model quantized to E4M3, a
+    /// scale per output channel: half of bf16's weight memory and reads). A CPU serves FP8
+    /// weights dequantized to bf16 (the accuracy reference); a GPU of compute capability 8.9 or
+    /// more keeps them FP8 and multiplies through cuBLASLt's FP8 GEMM, each product's input
+    /// quantized per token (not yet run on a GPU; older GPUs refuse FP8).
+    #[cfg_attr(feature = "cli", arg(long, env = "DUET_QUANTIZATION", value_enum, default_value_t = EngineOptions::default().quantization))]
+    pub quantization: Quantization,
     /// The tiers below the KV pool (host memory, disk).
     #[cfg_attr(feature = "cli", command(flatten))]
     pub kv_tiers: KvTierOptions,
@@ -161,6 +170,7 @@ impl Default for EngineOptions {
             device_sampling: Switch::Off,
             fused_kernels: Switch::Off,
             gpu_weights: GpuWeights::Bf16,
+            quantization: Quantization::None,
             kv_tiers: KvTierOptions::default(),
         }
     }
@@ -197,6 +207,7 @@ impl EngineOptions {
             device_sampling,
             fused_kernels,
             gpu_weights,
+            quantization,
             kv_tiers,
         } = self;
         let kv_dtype =
@@ -218,6 +229,7 @@ impl EngineOptions {
             format!("--device-sampling={device_sampling}"),
             format!("--fused-kernels={fused_kernels}"),
             format!("--gpu-weights={gpu_weights}"),
+            format!("--quantization={quantization}"),
         ]
         .into_iter()
         .chain(kv_tiers.to_args())
@@ -345,6 +357,7 @@ impl<B: Backend> Engine<B> {
         let fingerprint = model_fingerprint(
             &files.config,
             &files.weights_digest,
+            options.quantization,
             kv_dtype,
             options.block_size,
         );
@@ -1128,17 +1141,23 @@ fn advance(
 fn model_fingerprint(
     c: &ModelConfig,
     digest: &[u8; 32],
+    quantization: Quantization,
     kv_dtype: KvDtype,
     block_size: usize,
 ) -> String {
     let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    // The same file quantized at load computes other KV.
+    let quantized = match quantization {
+        Quantization::None => String::new(),
+        q => format!("/q-{q}"),
+    };
     // The same weights with another RoPE scaling (a config edited) compute other KV.
     let rope = match &c.rope_scaling {
         duet_model::rope::RopeScaling::None => String::new(),
         scaling => format!("/rope-{}", scaling.tag()),
     };
     format!(
-        "{:?}/L{}/H{}/KV{}/D{}/V{}/kv-{}/bs{}/{}{rope}",
+        "{:?}/L{}/H{}/KV{}/D{}/V{}/kv-{}/bs{}/{}{rope}{quantized}",
         c.architecture,
         c.num_layers,
         c.num_heads,

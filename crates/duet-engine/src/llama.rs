@@ -10,6 +10,7 @@ use crate::batch::ForwardBatch;
 use crate::sampling_steps::RowSampling;
 use duet_model::config::{ModelConfig, MoeConfig};
 use duet_model::dequant::dequantize_row;
+use duet_model::fp8::{Fp8Matrix, Quantization};
 use duet_model::model_files::{ModelFiles, RawTensor, expert_tensor_name};
 use duet_model::params::Sampled;
 use duet_model::quant_type::QuantType;
@@ -93,8 +94,18 @@ impl Logits {
 }
 
 impl<B: Backend> Llama<B> {
-    /// Builds the model on `backend` from opened model files (validated shapes).
+    /// Builds the model on `backend` from opened model files (validated shapes), its matrices
+    /// as stored.
     pub fn load(backend: B, files: &ModelFiles) -> Result<Self, EngineError> {
+        Self::load_quantized(backend, files, Quantization::None)
+    }
+
+    /// [`Llama::load`], the layers' projections quantized as `quantization` asks (`--quantization`).
+    pub fn load_quantized(
+        backend: B,
+        files: &ModelFiles,
+        quantization: Quantization,
+    ) -> Result<Self, EngineError> {
         duet_model::model_files::validate_llama_tensors(files)?;
         let tensors = |name: &str| -> Result<Option<RawTensor>, EngineError> {
             if files.tensors.contains(name) {
@@ -108,31 +119,44 @@ impl<B: Backend> Llama<B> {
             files.config.clone(),
             files.qk_rows_interleaved(),
             &tensors,
+            &|name| files.tensors.fp8(name),
+            quantization,
         )
     }
 
     /// A model of `config`'s shapes with random weights, its matrices stored as `ty` (BF16 or a
-    /// GGUF block format; see [`duet_model::synthetic`]): for benchmarks at sizes no file on hand
-    /// has.
+    /// GGUF block format; see [`duet_model::synthetic`]) and the layers' projections quantized as
+    /// `quantization` asks: for benchmarks at sizes no file on hand has.
     pub fn synthetic(
         backend: B,
         config: ModelConfig,
         ty: QuantType,
+        quantization: Quantization,
         seed: u64,
     ) -> Result<Self, EngineError> {
         let tensors = |name: &str| {
             duet_model::synthetic::tensor(&config, name, ty, seed)
                 .map_err(|e| EngineError::Weights(e.to_string()))
         };
-        Self::build(backend, config.clone(), false, &tensors)
+        Self::build(
+            backend,
+            config.clone(),
+            false,
+            &tensors,
+            &|_| None,
+            quantization,
+        )
     }
 
-    /// Builds the model from named tensors (`None`: absent), GGUF names and shapes.
+    /// Builds the model from named tensors (`None`: absent) and FP8 matrices (an FP8
+    /// checkpoint's), GGUF names and shapes.
     fn build(
         backend: B,
         cfg: ModelConfig,
         interleaved: bool,
         tensors: &dyn Fn(&str) -> Result<Option<RawTensor>, EngineError>,
+        fp8: &dyn Fn(&str) -> Option<Fp8Matrix>,
+        quantization: Quantization,
     ) -> Result<Self, EngineError> {
         backend.check_model(&cfg)?;
         let tensor = |name: &str| {
@@ -148,15 +172,43 @@ impl<B: Backend> Llama<B> {
                 }
             };
         let load = |t: RawTensor| backend.load_matrix(&t.name, t.ty, t.rows, t.cols, t.bytes);
-        let matrix =
-            |name: &str, unpermute_heads: Option<usize>| load(weights(name, unpermute_heads)?);
-        let stack = |parts: Vec<RawTensor>| -> Result<Projection<B>, EngineError> {
-            Ok(match backend.load_stacked_matrix(&parts)? {
-                Some(m) => Projection::Stacked(m),
-                None => {
-                    Projection::Separate(parts.into_iter().map(load).collect::<Result<_, _>>()?)
-                }
+        // A layer's projection: FP8 as the checkpoint stores it or quantized at load, else as
+        // stored. (FP8 checkpoints are safetensors: their rows are never interleaved.)
+        let projection = |name: &str, unpermute_heads: Option<usize>| {
+            if let Some(m) = fp8(name) {
+                return Ok(ProjectionWeights::Fp8(m));
+            }
+            let t = weights(name, unpermute_heads)?;
+            Ok::<_, EngineError>(match quantization {
+                Quantization::None => ProjectionWeights::Stored(t),
+                Quantization::Fp8 => ProjectionWeights::Fp8(
+                    Fp8Matrix::quantize(&t).map_err(|e| EngineError::Weights(e.to_string()))?,
+                ),
             })
+        };
+        let load_projection = |p: ProjectionWeights| match p {
+            ProjectionWeights::Stored(t) => load(t),
+            ProjectionWeights::Fp8(m) => backend.load_fp8_matrix(m),
+        };
+        let matrix = |name: &str| load(weights(name, None)?);
+        let stack = |parts: Vec<ProjectionWeights>| -> Result<Projection<B>, EngineError> {
+            let separate: Vec<ProjectionWeights> = match Parts::of(parts) {
+                Parts::Stored(stored) => match backend.load_stacked_matrix(&stored)? {
+                    Some(m) => return Ok(Projection::Stacked(m)),
+                    None => stored.into_iter().map(ProjectionWeights::Stored).collect(),
+                },
+                Parts::Fp8(fp8) => match Fp8Matrix::stack(&fp8) {
+                    Some(m) => return Ok(Projection::Stacked(backend.load_fp8_matrix(m)?)),
+                    None => fp8.into_iter().map(ProjectionWeights::Fp8).collect(),
+                },
+                Parts::Mixed(parts) => parts,
+            };
+            Ok(Projection::Separate(
+                separate
+                    .into_iter()
+                    .map(load_projection)
+                    .collect::<Result<_, _>>()?,
+            ))
         };
         let vector = |name: &str| -> Result<B::Vector, EngineError> {
             backend.load_vector(tensor_f32(&tensor(name)?))
@@ -166,9 +218,9 @@ impl<B: Backend> Llama<B> {
         for i in 0..cfg.num_layers {
             let p = |s: &str| format!("blk.{i}.{s}");
             let qkv = stack(vec![
-                weights(&p("attn_q.weight"), Some(cfg.num_heads))?,
-                weights(&p("attn_k.weight"), Some(cfg.num_kv_heads))?,
-                weights(&p("attn_v.weight"), None)?,
+                projection(&p("attn_q.weight"), Some(cfg.num_heads))?,
+                projection(&p("attn_k.weight"), Some(cfg.num_kv_heads))?,
+                projection(&p("attn_v.weight"), None)?,
             ])?;
             let qkv_bias = if cfg.attention_bias {
                 Some([
@@ -181,8 +233,8 @@ impl<B: Backend> Llama<B> {
             };
             let mlp = |gate: &str, up: &str, down: &str| -> Result<Mlp<B>, EngineError> {
                 Ok(Mlp {
-                    gate_up: stack(vec![weights(gate, None)?, weights(up, None)?])?,
-                    down: matrix(down, None)?,
+                    gate_up: stack(vec![projection(gate, None)?, projection(up, None)?])?,
+                    down: load_projection(projection(down, None)?)?,
                 })
             };
             let ffn = match cfg.moe {
@@ -192,7 +244,7 @@ impl<B: Backend> Llama<B> {
                     &p("ffn_down.weight"),
                 )?),
                 Some(config) => Ffn::Mixture {
-                    router: matrix(&p("ffn_gate_inp.weight"), None)?,
+                    router: matrix(&p("ffn_gate_inp.weight"))?,
                     experts: (0..config.num_experts)
                         .map(|e| {
                             mlp(
@@ -218,14 +270,14 @@ impl<B: Backend> Llama<B> {
                 qkv,
                 qkv_bias,
                 qk_norm,
-                attn_output: matrix(&p("attn_output.weight"), None)?,
+                attn_output: load_projection(projection(&p("attn_output.weight"), None)?)?,
                 ffn_norm: vector(&p("ffn_norm.weight"))?,
                 ffn,
             });
         }
-        let embedding = matrix("token_embd.weight", None)?;
+        let embedding = matrix("token_embd.weight")?;
         let output = match tensors("output.weight")? {
-            Some(_) => Some(matrix("output.weight", None)?),
+            Some(_) => Some(matrix("output.weight")?),
             None => None,
         };
         let output_norm = vector("output_norm.weight")?;
@@ -558,6 +610,36 @@ impl<B: Backend> Llama<B> {
                     self.backend.matmul(w, x, out);
                 }
             }
+        }
+    }
+}
+
+/// A layer projection's weights before loading: as stored, or FP8.
+enum ProjectionWeights {
+    Stored(RawTensor),
+    Fp8(Fp8Matrix),
+}
+
+/// A projection's parts (q, k, v; gate, up) by how they are stored.
+enum Parts {
+    Stored(Vec<RawTensor>),
+    Fp8(Vec<Fp8Matrix>),
+    Mixed(Vec<ProjectionWeights>),
+}
+
+impl Parts {
+    fn of(parts: Vec<ProjectionWeights>) -> Self {
+        let (mut stored, mut fp8) = (Vec::new(), Vec::new());
+        for p in &parts {
+            match p {
+                ProjectionWeights::Stored(t) => stored.push(t.clone()),
+                ProjectionWeights::Fp8(m) => fp8.push(m.clone()),
+            }
+        }
+        match (stored.is_empty(), fp8.is_empty()) {
+            (false, true) => Self::Stored(stored),
+            (true, false) => Self::Fp8(fp8),
+            _ => Self::Mixed(parts),
         }
     }
 }

@@ -28,7 +28,7 @@ impl<B: Backend> ModelRunner<B> {
         files: &ModelFiles,
         options: &EngineOptions,
     ) -> Result<Self, EngineError> {
-        let model = Llama::load(backend, files)?;
+        let model = Llama::load_quantized(backend, files, options.quantization)?;
         // Step memory before the KV cache, which a GPU sizes from the memory left.
         model.reserve_step_memory(options.step_tokens(), options.block_size);
         let kv_dtype = model

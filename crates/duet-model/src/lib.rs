@@ -6,6 +6,7 @@
 pub mod chat;
 pub mod config;
 pub mod dequant;
+pub mod fp8;
 pub mod gguf;
 pub mod grammar;
 pub mod json_schema;

@@ -9,9 +9,12 @@ use sha2::{Digest, Sha256};
 
 use crate::chat::{ChatError, ChatTemplate};
 use crate::config::{Architecture, ConfigError, ModelConfig};
+use crate::fp8::{Fp8Error, Fp8Matrix};
 use crate::gguf::{GgufError, GgufFile};
 use crate::quant_type::QuantType;
-use crate::safetensors::{SafetensorsError, open_safetensors_dir};
+use crate::safetensors::{
+    SafeDtype, SafeTensorInfo, SafetensorsError, SafetensorsFile, open_safetensors_dir,
+};
 use crate::storage::WeightBytes;
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -56,6 +59,18 @@ pub enum LoadError {
     },
     #[error("{path}: {why}")]
     Inconsistent { path: PathBuf, why: String },
+    #[error(
+        "{file}: tensor {name:?} is FP8 (F8_E4M3), which duet takes only for the layers' projection matrices (attention q, k, v, output; FFN gate, up, down), not here"
+    )]
+    Fp8Tensor { name: String, file: PathBuf },
+    #[error("{file}: FP8 tensor {name:?}: {why}")]
+    Fp8Scale {
+        name: String,
+        file: PathBuf,
+        why: String,
+    },
+    #[error(transparent)]
+    Fp8(#[from] Fp8Error),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,16 +90,24 @@ pub struct RawTensor {
     pub bytes: WeightBytes,
 }
 
+/// A tensor as stored: plain (a float or GGML type), or an FP8 matrix with its scales.
+#[derive(Debug, Clone)]
+enum Held {
+    Plain(RawTensor),
+    Fp8(Fp8Matrix),
+}
+
 #[derive(Debug, Clone)]
 struct StoredTensor {
-    tensor: RawTensor,
+    tensor: Held,
     /// The name in the file (an HF name for safetensors).
     source_name: String,
     file: PathBuf,
 }
 
 /// The model's tensors under canonical GGUF-style names (`token_embd.weight`,
-/// `blk.{i}.attn_q.weight`, ...). Names that have no canonical form keep their file name.
+/// `blk.{i}.attn_q.weight`, ...). Names that have no canonical form keep their file name. FP8
+/// matrices (an FP8 checkpoint's) are read with their scales: [`TensorStore::fp8`].
 #[derive(Debug, Clone, Default)]
 pub struct TensorStore {
     entries: BTreeMap<String, StoredTensor>,
@@ -93,24 +116,58 @@ pub struct TensorStore {
 }
 
 impl TensorStore {
-    /// The tensor `name` (canonical), sharing the mapped bytes.
+    /// The tensor `name` (canonical), sharing the mapped bytes; an error naming it when it is
+    /// an FP8 matrix (read those with [`TensorStore::fp8`]).
     pub fn get(&self, name: &str) -> Result<RawTensor, LoadError> {
-        self.entries
-            .get(name)
-            .map(|e| e.tensor.clone())
-            .ok_or_else(|| LoadError::MissingTensor {
+        match self.entries.get(name) {
+            Some(StoredTensor {
+                tensor: Held::Plain(t),
+                ..
+            }) => Ok(t.clone()),
+            Some(e) => Err(LoadError::Fp8Tensor {
+                name: name.into(),
+                file: e.file.clone(),
+            }),
+            None => Err(LoadError::MissingTensor {
                 name: name.into(),
                 file: self.path.clone(),
-            })
+            }),
+        }
+    }
+
+    /// The FP8 matrix `name` (canonical) with its scales, when the file stores it in FP8.
+    pub fn fp8(&self, name: &str) -> Option<Fp8Matrix> {
+        match &self.entries.get(name)?.tensor {
+            Held::Fp8(m) => Some(m.clone()),
+            Held::Plain(_) => None,
+        }
+    }
+
+    /// Whether any matrix is stored in FP8.
+    pub fn holds_fp8(&self) -> bool {
+        self.entries
+            .values()
+            .any(|e| matches!(e.tensor, Held::Fp8(_)))
+    }
+
+    /// `(rows, cols)` of tensor `name`, FP8 or not.
+    pub fn shape(&self, name: &str) -> Result<(usize, usize), LoadError> {
+        match self.fp8(name) {
+            Some(m) => Ok((m.rows, m.cols)),
+            None => self.get(name).map(|t| (t.rows, t.cols)),
+        }
     }
 
     pub fn contains(&self, name: &str) -> bool {
         self.entries.contains_key(name)
     }
 
-    /// Canonical names, sorted.
+    /// Canonical names of the tensors that are not FP8, sorted.
     pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.entries.keys().map(String::as_str)
+        self.entries
+            .iter()
+            .filter(|(_, e)| matches!(e.tensor, Held::Plain(_)))
+            .map(|(name, _)| name.as_str())
     }
 
     pub fn len(&self) -> usize {
@@ -123,10 +180,10 @@ impl TensorStore {
 
     /// Whether every matrix (a tensor of more than one row) is stored in f32.
     pub fn matrices_all_f32(&self) -> bool {
-        self.entries
-            .values()
-            .filter(|e| e.tensor.rows > 1)
-            .all(|e| e.tensor.ty == QuantType::F32)
+        self.entries.values().all(|e| match &e.tensor {
+            Held::Plain(t) => t.rows <= 1 || t.ty == QuantType::F32,
+            Held::Fp8(_) => false,
+        })
     }
 
     /// The file that holds tensor `name`.
@@ -144,7 +201,7 @@ impl TensorStore {
         canonical: String,
         source_name: String,
         file: PathBuf,
-        tensor: RawTensor,
+        tensor: Held,
     ) -> Result<(), LoadError> {
         if let Some(prev) = self.entries.get(&canonical) {
             return Err(LoadError::Inconsistent {
@@ -268,8 +325,11 @@ fn digest(tensors: &TensorStore, format: ModelFormat, files: &[&[u8]]) -> [u8; 3
         ModelFormat::Safetensors => b"duet-weights-v1:safetensors\n".as_slice(),
     });
     for (name, e) in &tensors.entries {
-        let t = &e.tensor;
-        h.update(format!("{name}\t{}\t{}\t{}\n", t.ty.name(), t.rows, t.cols).as_bytes());
+        let (ty, rows, cols) = match &e.tensor {
+            Held::Plain(t) => (t.ty.name(), t.rows, t.cols),
+            Held::Fp8(m) => ("F8_E4M3", m.rows, m.cols),
+        };
+        h.update(format!("{name}\t{ty}\t{rows}\t{cols}\n").as_bytes());
     }
     for bytes in files {
         h.update((bytes.len() as u64).to_le_bytes());
@@ -327,8 +387,8 @@ fn open_gguf(path: &Path) -> Result<ModelFiles, LoadError> {
     check_vocab(path, &config, &tokenizer)?;
     let chat_template = ChatTemplate::from_gguf(&file)?;
     let mut tensors = TensorStore {
-        entries: BTreeMap::new(),
         path: path.to_path_buf(),
+        ..Default::default()
     };
     for info in file.tensors() {
         let bytes = file.info_bytes(info);
@@ -348,7 +408,12 @@ fn open_gguf(path: &Path) -> Result<ModelFiles, LoadError> {
                     cols,
                     bytes: bytes.slice(e * per_expert..(e + 1) * per_expert),
                 };
-                tensors.insert(name, info.name.clone(), path.to_path_buf(), tensor)?;
+                tensors.insert(
+                    name,
+                    info.name.clone(),
+                    path.to_path_buf(),
+                    Held::Plain(tensor),
+                )?;
             }
             continue;
         }
@@ -363,7 +428,7 @@ fn open_gguf(path: &Path) -> Result<ModelFiles, LoadError> {
             info.name.clone(),
             info.name.clone(),
             path.to_path_buf(),
-            tensor,
+            Held::Plain(tensor),
         )?;
     }
     let weights_digest = digest(&tensors, ModelFormat::Gguf, &[file.file_bytes()]);
@@ -450,20 +515,40 @@ fn open_hf_dir(dir: &Path) -> Result<ModelFiles, LoadError> {
 
     let files = open_safetensors_dir(dir)?;
     let mut tensors = TensorStore {
-        entries: BTreeMap::new(),
         path: dir.to_path_buf(),
+        ..Default::default()
+    };
+    let scale_of = |name: &str| {
+        files
+            .iter()
+            .find_map(|f| f.tensor(name).map(|info| (f, info)))
     };
     for f in &files {
         for info in f.tensors() {
             let canonical = canonical_hf_name(&info.name).unwrap_or_else(|| info.name.clone());
+            let file = f.path().to_path_buf();
+            let ty = match info.dtype {
+                SafeDtype::Float(ty) => ty,
+                SafeDtype::F8E4M3 => {
+                    let matrix = fp8_checkpoint_matrix(f, info, &canonical, &scale_of)?;
+                    tensors.insert(canonical, info.name.clone(), file, Held::Fp8(matrix))?;
+                    continue;
+                }
+            };
+            // An FP8 weight's scales are read with it.
+            if let Some(weight) = fp8_scale_owner(&info.name)
+                && scale_of(&weight).is_some_and(|(_, w)| w.dtype == SafeDtype::F8E4M3)
+            {
+                continue;
+            }
             let tensor = RawTensor {
                 name: canonical.clone(),
-                ty: info.ty,
+                ty,
                 rows: info.rows(),
                 cols: info.cols(),
                 bytes: f.info_bytes(info),
             };
-            tensors.insert(canonical, info.name.clone(), f.path().to_path_buf(), tensor)?;
+            tensors.insert(canonical, info.name.clone(), file, Held::Plain(tensor))?;
         }
     }
     let bytes: Vec<&[u8]> = files.iter().map(|f| f.file_bytes()).collect();
@@ -479,19 +564,120 @@ fn open_hf_dir(dir: &Path) -> Result<ModelFiles, LoadError> {
     })
 }
 
+/// The weight whose scale tensor `name` is (`x.weight_scale`, `x.input_scale` → `x.weight`).
+fn fp8_scale_owner(name: &str) -> Option<String> {
+    let stem = name
+        .strip_suffix(".weight_scale")
+        .or_else(|| name.strip_suffix(".input_scale"))?;
+    Some(format!("{stem}.weight"))
+}
+
+/// An FP8 checkpoint's matrix `info` (`x.weight`, F8_E4M3 `[out, in]`) with its `x.weight_scale`
+/// (per tensor: `[]` or `[1]`; per output channel: `[out, 1]` or `[out]`) and optional
+/// `x.input_scale` (the static scale of the product's input: `[]` or `[1]`), in the layout vLLM
+/// and llm-compressor write.
+fn fp8_checkpoint_matrix<'a>(
+    f: &SafetensorsFile,
+    info: &SafeTensorInfo,
+    canonical: &str,
+    scale_of: &dyn Fn(&str) -> Option<(&'a SafetensorsFile, &'a SafeTensorInfo)>,
+) -> Result<Fp8Matrix, LoadError> {
+    let bad = |why: String| LoadError::Fp8Scale {
+        name: info.name.clone(),
+        file: f.path().to_path_buf(),
+        why,
+    };
+    let (rows, cols) = (info.rows(), info.cols());
+    if info.shape.len() != 2 {
+        return Err(bad(format!(
+            "shape {:?}: an FP8 weight is a matrix [out, in]",
+            info.shape
+        )));
+    }
+    let stem = info.name.strip_suffix(".weight").unwrap_or(&info.name);
+    // A float scale tensor's shape and values, in f32.
+    struct Scale {
+        shape: Vec<usize>,
+        values: Vec<f32>,
+    }
+    let read = |name: &str| -> Result<Option<Scale>, LoadError> {
+        let Some((file, s)) = scale_of(name) else {
+            return Ok(None);
+        };
+        let SafeDtype::Float(ty) = s.dtype else {
+            return Err(bad(format!(
+                "its scale {name:?} is {}, expected F32, F16 or BF16",
+                s.dtype.name()
+            )));
+        };
+        let mut v = vec![0f32; s.rows() * s.cols()];
+        crate::dequant::dequantize_row(ty, &file.info_bytes(s), &mut v);
+        if let Some(x) = v.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+            return Err(bad(format!(
+                "its scale {name:?} holds {x}; scales must be positive and finite"
+            )));
+        }
+        Ok(Some(Scale {
+            shape: s.shape.clone(),
+            values: v,
+        }))
+    };
+    let scale_name = format!("{stem}.weight_scale");
+    let Some(Scale {
+        shape,
+        values: scale,
+    }) = read(&scale_name)?
+    else {
+        let block = scale_of(&format!("{stem}.weight_scale_inv")).is_some();
+        return Err(bad(match block {
+            true => format!(
+                "its scale is {stem}.weight_scale_inv (block-wise scales, DeepSeek's layout), which duet does not read; per-tensor or per-channel weight_scale only"
+            ),
+            false => format!("its scale tensor {scale_name:?} is missing"),
+        }));
+    };
+    let scales = match shape.as_slice() {
+        [] | [1] => vec![scale[0]; rows],
+        [r] | [r, 1] if *r == rows => scale,
+        other => {
+            return Err(bad(format!(
+                "its scale {scale_name:?} has shape {other:?}; duet reads a per-tensor scale ([] or [1]) or one per output channel ([{rows}, 1] or [{rows}])"
+            )));
+        }
+    };
+    let input_name = format!("{stem}.input_scale");
+    let input_scale = match read(&input_name)? {
+        None => None,
+        Some(s) if matches!(s.shape.as_slice(), [] | [1]) => Some(s.values[0]),
+        Some(Scale { shape, .. }) => {
+            return Err(bad(format!(
+                "its input scale {input_name:?} has shape {shape:?}; duet reads a static per-tensor input scale ([] or [1])"
+            )));
+        }
+    };
+    Ok(Fp8Matrix::new(
+        canonical,
+        rows,
+        cols,
+        f.info_bytes(info),
+        scales,
+        input_scale,
+    )?)
+}
+
 /// Checks that every tensor the Llama-family forward needs is present with the shape the config
 /// implies; the error names the tensor, its file, and expected vs found shapes.
 pub fn validate_llama_tensors(files: &ModelFiles) -> Result<(), LoadError> {
     let c = &files.config;
     let store = &files.tensors;
     let check = |name: String, rows: usize, cols: usize| -> Result<(), LoadError> {
-        let t = store.get(&name)?;
-        if (t.rows, t.cols) != (rows, cols) {
+        let found = store.shape(&name)?;
+        if found != (rows, cols) {
             return Err(LoadError::TensorShape {
                 file: store.file_of(&name).unwrap_or(&files.path).to_path_buf(),
                 name,
                 expected: (rows, cols),
-                found: (t.rows, t.cols),
+                found,
             });
         }
         Ok(())
@@ -764,15 +950,46 @@ mod tests {
         assert_eq!(canonical_hf_name("model.rotary_emb.inv_freq"), None);
     }
 
+    /// The one-layer tiny model's `config.json` and `tokenizer.json` (built from the tiny GGUF
+    /// tokenizer) in `p`.
+    fn tiny_hf_config(p: &Path) {
+        let g = tiny_gguf(p, 1, false, "llama");
+        let gt = Tokenizer::from_gguf(&GgufFile::open(&g).unwrap()).unwrap();
+        std::fs::remove_file(&g).unwrap();
+        std::fs::write(p.join("tokenizer.json"), gt.to_hf_json().unwrap()).unwrap();
+        let cfg = serde_json::json!({
+            "model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": 1,
+            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2
+        });
+        std::fs::write(p.join("config.json"), cfg.to_string()).unwrap();
+    }
+
+    /// (hidden, q, kv, ffn, vocab) of the tiny model.
+    fn tiny_dims() -> (usize, usize, usize, usize, usize) {
+        (
+            HIDDEN as usize,
+            (HEADS * HEAD_DIM) as usize,
+            (KV_HEADS * HEAD_DIM) as usize,
+            FFN as usize,
+            VOCAB as usize,
+        )
+    }
+
+    /// An F32 tensor of `shape` filled with 0, 1, 2, ...
+    fn f32_tensor(
+        name: &'static str,
+        shape: Vec<usize>,
+    ) -> (&'static str, &'static str, Vec<usize>, Vec<u8>) {
+        let data = f32_data(&shape);
+        (name, "F32", shape, data)
+    }
+
     #[test]
     fn hf_directory() {
         let dir = tempfile::tempdir().unwrap();
-        // The tokenizer.json: built from the tiny GGUF tokenizer.
-        let g = tiny_gguf(dir.path(), 1, false, "llama");
-        let gt = Tokenizer::from_gguf(&GgufFile::open(&g).unwrap()).unwrap();
-        std::fs::remove_file(&g).unwrap();
         let p = dir.path();
-        std::fs::write(p.join("tokenizer.json"), gt.to_hf_json().unwrap()).unwrap();
+        tiny_hf_config(p);
         std::fs::write(
             p.join("tokenizer_config.json"),
             serde_json::json!({"chat_template": crate::chat::CHATML_TEMPLATE, "eos_token": "<|im_end|>"}).to_string(),
@@ -783,23 +1000,8 @@ mod tests {
             r#"{"eos_token_id": [2, 0]}"#,
         )
         .unwrap();
-        let cfg = serde_json::json!({
-            "model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": 1,
-            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
-            "rms_norm_eps": 1e-5, "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2
-        });
-        std::fs::write(p.join("config.json"), cfg.to_string()).unwrap();
-        let (h, q, kv, f, v) = (
-            HIDDEN as usize,
-            (HEADS * HEAD_DIM) as usize,
-            (KV_HEADS * HEAD_DIM) as usize,
-            FFN as usize,
-            VOCAB as usize,
-        );
-        let t = |name: &'static str, shape: Vec<usize>| {
-            let data = f32_data(&shape);
-            (name, "F32", shape, data)
-        };
+        let (h, q, kv, f, v) = tiny_dims();
+        let t = f32_tensor;
         let shard1 = vec![
             t("model.embed_tokens.weight", vec![v, h]),
             t("model.norm.weight", vec![h]),
@@ -859,6 +1061,215 @@ mod tests {
         let e = validate_llama_tensors(&m).unwrap_err().to_string();
         assert!(
             e.contains("model-00002-of-00002.safetensors") && e.contains("blk.0.ffn_up.weight"),
+            "{e}"
+        );
+    }
+
+    /// A one-layer HF directory of `tensors` (the tiny GGUF model's tokenizer and shapes).
+    fn tiny_hf_dir(p: &Path, tensors: &[(&str, &str, Vec<usize>, Vec<u8>)]) {
+        tiny_hf_config(p);
+        std::fs::write(p.join("model.safetensors"), build(tensors)).unwrap();
+    }
+
+    /// The tensors of the one-layer tiny model, its projections in FP8 (every byte 1.0) with a
+    /// scale per output channel (row r: r + 1) or per tensor (0.5), and input scales (0.25).
+    fn fp8_tensors(
+        per_channel: bool,
+        input_scale: bool,
+    ) -> Vec<(&'static str, &'static str, Vec<usize>, Vec<u8>)> {
+        let (h, q, kv, f, v) = tiny_dims();
+        let float = f32_tensor;
+        let mut out = vec![
+            float("model.embed_tokens.weight", vec![v, h]),
+            float("model.norm.weight", vec![h]),
+            float("model.layers.0.input_layernorm.weight", vec![h]),
+            float("model.layers.0.post_attention_layernorm.weight", vec![h]),
+        ];
+        let projections: [(&'static str, &'static str, &'static str, usize, usize); 7] = [
+            (
+                "model.layers.0.self_attn.q_proj.weight",
+                "model.layers.0.self_attn.q_proj.weight_scale",
+                "model.layers.0.self_attn.q_proj.input_scale",
+                q,
+                h,
+            ),
+            (
+                "model.layers.0.self_attn.k_proj.weight",
+                "model.layers.0.self_attn.k_proj.weight_scale",
+                "model.layers.0.self_attn.k_proj.input_scale",
+                kv,
+                h,
+            ),
+            (
+                "model.layers.0.self_attn.v_proj.weight",
+                "model.layers.0.self_attn.v_proj.weight_scale",
+                "model.layers.0.self_attn.v_proj.input_scale",
+                kv,
+                h,
+            ),
+            (
+                "model.layers.0.self_attn.o_proj.weight",
+                "model.layers.0.self_attn.o_proj.weight_scale",
+                "model.layers.0.self_attn.o_proj.input_scale",
+                h,
+                q,
+            ),
+            (
+                "model.layers.0.mlp.gate_proj.weight",
+                "model.layers.0.mlp.gate_proj.weight_scale",
+                "model.layers.0.mlp.gate_proj.input_scale",
+                f,
+                h,
+            ),
+            (
+                "model.layers.0.mlp.up_proj.weight",
+                "model.layers.0.mlp.up_proj.weight_scale",
+                "model.layers.0.mlp.up_proj.input_scale",
+                f,
+                h,
+            ),
+            (
+                "model.layers.0.mlp.down_proj.weight",
+                "model.layers.0.mlp.down_proj.weight_scale",
+                "model.layers.0.mlp.down_proj.input_scale",
+                h,
+                f,
+            ),
+        ];
+        for (w, scale, input, rows, cols) in projections {
+            out.push((w, "F8_E4M3", vec![rows, cols], vec![0x38; rows * cols]));
+            let scales: Vec<f32> = match per_channel {
+                true => (1..=rows).map(|r| r as f32).collect(),
+                false => vec![0.5],
+            };
+            let shape = match per_channel {
+                true => vec![rows, 1],
+                false => vec![],
+            };
+            out.push((
+                scale,
+                "F32",
+                shape,
+                scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+            ));
+            if input_scale {
+                out.push((input, "F32", vec![1], 0.25f32.to_le_bytes().to_vec()));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn fp8_checkpoint_matrices_come_with_their_scales() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path();
+        tiny_hf_dir(p, &fp8_tensors(true, false));
+        let m = open_model(p).unwrap();
+        validate_llama_tensors(&m).unwrap();
+        let k = m.tensors.fp8("blk.0.attn_k.weight").unwrap();
+        assert_eq!((k.rows, k.cols, k.input_scale), (4, 8, None));
+        assert_eq!(k.scales, vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(&k.weights[..], &[0x38; 32]);
+        assert!(!m.tensors.matrices_all_f32());
+        // The scales are read with their weights, not kept as tensors.
+        assert!(
+            !m.tensors
+                .contains("model.layers.0.self_attn.k_proj.weight_scale")
+        );
+        let e = m
+            .tensors
+            .get("blk.0.attn_k.weight")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"blk.0.attn_k.weight\" is FP8"), "{e}");
+
+        tiny_hf_dir(p, &fp8_tensors(false, true));
+        let m = open_model(p).unwrap();
+        let d = m.tensors.fp8("blk.0.ffn_down.weight").unwrap();
+        assert_eq!((d.scales, d.input_scale), (vec![0.5; 8], Some(0.25)));
+    }
+
+    #[test]
+    fn a_bad_fp8_checkpoint_names_the_tensor_and_the_problem() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path();
+        let open = |tensors: Vec<(&'static str, &'static str, Vec<usize>, Vec<u8>)>| {
+            tiny_hf_dir(p, &tensors);
+            open_model(p).unwrap_err().to_string()
+        };
+        let without = |name: &str| {
+            let mut t = fp8_tensors(true, true);
+            t.retain(|t| t.0 != name);
+            t
+        };
+        let e = open(without("model.layers.0.mlp.up_proj.weight_scale"));
+        assert!(
+            e.contains("\"model.layers.0.mlp.up_proj.weight\"")
+                && e.contains("\"model.layers.0.mlp.up_proj.weight_scale\" is missing"),
+            "{e}"
+        );
+        // Block-wise scales (DeepSeek's weight_scale_inv) are named as such.
+        let mut t = without("model.layers.0.mlp.up_proj.weight_scale");
+        t.push((
+            "model.layers.0.mlp.up_proj.weight_scale_inv",
+            "F32",
+            vec![1, 1],
+            1f32.to_le_bytes().to_vec(),
+        ));
+        assert!(open(t).contains("block-wise"));
+        // `fp8_tensors(per_channel, input_scale)` with tensor `name` replaced.
+        let replaced = |per_channel, input_scale, name: &'static str, dtype, shape, data| {
+            let mut t = fp8_tensors(per_channel, input_scale);
+            let i = t.iter().position(|t| t.0 == name).unwrap();
+            t[i] = (name, dtype, shape, data);
+            t
+        };
+        let scales = |n: usize| {
+            [1f32]
+                .repeat(n)
+                .iter()
+                .flat_map(|s| s.to_le_bytes())
+                .collect()
+        };
+        // A scale per input column is not a layout vLLM writes.
+        let up_scale = "model.layers.0.mlp.up_proj.weight_scale";
+        let e = open(replaced(
+            true,
+            false,
+            up_scale,
+            "F32",
+            vec![1, 8],
+            scales(8),
+        ));
+        assert!(
+            e.contains("up_proj.weight_scale\" has shape [1, 8]") && e.contains("[16, 1]"),
+            "{e}"
+        );
+        let up_input = "model.layers.0.mlp.up_proj.input_scale";
+        let e = open(replaced(true, true, up_input, "F32", vec![2], scales(2)));
+        assert!(e.contains("input scale"), "{e}");
+        let zero = 0f32.to_le_bytes().to_vec();
+        let e = open(replaced(false, false, up_scale, "F32", vec![], zero));
+        assert!(e.contains("positive and finite"), "{e}");
+
+        // FP8 where the model reads plain floats: named when it is read.
+        let norm = "model.layers.0.input_layernorm.weight";
+        let mut t = replaced(true, false, norm, "F8_E4M3", vec![1, 8], vec![0x38; 8]);
+        t.push((
+            "model.layers.0.input_layernorm.weight_scale",
+            "F32",
+            vec![],
+            scales(1),
+        ));
+        tiny_hf_dir(p, &t);
+        let m = open_model(p).unwrap();
+        let e = m
+            .tensors
+            .get("blk.0.attn_norm.weight")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("\"blk.0.attn_norm.weight\" is FP8") && e.contains("model.safetensors"),
             "{e}"
         );
     }

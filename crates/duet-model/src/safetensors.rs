@@ -29,7 +29,9 @@ pub enum SafetensorsError {
     },
     #[error("{path}: not a safetensors file: {why}")]
     BadHeader { path: PathBuf, why: String },
-    #[error("{path}: tensor {name:?}: unsupported dtype {dtype} (supported: F32, F16, BF16)")]
+    #[error(
+        "{path}: tensor {name:?}: unsupported dtype {dtype} (supported: F32, F16, BF16, F8_E4M3)"
+    )]
     UnsupportedDtype {
         path: PathBuf,
         name: String,
@@ -53,11 +55,37 @@ pub enum SafetensorsError {
     },
 }
 
+/// The element type of a safetensors tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SafeDtype {
+    /// F32, F16 or BF16.
+    Float(QuantType),
+    /// FP8 E4M3 (`float8_e4m3fn`), with its scales in tensors beside it ([`crate::fp8`]).
+    F8E4M3,
+}
+
+impl SafeDtype {
+    /// Bytes of one element.
+    fn bytes(self) -> u64 {
+        match self {
+            Self::Float(ty) => ty.block_bytes() as u64,
+            Self::F8E4M3 => 1,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Float(ty) => ty.name(),
+            Self::F8E4M3 => "F8_E4M3",
+        }
+    }
+}
+
 /// One tensor of a safetensors file.
 #[derive(Debug, Clone)]
 pub struct SafeTensorInfo {
     pub name: String,
-    pub ty: QuantType,
+    pub dtype: SafeDtype,
     /// HF shape, outermost first.
     pub shape: Vec<usize>,
     /// Absolute byte range in the file.
@@ -140,10 +168,11 @@ impl SafetensorsFile {
                 .get("dtype")
                 .and_then(Value::as_str)
                 .ok_or_else(|| bad_t("no \"dtype\"".into()))?;
-            let (ty, elem) = match dtype {
-                "F32" => (QuantType::F32, 4u64),
-                "F16" => (QuantType::F16, 2),
-                "BF16" => (QuantType::BF16, 2),
+            let ty = match dtype {
+                "F32" => SafeDtype::Float(QuantType::F32),
+                "F16" => SafeDtype::Float(QuantType::F16),
+                "BF16" => SafeDtype::Float(QuantType::BF16),
+                "F8_E4M3" => SafeDtype::F8E4M3,
                 other => {
                     return Err(SafetensorsError::UnsupportedDtype {
                         path: path.clone(),
@@ -171,7 +200,7 @@ impl SafetensorsFile {
             }
             let bytes = shape
                 .iter()
-                .try_fold(elem, |a, &d| a.checked_mul(d))
+                .try_fold(ty.bytes(), |a, &d| a.checked_mul(d))
                 .ok_or_else(|| bad_t(format!("shape {shape:?} overflows")))?;
             if bytes != e - b {
                 return Err(bad_t(format!(
@@ -185,7 +214,7 @@ impl SafetensorsFile {
                 name.clone(),
                 SafeTensorInfo {
                     name: name.clone(),
-                    ty,
+                    dtype: ty,
                     shape,
                     start,
                     end: header_end + e as usize,
@@ -339,18 +368,30 @@ mod tests {
             ("a", "F32", vec![2, 3], f32_data(&[2, 3])),
             ("b", "BF16", vec![4], vec![0u8; 8]),
             ("c", "F16", vec![2, 2], vec![1u8; 8]),
+            ("d", "F8_E4M3", vec![2, 3], vec![0x38u8; 6]),
         ]);
         std::fs::write(dir.path().join("model.safetensors"), &bytes).unwrap();
         let files = open_safetensors_dir(dir.path()).unwrap();
         assert_eq!(files.len(), 1);
         let f = &files[0];
         let a = f.tensor("a").unwrap();
-        assert_eq!((a.rows(), a.cols(), a.ty), (2, 3, QuantType::F32));
+        assert_eq!(
+            (a.rows(), a.cols(), a.dtype),
+            (2, 3, SafeDtype::Float(QuantType::F32))
+        );
         let d = f.info_bytes(a);
         assert_eq!(f32::from_le_bytes(d[20..24].try_into().unwrap()), 5.0);
         let b = f.tensor("b").unwrap();
-        assert_eq!((b.rows(), b.cols(), b.ty), (1, 4, QuantType::BF16));
-        assert_eq!(f.tensor("c").unwrap().ty, QuantType::F16);
+        assert_eq!(
+            (b.rows(), b.cols(), b.dtype),
+            (1, 4, SafeDtype::Float(QuantType::BF16))
+        );
+        assert_eq!(
+            f.tensor("c").unwrap().dtype,
+            SafeDtype::Float(QuantType::F16)
+        );
+        let d = f.tensor("d").unwrap();
+        assert_eq!((d.rows(), d.cols(), d.dtype), (2, 3, SafeDtype::F8E4M3));
     }
 
     #[test]

@@ -197,6 +197,7 @@ mod tests {
                 device_sampling: Switch::On,
                 fused_kernels: Switch::On,
                 gpu_weights: GpuWeights::Packed,
+                quantization: duet_model::fp8::Quantization::Fp8,
                 kv_tiers: KvTierOptions {
                     kv_offload_tokens: 4096,
                     kv_disk_dir: Some("kv dir/blocks".into()),

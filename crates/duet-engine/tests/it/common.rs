@@ -6,6 +6,7 @@ use duet_cpu::{CpuBackend, CpuKvStore};
 use duet_engine::backend::{Backend, KvDtypeChoice};
 use duet_engine::batch::{ForwardBatch, LogitsWanted, SeqInput};
 use duet_engine::llama::{Llama, Logits};
+use duet_model::fp8::Quantization;
 use duet_model::model_files::open_model;
 pub use duet_model::model_path::checkout_default_model;
 
@@ -53,8 +54,18 @@ impl Harness {
     }
 
     pub fn load_with_kv(path: &std::path::Path, threads: usize, kv: KvDtypeChoice) -> Self {
+        Self::load_quantized(path, threads, kv, Quantization::None)
+    }
+
+    /// With the layers' projections quantized as `quantization` asks (`--quantization`).
+    pub fn load_quantized(
+        path: &std::path::Path,
+        threads: usize,
+        kv: KvDtypeChoice,
+        quantization: Quantization,
+    ) -> Self {
         let files = open_model(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
-        let model = Llama::load(CpuBackend::new(threads), &files).unwrap();
+        let model = Llama::load_quantized(CpuBackend::new(threads), &files, quantization).unwrap();
         let dtype = model
             .backend()
             .kv_dtype(kv, files.tensors.matrices_all_f32())

@@ -8,6 +8,7 @@ use crate::common::fixtures;
 use duet_cpu::CpuBackend;
 use duet_engine::backend::KvDtypeChoice;
 use duet_engine::engine::{Engine, EngineOptions, Resumed, SeqId};
+use duet_model::fp8::Quantization;
 use duet_model::params::StopCriteria;
 use duet_model::params::{Constraint, SamplingParams};
 
@@ -423,4 +424,30 @@ fn a_grammar_that_fails_part_way_ends_its_request_with_the_error() {
     assert_eq!(texts[&failing], "", "nothing past what was streamed");
     assert_eq!(ends[&other], (FinishReason::Stop, None));
     assert_eq!(texts[&other].len(), 8, "{:?}", texts[&other]);
+}
+
+/// Weights quantized at load compute other KV than the file's own: `--quantization fp8` is in
+/// the model fingerprint (a worker of the other setting refuses the push), `none` leaves it as
+/// it was.
+#[test]
+fn quantizing_the_weights_at_load_changes_the_fingerprint() {
+    let fingerprint = |quantization| {
+        let options = EngineOptions {
+            threads: 1,
+            block_size: 4,
+            kv_cache_tokens: 64,
+            quantization,
+            ..Default::default()
+        };
+        duet_cpu::load_engine(&fixtures().join("tiny-llama"), options)
+            .unwrap()
+            .fingerprint()
+            .to_string()
+    };
+    let (plain, fp8) = (
+        fingerprint(Quantization::None),
+        fingerprint(Quantization::Fp8),
+    );
+    assert!(!plain.contains("/q-"), "{plain}");
+    assert_eq!(fp8, format!("{plain}/q-fp8"));
 }

@@ -5,6 +5,7 @@
 use crate::common::*;
 use duet_engine::backend::KvDtypeChoice;
 use duet_engine::batch::{LogitsWanted, SeqInput};
+use duet_model::fp8::Quantization;
 
 const TOL: f32 = 1e-4;
 
@@ -201,5 +202,51 @@ fn int8_kv_cache_matches_a_reference_with_the_same_rounding() {
             .collect();
         let what = format!("{} int8 KV token by token", case.name);
         assert_close(&got, &case.logits, INT8_KV_TOL, &what);
+    }
+}
+
+/// Largest logit difference the CPU may show on the FP8 checkpoint from the float64 forward of its
+/// dequantized weights (tests/reference/make_tiny_fp8.py): the CPU serves FP8 weights as bf16
+/// (`e4m3 · scale` rounded to 8 significant bits), which moves these logits by less than 8e-3 (on
+/// an AVX-512 Xeon; the margin is for other kernel paths); a misread scale or E4M3 byte moves them
+/// by whole units.
+const FP8_TOL: f32 = 1e-2;
+
+/// The FP8 quantization's own error on this model, ‖Δ‖/‖ref‖ of the logits against the f32
+/// model's (3.0e-2 in the reference; the bound for FP8 against bf16 is 5e-2).
+const FP8_VS_F32_BOUND: f64 = 5e-2;
+
+/// ‖got − want‖ / ‖want‖ over every position.
+fn relative_distance(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
+    let (mut d, mut r) = (0.0, 0.0);
+    for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+        d += (*g as f64 - *w as f64).powi(2);
+        r += (*w as f64).powi(2);
+    }
+    (d / r).sqrt()
+}
+
+/// An FP8 checkpoint in vLLM's layout (E4M3 projections, a scale per output channel), served by
+/// the CPU dequantized at load: the logits of a float64 forward over the dequantized weights, and
+/// within the stated bound of the f32 model's. `--quantization fp8` on the f32 model quantizes
+/// to the same bytes and scales as numpy and ml_dtypes did for the checkpoint, so its logits are
+/// the checkpoint's, bit for bit.
+#[test]
+fn fp8_weights_on_the_cpu_match_the_reference_of_their_dequantized_values() {
+    let load = |path: &str, quantization| {
+        Harness::load_quantized(&fixtures().join(path), 2, KvDtypeChoice::F32, quantization)
+    };
+    let f32_cases = cases("tiny-llama-logits.json");
+    for (case, f32_case) in cases("tiny-llama-fp8-logits.json").iter().zip(&f32_cases) {
+        let got = load("tiny-llama-fp8", Quantization::None).prompt_logits(&case.tokens);
+        assert_close(&got, &case.logits, FP8_TOL, &format!("FP8 {}", case.name));
+        let distance = relative_distance(&got, &f32_case.logits);
+        assert!(
+            distance <= FP8_VS_F32_BOUND,
+            "{}: FP8 logits are {distance:.3e} from the f32 model's",
+            case.name
+        );
+        let quantized = load("tiny-llama", Quantization::Fp8).prompt_logits(&case.tokens);
+        assert_eq!(quantized, got, "{}: --quantization fp8", case.name);
     }
 }
