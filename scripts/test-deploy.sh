@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The deployment tests, all offline (there is no Kubernetes API server or container engine here):
 #  - the Helm chart (deploy/helm/duet): `helm lint --strict`; `helm template` with the default,
-#    CPU, GPU, external-etcd, secure, cert-manager and GIE (InferencePool) values, each validated by
+#    CPU, GPU, external-etcd, secure, cert-manager, GIE (InferencePool) and planner values, each validated by
 #    `kubernetes-validate --strict` against the Kubernetes 1.29 and 1.33 schemas, checked for its
 #    security wiring (secrets only as read-only mounted files, never in argv or an env value; `duet
 #    health` exec probes with TLS, gRPC probes without; certificates naming what peers dial; the
@@ -113,7 +113,10 @@ for name, d in deployments.items():
     cert = certificates.get(f"{name}-tls")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         p = c[probe]
-        if tls_on:
+        if component == "planner":
+            # It serves no gRPC: its plain-HTTP metrics endpoint, with TLS on or off.
+            check(p.get("httpGet", {}).get("port") == "metrics", f"{name}: {probe} is not its /metrics")
+        elif tls_on:
             cmd = p.get("exec", {}).get("command", [])
             check(cmd[:2] == ["/usr/local/bin/duet", "health"] and any(x.startswith("--tls-cert=") for x in cmd),
                   f"{name}: {probe} is not `duet health` with the pod's certificate")
@@ -167,7 +170,7 @@ if errors:
 PY
 }
 
-for values in default cpu gpu external-etcd secure cert-manager gie; do
+for values in default cpu gpu external-etcd secure cert-manager gie planner; do
   check "helm lint --strict ($values values)" helm lint --strict $(values_files $values) "$chart"
   out="$work/$values.yaml"
   if ! helm template duet "$chart" --namespace duet $(values_files $values) >"$out" 2>"$work/err"; then
@@ -389,7 +392,7 @@ rejected "a plaintext etcd endpoint with etcd TLS" \
   "at '/etcd/external/endpoints/0': 'http://etcd:2379' does not match pattern '^https://'" \
   --values="$chart/values-external-etcd.yaml" --set-json 'etcd.external.endpoints=["http://etcd:2379"]'
 rejected "a prefill signal for the decode autoscaler" \
-  "at '/decode/autoscaling/metric': value must be one of 'kvCacheUsage', 'runningRequests', 'cpu'" \
+  "at '/decode/autoscaling/metric': value must be one of 'kvCacheUsage', 'runningRequests', 'planner', 'cpu'" \
   --set decode.autoscaling.metric=ttft
 rejected "a NetworkPolicy peer typo" "at '/networkPolicy/router/from/0': additional properties 'podselector' not allowed" \
   --set-json 'networkPolicy.router.from=[{"podselector":{}}]'
@@ -405,6 +408,14 @@ rejected "a disk tier of no bytes" "at '/decode/kvTiers/disk/bytes': minimum: go
 rejected "a serving signal without metrics" \
   "at '/decode/autoscaling': missing property 'decode.autoscaling.metric other than cpu needs metrics.enabled" \
   --set metrics.enabled=false --set decode.autoscaling.enabled=true
+rejected "an SLO of 0 for the planner" "at '/planner/ttftSloMs': exclusiveMinimum: got 0, want 0" \
+  --set planner.enabled=true --set planner.profile.configMap=p --set planner.ttftSloMs=0
+rejected "the planner without a profile" "planner.enabled needs planner.profile.configMap" \
+  --set planner.enabled=true
+rejected "the planner without metrics" "planner.enabled needs metrics.enabled" \
+  --set planner.enabled=true --set planner.profile.configMap=p --set metrics.enabled=false
+rejected "the planner's signal without the planner" "decode.autoscaling.metric planner needs planner.enabled" \
+  --set decode.autoscaling.enabled=true --set decode.autoscaling.metric=planner
 
 if $chart_only; then
   echo "$passed passed, $failed failed (chart only)"

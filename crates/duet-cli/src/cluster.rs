@@ -64,6 +64,9 @@ pub struct Cluster {
     pub decode: Vec<SocketAddr>,
     /// The token the workers' internal RPCs require.
     pub token: ClusterToken,
+    /// Where the workers' cards are: the membership flags every service was given (the
+    /// embedded registry under this cluster's own name, in this process).
+    pub membership: ClusterArgs,
     /// The Prometheus endpoints, when `router.metrics` names one: that one alone in one process
     /// (it serves every service's families), else the router's then each worker's (free
     /// loopback ports, in start order).
@@ -265,6 +268,7 @@ impl Cluster {
             prefill,
             decode,
             token,
+            membership: cluster.clone(),
             children: Vec::new(),
             runtime: None,
         };

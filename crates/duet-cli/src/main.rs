@@ -13,6 +13,7 @@ mod fetch;
 mod generate;
 mod health;
 mod plan;
+mod planner;
 mod plot;
 mod profile;
 mod progress;
@@ -59,6 +60,11 @@ enum Command {
     /// Search placements (colocated, every prefill:decode split, step budgets) for the most
     /// goodput per device by simulation, as DistServe does; write the winner as Helm values.
     Plan(Box<plan::PlanArgs>),
+    /// The planner at run time, a service beside the router: re-plans the prefill:decode split
+    /// from the live load each period and at once on a burst, publishes the desired replicas
+    /// per role (/metrics) for the chart's autoscalers, switches workers' roles toward the best
+    /// split, and logs every decision.
+    Planner(Box<planner::PlannerArgs>),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -109,6 +115,7 @@ fn main() {
         Command::Profile(args) => profile::run(*args),
         Command::Simulate(args) => simulate::run(*args),
         Command::Plan(args) => plan::run(*args),
+        Command::Planner(args) => planner::run(*args),
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => {

@@ -19,6 +19,8 @@ pub mod report;
 pub mod search;
 pub mod sim_worker;
 pub mod simulator;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod trace;
 pub mod workload;
 

@@ -378,66 +378,9 @@ pub struct Target {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-
-    /// A synthetic profile: prefill 2 ms + 0.1 ms/token (no attention cost), decode 5 ms +
-    /// 0.001 ms per context token + 0.2 ms per row, a grpc link at 1 ms + 2 ms/MiB.
-    pub fn synthetic() -> Profile {
-        Profile {
-            format: PROFILE_FORMAT,
-            device: DeviceInfo {
-                kind: "cpu".into(),
-                name: "test".into(),
-                cores: 2,
-            },
-            model: ModelInfo {
-                name: "test".into(),
-                fingerprint: "fp".into(),
-                num_layers: 4,
-            },
-            commit: "test".into(),
-            source: "synthetic".into(),
-            flags: SpeedFlags {
-                threads: 1,
-                cpu_kernels: "portable".into(),
-                kv_dtype: "f16".into(),
-                max_step_tokens: 512,
-            },
-            kv: KvInfo {
-                block_size: 16,
-                block_bytes: 1 << 16,
-                memory_bytes: None,
-            },
-            prefill: PrefillProfile {
-                samples: Vec::new(),
-                fit: PrefillFit {
-                    a_ms: 2.0,
-                    b_ms_per_token: 0.1,
-                    c_ms_per_attended_token: 0.0,
-                },
-                error: FitError::default(),
-            },
-            decode: DecodeProfile {
-                samples: Vec::new(),
-                fit: DecodeFit {
-                    a_ms: 5.0,
-                    b_ms_per_context_token: 0.001,
-                    c_ms_per_sequence: 0.2,
-                },
-                error: FitError::default(),
-            },
-            transfer: vec![TransferProfile {
-                transport: "grpc".into(),
-                samples: Vec::new(),
-                fit: TransferFit {
-                    a_ms: 1.0,
-                    ms_per_mib: 2.0,
-                },
-                error: FitError::default(),
-            }],
-        }
-    }
+    use crate::testing::synthetic;
 
     #[test]
     fn a_step_costs_its_parts() {

@@ -289,8 +289,8 @@ pub enum Objective {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profile::tests::synthetic;
     use crate::report::Slo;
+    use crate::testing::synthetic;
     use crate::workload::{Range, random_jobs};
 
     #[test]
@@ -357,7 +357,7 @@ mod tests {
                 ttft_ms: 400.0,
                 tpot_ms: 30.0,
             },
-            ..crate::simulator::tests::config(Design::Disaggregated, 1, 1)
+            ..crate::testing::config(Design::Disaggregated, 1, 1)
         };
         let jobs: Vec<Job> = random_jobs(
             1,

@@ -1090,43 +1090,9 @@ fn decision_index(d: Decision) -> usize {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-    use crate::profile::tests::synthetic;
-
-    /// A cluster of `design` on dedicated devices, timed by the synthetic profile.
-    pub(crate) fn config(design: Design, prefill: usize, decode: usize) -> SimConfig {
-        SimConfig {
-            design,
-            prefill_workers: prefill,
-            decode_workers: decode,
-            max_step_tokens: 512,
-            kv_cache_tokens: 16 * 1024,
-            routing: RouterShape {
-                policy: PolicyParams {
-                    policy: RoutingPolicy::CacheAware,
-                    local_prefill_threshold: match design {
-                        Design::Disaggregated => 0,
-                        Design::Colocated => u32::MAX,
-                    },
-                    kv_link_bytes_per_s: 1e9,
-                    prefill_saturation_factor: 0.0,
-                },
-                stats_interval_s: 0.5,
-                pending_prefix_ttl_s: 10.0,
-                max_queued_requests: 256,
-                request_timeout_s: 600.0,
-            },
-            prefill_max_queued_tokens: 65536,
-            sharing: Sharing::Dedicated,
-            transport: "grpc".into(),
-            slo: Slo {
-                ttft_ms: 1000.0,
-                tpot_ms: 100.0,
-            },
-            timeline_window_s: 1.0,
-        }
-    }
+    use crate::testing::{config, synthetic};
 
     fn job(prompt: Vec<u32>, max_tokens: u32, at_ms: u64) -> Result<Job, PlannerError> {
         Ok(Job {

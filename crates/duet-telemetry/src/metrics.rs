@@ -42,6 +42,12 @@ pub const E2E_BUCKETS: &[f64] = &[
 pub const STEP_TOKENS_BUCKETS: &[f64] = &[
     1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
 ];
+/// Tokens of one request's prompt or output (vLLM's `request_prompt_tokens` 1-2-5 series, to
+/// 100,000 tokens).
+pub const REQUEST_TOKENS_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
+    50000.0, 100000.0,
+];
 /// KV transfer time of one request (vLLM's KV connectors' transfer-time buckets).
 pub const KV_TRANSFER_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0,
@@ -85,10 +91,14 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = axum::Router::new().route("/metrics", axum::routing::get(exposition));
-    axum::serve(listener, app)
+    axum::serve(listener, routes())
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// `GET /metrics`, for a service that serves more beside it on the same endpoint.
+pub fn routes() -> axum::Router {
+    axum::Router::new().route("/metrics", axum::routing::get(exposition))
 }
 
 async fn exposition() -> impl IntoResponse {
@@ -171,6 +181,7 @@ mod tests {
             E2E_BUCKETS,
             STEP_TOKENS_BUCKETS,
             KV_TRANSFER_BUCKETS,
+            REQUEST_TOKENS_BUCKETS,
         ] {
             assert!(b.windows(2).all(|w| w[0] < w[1]), "{b:?}");
         }

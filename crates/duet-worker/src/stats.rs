@@ -491,6 +491,8 @@ impl Identity {
                 .iter()
                 .map(|o| (o.as_str().into(), c.pulls(*o)))
                 .collect(),
+            // Only a decode worker's role can switch; its service says whether it does.
+            role_switch: false,
         }
     }
 }

@@ -71,6 +71,7 @@ pub async fn serve(
         prefill_workers,
         decode_peers,
         peer_pull: config.peer_pull.on(),
+        role_switch: config.role_switch.on(),
         role: role.clone(),
     });
     let drain = worker.edge.drain_begun();

@@ -42,6 +42,8 @@ pub struct WorkerState {
     pub decode_peers: KnownPeers,
     /// Whether prefixes are pulled from peers (`--kv-peer-pull`).
     pub peer_pull: bool,
+    /// Whether its role can switch (`--role-switch on`), as `Stats` reports.
+    pub role_switch: bool,
     /// The worker's role now (decode for good unless `--role-switch on`).
     pub role: Arc<RoleSwitch>,
 }
@@ -420,6 +422,7 @@ impl v1::worker_control_server::WorkerControl for ControlService {
             });
         }
         stats.kv_peer_pull = s.peer_pull;
+        stats.role_switch = s.role_switch;
         Ok(Response::new(stats))
     }
 }

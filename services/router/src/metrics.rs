@@ -1,12 +1,18 @@
-//! The router's Prometheus families (`role="router"`, `model`): requests by outcome, the
-//! latencies a client sees (time to first token, inter-token latency, time per output token,
-//! end to end; vLLM's names and buckets), tokens, failovers, and the routing's own counts
+//! The router's Prometheus families (`role="router"`, `model`): requests received and by outcome,
+//! the latencies a client sees (time to first token, inter-token latency, time per output token,
+//! end to end; vLLM's names and buckets), each finished request's prompt and output lengths and
+//! where its first token waited (queue, KV transfer) — what the run-time planner re-plans from —,
+//! tokens, failovers, and the routing's own counts
 //! ([`Decisions`]: decisions by reason, cached tokens predicted against actual), read at scrape
 //! time so that each is counted once and `Info` shows the same numbers.
 
 use std::sync::{Arc, Mutex};
 
-use duet_telemetry::metrics::{E2E_BUCKETS, MODEL, ROLE, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS};
+use duet_proto::v1;
+use duet_telemetry::metrics::{
+    E2E_BUCKETS, KV_TRANSFER_BUCKETS, MODEL, REQUEST_TOKENS_BUCKETS, ROLE, TOKEN_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+};
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
@@ -42,11 +48,16 @@ pub enum Outcome {
 /// The router's metric families (clones share them).
 #[derive(Clone)]
 pub struct RouterMetrics {
+    received: IntCounter,
     requests: IntCounterVec,
     time_to_first_token: Histogram,
     inter_token_latency: Histogram,
     time_per_output_token: Histogram,
     e2e_latency: Histogram,
+    request_prompt_tokens: Histogram,
+    request_generation_tokens: Histogram,
+    queue_time: Histogram,
+    kv_transfer_time: Histogram,
     prompt_tokens: IntCounter,
     generation_tokens: IntCounter,
     routing_decisions: IntCounterVec,
@@ -77,6 +88,10 @@ impl RouterMetrics {
             IntCounterVec::new(opts(name, help), labels).expect("valid counter")
         };
         Self {
+            received: counter(
+                "duet_requests_received_total",
+                "Requests received that passed validation, however they end: their rate is the arrival rate the run-time planner sizes the pools for.",
+            ),
             requests: counter_vec(
                 "duet_requests_total",
                 "Requests finished, by status (success or error) and error_type (validation, overload, deadline, unavailable, cancelled, internal; none on success).",
@@ -101,6 +116,26 @@ impl RouterMetrics {
                 "duet_e2e_request_latency_seconds",
                 "Time from a request's arrival to its last token, in seconds.",
                 E2E_BUCKETS,
+            ),
+            request_prompt_tokens: histogram(
+                "duet_request_prompt_tokens",
+                "Prompt tokens of each successful request.",
+                REQUEST_TOKENS_BUCKETS,
+            ),
+            request_generation_tokens: histogram(
+                "duet_request_generation_tokens",
+                "Tokens generated for each successful request.",
+                REQUEST_TOKENS_BUCKETS,
+            ),
+            queue_time: histogram(
+                "duet_request_queue_time_seconds",
+                "Time from a successful request's arrival until its prefill started (routing, admission and the prefill queue), in seconds.",
+                TTFT_BUCKETS,
+            ),
+            kv_transfer_time: histogram(
+                "duet_request_kv_transfer_time_seconds",
+                "KV transfer time of each successful request prefilled on a prefill worker, in seconds.",
+                KV_TRANSFER_BUCKETS,
             ),
             prompt_tokens: counter(
                 "duet_prompt_tokens_total",
@@ -129,19 +164,29 @@ impl RouterMetrics {
         }
     }
 
-    fn families(&self) -> [&dyn Collector; 10] {
+    fn families(&self) -> [&dyn Collector; 15] {
         [
+            &self.received,
             &self.requests,
             &self.time_to_first_token,
             &self.inter_token_latency,
             &self.time_per_output_token,
             &self.e2e_latency,
+            &self.request_prompt_tokens,
+            &self.request_generation_tokens,
+            &self.queue_time,
+            &self.kv_transfer_time,
             &self.prompt_tokens,
             &self.generation_tokens,
             &self.routing_decisions,
             &self.cached_tokens,
             &self.failovers,
         ]
+    }
+
+    /// A valid request arrived.
+    pub fn received(&self) {
+        self.received.inc();
     }
 
     /// A request ended this way.
@@ -154,19 +199,28 @@ impl RouterMetrics {
         self.requests.with_label_values(&[status, error]).inc();
     }
 
-    /// A successful request's latencies and tokens.
+    /// A successful request's latencies, tokens and `timings` (the final message's).
     pub fn completed(
         &self,
         start: Instant,
         first_token_at: Option<Instant>,
         prompt_tokens: usize,
         generated: usize,
+        timings: Option<&v1::Timings>,
     ) {
         let now = Instant::now();
         let e2e = (now - start).as_secs_f64();
         self.e2e_latency.observe(e2e);
         self.prompt_tokens.inc_by(prompt_tokens as u64);
         self.generation_tokens.inc_by(generated as u64);
+        self.request_prompt_tokens.observe(prompt_tokens as f64);
+        self.request_generation_tokens.observe(generated as f64);
+        if let Some(t) = timings {
+            self.queue_time.observe(t.queue_ms / 1e3);
+            if !t.prefill_local {
+                self.kv_transfer_time.observe(t.transfer_ms / 1e3);
+            }
+        }
         if let Some(first) = first_token_at
             && generated > 1
         {
@@ -292,8 +346,27 @@ mod tests {
 
         let start = Instant::now();
         m.first_token(std::time::Duration::from_millis(3));
-        m.completed(start, Some(start), 5, 4);
-        m.completed(start, None, 5, 0);
+        m.received();
+        let remote = v1::Timings {
+            queue_ms: 2.0,
+            transfer_ms: 1.0,
+            ..Default::default()
+        };
+        m.completed(start, Some(start), 5, 4, Some(&remote));
+        let local = v1::Timings {
+            prefill_local: true,
+            ..remote
+        };
+        m.completed(start, None, 5, 0, Some(&local));
+        assert_eq!(value(&m, "duet_requests_received_total", &base), 1.0);
+        assert_eq!(value(&m, "duet_request_prompt_tokens", &base), 2.0);
+        assert_eq!(value(&m, "duet_request_generation_tokens", &base), 2.0);
+        assert_eq!(value(&m, "duet_request_queue_time_seconds", &base), 2.0);
+        // A prompt prefilled on its decode worker moved no KV.
+        assert_eq!(
+            value(&m, "duet_request_kv_transfer_time_seconds", &base),
+            1.0
+        );
         assert_eq!(value(&m, "duet_time_to_first_token_seconds", &base), 1.0);
         assert_eq!(value(&m, "duet_e2e_request_latency_seconds", &base), 2.0);
         // Only a request with a first token and more after it has a time per output token.

@@ -61,6 +61,7 @@ pub type Item = Result<v1::GenerateResponse, RouterError>;
 /// Drives one request until it finishes, fails, passes its deadline or the client leaves.
 pub(crate) async fn relay(state: Arc<Relay>, job: Job, tx: mpsc::Sender<Item>) {
     let mut progress = Progress::default();
+    state.metrics.received();
     let result = tokio::select! {
         r = tokio::time::timeout_at(job.deadline, run(&state, &job, &tx, &mut progress)) => {
             Some(r.unwrap_or_else(|_| Err(RouterError::DeadlineExceeded(job.deadline - job.start))))
@@ -86,6 +87,7 @@ pub(crate) async fn relay(state: Arc<Relay>, job: Job, tx: mpsc::Sender<Item>) {
                 progress.first_token_at,
                 job.valid.prompt.len(),
                 progress.generated.len(),
+                progress.timings.as_ref(),
             );
         }
         Some(Err(e)) => {
@@ -112,6 +114,8 @@ struct Progress {
     failovers: u32,
     /// Cached prompt tokens the final message reported.
     cached_reported: Option<u32>,
+    /// The final message's timings.
+    timings: Option<v1::Timings>,
     /// The client was sent the final message.
     finished: bool,
 }
@@ -423,6 +427,7 @@ impl Progress {
             if t.decode_worker.is_empty() {
                 t.decode_worker = worker_id.to_string();
             }
+            self.timings = Some(t.clone());
             out.timings = Some(t);
             tracing::Span::current().record("gen_ai.response.finish_reasons", finish_reason(&out));
         }

@@ -17,6 +17,7 @@ mod kv_tiers;
 mod membership;
 mod openai;
 mod otlp;
+mod planner;
 mod prometheus;
 mod refused_prefill;
 mod role_switch;

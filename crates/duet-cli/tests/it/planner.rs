@@ -269,3 +269,45 @@ fn bad_planner_input_names_its_line_field_or_flag() {
     std::fs::write(&measured, p.to_string()).unwrap();
     failed_saying(run(&["--device", "cuda"]), "`decode.fit.a_ms` is -2");
 }
+
+#[test]
+fn the_run_time_planner_refuses_bad_input_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let measured = dir.path().join("measured.json");
+    std::fs::write(
+        &measured,
+        include_str!("../../../../bench/results/planner/profile-h200-llama3-8b.json"),
+    )
+    .unwrap();
+    // Nothing listens there.
+    let router = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let planner = |profile: &std::path::Path, args: &[&str]| {
+        duet()
+            .arg("planner")
+            .arg("--profile")
+            .arg(profile)
+            .arg(format!("--router-metrics=http://{router}"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    failed_saying(
+        planner(&dir.path().join("missing.json"), &["--device", "cuda"]),
+        "--profile",
+    );
+    failed_saying(
+        planner(&measured, &["--device", "cpu"]),
+        "`device.kind` (--device)",
+    );
+    failed_saying(
+        planner(&measured, &["--device", "cuda", "--tpot-slo-ms", "0"]),
+        "--tpot-slo-ms must be a positive number",
+    );
+    failed_saying(
+        planner(&measured, &["--device", "cuda"]),
+        &format!("--router-metrics: cannot reach http://{router}/metrics"),
+    );
+}
