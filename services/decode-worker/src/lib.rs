@@ -71,6 +71,9 @@ pub async fn serve(
         prefill_workers,
         decode_peers,
         peer_pull: config.peer_pull.on(),
+        peer_pull_cuda_ipc: config.peer_pull.kv_peer_pull_cuda_ipc.is_on(),
+        ipc_pulls: Default::default(),
+        node: duet_transfer::choice::node_name(),
         role: role.clone(),
     });
     let drain = worker.edge.drain_begun();

@@ -42,6 +42,13 @@ pub struct WorkerState {
     pub decode_peers: KnownPeers,
     /// Whether prefixes are pulled from peers (`--kv-peer-pull`).
     pub peer_pull: bool,
+    /// Whether pulls are asked for over CUDA IPC (`--kv-peer-pull-cuda-ipc`, where
+    /// `kv_transport` is cuda-ipc).
+    pub peer_pull_cuda_ipc: bool,
+    /// Peers' pulls answered over CUDA IPC: their KV stores opened here.
+    pub ipc_pulls: duet_transfer::choice::IpcPulls,
+    /// This node's name (a CUDA IPC offer opens only on its node).
+    pub node: String,
     /// The worker's role now (decode for good unless `--role-switch on`).
     pub role: Arc<RoleSwitch>,
 }
