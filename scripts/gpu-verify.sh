@@ -47,7 +47,11 @@
 #                  leaves HF out.
 #   4. kvtiers     the KV tiers and peer pulls through the CUDA backend, on the tiny fixture:
 #                  `duet bench serve --compare-kv-tiers` (multi-turn, a host tier under a small
-#                  pool) and `duet bench kv-pull` (a prefix pulled from a peer vs computed).
+#                  pool, in pageable memory), the same with the host tier page-locked
+#                  (--kv-host-pinned on): the two restore bandwidths; `duet bench kv-pull` on the
+#                  fixture stretched to 8192 positions: a 2000-token prefix pulled from a peer over
+#                  gRPC, then over CUDA IPC (--pull-cuda-ipc on, the workers in processes of their
+#                  own), each against computing it.
 #   5. fp8w        FP8 weights (sm_89+): `duet bench gpu --quantization fp8 --check-model
 #                  tests/fixtures/tiny-llama-fp8`: the FP8 checkpoint on the GPU against the CPU
 #                  backend on the same file (logits ‖Δ‖/‖ref‖ ≤ 2e-2, greedy tokens, each switch);
@@ -71,7 +75,7 @@ fixtures() { echo tests/fixtures/tiny-llama tests/fixtures/tiny-rope-llama3 test
 export -f bin_names fixtures
 # Seconds per step; with the set-up they must fit the 8 minutes.
 budget_total=480
-limit_setup=15 limit_baseline=100 limit_disagg=80 limit_speed=180 limit_kvtiers=35 limit_fp8w=70
+limit_setup=15 limit_baseline=90 limit_disagg=80 limit_speed=160 limit_kvtiers=70 limit_fp8w=65
 limits_sum() { echo $((limit_setup + limit_baseline + limit_disagg + limit_speed + limit_kvtiers + limit_fp8w)); }
 carry_limit=$((64 << 20))
 
@@ -193,18 +197,26 @@ EOF
 }
 export -f check_rows
 
-disagg() {
-  local model=$OUT/tiny-llama-8k port=50551
-  # The fixture with room for a 4096-token prompt: only max_position_embeddings differs (no RoPE
-  # scaling, so the same weights give the same tokens).
+# The tiny fixture with room for 8192 positions, in $OUT (its path on stdout): only
+# max_position_embeddings differs (no RoPE scaling, so the same weights give the same tokens).
+stretched_fixture() {
+  local model=$OUT/tiny-llama-8k
   mkdir -p "$model"
   cp tests/fixtures/tiny-llama/model.safetensors tests/fixtures/tiny-llama/tokenizer.json "$model/"
-  python3 - tests/fixtures/tiny-llama/config.json "$model/config.json" <<'EOF'
+  python3 - tests/fixtures/tiny-llama/config.json "$model/config.json" <<'EOF' || return 1
 import json, sys
 config = json.load(open(sys.argv[1]))
 config["max_position_embeddings"] = 8192
 json.dump(config, open(sys.argv[2], "w"))
 EOF
+  echo "$model"
+}
+export -f stretched_fixture
+
+disagg() {
+  local model port=50551
+  # Room for a 4096-token prompt.
+  model=$(stretched_fixture) || return 1
   # ~150 tokens: over the router's local-prefill threshold (32), within the fixture's 256.
   local long_prompt
   long_prompt=$(python3 -c "print(' '.join(f'item {i} is {i*i % 97};' for i in range(25)))")
@@ -287,20 +299,54 @@ for r in json.load(open(sys.argv[1])).get("kv_dtypes", []):
 EOF
   return "$rc"
 }
-# The tiers below the KV pool and peer pulls (issue 84) through the CUDA backend's block reads and
-# writes (device to pageable host memory; a pinned host tier and CUDA-IPC pulls are not built):
-# on the tiny fixture (256-token context), a pool of 512 tokens holding a third of 16 three-turn
-# conversations, without and then with a host tier; and a
-# 192-token prefix pulled from a peer decode worker on the same GPU against computed. Correctness
-# and plumbing on the GPU; the fixture's timings say nothing of a real model's.
+# The tiers below the KV pool and peer pulls (issue 84) through the CUDA backend, on the tiny
+# fixture (256-token context): a pool of 512 tokens holding a third of 16 three-turn conversations,
+# without and then with a host tier in pageable memory, then with the host tier page-locked
+# (--kv-host-pinned on): copies waited for in both (no --kv-load-stream), so the two restore
+# bandwidths compare. Then a 2000-token prefix, on the fixture stretched to 8192 positions, pulled
+# from a peer decode worker on the same GPU over gRPC, and over CUDA IPC (the workers in processes
+# of their own), each against computing it. Correctness and plumbing on the GPU; the fixture's
+# timings say nothing of a real model's.
 kvtiers() {
-  local model=tests/fixtures/tiny-llama
-  gpu "$bin/duet" bench serve --model "$model" --launch colocated --device cuda \
-    --workload shared-prefix --groups 4 --users 4 --turns 3 --system-tokens 96 \
-    --question-tokens 16 --output-tokens 16 --concurrency 4 --interleave --kv-cache-tokens 512 \
-    --kv-offload-tokens 4096 --compare-kv-tiers --json-out "$OUT/kv-tiers.json" || return 1
-  gpu "$bin/duet" bench kv-pull --model "$model" --device cuda --kv-cache-tokens 4096 \
-    --prefix-tokens 192 --repeats 3 --json-out "$OUT/kv-pull.json"
+  local model=tests/fixtures/tiny-llama long
+  local serve=(bench serve --model "$model" --launch colocated --device cuda
+    --workload shared-prefix --groups 4 --users 4 --turns 3 --system-tokens 96
+    --question-tokens 16 --output-tokens 16 --concurrency 4 --interleave --kv-cache-tokens 512
+    --kv-offload-tokens 4096)
+  gpu "$bin/duet" "${serve[@]}" --compare-kv-tiers --json-out "$OUT/kv-tiers.json" || return 1
+  gpu "$bin/duet" "${serve[@]}" --kv-host-pinned on --json-out "$OUT/kv-tiers-pinned.json" \
+    || return 1
+  long=$(stretched_fixture) || return 1
+  local pull=(bench kv-pull --model "$long" --device cuda --kv-cache-tokens 16384
+    --prefix-tokens 2000 --repeats 3)
+  gpu "$bin/duet" "${pull[@]}" --json-out "$OUT/kv-pull-grpc.json" || return 1
+  gpu "$bin/duet" "${pull[@]}" --pull-cuda-ipc on --json-out "$OUT/kv-pull-cuda-ipc.json" \
+    || return 1
+  $dry && return 0
+  python3 - "$OUT" <<'EOF' >>"$rows"
+import json, sys
+out = sys.argv[1]
+def host(path, arm):
+    runs = json.load(open(f"{out}/{path}"))["runs"]
+    tiers = [t for t in runs[arm]["kv_tiers"] if t["tier"] == "host"]
+    return tiers[0] if tiers else None
+pageable, pinned = host("kv-tiers.json", -1), host("kv-tiers-pinned.json", 0)
+ok = bool(pageable and pinned and pinned["page_locked"] and pinned["lent_blocks"] > 0)
+detail = "no host tier in a run" if not (pageable and pinned) else (
+    f'restore {pinned["restore_gb_per_s"]:.2f} GB/s page-locked ({pinned["lent_blocks"]} blocks '
+    f'straight from their slots, {pinned["copy_waits"]} waits) vs {pageable["restore_gb_per_s"]:.2f} '
+    f'GB/s pageable')
+print(f'{"host tier: page-locked vs pageable restore bandwidth":<62} {"DONE" if ok else "FAIL":<6} {detail}')
+grpc = json.load(open(f"{out}/kv-pull-grpc.json"))
+ipc = json.load(open(f"{out}/kv-pull-cuda-ipc.json"))
+over_ipc = ipc["pulls_cuda_ipc"].get("pulled", 0)
+ok = over_ipc > 0
+detail = (f'TTFT p50: cuda-ipc pull {ipc["pull_ttft_p50_ms"]:.1f} ms, grpc pull '
+          f'{grpc["pull_ttft_p50_ms"]:.1f} ms, computed {ipc["recompute_ttft_p50_ms"]:.1f} / '
+          f'{grpc["recompute_ttft_p50_ms"]:.1f} ms; pulled over cuda-ipc {over_ipc}, '
+          f'cuda-ipc outcomes {ipc["pulls_cuda_ipc"]}')
+print(f'{"2000-token prefix: cuda-ipc vs grpc pull vs computed":<62} {"DONE" if ok else "FAIL":<6} {detail}')
+EOF
 }
 # FP8 weights (issue 82): the FP8 checkpoint against the CPU, then FP8 against bf16 on the
 # Llama-3-8B shape; the speed targets are reported in a row, not checked.

@@ -3,7 +3,9 @@
 //! repetition sends a fresh prefix and a question to worker A (which caches the prefix), then
 //! to worker B the prefix and another question naming A as the holder to pull from, and
 //! another fresh prefix of the same length with that question, which B computes. It times B's
-//! first token both ways (the Decode call straight to the worker, as the router makes it).
+//! first token both ways (the Decode call straight to the worker, as the router makes it). With
+//! `--pull-cuda-ipc on` the pulls are asked for over CUDA IPC (`--kv-peer-pull-cuda-ipc on`),
+//! the workers in processes of their own.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -39,6 +41,10 @@ pub struct KvPullBenchArgs {
     /// Repetitions timed, each with fresh prefixes (after one untimed).
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
+    /// Ask for the pulls over CUDA IPC (`--kv-peer-pull-cuda-ipc on`; GPU workers, which then
+    /// run in processes of their own: CUDA IPC opens only another process's memory), on or off.
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    pub pull_cuda_ipc: Switch,
     /// Write the JSON report here.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
@@ -56,8 +62,11 @@ struct Report {
     recompute_ttft_p50_ms: f64,
     /// Pull ÷ recompute, of the medians.
     ratio: f64,
-    /// B's prefix pulls by outcome.
+    /// Whether the pulls were asked for over CUDA IPC.
+    pull_cuda_ipc: bool,
+    /// B's prefix pulls by outcome, and those answered over CUDA IPC.
     pulls: std::collections::BTreeMap<String, u64>,
+    pulls_cuda_ipc: std::collections::BTreeMap<String, u64>,
 }
 
 pub fn run(args: KvPullBenchArgs) -> Result<()> {
@@ -78,25 +87,33 @@ pub fn run(args: KvPullBenchArgs) -> Result<()> {
             },
             peer_pull: PeerPullArgs {
                 kv_peer_pull: Switch::On,
+                kv_peer_pull_cuda_ipc: args.pull_cuda_ipc,
             },
             ..DecodeConfig::default()
         },
         prefill_workers: 0,
         decode_workers: 2,
         model: args.model.resolve()?,
-        processes: false,
+        processes: args.pull_cuda_ipc.is_on(),
         bin_dir: None,
         telemetry: Default::default(),
         auth: Default::default(),
     };
-    eprintln!("launching 2 decode workers (--kv-peer-pull on)");
+    eprintln!(
+        "launching 2 decode workers (--kv-peer-pull on, --kv-peer-pull-cuda-ipc {})",
+        args.pull_cuda_ipc
+    );
     let cluster = Cluster::start(&spec)?;
     let runtime = tokio::runtime::Runtime::new()?;
     let report = runtime.block_on(measure(&args, &cluster))?;
     println!(
-        "{}-token prefix + {}-token question on worker B, TTFT p50: pulled from A {:.1} ms, computed {:.1} ms: {:.2}×",
+        "{}-token prefix + {}-token question on worker B, TTFT p50: pulled from A{} {:.1} ms, computed {:.1} ms: {:.2}×",
         report.prefix_tokens,
         report.question_tokens,
+        match report.pull_cuda_ipc {
+            true => " over CUDA IPC",
+            false => "",
+        },
         report.pull_ttft_p50_ms,
         report.recompute_ttft_p50_ms,
         report.ratio
@@ -178,6 +195,7 @@ async fn measure(args: &KvPullBenchArgs, cluster: &Cluster) -> Result<Report> {
         v[v.len() / 2]
     };
     let (pull, compute) = (median(&pulled), median(&computed));
+    let b_stats = stats(&cb).await?;
     Ok(Report {
         prefix_tokens: args.prefix_tokens,
         question_tokens: args.question_tokens,
@@ -187,7 +205,9 @@ async fn measure(args: &KvPullBenchArgs, cluster: &Cluster) -> Result<Report> {
         ratio: pull / compute,
         pull_ttft_ms: pulled,
         recompute_ttft_ms: computed,
-        pulls: stats(&cb).await?.kv_peer_pulls.into_iter().collect(),
+        pull_cuda_ipc: args.pull_cuda_ipc.is_on(),
+        pulls: b_stats.kv_peer_pulls.into_iter().collect(),
+        pulls_cuda_ipc: b_stats.kv_peer_pulls_cuda_ipc.into_iter().collect(),
     })
 }
 

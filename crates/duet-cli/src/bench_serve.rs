@@ -182,6 +182,11 @@ pub struct TierReport {
     pub bytes_stored: u64,
     pub cost_model_misses: u64,
     pub corrupt: u64,
+    /// Page-locked memory on some worker (`--kv-host-pinned on`): blocks brought up straight
+    /// from their slots, and blocks moving in that waited for those copies.
+    pub page_locked: bool,
+    pub lent_blocks: u64,
+    pub copy_waits: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -764,6 +769,9 @@ async fn tier_reports(cluster: &Cluster) -> (Vec<TierReport>, BTreeMap<String, u
             r.bytes_stored += t.bytes_stored;
             r.cost_model_misses += t.cost_model_misses;
             r.corrupt += t.corrupt;
+            r.page_locked |= t.page_locked;
+            r.lent_blocks += t.lent_blocks;
+            r.copy_waits += t.copy_waits;
         }
         for (outcome, n) in &s.kv_peer_pulls {
             *pulls.entry(outcome.clone()).or_insert(0) += n;
@@ -1066,8 +1074,15 @@ fn print_turns_and_tiers(runs: &[RunReport]) {
             );
         }
         for t in &r.kv_tiers {
+            let page_locked = match t.page_locked {
+                true => format!(
+                    " (page-locked: {} straight from their slots, {} waits for copies)",
+                    t.lent_blocks, t.copy_waits
+                ),
+                false => String::new(),
+            };
             println!(
-                "{:<27} {} tier: {} blocks brought up, {:.1} MB in {:.3} s ({:.2} GB/s; CPU time {:.3} s, {:.2} GB/s); {:.1} MB moved down; {} cost-model misses; {} corrupt",
+                "{:<27} {} tier{page_locked}: {} blocks brought up, {:.1} MB in {:.3} s ({:.2} GB/s; CPU time {:.3} s, {:.2} GB/s); {:.1} MB moved down; {} cost-model misses; {} corrupt",
                 r.summary.design,
                 t.tier,
                 t.hits,

@@ -50,7 +50,7 @@ pub trait Gpu: Send + Sync + 'static {
     /// A captured graph, replayed by [`Gpu::replay`].
     type Graph: Send;
     /// Page-locked host memory: copies from it are asynchronous.
-    type Pinned: AsRef<[u8]> + AsMut<[u8]> + Send;
+    type Pinned: AsRef<[u8]> + AsMut<[u8]> + Send + 'static;
 
     /// Device memory (a plain allocation: exportable over CUDA IPC).
     fn alloc(&self, bytes: usize) -> Result<DevicePtr, CudaError>;

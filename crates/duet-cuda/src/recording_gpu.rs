@@ -2,8 +2,11 @@
 //! uploads, launches, downloads and waits for, counted from the backend's own code path. Every
 //! launch is checked against its kernel's signature in `kernels/*.cu` (the count and kind of
 //! each argument) and its grid and block against CUDA's limits, since no GPU checks them here.
+//! A copy on the load stream from page-locked memory reads its source until it completes, as
+//! the copy engine does: a download into that memory before then panics.
 
-use std::sync::Mutex;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use crate::CudaError;
 use crate::gpu::{Arg, DevicePtr, Gemm, Gpu, Launch};
@@ -44,6 +47,10 @@ pub struct RecordingGpu {
     /// waits for them, or when a test says so ([`Self::complete_loads`]).
     loads_pending: Mutex<bool>,
     compute_capability: (i32, i32),
+    /// Addresses of the page-locked memory handed out and not dropped.
+    pinned: Arc<Mutex<Vec<Range<usize>>>>,
+    /// Page-locked sources of the copies queued on the load stream that have not completed.
+    load_sources: Mutex<Vec<Range<usize>>>,
 }
 
 /// A Hopper (9.0).
@@ -51,6 +58,40 @@ impl Default for RecordingGpu {
     fn default() -> Self {
         Self::with_compute_capability((9, 0))
     }
+}
+
+/// The recording GPU's page-locked memory: known as such until it is dropped.
+pub struct RecordedPinned {
+    bytes: Vec<u8>,
+    registry: Arc<Mutex<Vec<Range<usize>>>>,
+}
+
+impl AsRef<[u8]> for RecordedPinned {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl AsMut<[u8]> for RecordedPinned {
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes
+    }
+}
+
+impl Drop for RecordedPinned {
+    fn drop(&mut self) {
+        let mine = range_of(&self.bytes);
+        self.registry.lock().unwrap().retain(|r| *r != mine);
+    }
+}
+
+fn range_of(bytes: &[u8]) -> Range<usize> {
+    let start = bytes.as_ptr() as usize;
+    start..start + bytes.len()
+}
+
+fn overlap(a: &Range<usize>, b: &Range<usize>) -> bool {
+    a.start < b.end && b.start < a.end
 }
 
 /// A recorded graph.
@@ -66,6 +107,8 @@ impl RecordingGpu {
             capturing: Mutex::default(),
             loads_pending: Mutex::default(),
             compute_capability,
+            pinned: Arc::default(),
+            load_sources: Mutex::default(),
         }
     }
 
@@ -91,12 +134,13 @@ impl RecordingGpu {
     /// The copies queued on the load stream complete.
     pub fn complete_loads(&self) {
         *self.loads_pending.lock().unwrap() = false;
+        self.load_sources.lock().unwrap().clear();
     }
 }
 
 impl Gpu for RecordingGpu {
     type Graph = Graph;
-    type Pinned = Vec<u8>;
+    type Pinned = RecordedPinned;
 
     fn alloc(&self, bytes: usize) -> Result<DevicePtr, CudaError> {
         assert!(
@@ -114,9 +158,15 @@ impl Gpu for RecordingGpu {
         self.record(Event::Free);
     }
 
-    fn alloc_pinned(&self, bytes: usize) -> Result<Vec<u8>, CudaError> {
+    fn alloc_pinned(&self, bytes: usize) -> Result<RecordedPinned, CudaError> {
         self.record(Event::AllocPinned(bytes));
-        Ok(vec![0; bytes])
+        let memory = vec![0; bytes];
+        // The heap buffer stays where it is however the Vec moves.
+        self.pinned.lock().unwrap().push(range_of(&memory));
+        Ok(RecordedPinned {
+            bytes: memory,
+            registry: self.pinned.clone(),
+        })
     }
 
     fn free_memory(&self) -> Result<usize, CudaError> {
@@ -135,6 +185,16 @@ impl Gpu for RecordingGpu {
 
     fn download(&self, dst: &mut [u8], _: DevicePtr) -> Result<(), CudaError> {
         assert!(!*self.capturing.lock().unwrap(), "a download under capture");
+        let written = range_of(dst);
+        assert!(
+            !self
+                .load_sources
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|r| overlap(r, &written)),
+            "a download into page-locked memory a copy on the load stream still reads"
+        );
         dst.fill(0);
         self.record(Event::Download(dst.len()));
         Ok(())
@@ -223,6 +283,18 @@ impl Gpu for RecordingGpu {
     fn upload_on_load_stream(&self, _: DevicePtr, src: &[u8]) -> Result<(), CudaError> {
         assert!(!*self.capturing.lock().unwrap(), "a load under capture");
         *self.loads_pending.lock().unwrap() = true;
+        let read = range_of(src);
+        if self
+            .pinned
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|r| overlap(r, &read))
+        {
+            // Pageable memory is staged by the driver before the call returns; pinned is read
+            // by the copy engine until the copy completes.
+            self.load_sources.lock().unwrap().push(read);
+        }
         self.record(Event::LoadUpload(src.len()));
         Ok(())
     }

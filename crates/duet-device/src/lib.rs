@@ -109,6 +109,7 @@ pub fn gpu_options(options: &EngineOptions) -> duet_cuda::backend::GpuOptions {
         packed_weights: options.gpu_weights == duet_engine::device::GpuWeights::Packed,
         prefill_attention: options.prefill_attention,
         load_stream: options.kv_tiers.kv_load_stream.is_on(),
+        host_pinned: options.kv_tiers.kv_host_pinned.is_on(),
     }
 }
 

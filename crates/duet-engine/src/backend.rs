@@ -8,6 +8,7 @@
 use crate::EngineError;
 use crate::batch::ForwardBatch;
 use crate::sampling_steps::{RowSampling, sample_row};
+pub use duet_kv::HostMemory;
 use duet_model::config::ModelConfig;
 use duet_model::fp8::Fp8Matrix;
 use duet_model::model_files::RawTensor;
@@ -347,12 +348,20 @@ pub trait Backend: Send + Sync {
     /// Stores every layer of one block from what [`Self::read_stored_block`] gave (a block
     /// brought up from a tier below). A backend may queue the write to overlap a step in flight
     /// (a GPU's copy engine, off the compute stream); no step may read the block until
-    /// [`Self::stored_writes_done`] says so, or [`Self::finish_stored_writes`] returned.
+    /// [`Self::stored_writes_done`] says so, or [`Self::finish_stored_writes`] returned. `data`
+    /// in memory from [`Self::host_tier_memory`] may be read after this returns: it stays
+    /// unchanged until then (the tier lends its slot to the copy).
     fn write_stored_block(&self, kv: &mut Self::KvStore, block: usize, data: &[u8]) {
         let layer_bytes = self.kv_block_bytes(kv);
         for (layer, data) in data.chunks_exact(layer_bytes).enumerate() {
             self.write_kv_block(kv, layer, block, data);
         }
+    }
+    /// The memory of a host tier of `bytes` below the pool: by default a `Vec` (pageable, zeroed
+    /// lazily by the kernel). A GPU backend may give page-locked memory its copy engine reads
+    /// and writes directly (`--kv-host-pinned on`).
+    fn host_tier_memory(&self, bytes: usize) -> Result<Box<dyn HostMemory>, EngineError> {
+        Ok(Box::new(vec![0u8; bytes]))
     }
     /// Whether every [`Self::write_stored_block`] so far has completed, without waiting. The
     /// CPU's writes are copies done before they return: loading cannot overlap a step there,

@@ -17,7 +17,7 @@ use crate::device::{Device, GpuWeights, Switch};
 use crate::draft_model::DraftModel;
 use crate::generation::TextStream;
 use crate::grammars::Grammars;
-use crate::kv_tiers::{KvTierOptions, settle_kv_moves};
+use crate::kv_tiers::{KvTierOptions, finish_stored_writes, settle_kv_moves, stored_writes_done};
 use crate::llama::Llama;
 use crate::model_runner::{ModelRunner, release_freed_heap};
 use crate::sampling::Sampler;
@@ -363,10 +363,12 @@ impl<B: Backend> Engine<B> {
         );
         let mut kv_cache = KvCacheManager::new(num_blocks, options.block_size, &fingerprint);
         let block_bytes = runner.kv_block_bytes() * kv_layout.num_layers;
-        if let Some(lower) = options
-            .kv_tiers
-            .build(&kv_layout, block_bytes, &fingerprint)?
-        {
+        if let Some(lower) = options.kv_tiers.build(
+            runner.model().backend(),
+            &kv_layout,
+            block_bytes,
+            &fingerprint,
+        )? {
             kv_cache = kv_cache.with_lower_tiers(lower);
         }
         let (tokenizer, vocab_size) = (files.tokenizer, files.config.vocab_size);
@@ -450,7 +452,7 @@ impl<B: Backend> Engine<B> {
     /// brought up are written when it returns.
     fn settle_kv_moves(&mut self) -> Result<(), EngineError> {
         if settle_kv_moves(&mut self.runner, self.scheduler.kv_cache_mut())? {
-            self.runner.model().backend().finish_stored_writes()?;
+            finish_stored_writes(&self.runner, self.scheduler.kv_cache_mut())?;
         }
         Ok(())
     }
@@ -461,12 +463,11 @@ impl<B: Backend> Engine<B> {
         if !self.scheduler.is_loading() {
             return Ok(());
         }
-        let backend = self.runner.model().backend();
-        if !backend.stored_writes_done() {
+        if !stored_writes_done(&self.runner, self.scheduler.kv_cache_mut()) {
             if self.scheduler.has_runnable() {
                 return Ok(());
             }
-            backend.finish_stored_writes()?;
+            finish_stored_writes(&self.runner, self.scheduler.kv_cache_mut())?;
         }
         self.scheduler.end_loading();
         Ok(())
@@ -570,7 +571,7 @@ impl<B: Backend> Engine<B> {
         // step in flight): the sequence joins a step once they are written.
         let loaded = settle_kv_moves(&mut self.runner, self.scheduler.kv_cache_mut())?;
         let num_cached = added?;
-        if loaded && !self.runner.model().backend().stored_writes_done() {
+        if loaded && !stored_writes_done(&self.runner, self.scheduler.kv_cache_mut()) {
             self.scheduler.hold_loading(id);
         }
         self.seqs.insert(
@@ -657,35 +658,39 @@ impl<B: Backend> Engine<B> {
             .cache_reservation(tokens, reservation)?)
     }
 
-    /// The KV of blocks `blocks` of the prefix of `tokens` (whole blocks) held here, in the
-    /// pool or brought up from below: every layer in transfer layout, one `Vec` per block.
-    /// `None` unless every block before `blocks.end` is held. What a peer's pull is sent.
-    pub fn read_prefix(
+    /// Holds blocks `..blocks_end` of the prefix of `tokens` (whole blocks) held here, in the
+    /// pool or brought up from below, and shows `on_layer` each layer's KV of them, with the
+    /// physical block of each prefix block; then lets them go. `false` (nothing shown) unless
+    /// every block is held. What a peer's pull is sent from, over any transport.
+    pub fn send_prefix(
         &mut self,
         tokens: &[u32],
         cache_salt: &str,
-        blocks: std::ops::Range<usize>,
-    ) -> Result<Option<Vec<Vec<u8>>>, EngineError> {
-        let end = (blocks.end * self.options.block_size).min(tokens.len());
+        blocks_end: usize,
+        on_layer: &mut dyn FnMut(&[u32], &LayerDone<'_, B>),
+    ) -> Result<bool, EngineError> {
+        let end = (blocks_end * self.options.block_size).min(tokens.len());
         let pinned = self
             .scheduler
             .kv_cache_mut()
             .pin_prefix(&tokens[..end], cache_salt);
-        let read = self.settle_kv_moves().and_then(|()| {
-            if pinned.len() < blocks.end {
-                return Ok(None);
+        let sent = self.settle_kv_moves().map(|()| {
+            if pinned.len() < blocks_end {
+                return false;
             }
-            let bytes = self.runner.kv_block_bytes() * self.runner.kv_layout().num_layers;
-            let mut out = Vec::with_capacity(blocks.len());
-            for &block in &pinned[blocks] {
-                let mut kv = vec![0; bytes];
-                self.runner.read_block(block, &mut kv)?;
-                out.push(kv);
+            for layer in 0..self.runner.kv_layout().num_layers {
+                let done = LayerDone {
+                    layer,
+                    kv: self.runner.kv_store(),
+                    backend: self.runner.model().backend(),
+                    plan: &[],
+                };
+                on_layer(&pinned[..blocks_end], &done);
             }
-            Ok(Some(out))
+            true
         });
         self.scheduler.kv_cache_mut().unpin(&pinned)?;
-        read
+        sent
     }
 
     /// Starts generating for a prompt whose KV was written into `reservation` by a prefill
@@ -813,7 +818,7 @@ impl<B: Backend> Engine<B> {
             .ok_or(EngineError::UnknownSequence(id))?;
         if self.scheduler.is_loading() {
             // Its blocks go back to the pool: no load may still be writing them.
-            self.runner.model().backend().finish_stored_writes()?;
+            finish_stored_writes(&self.runner, self.scheduler.kv_cache_mut())?;
         }
         if let Some(Proposer::Draft(draft)) = &mut self.speculator {
             draft.release(id)?;

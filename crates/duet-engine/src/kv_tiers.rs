@@ -47,6 +47,15 @@ pub struct KvTierOptions {
         arg(long, env = "DUET_KV_LOAD_STREAM", value_enum, default_value_t = Switch::Off)
     )]
     pub kv_load_stream: Switch,
+    /// On a GPU: the host tier in page-locked memory, on or off. The copy engine then reads a
+    /// block brought up straight from its slot, and writes a block moving down straight into
+    /// one, without the driver staging each copy; the whole tier is allocated and locked at
+    /// start. Off until it has run on a GPU; the CPU's tier is ordinary memory either way.
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "DUET_KV_HOST_PINNED", value_enum, default_value_t = Switch::Off)
+    )]
+    pub kv_host_pinned: Switch,
 }
 
 impl Default for KvTierOptions {
@@ -56,6 +65,7 @@ impl Default for KvTierOptions {
             kv_disk_dir: None,
             kv_disk_bytes: DEFAULT_DISK_BYTES,
             kv_load_stream: Switch::Off,
+            kv_host_pinned: Switch::Off,
         }
     }
 }
@@ -72,6 +82,7 @@ impl KvTierOptions {
             format!("--kv-offload-tokens={}", self.kv_offload_tokens),
             format!("--kv-disk-bytes={}", self.kv_disk_bytes),
             format!("--kv-load-stream={}", self.kv_load_stream),
+            format!("--kv-host-pinned={}", self.kv_host_pinned),
         ];
         if let Some(dir) = &self.kv_disk_dir {
             args.push(format!("--kv-disk-dir={}", dir.display()));
@@ -80,10 +91,11 @@ impl KvTierOptions {
     }
 
     /// The tiers these options ask for, below a pool of `layout` (blocks of `block_bytes`, in
-    /// the store's own layout) whose model fingerprint is `fingerprint`; `None` when none is
-    /// asked for.
-    pub fn build(
+    /// the store's own layout) whose model fingerprint is `fingerprint`, the host tier in
+    /// memory `backend` gives; `None` when none is asked for.
+    pub fn build<B: Backend>(
         &self,
+        backend: &B,
         layout: &KvLayout,
         block_bytes: usize,
         fingerprint: &str,
@@ -94,7 +106,12 @@ impl KvTierOptions {
         let mut tiers: Vec<Box<dyn TierStore>> = Vec::new();
         let host_blocks = self.kv_offload_tokens / layout.block_size;
         if host_blocks > 0 {
-            tiers.push(Box::new(HostTier::new(host_blocks, block_bytes)));
+            let memory = backend.host_tier_memory(host_blocks * block_bytes)?;
+            tiers.push(Box::new(HostTier::in_memory(
+                host_blocks,
+                block_bytes,
+                memory,
+            )));
         }
         if let Some(dir) = &self.kv_disk_dir {
             let namespace = xxhash_namespace(fingerprint);
@@ -119,10 +136,10 @@ fn xxhash_namespace(fingerprint: &str) -> u64 {
 }
 
 /// Moves what the KV cache manager owes between the device store and the tiers below: first
-/// the KV of evicted blocks down (before anything writes their slots), then loaded blocks into
-/// their new slots. Called after every manager call that may allocate, whatever it returned.
-/// Returns whether blocks were written that a step may read only once the backend's stored
-/// writes are done ([`Backend::stored_writes_done`]).
+/// the KV of evicted blocks down (before anything writes their slots), each read straight into
+/// its tier's memory, then loaded blocks into their new slots. Called after every manager call
+/// that may allocate, whatever it returned. Returns whether blocks were written that a step
+/// may read only once the backend's stored writes are done ([`stored_writes_done`]).
 pub(crate) fn settle_kv_moves<B: Backend>(
     runner: &mut ModelRunner<B>,
     kv: &mut KvCacheManager,
@@ -132,23 +149,58 @@ pub(crate) fn settle_kv_moves<B: Backend>(
         return Ok(false);
     }
     let loaded = !moves.loads.is_empty();
-    let mut bytes = vec![0; runner.kv_block_bytes() * runner.kv_layout().num_layers];
-    let mut spills = moves.spills.into_iter();
-    while let Some((block, hash)) = spills.next() {
-        if let Err(e) = runner.read_stored_block(block, &mut bytes) {
-            // The device failed (sticky): nothing moves down.
+    let mut failed = None;
+    for (block, hash) in moves.spills {
+        if failed.is_some() {
+            // The device failed (sticky): nothing more moves down.
             kv.spill_failed(hash);
-            spills.for_each(|(_, h)| kv.spill_failed(h));
-            return Err(e);
+            continue;
         }
-        kv.store_below(hash, &bytes);
+        let mut fill = |out: &mut [u8]| match runner.read_stored_block(block, out) {
+            Ok(()) => true,
+            Err(e) => {
+                failed = Some(e);
+                false
+            }
+        };
+        // A block moving into a slot a copy to the device still reads waits for the copies.
+        let backend = runner.model().backend();
+        let mut wait_for_copies = || backend.finish_stored_writes().is_ok();
+        kv.store_below(hash, &mut fill, &mut wait_for_copies);
+    }
+    if let Some(e) = failed {
+        return Err(e);
     }
     for load in moves.loads {
         let watch = Stopwatch::start();
-        runner.write_stored_block(load.block, &load.bytes)?;
+        runner.write_stored_block(load.block, kv.start_copy(&load.bytes))?;
         let mut took = load.read;
         took += watch.elapsed();
         kv.loaded(load.tier, 1, took);
     }
     Ok(loaded)
+}
+
+/// Whether every block brought up so far is written ([`Backend::stored_writes_done`]), without
+/// waiting; once they are, the tier slots their copies read are free to reuse.
+pub(crate) fn stored_writes_done<B: Backend>(
+    runner: &ModelRunner<B>,
+    kv: &mut KvCacheManager,
+) -> bool {
+    let done = runner.model().backend().stored_writes_done();
+    if done {
+        kv.copies_done();
+    }
+    done
+}
+
+/// Waits until every block brought up so far is written ([`Backend::finish_stored_writes`]);
+/// the tier slots their copies read are then free to reuse.
+pub(crate) fn finish_stored_writes<B: Backend>(
+    runner: &ModelRunner<B>,
+    kv: &mut KvCacheManager,
+) -> Result<(), EngineError> {
+    runner.model().backend().finish_stored_writes()?;
+    kv.copies_done();
+    Ok(())
 }

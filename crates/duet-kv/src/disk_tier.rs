@@ -121,6 +121,10 @@ impl Drop for DiskTier {
 }
 
 impl TierStore for DiskTier {
+    fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
     fn tier(&self) -> Tier {
         Tier::Disk
     }

@@ -21,8 +21,8 @@
 //! new) writes nothing below and pays nothing.
 
 use crate::{
-    BlockHash, BlockId, BlockPool, BlockTable, Elapsed, KvDigest, KvError, KvEvent, LowerTiers,
-    Stopwatch, Tier, TierStats, block_hashes, next_block_hash, request_hash_seed,
+    BlockBytes, BlockHash, BlockId, BlockPool, BlockTable, Elapsed, KvDigest, KvError, KvEvent,
+    LowerTiers, Stopwatch, Tier, TierStats, block_hashes, next_block_hash, request_hash_seed,
 };
 
 /// Identifies a sequence (one request) among those whose blocks a manager tracks.
@@ -63,8 +63,8 @@ pub struct KvReservation {
 /// KV the engine owes the tiers (see [`KvCacheManager::take_moves`]).
 #[derive(Debug, Default)]
 pub struct KvMoves {
-    /// Evicted blocks whose KV moves down: read each before its slot is written, then hand it
-    /// to [`KvCacheManager::store_below`].
+    /// Evicted blocks whose KV moves down: read each, through
+    /// [`KvCacheManager::store_below`], before its slot is written.
     pub spills: Vec<(BlockId, BlockHash)>,
     /// Blocks brought up: write each into the device store before a step reads it.
     pub loads: Vec<BlockLoad>,
@@ -75,8 +75,9 @@ pub struct KvMoves {
 pub struct BlockLoad {
     pub block: BlockId,
     pub tier: Tier,
-    /// Every layer's K and V, in the device store's own layout.
-    pub bytes: Vec<u8>,
+    /// Every layer's K and V, in the device store's own layout (see
+    /// [`KvCacheManager::start_copy`]).
+    pub bytes: BlockBytes,
     /// The time the tier read took.
     pub read: Elapsed,
 }
@@ -165,12 +166,38 @@ impl KvCacheManager {
         }
     }
 
-    /// The KV of an evicted block (every layer, in the device store's own layout), read from the
-    /// device before its slot was written: it moves down.
-    pub fn store_below(&mut self, hash: BlockHash, block: &[u8]) {
+    /// An evicted block moves down: `fill` reads its KV (every layer, in the device store's own
+    /// layout) from the device before its slot is written, straight into the tier's memory
+    /// where it can (`false`: the device could not, and the block is gone);
+    /// `wait_for_copies` waits for the device's copies of blocks brought up (`true` once they
+    /// completed), called only when the block needs a slot one of them still reads.
+    pub fn store_below(
+        &mut self,
+        hash: BlockHash,
+        fill: &mut dyn FnMut(&mut [u8]) -> bool,
+        wait_for_copies: &mut dyn FnMut() -> bool,
+    ) {
         self.flush_pool_events();
         if let Some(lower) = &mut self.lower {
-            lower.store(hash, block, &mut self.events);
+            lower.store(hash, fill, wait_for_copies, &mut self.events);
+        }
+    }
+
+    /// The bytes of a block brought up, as the engine queues its copy to the device: a slot of
+    /// page-locked memory is read in place until [`copies_done`](Self::copies_done).
+    pub fn start_copy<'a>(&'a mut self, bytes: &'a BlockBytes) -> &'a [u8] {
+        match (bytes, &mut self.lower) {
+            (BlockBytes::Copied(b), _) => b,
+            (lent, Some(lower)) => lower.start_copy(lent),
+            (BlockBytes::Lent { .. }, None) => unreachable!("lent by a tier below"),
+        }
+    }
+
+    /// Every copy to the device queued so far has completed: the tier slots they read are free
+    /// to reuse.
+    pub fn copies_done(&mut self) {
+        if let Some(lower) = &mut self.lower {
+            lower.copies_done();
         }
     }
 
@@ -266,19 +293,21 @@ impl KvCacheManager {
             };
             self.flush_pool_events();
             let lower = self.lower.as_mut().expect("checked above");
-            let mut bytes = vec![0; lower.block_bytes()];
             let watch = Stopwatch::start();
-            let found = lower.load(hash, &mut bytes, &mut self.events);
+            let found = lower.load(hash, &mut self.events);
             let read = watch.elapsed();
-            let registered = found.map(|tier| self.pool.register_loaded(fresh[0], hash, tier));
-            let Some(Ok(true)) = registered else {
+            let Some((tier, bytes)) = found else {
                 // Unreadable below (dropped there): recomputed. The fresh block goes back.
                 let _ = self.pool.release(&fresh);
                 break;
             };
+            if !matches!(self.pool.register_loaded(fresh[0], hash, tier), Ok(true)) {
+                let _ = self.pool.release(&fresh);
+                break;
+            }
             self.loads.push(BlockLoad {
                 block: fresh[0],
-                tier: found.expect("registered"),
+                tier,
                 bytes,
                 read,
             });
@@ -733,12 +762,17 @@ mod tests {
             fn settle(&mut self, kv: &mut KvCacheManager) {
                 let moves = kv.take_moves();
                 for (block, hash) in moves.spills {
-                    kv.store_below(hash, &self.blocks[&block]);
+                    let mut fill = |out: &mut [u8]| {
+                        out.copy_from_slice(&self.blocks[&block]);
+                        true
+                    };
+                    kv.store_below(hash, &mut fill, &mut || unreachable!("nothing lent"));
                     self.spilled += 1;
                 }
                 for load in moves.loads {
+                    let bytes = kv.start_copy(&load.bytes).to_vec();
                     kv.loaded(load.tier, 1, load.read);
-                    self.blocks.insert(load.block, load.bytes);
+                    self.blocks.insert(load.block, bytes);
                 }
             }
 

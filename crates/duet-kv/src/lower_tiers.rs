@@ -11,6 +11,10 @@
 //! - **Inclusive**: a block brought up keeps its copy below, so when the device evicts it again
 //!   nothing is written (a churn of the same hot blocks between a small host tier and the
 //!   device costs one copy, not one per round trip).
+//! - **Lent slots**: a block brought up from page-locked host memory is copied by the device
+//!   straight from its slot ([`BlockBytes::Lent`]); the slot keeps its bytes until the engine
+//!   reports the copies complete ([`LowerTiers::copies_done`]), and a block moving in that
+//!   needs such a slot waits for them first.
 //! - **Ghosts**: hashes of blocks that left the worker (evicted from the device unadmitted, or
 //!   from the last tier), in a bounded first-in-first-out memory. A prompt whose blocks include
 //!   a ghost repeats KV computed here before: it counts as reused (see
@@ -44,8 +48,25 @@ pub struct TierStats {
     pub corrupt: u64,
     /// Blocks that could not be written (I/O errors): dropped.
     pub write_errors: u64,
+    /// The tier's memory is page-locked: the device copies blocks straight from their slots.
+    pub page_locked: bool,
+    /// Blocks brought up straight from their slot (lent to the device's copy, not copied out).
+    pub lent: u64,
+    /// Blocks moving in that waited for the device's copies in flight to free a slot.
+    pub copy_waits: u64,
     /// The fitted load bandwidth, bytes per second.
     pub load_bytes_per_s: f64,
+}
+
+/// The bytes of a block brought up from a tier.
+#[derive(Debug)]
+pub enum BlockBytes {
+    /// Read out of the tier.
+    Copied(Vec<u8>),
+    /// Left in slot `slot` of `tier`'s page-locked memory, lent to the device's copy
+    /// ([`LowerTiers::start_copy`] gives the bytes as it is queued) until
+    /// [`LowerTiers::copies_done`].
+    Lent { tier: Tier, slot: usize },
 }
 
 /// A bounded first-in-first-out set of hashes.
@@ -97,6 +118,7 @@ impl LowerTiers {
             let s = &mut stats[t.tier().index()];
             s.tier = Some(t.tier());
             s.capacity_blocks = t.capacity_blocks();
+            s.page_locked = t.page_locked();
         }
         Self {
             tiers,
@@ -162,9 +184,19 @@ impl LowerTiers {
     }
 
     /// A block leaving the device: it enters the first tier (making room there by moving
-    /// victims down). Events say where it went.
-    pub fn store(&mut self, hash: BlockHash, block: &[u8], events: &mut Vec<KvEvent>) {
-        if self.tiers.is_empty() || !self.store_at(0, hash, block, events) {
+    /// victims down). `fill` writes its bytes, straight into the tier's slot where it has one
+    /// (`false`: the device could not read them, and the block is gone);
+    /// `wait_for_copies` waits for the device's copies reading lent slots (`true` once they
+    /// completed), called only when a block moving in needs a slot one of them still reads.
+    /// Events say where the block went.
+    pub fn store(
+        &mut self,
+        hash: BlockHash,
+        fill: &mut dyn FnMut(&mut [u8]) -> bool,
+        wait_for_copies: &mut dyn FnMut() -> bool,
+        events: &mut Vec<KvEvent>,
+    ) {
+        if self.tiers.is_empty() || !self.store_at(0, hash, fill, wait_for_copies, events) {
             events.push(KvEvent::Removed {
                 hash,
                 tier: Tier::Device,
@@ -184,7 +216,8 @@ impl LowerTiers {
         &mut self,
         level: usize,
         hash: BlockHash,
-        block: &[u8],
+        fill: &mut dyn FnMut(&mut [u8]) -> bool,
+        wait_for_copies: &mut dyn FnMut() -> bool,
         events: &mut Vec<KvEvent>,
     ) -> bool {
         let tier = self.tiers[level].tier();
@@ -199,15 +232,23 @@ impl LowerTiers {
             let victim = self.tiers[level]
                 .victim()
                 .expect("a full tier has a victim");
-            self.evict(level, victim, events);
+            self.evict(level, victim, wait_for_copies, events);
+        }
+        if self.tiers[level].waits_for_copies() {
+            self.stats[tier.index()].copy_waits += 1;
+            if !wait_for_copies() {
+                return false; // the device failed: nothing is read or written any more
+            }
+            self.copies_done();
         }
         let started = Instant::now();
-        let put = self.tiers[level].put(hash, block);
+        let put = self.tiers[level].put_with(hash, fill);
         let s = &mut self.stats[tier.index()];
         match put {
-            Ok(()) => {
+            Ok(false) => false,
+            Ok(true) => {
                 s.stored += 1;
-                s.bytes_stored += block.len() as u64;
+                s.bytes_stored += self.block_bytes as u64;
                 s.store_seconds += started.elapsed().as_secs_f64();
                 self.changed(hash, tier, true);
                 true
@@ -223,14 +264,24 @@ impl LowerTiers {
     }
 
     /// Moves `victim` out of tier `level`: into the tier below, or out of the worker.
-    fn evict(&mut self, level: usize, victim: BlockHash, events: &mut Vec<KvEvent>) {
+    fn evict(
+        &mut self,
+        level: usize,
+        victim: BlockHash,
+        wait_for_copies: &mut dyn FnMut() -> bool,
+        events: &mut Vec<KvEvent>,
+    ) {
         let tier = self.tiers[level].tier();
         let below = level + 1 < self.tiers.len();
         let mut moved = false;
         if below {
             let mut bytes = vec![0; self.block_bytes];
             if self.read_counting(level, victim, &mut bytes, events) {
-                moved = self.store_at(level + 1, victim, &bytes, events);
+                let mut copy = |out: &mut [u8]| {
+                    out.copy_from_slice(&bytes);
+                    true
+                };
+                moved = self.store_at(level + 1, victim, &mut copy, wait_for_copies, events);
             }
         }
         if self.tiers[level].remove(victim) {
@@ -279,26 +330,53 @@ impl LowerTiers {
         }
     }
 
-    /// Reads `hash` into `out` from the fastest tier that holds a good copy, marking it used
-    /// there; the tier it came from, `None` when no tier had a good copy (bad copies are
-    /// dropped on the way). The caller reports the whole load's time
-    /// ([`loaded`](Self::loaded)).
+    /// The bytes of `hash` from the fastest tier that holds a good copy, marking it used
+    /// there: lent in place from page-locked memory, else read out. The tier it came from,
+    /// `None` when no tier had a good copy (bad copies are dropped on the way). The caller
+    /// reports the whole load's time ([`loaded`](Self::loaded)).
     pub fn load(
         &mut self,
         hash: BlockHash,
-        out: &mut [u8],
         events: &mut Vec<KvEvent>,
-    ) -> Option<Tier> {
+    ) -> Option<(Tier, BlockBytes)> {
         for level in 0..self.tiers.len() {
             if !self.tiers[level].contains(hash) {
                 continue;
             }
-            if self.read_counting(level, hash, out, events) {
+            let tier = self.tiers[level].tier();
+            if let Some(slot) = self.tiers[level].lend(hash) {
                 self.tiers[level].touch(hash);
-                return Some(self.tiers[level].tier());
+                self.stats[tier.index()].lent += 1;
+                return Some((tier, BlockBytes::Lent { tier, slot }));
+            }
+            let mut out = vec![0; self.block_bytes];
+            if self.read_counting(level, hash, &mut out, events) {
+                self.tiers[level].touch(hash);
+                return Some((tier, BlockBytes::Copied(out)));
             }
         }
         None
+    }
+
+    /// The bytes of a block [`load`](Self::load) brought up, as its copy to the device is
+    /// queued: a lent slot is read by that copy until [`copies_done`](Self::copies_done).
+    pub fn start_copy<'a>(&'a mut self, bytes: &'a BlockBytes) -> &'a [u8] {
+        match bytes {
+            BlockBytes::Copied(b) => b,
+            &BlockBytes::Lent { tier, slot } => self
+                .tiers
+                .iter_mut()
+                .find(|t| t.tier() == tier)
+                .and_then(|t| t.start_copy(slot))
+                .expect("a slot stays lent until its copy is queued"),
+        }
+    }
+
+    /// Every device copy queued so far has completed: the slots they read are the tiers' again.
+    pub fn copies_done(&mut self) {
+        for t in &mut self.tiers {
+            t.copies_done();
+        }
     }
 
     /// `blocks` blocks were brought up from `tier` in `took` (tier reads and device writes):
@@ -357,6 +435,29 @@ mod tests {
         vec![h as u8; BYTES]
     }
 
+    /// Block `h` leaving the device; never waits for copies (none is lent here).
+    fn store(t: &mut LowerTiers, h: BlockHash, events: &mut Vec<KvEvent>) {
+        let mut fill = |out: &mut [u8]| {
+            out.copy_from_slice(&block(h));
+            true
+        };
+        t.store(
+            h,
+            &mut fill,
+            &mut || unreachable!("no copy in flight"),
+            events,
+        );
+    }
+
+    fn copied(t: &mut LowerTiers, h: BlockHash, events: &mut Vec<KvEvent>) -> Option<Tier> {
+        let (tier, bytes) = t.load(h, events)?;
+        let BlockBytes::Copied(bytes) = bytes else {
+            panic!("lent from pageable memory");
+        };
+        assert_eq!(bytes, block(h));
+        Some(tier)
+    }
+
     fn host_and_disk(host: usize, disk: u64, dir: &std::path::Path) -> LowerTiers {
         let disk_bytes = disk * (crate::disk_tier::HEADER_BYTES + BYTES) as u64;
         LowerTiers::new(
@@ -376,7 +477,7 @@ mod tests {
         let mut t = host_and_disk(2, 2, dir.path());
         let mut events = Vec::new();
         for h in 1..=5 {
-            t.store(h, &block(h), &mut events);
+            store(&mut t, h, &mut events);
         }
         use KvEvent::*;
         use Tier::*;
@@ -416,15 +517,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut t = host_and_disk(1, 4, dir.path());
         let mut events = Vec::new();
-        t.store(1, &block(1), &mut events);
-        t.store(2, &block(2), &mut events); // 1 moves to disk
-        let mut out = vec![0; BYTES];
-        assert_eq!(t.load(1, &mut out, &mut events), Some(Tier::Disk));
-        assert_eq!(out, block(1));
+        store(&mut t, 1, &mut events);
+        store(&mut t, 2, &mut events); // 1 moves to disk
+        assert_eq!(copied(&mut t, 1, &mut events), Some(Tier::Disk));
         assert_eq!(t.find(1), Some(Tier::Disk), "inclusive: the copy stays");
         // Evicted from the device again, it enters the host tier; the disk copy stays.
         events.clear();
-        t.store(1, &block(1), &mut events);
+        store(&mut t, 1, &mut events);
         assert_eq!(t.find(1), Some(Tier::Host));
         t.loaded(
             Tier::Host,
@@ -437,7 +536,7 @@ mod tests {
         let host = t.stats()[0];
         assert_eq!((host.hits, host.bytes_loaded), (1, BYTES as u64));
         assert_eq!((host.load_seconds, host.load_cpu_seconds), (2e-6, 1e-6));
-        assert!(t.load(9, &mut out, &mut events).is_none());
+        assert!(t.load(9, &mut events).is_none());
     }
 
     #[test]
@@ -447,11 +546,10 @@ mod tests {
         let path = disk.path_of(7);
         let mut t = LowerTiers::new(vec![Box::new(disk)], 16, BYTES, 10);
         let mut events = Vec::new();
-        t.store(7, &block(7), &mut events);
+        store(&mut t, 7, &mut events);
         std::fs::write(&path, b"garbage").unwrap();
         events.clear();
-        let mut out = vec![0; BYTES];
-        assert_eq!(t.load(7, &mut out, &mut events), None);
+        assert!(t.load(7, &mut events).is_none());
         assert_eq!(
             events,
             [KvEvent::Removed {
@@ -467,7 +565,7 @@ mod tests {
     fn without_room_below_a_block_leaves_the_worker() {
         let mut t = LowerTiers::new(vec![Box::new(HostTier::new(0, BYTES))], 16, BYTES, 10);
         let mut events = Vec::new();
-        t.store(3, &block(3), &mut events);
+        store(&mut t, 3, &mut events);
         assert_eq!(
             events,
             [KvEvent::Removed {
@@ -476,6 +574,114 @@ mod tests {
             }]
         );
         assert!(t.seen_before(3));
+    }
+
+    /// Host memory a device copies straight from.
+    struct PageLocked(Vec<u8>);
+
+    impl crate::HostMemory for PageLocked {
+        fn bytes(&self) -> &[u8] {
+            &self.0
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            &mut self.0
+        }
+        fn page_locked(&self) -> bool {
+            true
+        }
+    }
+
+    fn page_locked_host(blocks: usize) -> LowerTiers {
+        let memory = Box::new(PageLocked(vec![0; blocks * BYTES]));
+        let host = HostTier::in_memory(blocks, BYTES, memory);
+        LowerTiers::new(vec![Box::new(host)], 16, BYTES, 10)
+    }
+
+    /// A block brought up from page-locked memory is lent, not copied; while its copy is in
+    /// flight, a block moving in that needs its slot waits for the copy first, and only then
+    /// writes the slot.
+    #[test]
+    fn a_slot_read_by_a_copy_in_flight_is_written_only_after_the_copy() {
+        let mut t = page_locked_host(1);
+        let mut events = Vec::new();
+        store(&mut t, 1, &mut events);
+        let (tier, bytes) = t.load(1, &mut events).unwrap();
+        assert_eq!(tier, Tier::Host);
+        assert!(matches!(bytes, BlockBytes::Lent { .. }), "{bytes:?}");
+        let copying = t.start_copy(&bytes);
+        assert_eq!(copying, block(1));
+        let copied_slot = copying.as_ptr() as usize;
+        let (waited, mut written_before_wait) = (std::cell::Cell::new(0), false);
+        let mut fill = |out: &mut [u8]| {
+            written_before_wait |= out.as_ptr() as usize == copied_slot && waited.get() == 0;
+            out.copy_from_slice(&block(2));
+            true
+        };
+        let mut wait = || {
+            waited.set(waited.get() + 1);
+            true
+        };
+        events.clear();
+        t.store(2, &mut fill, &mut wait, &mut events);
+        assert!(
+            !written_before_wait,
+            "the slot was rewritten under the copy"
+        );
+        assert_eq!(waited.get(), 1, "the block waited for the copy");
+        assert_eq!(t.find(2), Some(Tier::Host), "{events:?}");
+        let host = t.stats()[0];
+        assert!(host.page_locked);
+        assert_eq!((host.lent, host.copy_waits), (1, 1));
+        // Nothing in flight now: the next block takes a slot without waiting.
+        let mut never = || -> bool { panic!("no copy in flight") };
+        let mut fill = |out: &mut [u8]| {
+            out.copy_from_slice(&block(3));
+            true
+        };
+        t.store(3, &mut fill, &mut never, &mut events);
+        assert_eq!(t.find(3), Some(Tier::Host));
+    }
+
+    /// A slot lent to a copy not queued yet survives the completion of the copies queued before
+    /// it: a block moving in does not take it, and the copy later reads the block lent.
+    #[test]
+    fn a_lent_slot_whose_copy_is_not_queued_is_kept_through_copies_done() {
+        let mut t = page_locked_host(1);
+        let mut events = Vec::new();
+        store(&mut t, 1, &mut events);
+        let (_, bytes) = t.load(1, &mut events).unwrap();
+        events.clear();
+        // Waiting would not free the slot (its copy is not even queued): the block leaves.
+        let mut fill = |_: &mut [u8]| -> bool { panic!("written into a lent slot") };
+        t.store(
+            2,
+            &mut fill,
+            &mut || panic!("waited for nothing"),
+            &mut events,
+        );
+        assert_eq!(t.find(2), None);
+        assert!(events.contains(&KvEvent::Removed {
+            hash: 2,
+            tier: Tier::Device
+        }));
+        t.copies_done();
+        assert_eq!(
+            t.start_copy(&bytes),
+            block(1),
+            "the lent slot kept its bytes"
+        );
+        t.copies_done();
+        store(&mut t, 3, &mut events);
+        assert_eq!(t.find(3), Some(Tier::Host), "the slot is free again");
+    }
+
+    #[test]
+    fn pageable_memory_is_read_out_never_lent() {
+        let mut t = LowerTiers::new(vec![Box::new(HostTier::new(2, BYTES))], 16, BYTES, 10);
+        let mut events = Vec::new();
+        store(&mut t, 4, &mut events);
+        assert_eq!(copied(&mut t, 4, &mut events), Some(Tier::Host));
+        assert!(!t.stats()[0].page_locked);
     }
 
     #[test]

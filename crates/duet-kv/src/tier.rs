@@ -95,8 +95,26 @@ pub trait TierStore: Send {
     fn contains(&self, hash: BlockHash) -> bool;
     /// The block to evict next: the least valuable by use and recency.
     fn victim(&self) -> Option<BlockHash>;
+    /// Bytes of each block.
+    fn block_bytes(&self) -> usize;
     /// Stores a block (not held yet; the caller made room).
     fn put(&mut self, hash: BlockHash, block: &[u8]) -> Result<(), TierError>;
+    /// Stores a block (not held yet; the caller made room) whose bytes `fill` writes (one
+    /// block; `false`: it could not, and nothing is stored): straight into the tier's own memory
+    /// where it has a place for them (a host slot), else through a buffer. Whether the block is
+    /// held afterwards.
+    fn put_with(
+        &mut self,
+        hash: BlockHash,
+        fill: &mut dyn FnMut(&mut [u8]) -> bool,
+    ) -> Result<bool, TierError> {
+        let mut block = vec![0; self.block_bytes()];
+        if !fill(&mut block) {
+            return Ok(false);
+        }
+        self.put(hash, &block)?;
+        Ok(self.contains(hash))
+    }
     /// Copies a block into `out` (exactly one block long). `Ok(false)` when it is not held, or
     /// was held but is unreadable (a file corrupt or cut short): such a block is dropped and
     /// counted, never returned.
@@ -110,5 +128,32 @@ pub trait TierStore: Send {
     /// Blocks found unreadable since the store was made.
     fn corrupt_blocks(&self) -> u64 {
         0
+    }
+    /// Whether the device copies straight from this tier's memory (page-locked host memory).
+    fn page_locked(&self) -> bool {
+        false
+    }
+    /// Lends a held block's slot to a device copy that will read it in place, after the call
+    /// that queues it returned: `Some(slot)` where the tier's memory is page-locked (else the
+    /// block is [read](Self::read) out). The slot keeps its bytes, neither rewritten nor given
+    /// to another block, until [`start_copy`](Self::start_copy) and then
+    /// [`copies_done`](Self::copies_done).
+    fn lend(&mut self, hash: BlockHash) -> Option<usize> {
+        let _ = hash;
+        None
+    }
+    /// A copy of lent slot `slot` is being queued: its bytes (`None` if it is not lent).
+    fn start_copy(&mut self, slot: usize) -> Option<&[u8]> {
+        let _ = slot;
+        None
+    }
+    /// Every copy queued so far ([`start_copy`](Self::start_copy)) has completed: their slots
+    /// are the tier's again (slots lent to copies not queued yet stay lent).
+    fn copies_done(&mut self) {}
+    /// Whether a block moving in now needs a slot a copy in flight still reads (every free slot
+    /// is held back): the caller waits for the copies, then calls
+    /// [`copies_done`](Self::copies_done), before the [`put`](Self::put).
+    fn waits_for_copies(&self) -> bool {
+        false
     }
 }

@@ -10,10 +10,11 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use duet_engine::device::Device;
-use duet_proto::v1::TransportKind;
+use duet_proto::v1::{self, KvChunk, TransportKind};
+use tokio::sync::mpsc::UnboundedSender;
 
-use crate::KvTransport;
 use crate::grpc::GrpcTransport;
+use crate::{KvSender, KvTransport, KvWire};
 
 /// What a worker's `--kv-transport` flag asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -261,11 +262,11 @@ impl IpcOffer {
         })
     }
 
-    /// Whether a prefill worker on `node`, in process `pid`, can open this offer; else why not.
+    /// Whether a worker on `node`, in process `pid`, can open this offer; else why not.
     pub fn usable_from(&self, node: &str, pid: u32) -> Result<(), String> {
         if self.node != node {
             return Err(format!(
-                "the decode worker runs on node {:?}, this prefill worker on {node:?}",
+                "the decode worker runs on node {:?}, this worker on {node:?}",
                 self.node
             ));
         }
@@ -276,6 +277,71 @@ impl IpcOffer {
             );
         }
         Ok(())
+    }
+}
+
+/// How a decode worker answers a peer's pull `request` of the prefix's blocks `..blocks_end`:
+/// over CUDA IPC, into the caller's store its offer names, where the caller asks for it, this
+/// worker offers cuda-ipc itself (`holder_offers`: a GPU worker whose `--kv-transport` allows
+/// it), the offer opens from `node` and process `pid`, and it names a destination block for
+/// every block; else over gRPC, with why not (`None`: the caller asked for gRPC).
+pub fn pull_answer_transport(
+    request: &v1::KvPullRequest,
+    holder_offers: TransportKind,
+    node: &str,
+    pid: u32,
+    blocks_end: usize,
+) -> Result<IpcOffer, Option<String>> {
+    if request.transport() != TransportKind::CudaIpc {
+        return Err(None);
+    }
+    if holder_offers != TransportKind::CudaIpc {
+        return Err(Some(format!(
+            "this worker moves KV over {}, not cuda-ipc",
+            transport_name(holder_offers)
+        )));
+    }
+    let offer = IpcOffer::decode(&request.transport_params)?;
+    offer.usable_from(node, pid)?;
+    if request.dest_block_ids.len() < blocks_end {
+        return Err(Some(format!(
+            "dest_block_ids has {} blocks; the pull covers {blocks_end}",
+            request.dest_block_ids.len()
+        )));
+    }
+    Ok(offer)
+}
+
+/// A holder's side of pulls answered over CUDA IPC: each caller's KV store, opened once.
+#[derive(Default)]
+pub struct IpcPulls {
+    #[cfg(feature = "cuda")]
+    pulls: crate::cuda_ipc::CudaIpcPulls,
+}
+
+impl IpcPulls {
+    /// The sender of the answer to pull `request_id` over CUDA IPC: it copies each layer's
+    /// blocks into `dest_block_ids` of the store `offer` names, then sends the landed ranges and
+    /// the closing message into `tx` (after the header). Why not, without CUDA in this build or
+    /// where the offer does not open.
+    pub fn sender(
+        &self,
+        wire: &KvWire,
+        request_id: &str,
+        offer: &IpcOffer,
+        dest_block_ids: Vec<u32>,
+        tx: UnboundedSender<KvChunk>,
+    ) -> Result<Box<dyn KvSender>, String> {
+        #[cfg(feature = "cuda")]
+        {
+            self.pulls
+                .sender(wire, request_id, offer, dest_block_ids, tx)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (wire, request_id, offer, dest_block_ids, tx);
+            Err("this build has no CUDA support".into())
+        }
     }
 }
 
@@ -481,5 +547,45 @@ mod tests {
         assert!(e.contains("gpu-node-8"), "{e}");
         let e = offer.usable_from("gpu-node-7", 4242).unwrap_err();
         assert!(e.contains("this process"), "{e}");
+    }
+
+    /// A pull is answered over CUDA IPC only where the caller asks, the holder is a cuda-ipc
+    /// worker, the caller's store opens here (same node, another process) and every block has
+    /// a destination; otherwise over gRPC, saying why where CUDA IPC was asked for.
+    #[test]
+    fn a_pull_is_answered_over_cuda_ipc_only_where_both_ends_can() {
+        let offer = IpcOffer {
+            node: "a".into(),
+            pid: 7,
+            export: vec![1, 2, 3],
+        };
+        let asked = v1::KvPullRequest {
+            transport: TransportKind::CudaIpc as i32,
+            transport_params: offer.encode(),
+            dest_block_ids: vec![4, 5, 6],
+            ..Default::default()
+        };
+        let ipc = TransportKind::CudaIpc;
+        assert_eq!(pull_answer_transport(&asked, ipc, "a", 8, 3), Ok(offer));
+        let grpc = |r: Result<IpcOffer, Option<String>>| r.unwrap_err();
+        let not_asked = v1::KvPullRequest {
+            transport: TransportKind::Grpc as i32,
+            ..asked.clone()
+        };
+        assert_eq!(
+            grpc(pull_answer_transport(&not_asked, ipc, "a", 8, 3)),
+            None
+        );
+        let why = |r| grpc(r).expect("a reason");
+        let cpu_holder = pull_answer_transport(&asked, TransportKind::Grpc, "a", 8, 3);
+        assert!(why(cpu_holder).contains("not cuda-ipc"));
+        assert!(why(pull_answer_transport(&asked, ipc, "b", 8, 3)).contains("node"));
+        assert!(why(pull_answer_transport(&asked, ipc, "a", 7, 3)).contains("process"));
+        assert!(why(pull_answer_transport(&asked, ipc, "a", 8, 4)).contains("dest_block_ids"));
+        let garbled = v1::KvPullRequest {
+            transport_params: vec![9; 12],
+            ..asked
+        };
+        assert!(why(pull_answer_transport(&garbled, ipc, "a", 8, 3)).contains("malformed"));
     }
 }

@@ -1,7 +1,9 @@
 //! The `cuda-ipc` KV transport, for two processes on one node: the decode worker exports its KV
 //! store once ([`KvIpcExport`], sent in `KvDestination.transport_params`); the prefill worker
 //! opens it ([`KvIpcPeer`]) and copies each finished (layer, block) chunk from its own store
-//! straight into the decode worker's reserved block, device to device, on its own stream.
+//! straight into the decode worker's reserved block, device to device, on its own stream. A
+//! decode worker answering a peer's pull does the same into the caller's reserved blocks
+//! ([`CudaIpcPulls`]), the answer's messages standing in for the push's control call.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -310,7 +312,42 @@ impl KvTransport for CudaIpcTransport {
     }
 }
 
-/// The engine thread's end of a cuda-ipc push.
+/// A holder's side of pulls answered over CUDA IPC: each caller's KV store, opened once.
+#[derive(Default)]
+pub struct CudaIpcPulls {
+    peers: Arc<Mutex<HashMap<[u8; 64], Arc<KvIpcPeer>>>>,
+}
+
+impl CudaIpcPulls {
+    /// See [`IpcPulls::sender`](crate::choice::IpcPulls::sender).
+    pub fn sender(
+        &self,
+        wire: &KvWire,
+        request_id: &str,
+        offer: &IpcOffer,
+        dest_block_ids: Vec<u32>,
+        tx: UnboundedSender<KvChunk>,
+    ) -> Result<Box<dyn KvSender>, String> {
+        let export = KvIpcExport::decode(&offer.export).map_err(|e| e.to_string())?;
+        // A failed answer fails its call (the caller computes or asks again over gRPC); no
+        // acknowledgement waits on it.
+        let (failed_tx, _) = oneshot::channel();
+        Ok(Box::new(IpcSender {
+            request_id: request_id.to_string(),
+            tx,
+            export,
+            peers: self.peers.clone(),
+            dest_block_ids,
+            block_bytes: wire.block_bytes(),
+            copy: None,
+            landed: Vec::new(),
+            bytes: 0,
+            on_failure: Some(failed_tx),
+        }))
+    }
+}
+
+/// The engine thread's end of a cuda-ipc push, or of a pull's answer.
 struct IpcSender {
     request_id: String,
     tx: UnboundedSender<KvChunk>,
@@ -330,6 +367,12 @@ struct IpcSender {
 impl IpcSender {
     fn fail(&mut self, e: TransferError) -> TransferError {
         tracing::warn!(request_id = self.request_id, "cuda-ipc KV push failed: {e}");
+        if let Some((_, stream)) = &self.copy {
+            // Copies already queued finish before the failure is reported: the receiver may
+            // write the same blocks another way (a pull asked again over gRPC), and this
+            // worker may reuse the blocks they read.
+            let _ = stream.synchronize();
+        }
         if let Some(tx) = self.on_failure.take() {
             let _ = tx.send(TransferError::Cache(e.to_string()));
         }

@@ -1,9 +1,9 @@
 //! The `grpc` KV transport, both sides of `KvTransfer/Push`: one client-streaming call per
 //! request whose stream is a `KvHeader`, the `KvData` chunks (whole blocks, at most
 //! [`MAX_CHUNK_BYTES`], each with its xxh3) as the engine produces them, and a closing `KvDone`;
-//! the receiver's `PushAck` ends it. Both sides of `KvTransfer/Pull` too: the holder of a prefix
-//! answers with the same messages ([`pull_answer`]) and the caller takes them with the push's
-//! checks ([`pull`]).
+//! the receiver's `PushAck` ends it. The caller's side of `KvTransfer/Pull` too: the holder of a
+//! prefix answers with the messages of a push (its engine feeds a [`ChunkSender`], or a cuda-ipc
+//! sender, from the held blocks) and the caller takes them with the push's checks ([`pull`]).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -288,39 +288,11 @@ where
     ))
 }
 
-/// The answer to a `KvTransfer/Pull` of reservation blocks `header.first_block..`: `blocks` holds
-/// each block's KV, every layer in the wire layout one after another. The messages a push of
-/// them would send: the header, each layer's checksummed chunks, the closing message.
-pub fn pull_answer(wire: &KvWire, header: v1::KvHeader, blocks: &[Vec<u8>]) -> Vec<KvChunk> {
-    let (tx, mut rx) = unbounded_channel();
-    let layer_bytes = wire.block_bytes();
-    let mut sender = ChunkSender::new(tx, layer_bytes);
-    let first = header.first_block as usize;
-    for layer in 0..wire.layout.num_layers {
-        let mut read = |range: std::ops::Range<usize>, out: &mut Vec<u8>| {
-            for block in &blocks[range.start - first..range.end - first] {
-                out.extend_from_slice(&block[layer * layer_bytes..(layer + 1) * layer_bytes]);
-            }
-            Ok(())
-        };
-        // Reading memory cannot fail.
-        let _ = sender.send_layer(layer, first..first + blocks.len(), &mut read);
-    }
-    sender.finish();
-    drop(sender);
-    let mut out = vec![KvChunk {
-        kind: Some(Kind::Header(header)),
-    }];
-    while let Ok(chunk) = rx.try_recv() {
-        out.push(chunk);
-    }
-    out
-}
-
 /// Pulls a prefix from the decode worker at `address` into `sink`'s reservation named in
 /// `request`, with every check of a push: the header against `wire`, each chunk's checksum and
-/// range, every (layer, block) exactly once, the totals, and the reservation bound to the peer
-/// as its sender. The whole pull is bounded by `timeout`.
+/// range (a cuda-ipc answer's blocks were copied in place, as a cuda-ipc push's), every
+/// (layer, block) exactly once, the totals, and the reservation bound to the peer as its
+/// sender. The whole pull is bounded by `timeout`. Also the transport the answer took.
 pub async fn pull<K: KvSink>(
     channels: &duet_proto::Channels,
     address: &str,
@@ -328,7 +300,7 @@ pub async fn pull<K: KvSink>(
     timeout: std::time::Duration,
     wire: &KvWire,
     sink: &K,
-) -> Result<PushAck, TransferError> {
+) -> Result<(PushAck, v1::TransportKind), TransferError> {
     let call = async {
         let channel = channels
             .get(address)
@@ -346,7 +318,13 @@ pub async fn pull<K: KvSink>(
                 status,
             })?
             .into_inner();
-        receive(chunks, wire, sink, |_| Ok(())).await
+        let mut transport = v1::TransportKind::Grpc;
+        let ack = receive(chunks, wire, sink, |h| {
+            transport = h.transport();
+            Ok(())
+        })
+        .await?;
+        Ok((ack, transport))
     };
     tokio::time::timeout(timeout, call)
         .await
@@ -613,27 +591,6 @@ mod tests {
         assert_eq!(written.len(), 8);
         assert!(!written.contains_key(&(0, 0)), "cached block 0 is not sent");
         assert_eq!(written[&(1, 3)], vec![19u8; w.block_bytes()]);
-    }
-
-    #[test]
-    fn a_pull_answer_is_received_as_a_push_of_the_same_blocks() {
-        let w = wire();
-        let lb = w.block_bytes();
-        // Blocks 2 and 3, each every layer: layer l of block b holds l * 16 + b.
-        let blocks: Vec<Vec<u8>> = (2..4)
-            .map(|b| (0..2).flat_map(|l| vec![(l * 16 + b) as u8; lb]).collect())
-            .collect();
-        let chunks = pull_answer(&w, w.header(&spec(2..4)), &blocks);
-        let s = sink(Some(2..4));
-        let ack = receive_all(chunks, &s).unwrap();
-        assert!(ack.accepted, "{}", ack.message);
-        let written = s.written.lock().unwrap();
-        assert_eq!(written.len(), 4);
-        assert_eq!(written[&(1, 3)], vec![19u8; lb]);
-        assert_eq!(written[&(0, 2)], vec![2u8; lb]);
-        // A pull is refused as a push is: here the reservation takes other blocks.
-        let chunks = pull_answer(&w, w.header(&spec(2..4)), &blocks);
-        assert!(receive_all(chunks, &sink(Some(1..4))).is_err());
     }
 
     #[test]

@@ -67,13 +67,15 @@ pub enum Command {
     Activate { request: Request, first: Sampled },
     /// The request is gone (client cancelled, deadline, failure): free whatever it holds.
     Cancel(RequestId),
-    /// The KV of blocks `blocks` of the prefix of `tokens` held here, for a peer's pull (see
-    /// `Engine::read_prefix`): one `Vec` per block, `None` unless every block is held.
-    ReadPrefix {
+    /// Sends the KV of blocks `blocks` of the prefix of `tokens` held here through `sender`,
+    /// for a peer's pull (see `Engine::send_prefix`), and finishes it; `false` (nothing sent)
+    /// unless every block is held.
+    SendPrefix {
         tokens: Vec<u32>,
         cache_salt: String,
         blocks: Range<usize>,
-        reply: oneshot::Sender<Result<Option<Vec<Vec<u8>>>, WorkerError>>,
+        sender: Box<dyn KvSender>,
+        reply: oneshot::Sender<Result<bool, WorkerError>>,
     },
     /// The reservation of request `id`, filled by a pull of `tokens` (whole blocks), becomes a
     /// cached prefix here.
@@ -125,25 +127,40 @@ impl Shipping {
         if end <= self.next_block {
             return;
         }
-        let table = &p.block_table;
-        let mut read = |blocks: Range<usize>, out: &mut Vec<u8>| {
-            done.append_kv_blocks(&table[blocks], out)
-                .map_err(|e| TransferError::Cache(e.to_string()))
-        };
-        let sent = self.sender.send_layer_from(
-            done.layer(),
+        let sent = send_layer(
+            &mut *self.sender,
+            done,
+            &p.block_table,
             self.next_block..end,
-            &mut LayerSource {
-                block_table: table,
-                device: done.device(),
-                read_blocks: &mut read,
-            },
         );
         // A device failure fails the step, and with it the request, unsent.
         if sent.is_ok() && last_layer {
             self.next_block = end;
         }
     }
+}
+
+/// Sends `done`'s layer of `blocks` (indices into `table`, the engine's physical block of each)
+/// through `sender`.
+fn send_layer(
+    sender: &mut dyn KvSender,
+    done: &dyn LayerKv,
+    table: &[u32],
+    blocks: Range<usize>,
+) -> Result<(), TransferError> {
+    let mut read = |blocks: Range<usize>, out: &mut Vec<u8>| {
+        done.append_kv_blocks(&table[blocks], out)
+            .map_err(|e| TransferError::Cache(e.to_string()))
+    };
+    sender.send_layer_from(
+        done.layer(),
+        blocks,
+        &mut LayerSource {
+            block_table: table,
+            device: done.device(),
+            read_blocks: &mut read,
+        },
+    )
 }
 
 /// KV blocks held for a transfer.
@@ -283,19 +300,43 @@ impl<E: ActorEngine> Actor<E> {
                     self.remove(seq);
                 }
             }
-            Command::ReadPrefix {
+            Command::SendPrefix {
                 tokens,
                 cache_salt,
                 blocks,
+                sender,
                 reply,
             } => {
-                let read = self.engine.read_prefix(&tokens, &cache_salt, blocks);
-                let _ = reply.send(read.map_err(WorkerError::from));
+                let _ = reply.send(self.send_prefix(&tokens, &cache_salt, blocks, sender));
             }
             Command::CachePulled { id, tokens, reply } => {
                 let _ = reply.send(self.cache_pulled(id, &tokens));
             }
         }
+    }
+
+    fn send_prefix(
+        &mut self,
+        tokens: &[u32],
+        cache_salt: &str,
+        blocks: Range<usize>,
+        mut sender: Box<dyn KvSender>,
+    ) -> Result<bool, WorkerError> {
+        let mut failed = None;
+        let held =
+            self.engine
+                .send_prefix(tokens, cache_salt, blocks.end, &mut |table, done| {
+                    if failed.is_none() {
+                        failed = send_layer(&mut *sender, done, table, blocks.clone()).err();
+                    }
+                })?;
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
+        if held {
+            sender.finish();
+        }
+        Ok(held)
     }
 
     fn cache_pulled(&mut self, id: RequestId, tokens: &[u32]) -> Result<(), WorkerError> {

@@ -72,12 +72,13 @@ pub trait ActorEngine {
         tokens: &[u32],
         reservation: KvReservation,
     ) -> Result<(), EngineError>;
-    fn read_prefix(
+    fn send_prefix(
         &mut self,
         tokens: &[u32],
         cache_salt: &str,
-        blocks: std::ops::Range<usize>,
-    ) -> Result<Option<Vec<Vec<u8>>>, EngineError>;
+        blocks_end: usize,
+        on_layer: &mut dyn FnMut(&[u32], &dyn LayerKv),
+    ) -> Result<bool, EngineError>;
     fn add_prefilled(
         &mut self,
         prompt: Vec<u32>,
@@ -172,13 +173,16 @@ impl<B: Backend + 'static> ActorEngine for Engine<B> {
         Engine::cache_reservation(self, tokens, reservation)
     }
 
-    fn read_prefix(
+    fn send_prefix(
         &mut self,
         tokens: &[u32],
         cache_salt: &str,
-        blocks: std::ops::Range<usize>,
-    ) -> Result<Option<Vec<Vec<u8>>>, EngineError> {
-        Engine::read_prefix(self, tokens, cache_salt, blocks)
+        blocks_end: usize,
+        on_layer: &mut dyn FnMut(&[u32], &dyn LayerKv),
+    ) -> Result<bool, EngineError> {
+        Engine::send_prefix(self, tokens, cache_salt, blocks_end, &mut |table, done| {
+            on_layer(table, done)
+        })
     }
 
     fn add_prefilled(

@@ -203,6 +203,7 @@ mod tests {
                     kv_disk_dir: Some("kv dir/blocks".into()),
                     kv_disk_bytes: 123_456,
                     kv_load_stream: Switch::On,
+                    kv_host_pinned: Switch::On,
                 },
             },
             kv_transport: TransportChoice::Nccl,

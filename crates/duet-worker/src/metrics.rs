@@ -257,6 +257,24 @@ const TIER_READS: &[TierRead] = &[
         MetricType::GAUGE,
         |t| t.load_bytes_per_s,
     ),
+    tier_read(
+        "duet_kv_tier_page_locked",
+        "1 where a tier's memory is page-locked (--kv-host-pinned on a GPU: the copy engine reads and writes its slots directly), else 0.",
+        MetricType::GAUGE,
+        |t| f64::from(u8::from(t.page_locked)),
+    ),
+    tier_read(
+        "duet_kv_tier_lent_blocks_total",
+        "KV blocks brought up straight from their slot of page-locked memory (no copy out of the tier first).",
+        MetricType::COUNTER,
+        |t| t.lent as f64,
+    ),
+    tier_read(
+        "duet_kv_tier_copy_waits_total",
+        "KV blocks moving into a page-locked tier that waited for the device's copies in flight to free a slot.",
+        MetricType::COUNTER,
+        |t| t.copy_waits as f64,
+    ),
 ];
 
 /// One metric of `value` with `labels`, of `kind`.
@@ -484,6 +502,9 @@ mod tests {
                 cost_model_misses: 3,
                 corrupt: 1,
                 load_bytes_per_s: 8192.0,
+                page_locked: true,
+                lent: 5,
+                copy_waits: 2,
                 ..Default::default()
             }],
         }));
@@ -540,6 +561,9 @@ mod tests {
         assert_eq!(gauge("duet_kv_tier_blocks"), 9.0);
         assert_eq!(gauge("duet_kv_tier_capacity_blocks"), 100.0);
         assert_eq!(gauge("duet_kv_tier_load_bytes_per_second"), 8192.0);
+        assert_eq!(gauge("duet_kv_tier_page_locked"), 1.0);
+        assert_eq!(counter("duet_kv_tier_lent_blocks_total"), 5.0);
+        assert_eq!(counter("duet_kv_tier_copy_waits_total"), 2.0);
         let bytes = find(&families, "duet_kv_transfer_bytes_total");
         assert_eq!(bytes.get_counter().get_value(), 4096.0);
         assert_eq!(label(bytes, "transport").as_deref(), Some("grpc"));

@@ -9,6 +9,7 @@ use duet_engine::engine::Speculation;
 use duet_kv::{PoolStats, TierStats};
 use duet_proto::v1;
 use duet_telemetry::metrics;
+use duet_transfer::choice::transport_name;
 use prometheus::core::Collector;
 use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts};
 
@@ -66,9 +67,14 @@ pub struct Counters {
     pub local_prefill_fallbacks: IntCounterVec,
     /// The fallback reasons logged so far (each is logged once, then only counted).
     fallbacks_logged: Mutex<HashSet<LocalFallback>>,
-    /// Prefix pulls from peers, by `outcome` ([`PullOutcome`]).
+    /// Prefix pulls from peers, by `outcome` ([`PullOutcome`]) and `transport` (`grpc`,
+    /// `cuda-ipc`: each attempt counts once, a CUDA-IPC pull asked again over gRPC twice).
     pub kv_peer_pulls: IntCounterVec,
 }
+
+/// The transports a pull takes.
+const PULL_TRANSPORTS: [v1::TransportKind; 2] =
+    [v1::TransportKind::Grpc, v1::TransportKind::CudaIpc];
 
 /// How a decode worker's pull of a prefix from a peer ended; every outcome but `pulled` falls
 /// back to computing the prefix.
@@ -255,13 +261,16 @@ impl Default for Counters {
                     Opts::new(
                         "duet_kv_peer_pulls_total",
                         "Prefixes a decode worker pulled from a peer instead of computing them, by \
-                         outcome (pulled; missing, slow, failed, refused: computed instead).",
+                         outcome (pulled; missing, slow, failed, refused: computed instead) and \
+                         transport (grpc, cuda-ipc; a failed cuda-ipc pull is asked again over grpc).",
                     ),
-                    &["outcome"],
+                    &["outcome", "transport"],
                 )
                 .expect("valid counter");
                 for o in PullOutcome::ALL {
-                    family.with_label_values(&[o.as_str()]);
+                    for t in PULL_TRANSPORTS {
+                        family.with_label_values(&[o.as_str(), transport_name(t)]);
+                    }
                 }
                 family
             },
@@ -290,17 +299,17 @@ impl Counters {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
-    /// Prefix pulls that ended with `outcome`.
-    pub fn pulls(&self, outcome: PullOutcome) -> u64 {
+    /// Prefix pulls over `transport` that ended with `outcome`.
+    pub fn pulls(&self, outcome: PullOutcome, transport: v1::TransportKind) -> u64 {
         self.kv_peer_pulls
-            .with_label_values(&[outcome.as_str()])
+            .with_label_values(&[outcome.as_str(), transport_name(transport)])
             .get()
     }
 
-    /// Counts a prefix pull that ended with `outcome`.
-    pub fn pulled(&self, outcome: PullOutcome) {
+    /// Counts a prefix pull over `transport` that ended with `outcome`.
+    pub fn pulled(&self, outcome: PullOutcome, transport: v1::TransportKind) {
         self.kv_peer_pulls
-            .with_label_values(&[outcome.as_str()])
+            .with_label_values(&[outcome.as_str(), transport_name(transport)])
             .inc();
     }
 
@@ -489,7 +498,14 @@ impl Identity {
             kv_peer_pull: false,
             kv_peer_pulls: PullOutcome::ALL
                 .iter()
-                .map(|o| (o.as_str().into(), c.pulls(*o)))
+                .map(|&o| {
+                    let all = PULL_TRANSPORTS.iter().map(|&t| c.pulls(o, t)).sum();
+                    (o.as_str().into(), all)
+                })
+                .collect(),
+            kv_peer_pulls_cuda_ipc: PullOutcome::ALL
+                .iter()
+                .map(|&o| (o.as_str().into(), c.pulls(o, v1::TransportKind::CudaIpc)))
                 .collect(),
             // Only a decode worker's role can switch; its service says whether it does.
             role_switch: false,
@@ -512,6 +528,9 @@ fn tier_stats_to_wire(t: &TierStats) -> Option<v1::KvTierStats> {
         cost_model_misses: t.cost_model_misses,
         corrupt: t.corrupt,
         load_bytes_per_s: t.load_bytes_per_s,
+        page_locked: t.page_locked,
+        lent_blocks: t.lent,
+        copy_waits: t.copy_waits,
     })
 }
 

@@ -57,6 +57,14 @@ pub struct PeerPullArgs {
     /// failing the request. Peers are the decode cards of this worker's cluster.
     #[arg(long, env = "DUET_KV_PEER_PULL", value_enum, default_value_t = Switch::Off)]
     pub kv_peer_pull: Switch,
+    /// Ask for pulls over CUDA IPC, on or off: where this worker offers cuda-ipc
+    /// (`--kv-transport auto|cuda-ipc` on a GPU) and the holder is a GPU worker on this node,
+    /// the holder copies the blocks device to device straight into this worker's reservation
+    /// (the header, fingerprint and reservation checked as for a cuda-ipc push); a holder that
+    /// cannot answers over gRPC. A failed CUDA-IPC pull is asked again over gRPC, then computed,
+    /// each counted. Off until it has run on a GPU.
+    #[arg(long, env = "DUET_KV_PEER_PULL_CUDA_IPC", value_enum, default_value_t = Switch::Off)]
+    pub kv_peer_pull_cuda_ipc: Switch,
 }
 
 impl PeerPullArgs {
@@ -66,7 +74,10 @@ impl PeerPullArgs {
 
     /// These flags as a command line.
     pub fn to_args(&self) -> Vec<OsString> {
-        vec![format!("--kv-peer-pull={}", self.kv_peer_pull).into()]
+        vec![
+            format!("--kv-peer-pull={}", self.kv_peer_pull).into(),
+            format!("--kv-peer-pull-cuda-ipc={}", self.kv_peer_pull_cuda_ipc).into(),
+        ]
     }
 }
 
@@ -212,6 +223,7 @@ mod tests {
             prefill_timeout_ms: 2,
             peer_pull: PeerPullArgs {
                 kv_peer_pull: Switch::On,
+                kv_peer_pull_cuda_ipc: Switch::On,
             },
             role_switch: RoleSwitchArgs {
                 role_switch: Switch::On,

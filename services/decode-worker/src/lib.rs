@@ -72,6 +72,9 @@ pub async fn serve(
         decode_peers,
         peer_pull: config.peer_pull.on(),
         role_switch: config.role_switch.on(),
+        peer_pull_cuda_ipc: config.peer_pull.kv_peer_pull_cuda_ipc.is_on(),
+        ipc_pulls: Default::default(),
+        node: duet_transfer::choice::node_name(),
         role: role.clone(),
     });
     let drain = worker.edge.drain_begun();

@@ -44,6 +44,13 @@ pub struct WorkerState {
     pub peer_pull: bool,
     /// Whether its role can switch (`--role-switch on`), as `Stats` reports.
     pub role_switch: bool,
+    /// Whether pulls are asked for over CUDA IPC (`--kv-peer-pull-cuda-ipc`, where
+    /// `kv_transport` is cuda-ipc).
+    pub peer_pull_cuda_ipc: bool,
+    /// Peers' pulls answered over CUDA IPC: their KV stores opened here.
+    pub ipc_pulls: duet_transfer::choice::IpcPulls,
+    /// This node's name (a CUDA IPC offer opens only on its node).
+    pub node: String,
     /// The worker's role now (decode for good unless `--role-switch on`).
     pub role: Arc<RoleSwitch>,
 }

@@ -139,8 +139,10 @@ async fn decode(
 #[test]
 fn a_prefix_is_pulled_from_a_peer_and_a_pull_that_cannot_be_served_is_computed() {
     let mut spec = spec(tiny_model(), 0, 2, local_prefill_threshold(100_000));
+    // Asking for CUDA IPC changes nothing between CPU workers: they offer gRPC only.
     spec.decode.peer_pull = PeerPullArgs {
         kv_peer_pull: Switch::On,
+        kv_peer_pull_cuda_ipc: Switch::On,
     };
     let c = Cluster::start(&spec).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -177,7 +179,8 @@ fn a_prefix_is_pulled_from_a_peer_and_a_pull_that_cannot_be_served_is_computed()
     };
     let (ids, cached) = rt.block_on(decode(&c, b, stray, Some(stranger)));
     assert_eq!((ids, cached), (want[2].clone(), 0));
-    let pulls = rt.block_on(worker_stats(&c, b)).kv_peer_pulls;
+    let stats = rt.block_on(worker_stats(&c, b));
+    let pulls = stats.kv_peer_pulls;
     let count = |o: &str| pulls.get(o).copied().unwrap_or(0);
     assert_eq!(
         (
@@ -189,4 +192,6 @@ fn a_prefix_is_pulled_from_a_peer_and_a_pull_that_cannot_be_served_is_computed()
         (1, 1, 1, 0),
         "{pulls:?}"
     );
+    let over_ipc = stats.kv_peer_pulls_cuda_ipc;
+    assert!(over_ipc.values().all(|&n| n == 0), "{over_ipc:?}");
 }

@@ -233,14 +233,19 @@ impl ActorEngine for ScriptedEngine {
         self.release(r)
     }
 
-    fn read_prefix(
+    fn send_prefix(
         &mut self,
         _: &[u32],
         _: &str,
-        blocks: std::ops::Range<usize>,
-    ) -> Result<Option<Vec<Vec<u8>>>, EngineError> {
-        // Every block holds its own index.
-        Ok(Some(blocks.map(|b| vec![b as u8]).collect()))
+        blocks_end: usize,
+        on_layer: &mut dyn FnMut(&[u32], &dyn LayerKv),
+    ) -> Result<bool, EngineError> {
+        // Prefix block i is physical block 10 + i.
+        let table: Vec<u32> = (0..blocks_end as u32).map(|b| 10 + b).collect();
+        for layer in 0..self.kv_layout().num_layers {
+            on_layer(&table, &ScriptedLayer { layer, plan: &[] });
+        }
+        Ok(true)
     }
 
     fn add_prefilled(
@@ -740,4 +745,27 @@ fn a_turn_publishes_the_engines_kv_events_and_its_prefill_rate() {
     assert!(a.engine.kv_events.is_empty(), "drained once");
     // The step computed the 20-token prompt: a measured rate.
     assert!(a.published.get().prefill_tokens_per_s > 0.0);
+}
+
+/// A peer's pull is sent from the held prefix through whatever sender the answer chose, layer
+/// by layer from the engine's physical blocks, and finished once every layer went out.
+#[test]
+fn a_pulled_prefix_is_sent_layer_by_layer_through_the_answers_sender() {
+    let mut a = actor(2);
+    let shipped = Arc::new(Mutex::new(Shipped::default()));
+    let sender = Box::new(RecordingSender(shipped.clone()));
+    let held = ask(&mut a, |reply| Command::SendPrefix {
+        tokens: (0..3 * BLOCK_SIZE as u32).collect(),
+        cache_salt: String::new(),
+        blocks: 1..3,
+        sender,
+        reply,
+    });
+    assert!(held.unwrap());
+    let s = shipped.lock().unwrap();
+    let layers: Vec<_> = s.layers.iter().map(|(l, b, _)| (*l, b.clone())).collect();
+    assert_eq!(layers, [(0, 1..3), (1, 1..3)]);
+    // Layer 1's bytes of prefix blocks 1 and 2: physical blocks 11 and 12.
+    assert_eq!(s.layers[1].2, [1, 11, 1, 12]);
+    assert!(s.finished);
 }
