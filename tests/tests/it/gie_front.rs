@@ -59,8 +59,14 @@ fn a_front_pinned_to_one_decode_worker_decodes_only_there_and_prefills_on_the_po
         only_decode_worker: Some("decode-b".into()),
         model: tiny.clone(),
         cluster: cluster.clone(),
-        // Every prompt is planned on the prefill pool.
-        routing: local_prefill_threshold(0),
+        // Every prompt is planned on the prefill pool while its worker is routable: no prompt is
+        // short enough to prefill locally, and the pool never counts as saturated (under a loaded
+        // test machine the router's estimates could otherwise prefer the decode worker).
+        routing: RoutingOptions {
+            local_prefill_threshold: 0,
+            prefill_saturation_factor: 0.0,
+            ..Default::default()
+        },
         auth: auth.clone(),
         ..Default::default()
     };
@@ -73,7 +79,12 @@ fn a_front_pinned_to_one_decode_worker_decodes_only_there_and_prefills_on_the_po
         if std::net::TcpStream::connect(http_addr).is_ok() {
             let (_, body) = http(http_addr, "GET", "/health", None, "");
             let health: serde_json::Value = serde_json::from_str(&body).unwrap();
-            if health["status"] == "ready" && health["prefill_workers_up"] == 1 {
+            // Ready, and its decode worker accepts the prefill worker (the decode worker's
+            // membership can lag the front's).
+            if health["status"] == "ready"
+                && health["prefill_workers_up"] == 1
+                && health["refused_prefill"] == serde_json::json!([])
+            {
                 assert_eq!(health["decode_workers_up"], 1, "{health}");
                 break;
             }
