@@ -203,6 +203,18 @@ else
   fail "the generated cluster token is 48 random characters" "$tokens"
 fi
 
+# The tiers' GPU switches reach the workers' argv: page-locked host memory on both pools, pulls
+# over CUDA IPC on the decode pool.
+tiers=$(helm template duet "$chart" --show-only templates/workers.yaml \
+  --set prefill.kvTiers.hostPinned=true --set decode.kvTiers.hostPinned=true \
+  --set decode.kvTiers.peerPull=true --set decode.kvTiers.peerPullCudaIpc=true 2>&1)
+if [ "$(grep -c -- '- --kv-host-pinned=on$' <<<"$tiers")" = 2 ] &&
+  [ "$(grep -c -- '- --kv-peer-pull-cuda-ipc=on$' <<<"$tiers")" = 1 ]; then
+  pass "kvTiers.hostPinned and decode.kvTiers.peerPullCudaIpc reach the workers' flags"
+else
+  fail "kvTiers.hostPinned and decode.kvTiers.peerPullCudaIpc reach the workers' flags" "$tiers"
+fi
+
 # The Grafana dashboard: the datasource a variable, every metric name in its queries one the
 # sources export (a histogram as _bucket, _sum, _count), and shipped in the ConfigMap.
 dashboard() {
@@ -403,6 +415,9 @@ rejected "the GIE picker without metrics" \
   --set gie.enabled=true --set metrics.enabled=false
 rejected "peer pulls on the prefill pool" "at '/prefill/kvTiers/peerPull': value must be false" \
   --set prefill.kvTiers.peerPull=true
+rejected "CUDA-IPC peer pulls on the prefill pool" \
+  "at '/prefill/kvTiers/peerPullCudaIpc': value must be false" \
+  --set prefill.kvTiers.peerPullCudaIpc=true
 rejected "a disk tier of no bytes" "at '/decode/kvTiers/disk/bytes': minimum: got 0, want 1" \
   --set decode.kvTiers.disk.bytes=0
 rejected "a serving signal without metrics" \

@@ -718,6 +718,7 @@ async fn drive(
     let report = summarize(
         design,
         &samples,
+        start,
         duration,
         full_concurrency,
         info.block_size as usize,
@@ -958,6 +959,7 @@ async fn one_request(
 fn summarize(
     design: &str,
     samples: &[Sample],
+    start: Instant,
     duration: f64,
     full_concurrency: Option<FullConcurrency>,
     block_size: usize,
@@ -967,16 +969,18 @@ fn summarize(
         ttft_ms: args.workload.ttft_slo_ms,
         tpot_ms: args.workload.tpot_slo_ms,
     };
-    let mut summary = SummaryBuilder::default();
+    let mut summary = SummaryBuilder::new(args.workload.timeline_window_s);
     for s in samples {
+        let arrival_s = s.sent.map_or(0.0, |t| (t - start).as_secs_f64());
         if !s.ok {
-            summary.failed(s.code == Some(tonic::Code::ResourceExhausted));
+            summary.failed(s.code == Some(tonic::Code::ResourceExhausted), arrival_s);
             continue;
         }
         for itl in s.itl_ms() {
             summary.inter_token(itl);
         }
         let outcome = Outcome {
+            arrival_s,
             ttft_ms: s.ttft_ms,
             tpot_ms: s.tpot_ms,
             e2e_ms: s.e2e_ms,

@@ -96,7 +96,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         &profile,
         slo,
         args.timing.machine_cores,
-        10.0,
+        args.workload.timeline_window_s,
     );
     let settings = SearchSettings {
         attainment: args.attainment,

@@ -164,8 +164,19 @@ pub struct WorkloadArgs {
     /// Seed of the synthetic prompts and arrival times.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Width of the windows of the report's attainment over time (`timeline`: requests by the
+    /// window they arrived in), in seconds.
+    #[arg(long, default_value_t = 10.0, value_parser = positive_seconds)]
+    pub timeline_window_s: f64,
     #[command(flatten, next_help_heading = "Shared-prefix workload")]
     pub shared_prefix: SharedPrefixArgs,
+}
+
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a positive number of seconds")),
+    }
 }
 
 #[derive(Deserialize)]

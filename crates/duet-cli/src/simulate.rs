@@ -64,9 +64,6 @@ pub struct SimulateArgs {
     /// requests at the same times with `duet bench serve --trace`.
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
-    /// Width of the windows of attainment over time in the JSON report, in seconds.
-    #[arg(long, default_value_t = 10.0)]
-    pub timeline_window_s: f64,
     #[command(flatten)]
     pub workload: WorkloadArgs,
     /// The simulated clusters (the flags `duet bench serve` launches them with).
@@ -99,7 +96,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
             &profile,
             slo,
             args.timing.machine_cores,
-            args.timeline_window_s,
+            args.workload.timeline_window_s,
         );
         let progress = Progress::new(
             format!("[{design:?} simulated]").to_lowercase(),

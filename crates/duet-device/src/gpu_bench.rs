@@ -383,7 +383,12 @@ fn fp8_comparison(
         let decode = seqs as f64 / step_time(&model, &mut kv, seqs, ctx, 1)?;
         let prefill = step_time(&model, &mut kv, 1, 0, FP8_PREFILL_TOKENS)?;
         drop(kv);
-        Ok((bytes, decode, prefill, last_logits(model, &prompt)?))
+        Ok((
+            bytes,
+            decode,
+            prefill,
+            last_logits(&model, &prompt, None, false)?,
+        ))
     };
     let runs = measure(Quantization::None).and_then(|bf16| Ok((bf16, measure(Quantization::Fp8)?)));
     let (
@@ -910,10 +915,17 @@ fn logits_check(ordinal: usize, options: GpuOptions, path: &Path) -> Result<(boo
     let files = open_model(path)?;
     let vocab = files.config.vocab_size as u32;
     let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % vocab).collect();
-    let cpu = last_logits(Llama::load(CpuBackend::new(0), &files)?, &tokens)?;
-    let gpu = last_logits(
-        Llama::load(CudaBackend::new(ordinal, 0.5, options)?, &files)?,
+    let cpu = last_logits(
+        &Llama::load(CpuBackend::new(0), &files)?,
         &tokens,
+        None,
+        false,
+    )?;
+    let gpu = last_logits(
+        &Llama::load(CudaBackend::new(ordinal, 0.5, options)?, &files)?,
+        &tokens,
+        None,
+        false,
     )?;
     let rel = relative_error(&cpu, &gpu);
     // The token greedy sampling would pick from each.
@@ -956,8 +968,8 @@ fn fp8_kv_logits_check(
     let vocab = files.config.vocab_size as u32;
     let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let model = Llama::load(CudaBackend::new(ordinal, 0.5, prefill_by(kernel))?, &files)?;
-    let bf16 = decoded_logits(&model, &tokens, KvDtype::Bf16)?;
-    let fp8 = decoded_logits(&model, &tokens, KvDtype::Fp8E4m3)?;
+    let bf16 = last_logits(&model, &tokens, Some(KvDtype::Bf16), true)?;
+    let fp8 = last_logits(&model, &tokens, Some(KvDtype::Fp8E4m3), true)?;
     let rel = relative_error(&bf16, &fp8);
     let argmax = duet_engine::sampling::argmax;
     let bound = 5e-2;
@@ -969,43 +981,6 @@ fn fp8_kv_logits_check(
             argmax(&bf16)
         ),
     ))
-}
-
-/// The logits of `tokens`' last token decoded alone after the others are prefilled, over a KV
-/// cache of `dtype`.
-fn decoded_logits<B: Backend>(
-    model: &Llama<B>,
-    tokens: &[u32],
-    dtype: KvDtype,
-) -> Result<Vec<f32>> {
-    let block_size = 16;
-    let num_blocks = tokens.len().div_ceil(block_size);
-    let mut kv = model
-        .backend()
-        .alloc_kv(model.kv_layout(block_size, num_blocks, dtype))?;
-    let table: Vec<u32> = (0..num_blocks as u32).collect();
-    let c = model.config();
-    let n = tokens.len();
-    let mut logits = Vec::new();
-    for (start, span) in [(0, &tokens[..n - 1]), (n - 1, &tokens[n - 1..])] {
-        let batch = ForwardBatch::new(
-            &[SeqInput {
-                tokens: span,
-                start_pos: start,
-                block_table: &table,
-                logits: LogitsWanted::Last,
-            }],
-            block_size,
-            num_blocks,
-            c.vocab_size,
-            c.max_position_embeddings,
-        )?;
-        logits = model
-            .forward(&batch, &mut kv, &mut |_, _| {})?
-            .row(0)
-            .to_vec();
-    }
-    Ok(logits)
 }
 
 /// Tokens drawn on the device against the CPU sampler on the logits the GPU computed for the
@@ -1152,32 +1127,52 @@ fn batch_invariance_check(ordinal: usize, kernel: PrefillAttention, path: &Path)
     }
 }
 
-fn last_logits<B: Backend>(model: Llama<B>, tokens: &[u32]) -> Result<Vec<f32>> {
+/// The logits of `tokens`' last token on a fresh KV cache of `dtype` (`None`: the most precise
+/// the backend keeps, f32 on a CPU and bf16 on a GPU): the whole prompt in one forward pass, or,
+/// with `decode_last`, the last token decoded alone after the others are prefilled (the prompt's
+/// KV written and read by prefill attention, the token's by decode attention).
+fn last_logits<B: Backend>(
+    model: &Llama<B>,
+    tokens: &[u32],
+    dtype: Option<KvDtype>,
+    decode_last: bool,
+) -> Result<Vec<f32>> {
+    let dtype = match dtype {
+        Some(d) => d,
+        None => model.backend().kv_dtype(KvDtypeChoice::Auto, true)?,
+    };
     let block_size = 16;
     let num_blocks = tokens.len().div_ceil(block_size);
-    // The most precise KV type each backend keeps (f32 on a CPU, bf16 on a GPU).
-    let dtype = model.backend().kv_dtype(KvDtypeChoice::Auto, true)?;
     let mut kv = model
         .backend()
         .alloc_kv(model.kv_layout(block_size, num_blocks, dtype))?;
     let table: Vec<u32> = (0..num_blocks as u32).collect();
     let c = model.config();
-    let batch = ForwardBatch::new(
-        &[SeqInput {
-            tokens,
-            start_pos: 0,
-            block_table: &table,
-            logits: LogitsWanted::Last,
-        }],
-        block_size,
-        num_blocks,
-        c.vocab_size,
-        c.max_position_embeddings,
-    )?;
-    Ok(model
-        .forward(&batch, &mut kv, &mut |_, _| {})?
-        .row(0)
-        .to_vec())
+    let n = tokens.len();
+    let spans = match decode_last {
+        true => vec![(0, &tokens[..n - 1]), (n - 1, &tokens[n - 1..])],
+        false => vec![(0, tokens)],
+    };
+    let mut logits = Vec::new();
+    for (start, span) in spans {
+        let batch = ForwardBatch::new(
+            &[SeqInput {
+                tokens: span,
+                start_pos: start,
+                block_table: &table,
+                logits: LogitsWanted::Last,
+            }],
+            block_size,
+            num_blocks,
+            c.vocab_size,
+            c.max_position_embeddings,
+        )?;
+        logits = model
+            .forward(&batch, &mut kv, &mut |_, _| {})?
+            .row(0)
+            .to_vec();
+    }
+    Ok(logits)
 }
 
 /// Continuations of `prompts` (24 tokens each) through the engine on `device` (paged cache,

@@ -64,6 +64,9 @@ pub struct Scheduler {
     /// so that planning allocates nothing.
     order: Vec<SeqId>,
     decoding: Vec<usize>,
+    /// Planned rows carry their sequence's block table (see
+    /// [`without_block_tables`](Self::without_block_tables)).
+    block_tables: bool,
 }
 
 impl Scheduler {
@@ -86,7 +89,15 @@ impl Scheduler {
             out_of_vocab_drafts: 0,
             order: Vec::new(),
             decoding: Vec::new(),
+            block_tables: true,
         }
+    }
+
+    /// Planned rows leave `block_table` empty: for a caller that computes nothing (the
+    /// planner's simulator, which plans millions of steps and would only copy the tables).
+    pub fn without_block_tables(mut self) -> Self {
+        self.block_tables = false;
+        self
     }
 
     pub fn kv_cache(&self) -> &KvCacheManager {
@@ -284,11 +295,16 @@ impl Scheduler {
                             Some(p) => {
                                 let mut block_table = std::mem::take(&mut p.block_table);
                                 block_table.clear();
-                                block_table.extend_from_slice(blocks.ids());
+                                if self.block_tables {
+                                    block_table.extend_from_slice(blocks.ids());
+                                }
                                 *p = PlannedSeq { block_table, ..row };
                             }
                             None => plan.push(PlannedSeq {
-                                block_table: blocks.ids().to_vec(),
+                                block_table: match self.block_tables {
+                                    true => blocks.ids().to_vec(),
+                                    false => Vec::new(),
+                                },
                                 ..row
                             }),
                         }
@@ -569,6 +585,16 @@ mod tests {
             s.kv_cache().blocks(0).unwrap().ids(),
             plan[0].block_table.as_slice()
         );
+        // Without block tables: the same rows and blocks held, no table copied.
+        let mut bare = scheduler(16, 16).without_block_tables();
+        bare.add_sequence(0, tokens(0, 9), "").unwrap();
+        let rows = bare.plan_step(&mut no_drafts).unwrap();
+        assert_eq!(
+            (rows[0].start_pos, rows[0].len),
+            (plan[0].start_pos, plan[0].len)
+        );
+        assert!(rows[0].block_table.is_empty());
+        assert_eq!(bare.kv_cache().blocks(0).unwrap().ids().len(), 3);
     }
 
     #[test]

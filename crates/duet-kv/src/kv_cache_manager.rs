@@ -56,6 +56,9 @@ pub struct KvReservation {
     pub num_tokens: usize,
     /// Seed of the prompt's prefix hashes (the request's cache salt).
     pub hash_seed: u64,
+    /// The hashes of the prompt's full blocks (computed to find its cached prefix: kept, so that
+    /// filling the blocks does not hash the prompt again).
+    pub hashes: Vec<BlockHash>,
     /// The prompt reused KV held here (its blocks are admitted below when evicted).
     pub reused: bool,
 }
@@ -84,8 +87,12 @@ pub struct BlockLoad {
 
 struct SeqKv {
     blocks: KvBlocks,
-    /// Hashes of the leading blocks registered so far.
+    /// Hashes of its leading full blocks known so far: the prompt's, computed when it was added
+    /// (to find its cached prefix), then those of the blocks filled since. Kept when the blocks
+    /// are freed, as the seed is.
     hashes: Vec<BlockHash>,
+    /// Leading blocks whose hashes are registered in the pool (none once its blocks are freed).
+    registered: usize,
     /// Seed of those hashes: the model's, with the request's cache salt. Kept when the blocks are
     /// freed: a preempted sequence fills new blocks with the same content.
     hash_seed: u64,
@@ -339,13 +346,13 @@ impl KvCacheManager {
         if self.seqs.contains_key(&seq) {
             return Err(KvError::DuplicateSequence(seq));
         }
-        let mut hashes = block_hashes(hash_seed, tokens, bs);
+        let hashes = block_hashes(hash_seed, tokens, bs);
         // Leave at least one token to compute: its logits give the next output token.
         let usable = hashes.len().min(tokens.len().saturating_sub(1) / bs);
         let cached = self.take_prefix(&hashes[..usable]);
         let reused = self.reuses(&hashes, cached.len());
-        hashes.truncate(cached.len());
         let seq_kv = self.seqs.entry(seq).or_insert(SeqKv {
+            registered: cached.len(),
             blocks: KvBlocks {
                 num_cached: cached.len(),
                 table: BlockTable::from_blocks(cached),
@@ -369,6 +376,11 @@ impl KvCacheManager {
             self.release(reservation)?;
             return Err(KvError::DuplicateSequence(seq));
         }
+        // The reservation's hashes are those of `tokens` when they are the tokens reserved.
+        let hashes = match tokens.len() == reservation.num_tokens {
+            true => reservation.hashes,
+            false => Vec::new(),
+        };
         self.seqs.insert(
             seq,
             SeqKv {
@@ -376,7 +388,8 @@ impl KvCacheManager {
                     table: BlockTable::from_blocks(reservation.blocks),
                     num_cached: reservation.cached_blocks,
                 },
-                hashes: Vec::new(),
+                hashes,
+                registered: 0,
                 hash_seed: reservation.hash_seed,
                 reused: reservation.reused,
             },
@@ -425,7 +438,7 @@ impl KvCacheManager {
         let s = tracked(&mut self.seqs, seq)?;
         let keep = num_tokens.div_ceil(bs);
         debug_assert!(
-            s.hashes.len() <= keep,
+            s.registered <= keep,
             "a registered block is never shrunk away"
         );
         let past = s.blocks.table.truncate(keep);
@@ -443,23 +456,19 @@ impl KvCacheManager {
         let bs = self.pool.block_size();
         let s = tracked(&mut self.seqs, seq)?;
         let full = num_computed / bs;
-        if s.hashes.len() >= full {
-            return Ok(()); // no block filled (a decoding token's step, mostly)
-        }
-        let mut prev = s.hashes.last().copied();
-        for b in s.hashes.len()..full {
-            let h = next_block_hash(
-                s.hash_seed,
-                prev.unwrap_or(0),
-                &tokens[b * bs..(b + 1) * bs],
-            );
+        for b in s.registered..full {
+            // Known (the prompt's), or hashed now from the block before.
+            if b == s.hashes.len() {
+                let prev = s.hashes.last().copied().unwrap_or(0);
+                let h = next_block_hash(s.hash_seed, prev, &tokens[b * bs..(b + 1) * bs]);
+                s.hashes.push(h);
+            }
             let block = s.blocks.table.blocks()[b];
-            self.pool.register_hash(block, h)?;
+            self.pool.register_hash(block, s.hashes[b])?;
             if s.reused {
                 self.pool.mark_admitted(block);
             }
-            s.hashes.push(h);
-            prev = Some(h);
+            s.registered = b + 1;
         }
         Ok(())
     }
@@ -469,7 +478,7 @@ impl KvCacheManager {
     pub fn free(&mut self, seq: SeqId) -> Result<(), KvError> {
         let s = tracked(&mut self.seqs, seq)?;
         let blocks = std::mem::take(&mut s.blocks);
-        s.hashes.clear();
+        s.registered = 0;
         self.pool.release(blocks.ids())
     }
 
@@ -505,6 +514,7 @@ impl KvCacheManager {
             cached_blocks,
             num_tokens: tokens.len(),
             hash_seed,
+            hashes,
             reused,
         })
     }
@@ -522,8 +532,11 @@ impl KvCacheManager {
         tokens: &[u32],
         reservation: KvReservation,
     ) -> Result<(), KvError> {
-        let hashes = block_hashes(reservation.hash_seed, tokens, self.block_size());
-        let filled = reservation.blocks.iter().zip(&hashes);
+        let hashes = match tokens.len() == reservation.num_tokens {
+            true => &reservation.hashes,
+            false => &block_hashes(reservation.hash_seed, tokens, self.block_size()),
+        };
+        let filled = reservation.blocks.iter().zip(hashes);
         for (&block, &hash) in filled.skip(reservation.cached_blocks) {
             if self.pool.register_hash(block, hash)? {
                 self.pool.mark_admitted(block);
@@ -708,6 +721,23 @@ mod tests {
             kv.pool()
                 .cached_prefix_len(&block_hashes(kv.hash_seed(""), &tokens(14), BS)),
             3
+        );
+        // Tokens other than those reserved are registered by their own hashes, never by the
+        // reservation's (which are the reserved prompt's).
+        let other: Vec<u32> = (100..113).collect();
+        let r = kv.reserve(&(200..214).collect::<Vec<u32>>(), "").unwrap();
+        kv.add_reserved(8, &other, r).unwrap();
+        kv.remove(8).unwrap();
+        let seed = kv.hash_seed("");
+        assert_eq!(
+            kv.pool().cached_prefix_len(&block_hashes(seed, &other, BS)),
+            3
+        );
+        let reserved: Vec<u32> = (200..214).collect();
+        assert_eq!(
+            kv.pool()
+                .cached_prefix_len(&block_hashes(seed, &reserved, BS)),
+            0
         );
     }
 

@@ -1,114 +1,37 @@
-//! The simulated router's prefix index: which worker holds which cached block, fed by the
-//! simulated workers' own KV events (their real block pools record them), plus the placements
-//! the router just made, counted as held until they expire (the router's pending placements).
+//! The simulated router's prefix index: which workers hold a prompt's leading blocks.
 //!
-//! The router's `KvIndex` does the same over gRPC streams, with gaps, resyncs and worker
-//! incarnations; here events arrive in order and at once, so the index is the workers' caches.
+//! The router's `KvIndex` is fed by the workers' KV events over gRPC streams, with gaps, resyncs
+//! and worker incarnations. In the simulation those events would arrive at once and in order, so
+//! that index would be exactly what the workers' pools hold: the pools are read instead (one
+//! lookup of the first block per worker and request, where mirroring every pool's every stored
+//! and removed block cost a lookup each, into a map of every block of the cluster). What the
+//! router adds of its own lives here: the blocks it just placed on a worker, counted as held
+//! there until they expire (its pending placements).
 
 use std::collections::VecDeque;
 
-use duet_kv::{BlockHash, KvEvent, Tier};
+use duet_kv::BlockHash;
 use smallvec::SmallVec;
 
-/// A worker holding a block: in its pool, or placed there by the router until `pending_until`.
-#[derive(Clone, Copy, Debug)]
-struct Holder {
-    worker: u32,
-    stored: bool,
-    /// The latest placement's expiry (placements only lengthen it: the router's clock runs
-    /// forward); none left when not past now.
-    pending_until: f64,
-}
-
-impl Holder {
-    fn holds(&self, now: f64) -> bool {
-        self.stored || self.pending_until > now
-    }
-}
-
-/// The workers holding one block. Most blocks have one or two (the prefill worker that
-/// computed it and the decode worker it was pushed to): they live inline, allocating nothing,
-/// since the index is updated on every block of every request.
-type Holders = SmallVec<[Holder; 2]>;
+/// The workers a block was placed on, each with the latest placement's expiry (placements only
+/// lengthen it: the router's clock runs forward). Most blocks have one.
+type Placements = SmallVec<[(u32, f64); 2]>;
 
 #[derive(Default)]
 pub struct PrefixIndex {
-    blocks: foldhash::HashMap<BlockHash, Holders>,
+    pending: foldhash::HashMap<BlockHash, Placements>,
     /// Pending placements by expiry, oldest first.
     expiring: VecDeque<(f64, BlockHash, u32)>,
 }
 
 impl PrefixIndex {
-    /// Applies a worker's KV events.
-    pub fn apply(&mut self, worker: u32, events: &[KvEvent]) {
-        for e in events {
-            // The simulated router scores what the device pools hold (simulated workers have no
-            // tiers below them, and a block moved down is no longer in the pool).
-            match *e {
-                KvEvent::Stored(h) | KvEvent::BroughtUp { hash: h, .. } => {
-                    let holders = self.blocks.entry(h).or_default();
-                    match holders.iter_mut().find(|x| x.worker == worker) {
-                        Some(x) => x.stored = true,
-                        None => holders.push(Holder {
-                            worker,
-                            stored: true,
-                            pending_until: f64::NEG_INFINITY,
-                        }),
-                    }
-                }
-                KvEvent::Removed {
-                    hash: h,
-                    tier: Tier::Device,
-                }
-                | KvEvent::MovedDown {
-                    hash: h,
-                    from: Tier::Device,
-                    ..
-                } => self.forget(h, worker, |x| x.stored = false),
-                KvEvent::Removed { .. } | KvEvent::MovedDown { .. } => {}
-                KvEvent::Cleared => {
-                    self.blocks.retain(|_, holders| {
-                        for x in holders.iter_mut().filter(|x| x.worker == worker) {
-                            x.stored = false;
-                        }
-                        holders.retain(|x| x.stored || x.pending_until != f64::NEG_INFINITY);
-                        !holders.is_empty()
-                    });
-                }
-            }
-        }
-    }
-
-    /// Applies `change` to `worker`'s hold on block `h`, dropping the hold (and the block's
-    /// entry) once nothing is left of it.
-    fn forget(&mut self, h: BlockHash, worker: u32, change: impl FnOnce(&mut Holder)) {
-        let Some(holders) = self.blocks.get_mut(&h) else {
-            return;
-        };
-        let Some(i) = holders.iter().position(|x| x.worker == worker) else {
-            return;
-        };
-        change(&mut holders[i]);
-        let x = holders[i];
-        if !x.stored && x.pending_until == f64::NEG_INFINITY {
-            holders.remove(i);
-            if holders.is_empty() {
-                self.blocks.remove(&h);
-            }
-        }
-    }
-
     /// Counts `hashes` as held by `worker` until `until`.
     pub fn record_pending(&mut self, worker: u32, hashes: &[BlockHash], until: f64) {
         for &h in hashes {
-            let holders = self.blocks.entry(h).or_default();
-            match holders.iter_mut().find(|x| x.worker == worker) {
-                Some(x) => x.pending_until = x.pending_until.max(until),
-                None => holders.push(Holder {
-                    worker,
-                    stored: false,
-                    pending_until: until,
-                }),
+            let placed = self.pending.entry(h).or_default();
+            match placed.iter_mut().find(|(w, _)| *w == worker) {
+                Some((_, u)) => *u = u.max(until),
+                None => placed.push((worker, until)),
             }
             self.expiring.push_back((until, h, worker));
         }
@@ -121,38 +44,62 @@ impl PrefixIndex {
                 break;
             }
             self.expiring.pop_front();
-            self.forget(h, worker, |x| {
-                if x.pending_until <= now {
-                    x.pending_until = f64::NEG_INFINITY;
-                }
-            });
+            let Some(placed) = self.pending.get_mut(&h) else {
+                continue;
+            };
+            // A later placement of the same block on the same worker keeps it.
+            placed.retain(|&mut (w, until)| w != worker || until > now);
+            if placed.is_empty() {
+                self.pending.remove(&h);
+            }
         }
     }
 
-    /// For each worker holding the first block: how many leading `hashes` it holds. Workers not
-    /// listed hold none.
-    pub fn prefix_matches(&self, hashes: &[BlockHash], now: f64, out: &mut Vec<(u32, usize)>) {
+    fn pending_on(&self, worker: u32, h: &BlockHash, now: f64) -> bool {
+        self.pending
+            .get(h)
+            .is_some_and(|p| placed_on(p, worker, now))
+    }
+
+    /// For each of `workers` holding the first block: how many leading `hashes` it holds, in its
+    /// pool (`stored(worker, hashes)`: how many leading ones the pool has) or placed there and
+    /// not expired. Workers not listed hold none.
+    pub fn prefix_matches(
+        &self,
+        hashes: &[BlockHash],
+        now: f64,
+        workers: u32,
+        stored: impl Fn(u32, &[BlockHash]) -> usize,
+        out: &mut Vec<(u32, usize)>,
+    ) {
         out.clear();
-        let Some(first) = hashes.first().and_then(|h| self.blocks.get(h)) else {
+        let Some(first) = hashes.first() else {
             return;
         };
-        out.extend(first.iter().filter(|x| x.holds(now)).map(|x| (x.worker, 1)));
-        for (i, h) in hashes.iter().enumerate().skip(1) {
-            let Some(holders) = self.blocks.get(h) else {
-                break;
-            };
-            let mut any = false;
-            for (w, n) in out.iter_mut() {
-                if *n == i && holders.iter().any(|x| x.worker == *w && x.holds(now)) {
-                    *n = i + 1;
-                    any = true;
+        let first_placed = self.pending.get(first);
+        for w in 0..workers {
+            let mut held = stored(w, hashes);
+            if held == 0 && !first_placed.is_some_and(|p| placed_on(p, w, now)) {
+                continue;
+            }
+            // Runs of pending and of stored blocks, alternating, until neither goes on.
+            loop {
+                let before = held;
+                while held < hashes.len() && self.pending_on(w, &hashes[held], now) {
+                    held += 1;
                 }
+                if held == before || held == hashes.len() {
+                    break;
+                }
+                held += stored(w, &hashes[held..]);
             }
-            if !any {
-                break;
-            }
+            out.push((w, held));
         }
     }
+}
+
+fn placed_on(placed: &Placements, worker: u32, now: f64) -> bool {
+    placed.iter().any(|&(w, until)| w == worker && until > now)
 }
 
 #[cfg(test)]
@@ -163,57 +110,36 @@ mod tests {
     fn stored_and_pending_blocks_make_prefixes_until_removed_or_expired() {
         let mut index = PrefixIndex::default();
         let mut out = Vec::new();
-        index.apply(
-            0,
-            &[KvEvent::Stored(1), KvEvent::Stored(2), KvEvent::Stored(3)],
-        );
-        index.apply(1, &[KvEvent::Stored(1)]);
-        index.prefix_matches(&[1, 2, 3, 4], 0.0, &mut out);
-        out.sort();
+        // Worker 0's pool holds blocks 1, 2, 3 (then 1 and 3); worker 1's holds block 1.
+        let mut pools: Vec<Vec<BlockHash>> = vec![vec![1, 2, 3], vec![1]];
+        let matches = |index: &PrefixIndex, pools: &[Vec<BlockHash>], now, out: &mut Vec<_>| {
+            let stored = |w: u32, hashes: &[BlockHash]| {
+                let pool = &pools[w as usize];
+                hashes.iter().take_while(|h| pool.contains(h)).count()
+            };
+            index.prefix_matches(&[1, 2, 3, 4], now, 2, stored, out);
+        };
+        matches(&index, &pools, 0.0, &mut out);
         assert_eq!(out, [(0, 3), (1, 1)]);
-        index.record_pending(1, &[1, 2, 3, 4], 5.0);
-        index.prefix_matches(&[1, 2, 3, 4], 1.0, &mut out);
-        out.sort();
+        // Placed on worker 1 until 5: held there, stored and pending runs together.
+        index.record_pending(1, &[2, 3, 4], 5.0);
+        matches(&index, &pools, 1.0, &mut out);
         assert_eq!(out, [(0, 3), (1, 4)]);
+        // A gap in worker 0's pool ends its prefix; the placement on worker 1 expires.
+        pools[0] = vec![1, 3];
         index.expire(6.0);
-        index.apply(
-            0,
-            &[KvEvent::Removed {
-                hash: 2,
-                tier: Tier::Device,
-            }],
-        );
-        index.prefix_matches(&[1, 2, 3, 4], 6.0, &mut out);
-        out.sort();
+        matches(&index, &pools, 6.0, &mut out);
         assert_eq!(out, [(0, 1), (1, 1)]);
-        // A block moved down from a pool is no longer in it; one below that leaves is no news.
-        index.apply(
-            0,
-            &[
-                KvEvent::Removed {
-                    hash: 1,
-                    tier: Tier::Host,
-                },
-                KvEvent::MovedDown {
-                    hash: 3,
-                    from: Tier::Device,
-                    to: Tier::Host,
-                },
-            ],
-        );
-        index.prefix_matches(&[1, 2, 3, 4], 6.0, &mut out);
-        out.sort();
-        assert_eq!(out, [(0, 1), (1, 1)]);
-        index.apply(
-            0,
-            &[KvEvent::BroughtUp {
-                hash: 3,
-                from: Tier::Host,
-            }],
-        );
-        assert!(index.blocks[&3].iter().any(|x| x.worker == 0 && x.stored));
-        index.apply(1, &[KvEvent::Cleared]);
-        index.prefix_matches(&[1], 6.0, &mut out);
-        assert_eq!(out, [(0, 1)]);
+        assert!(index.pending.is_empty() && index.expiring.is_empty());
+        // Pending blocks fill a pool's gap; a later placement outlives an earlier one's expiry.
+        index.record_pending(0, &[2], 7.0);
+        index.record_pending(0, &[2], 9.0);
+        index.expire(7.0);
+        matches(&index, &pools, 7.0, &mut out);
+        assert_eq!(out, [(0, 3), (1, 1)]);
+        // A worker holding nothing of the first block is not listed, whatever it holds after.
+        pools[1] = vec![2, 3];
+        matches(&index, &pools, 7.0, &mut out);
+        assert_eq!(out, [(0, 3)]);
     }
 }

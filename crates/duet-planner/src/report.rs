@@ -73,6 +73,18 @@ pub struct ServeSummary {
     /// Refused at once (RESOURCE_EXHAUSTED: the in-flight limit, or a TTFT estimate past the
     /// deadline).
     pub shed: usize,
+    /// Requests and those that attained both SLOs, by the window they arrived in (from the
+    /// run's start): attainment over time, as a burst moves it.
+    #[serde(default)]
+    pub timeline: Vec<Window>,
+}
+
+/// One window of [`ServeSummary::timeline`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Window {
+    pub start_s: f64,
+    pub requests: u32,
+    pub attained: u32,
 }
 
 /// A latency distribution in milliseconds, kept as an HDR histogram (microsecond resolution,
@@ -122,6 +134,8 @@ pub fn percentiles(values: impl IntoIterator<Item = f64>) -> Percentiles {
 /// One request's outcome, as a run's summary counts it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Outcome {
+    /// When it arrived, in seconds from the run's start.
+    pub arrival_s: f64,
     pub ttft_ms: f64,
     pub tpot_ms: f64,
     pub e2e_ms: f64,
@@ -140,8 +154,11 @@ pub struct TtftSplit {
 }
 
 /// Accumulates a run's outcomes into its [`ServeSummary`].
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct SummaryBuilder {
+    /// Width of the timeline's windows, in seconds.
+    window_s: f64,
+    timeline: Vec<Window>,
     requests: usize,
     ok: usize,
     shed: usize,
@@ -158,12 +175,35 @@ pub struct SummaryBuilder {
 }
 
 impl SummaryBuilder {
+    /// A builder whose timeline counts requests by windows of `window_s` seconds (positive).
+    pub fn new(window_s: f64) -> Self {
+        Self {
+            window_s,
+            timeline: Vec::new(),
+            requests: 0,
+            ok: 0,
+            shed: 0,
+            attained: 0,
+            output_tokens: 0,
+            ttft: Latencies::default(),
+            tpot: Latencies::default(),
+            itl: Latencies::default(),
+            e2e: Latencies::default(),
+            queue: Latencies::default(),
+            prefill: Latencies::default(),
+            transfer: Latencies::default(),
+            server_ttft: Latencies::default(),
+        }
+    }
+
     /// A request that ended with its answer.
     pub fn served(&mut self, o: &Outcome, slo: &Slo) {
         self.requests += 1;
         self.ok += 1;
         self.output_tokens += o.output_tokens as u64;
-        self.attained += slo.attained(o.ttft_ms, o.tpot_ms) as usize;
+        let attained = slo.attained(o.ttft_ms, o.tpot_ms);
+        self.attained += attained as usize;
+        self.count_window(o.arrival_s, attained);
         self.ttft.record(o.ttft_ms);
         self.tpot.record(o.tpot_ms);
         self.e2e.record(o.e2e_ms);
@@ -175,10 +215,27 @@ impl SummaryBuilder {
         }
     }
 
-    /// A request that failed; `shed`: refused at once for load.
-    pub fn failed(&mut self, shed: bool) {
+    /// A request that arrived `arrival_s` after the start and failed; `shed`: refused at once
+    /// for load.
+    pub fn failed(&mut self, shed: bool, arrival_s: f64) {
         self.requests += 1;
         self.shed += shed as usize;
+        self.count_window(arrival_s, false);
+    }
+
+    fn count_window(&mut self, arrival_s: f64, attained: bool) {
+        let i = (arrival_s.max(0.0) / self.window_s) as usize;
+        if self.timeline.len() <= i {
+            let width = self.window_s;
+            let from = self.timeline.len();
+            self.timeline.extend((from..=i).map(|k| Window {
+                start_s: k as f64 * width,
+                ..Window::default()
+            }));
+        }
+        let window = &mut self.timeline[i];
+        window.requests += 1;
+        window.attained += attained as u32;
     }
 
     /// One gap between consecutive token messages of a request.
@@ -215,6 +272,7 @@ impl SummaryBuilder {
             slo_attainment: self.attained as f64 / self.requests.max(1) as f64,
             goodput_rps: per_s(self.attained as f64),
             shed: self.shed,
+            timeline: self.timeline.clone(),
         }
     }
 }
@@ -229,8 +287,9 @@ mod tests {
             ttft_ms: 100.0,
             tpot_ms: 10.0,
         };
-        let mut b = SummaryBuilder::default();
+        let mut b = SummaryBuilder::new(1.0);
         let o = |ttft_ms, tpot_ms| Outcome {
+            arrival_s: 1.5,
             ttft_ms,
             tpot_ms,
             e2e_ms: ttft_ms + 10.0 * tpot_ms,
@@ -240,8 +299,15 @@ mod tests {
         b.served(&o(50.0, 5.0), &slo);
         b.served(&o(150.0, 5.0), &slo);
         b.served(&o(50.0, 15.0), &slo);
-        b.failed(true);
+        b.failed(true, 0.2);
         let s = b.build("x", 2.0);
+        // By the window each arrived in: attainment over time.
+        let window = |start_s, requests, attained| Window {
+            start_s,
+            requests,
+            attained,
+        };
+        assert_eq!(s.timeline, [window(0.0, 1, 0), window(1.0, 3, 1)]);
         assert_eq!((s.requests, s.failed, s.shed), (4, 1, 1));
         assert_eq!(s.slo_attainment, 0.25);
         assert_eq!(s.goodput_rps, 0.5);

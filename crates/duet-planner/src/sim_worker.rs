@@ -93,13 +93,12 @@ impl SimWorker {
         block_size: usize,
         max_step_tokens: usize,
     ) -> Self {
-        let mut kv = KvCacheManager::new(kv_blocks, block_size, SIM_FINGERPRINT);
-        kv.record_events();
+        let kv = KvCacheManager::new(kv_blocks, block_size, SIM_FINGERPRINT);
         Self {
             role,
             // Drafts are not simulated: no step reaches past its decode rows by drafting, so
             // no draft token is checked against a vocabulary.
-            scheduler: Scheduler::new(kv, max_step_tokens, 0, usize::MAX),
+            scheduler: Scheduler::new(kv, max_step_tokens, 0, usize::MAX).without_block_tables(),
             machine,
             inbox: Vec::new(),
             in_turn: false,

@@ -64,7 +64,7 @@ pub struct SimConfig {
     /// The KV transport between prefill and decode workers (a profile's `transfer` entry).
     pub transport: String,
     pub slo: Slo,
-    /// Width of the windows of [`SimResult::timeline`], in seconds.
+    /// Width of the windows of [`ServeSummary::timeline`], in seconds.
     pub timeline_window_s: f64,
 }
 
@@ -92,17 +92,8 @@ pub struct SimResult {
     pub local_prefill_fallbacks: u64,
     /// Sequences preempted (and recomputed) on every worker.
     pub preemptions: u64,
-    /// Requests and those that attained both SLOs, by the window they arrived in.
-    pub timeline: Vec<Window>,
     /// Events processed (what the simulation's own speed is measured in).
     pub events: u64,
-}
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct Window {
-    pub start_s: f64,
-    pub requests: u32,
-    pub attained: u32,
 }
 
 /// Simulates `jobs` arriving as `arrivals` say on the cluster `config` describes, timed by
@@ -290,7 +281,6 @@ struct Sim<'a> {
     fallbacks: u64,
     prompt_tokens: u64,
     cached_tokens: u64,
-    timeline: Vec<Window>,
 }
 
 impl<'a> Sim<'a> {
@@ -369,12 +359,11 @@ impl<'a> Sim<'a> {
             ended: 0,
             reported: 0,
             last_end: 0.0,
-            summary: SummaryBuilder::default(),
+            summary: SummaryBuilder::new(config.timeline_window_s),
             decisions: [0; 5],
             fallbacks: 0,
             prompt_tokens: 0,
             cached_tokens: 0,
-            timeline: Vec::new(),
         }
     }
 
@@ -517,8 +506,17 @@ impl<'a> Sim<'a> {
             (hashes, r.prompt.len())
         };
         let usable = n.saturating_sub(1) / bs;
-        self.index
-            .prefix_matches(&hashes[..hashes.len().min(usable)], now, &mut self.matches);
+        let workers = &self.workers;
+        self.index.prefix_matches(
+            &hashes[..hashes.len().min(usable)],
+            now,
+            workers.len() as u32,
+            |w, hashes| {
+                let pool = workers[w as usize].scheduler.kv_cache().pool();
+                pool.cached_prefix_len(hashes)
+            },
+            &mut self.matches,
+        );
         self.refresh_snapshots();
         // Workers are numbered prefill pool first, then decode pool.
         let prefill_workers = self.prefill.len();
@@ -633,19 +631,16 @@ impl<'a> Sim<'a> {
 
     /// Plans worker `w`'s next step, if it has work and is not stepping, and runs it.
     fn next_step(&mut self, w: usize) {
-        self.drain_kv_events(w);
         if self.workers[w].step.is_some() || !self.workers[w].scheduler.has_work() {
             return;
         }
         let worker = &mut self.workers[w];
         let mut plan = std::mem::take(&mut worker.spare_plan);
-        let planned = worker
+        // An error leaves the plan empty: everything waits for room that a transfer or a finish
+        // will make.
+        let _ = worker
             .scheduler
             .plan_step_into(&mut plan, &mut |_, _| Vec::new());
-        // An error: everything waits for room that a transfer or a finish will make.
-        if planned.is_ok() {
-            self.drain_kv_events(w);
-        }
         if plan.is_empty() {
             self.workers[w].spare_plan = plan;
             return;
@@ -954,7 +949,6 @@ impl<'a> Sim<'a> {
         let _ = self.workers[w].scheduler.remove(slot as u64);
         self.workers[w].sequences -= 1;
         self.workers[w].in_flight -= 1;
-        self.drain_kv_events(w);
         let r = self.requests[slot].take().expect("a live request");
         self.free_slots.push(slot);
         self.in_flight -= 1;
@@ -981,6 +975,7 @@ impl<'a> Sim<'a> {
             },
         };
         let outcome = Outcome {
+            arrival_s: r.arrival,
             ttft_ms,
             tpot_ms,
             e2e_ms: (now - r.arrival) * 1e3,
@@ -990,7 +985,6 @@ impl<'a> Sim<'a> {
         self.summary.served(&outcome, &self.config.slo);
         self.prompt_tokens += r.prompt.len() as u64;
         self.cached_tokens += r.cached_tokens as u64;
-        self.count_window(r.arrival, self.config.slo.attained(ttft_ms, tpot_ms));
         self.last_end = now;
         self.ended += 1;
         // The conversation's next turn: this prompt, its answer and the next question.
@@ -1010,8 +1004,7 @@ impl<'a> Sim<'a> {
     fn fail(&mut self, slot: usize, shed: bool) {
         let r = self.requests[slot].take().expect("a live request");
         self.free_slots.push(slot);
-        self.summary.failed(shed);
-        self.count_window(r.arrival, false);
+        self.summary.failed(shed, r.arrival);
         self.last_end = self.now;
         self.ended += 1;
         self.conversation_ended();
@@ -1024,26 +1017,6 @@ impl<'a> Sim<'a> {
             self.live += 1;
             let now = self.now;
             self.at(now, Event::Arrive);
-        }
-    }
-
-    fn count_window(&mut self, arrival: f64, attained: bool) {
-        let width = self.config.timeline_window_s;
-        let i = (arrival / width) as usize;
-        if self.timeline.len() <= i {
-            self.timeline.resize_with(i + 1, Window::default);
-        }
-        let window = &mut self.timeline[i];
-        window.start_s = i as f64 * width;
-        window.requests += 1;
-        window.attained += attained as u32;
-    }
-
-    /// Hands the KV events of worker `w`'s pool to the router's index.
-    fn drain_kv_events(&mut self, w: usize) {
-        let (events, _) = self.workers[w].scheduler.kv_cache_mut().take_events();
-        if !events.is_empty() {
-            self.index.apply(w as u32, &events);
         }
     }
 
@@ -1074,7 +1047,6 @@ impl<'a> Sim<'a> {
                 .collect(),
             local_prefill_fallbacks: self.fallbacks,
             preemptions,
-            timeline: self.timeline,
             events: self.processed,
         }
     }
@@ -1259,7 +1231,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!((closed.summary.requests, closed.summary.failed), (200, 0));
-        let windows: u32 = closed.timeline.iter().map(|w| w.requests).sum();
+        let windows: u32 = closed.summary.timeline.iter().map(|w| w.requests).sum();
         assert_eq!(windows, 200);
     }
 

@@ -50,7 +50,8 @@ pub struct PlannerConfig {
     /// Share of requests that must meet both SLOs (DistServe's 90%).
     #[arg(long, env = "DUET_PLANNER_ATTAINMENT", default_value_t = 0.9)]
     pub attainment: f64,
-    /// The desired replicas are sized for the live rate × (1 + headroom).
+    /// The live split and the desired replicas are chosen for the live rate × (1 + headroom): a
+    /// margin for a rate still rising and for the simulation's optimism near saturation.
     #[arg(long, env = "DUET_PLANNER_HEADROOM", default_value_t = 0.2)]
     pub headroom: f64,
     /// Fewest workers the desired replicas ask for.
@@ -60,7 +61,8 @@ pub struct PlannerConfig {
     #[arg(long, env = "DUET_PLANNER_MAX_WORKERS", default_value_t = 16)]
     pub max_workers: usize,
     /// A split is switched to only when its simulated attainment beats the live split's by
-    /// this much (0-1: hysteresis).
+    /// this much (0-1: hysteresis); where both meet the SLOs, only when its goodput is this
+    /// share more.
     #[arg(long, env = "DUET_PLANNER_SWITCH_MARGIN", default_value_t = 0.05)]
     pub switch_margin: f64,
     /// Switch workers' roles (those started with --role-switch on) toward the best split;

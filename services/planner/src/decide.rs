@@ -5,7 +5,8 @@
 //! - [`burst`]: whether the live arrival rate jumped past what the plan was sized for, so that
 //!   the planner re-plans at once rather than at the end of its period;
 //! - [`reachable`] and [`choose_split`]: which prefill:decode split of the live workers to move
-//!   to, with hysteresis;
+//!   to (the one serving the most within the SLOs; where several meet them, the one with the
+//!   most goodput, ready for more load), with hysteresis;
 //! - [`next_switch`]: which worker to switch (one at a time, never the last of a role that has
 //!   traffic);
 //! - [`desired_replicas`]: how many workers of each role the load needs.
@@ -55,12 +56,16 @@ pub fn live_split(workers: &[WorkerView]) -> Split {
     }
 }
 
-/// A split's simulated outcome at the live load.
+/// A split's simulated outcome at the planned load.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Prediction {
     pub split: Split,
     /// Share of requests within both SLOs.
     pub attainment: f64,
+    /// Its goodput: the highest rate of the same requests at which it still meets the
+    /// attainment target (DistServe's search); simulated only for splits that meet it at the
+    /// planned load.
+    pub max_rate: Option<f64>,
     pub ttft_p90_ms: f64,
     pub tpot_p90_ms: f64,
     /// The time to first token's queue part (routing, reservation and the prefill queue).
@@ -107,17 +112,33 @@ pub enum SplitChoice {
     Move { target: Split, reason: String },
 }
 
-/// Chooses among `predictions` (the live split's and every reachable one's, at the live load)
+/// Chooses among `predictions` (the live split's and every reachable one's, at the planned load)
 /// the split with the highest attainment, the closest to `current` among equals; moves to it
 /// only when its attainment beats the live split's by at least `margin` (hysteresis: a split
-/// barely better in one simulation is not worth a drain).
-pub fn choose_split(current: Split, predictions: &[Prediction], margin: f64) -> SplitChoice {
+/// barely better in one simulation is not worth a drain). Where the live split meets the
+/// attainment `target` and its goodput is known, goodput decides ([`choose_by_goodput`]).
+pub fn choose_split(
+    current: Split,
+    predictions: &[Prediction],
+    target: f64,
+    margin: f64,
+) -> SplitChoice {
     let Some(now) = predictions.iter().find(|p| p.split == current) else {
         return SplitChoice::Stay {
             reason: format!("the live split {current} was not simulated"),
         };
     };
     let distance = |s: Split| s.prefill.abs_diff(current.prefill);
+    if let Some(live_rate) = now.max_rate.filter(|_| now.attainment >= target) {
+        return choose_by_goodput(
+            current,
+            now.attainment,
+            live_rate,
+            predictions,
+            target,
+            margin,
+        );
+    }
     let best = predictions
         .iter()
         .max_by(|a, b| {
@@ -155,6 +176,45 @@ pub fn choose_split(current: Split, predictions: &[Prediction], margin: f64) -> 
             best.attainment * 100.0,
             now.attainment * 100.0
         ),
+    }
+}
+
+/// [`choose_split`] where the live split meets the attainment target: a split meeting it too and
+/// serving more than `margin` (a share) more at most moves the live workers, so that the next
+/// burst finds the split that takes it (a switch at a calm rate drains in moments; one in a burst
+/// drains under load).
+fn choose_by_goodput(
+    current: Split,
+    attainment: f64,
+    live_rate: f64,
+    predictions: &[Prediction],
+    target: f64,
+    margin: f64,
+) -> SplitChoice {
+    let distance = |s: Split| s.prefill.abs_diff(current.prefill);
+    let best = predictions
+        .iter()
+        .filter(|p| p.attainment >= target)
+        .filter_map(|p| Some((p.split, p.max_rate?)))
+        .max_by(|a, b| a.1.total_cmp(&b.1).then(distance(b.0).cmp(&distance(a.0))))
+        .filter(|&(split, rate)| split != current && rate > live_rate * (1.0 + margin));
+    match best {
+        Some((split, rate)) => SplitChoice::Move {
+            target: split,
+            reason: format!(
+                "{current} meets the SLOs ({:.1}% within them) up to {live_rate:.2} req/s; {split} \
+                 meets them too, up to {rate:.2} req/s",
+                attainment * 100.0
+            ),
+        },
+        None => SplitChoice::Stay {
+            reason: format!(
+                "{current} meets the SLOs ({:.1}% within them) up to {live_rate:.2} req/s, and no \
+                 split serves {:.0}% more",
+                attainment * 100.0,
+                margin * 100.0
+            ),
+        },
     }
 }
 
@@ -288,6 +348,7 @@ mod tests {
         Prediction {
             split: split(prefill, decode),
             attainment,
+            max_rate: None,
             ttft_p90_ms: 0.0,
             tpot_p90_ms: 0.0,
             queue_p90_ms: 0.0,
@@ -338,7 +399,7 @@ mod tests {
             predicted(3, 1, 0.40),
         ];
         // Two splits tie for the best: the one fewer switches away.
-        let SplitChoice::Move { target, reason } = choose_split(now, &preds, 0.05) else {
+        let SplitChoice::Move { target, reason } = choose_split(now, &preds, 0.9, 0.05) else {
             panic!("should move")
         };
         assert_eq!(target, split(1, 3));
@@ -349,14 +410,51 @@ mod tests {
         // Hysteresis: 0.72 → 0.75 is within a 5-point margin.
         let close = [predicted(0, 4, 0.72), predicted(1, 3, 0.75)];
         assert!(matches!(
-            choose_split(now, &close, 0.05),
+            choose_split(now, &close, 0.9, 0.05),
             SplitChoice::Stay { reason } if reason.contains("margin")
         ));
         // Equal to the best: stay.
         let equal = [predicted(0, 4, 1.0), predicted(1, 3, 1.0)];
         assert!(matches!(
-            choose_split(now, &equal, 0.05),
+            choose_split(now, &equal, 0.9, 0.05),
             SplitChoice::Stay { .. }
+        ));
+    }
+
+    #[test]
+    fn where_splits_meet_the_slos_the_one_with_the_most_goodput_wins_past_the_margin() {
+        let now = split(0, 2);
+        let with_rate = |prefill, decode, attainment, rate| Prediction {
+            max_rate: Some(rate),
+            ..predicted(prefill, decode, attainment)
+        };
+        // Both meet the SLOs at a calm rate; 1P+1D serves 15% more: ready for the burst.
+        let calm = [with_rate(0, 2, 1.0, 4.7), with_rate(1, 1, 1.0, 5.4)];
+        let SplitChoice::Move { target, reason } = choose_split(now, &calm, 0.9, 0.05) else {
+            panic!("should move")
+        };
+        assert_eq!(target, split(1, 1));
+        assert!(
+            reason.contains("4.70") && reason.contains("5.40"),
+            "{reason}"
+        );
+        // 3% more is within the margin; a split missing the SLOs is no candidate, whatever
+        // its goodput at a rate it would be sized for.
+        let close = [with_rate(0, 2, 1.0, 5.25), with_rate(1, 1, 1.0, 5.4)];
+        assert!(matches!(
+            choose_split(now, &close, 0.9, 0.05),
+            SplitChoice::Stay { reason } if reason.contains("no split serves 5% more")
+        ));
+        let missing = [with_rate(0, 2, 0.95, 4.7), with_rate(1, 1, 0.85, 9.0)];
+        assert!(matches!(
+            choose_split(now, &missing, 0.9, 0.05),
+            SplitChoice::Stay { .. }
+        ));
+        // The live split missing the SLOs: attainment decides, as before.
+        let burst = [with_rate(0, 2, 0.6, 4.7), with_rate(1, 1, 0.8, 5.4)];
+        assert!(matches!(
+            choose_split(now, &burst, 0.9, 0.05),
+            SplitChoice::Move { target, .. } if target == split(1, 1)
         ));
     }
 

@@ -28,9 +28,10 @@ pub struct Decision {
     /// `stay`, `switch`, `blocked` (a move no worker could make) or `idle` (nothing to plan).
     pub action: &'static str,
     pub reason: String,
-    /// The rate planned for (requests per second): the period's, or the burst window's when
-    /// higher.
+    /// The live rate (requests per second): the period's, or the burst window's when higher.
     pub rate: f64,
+    /// The rate the split and the desired replicas are chosen for: `rate` × (1 + --headroom).
+    pub planned_rate: f64,
     /// The live latencies over the period before the decision.
     pub observed_before: Observed,
     /// Requests waiting in the workers' queues (replayed first in simulation).
@@ -38,7 +39,7 @@ pub struct Decision {
     /// What scaled the profile's KV transfer times to the live ones (1: none).
     pub transfer_scale: f64,
     pub live: Split,
-    /// Every split of the live workers simulated at the rate, the live one included.
+    /// Every split of the live workers simulated at the planned rate, the live one included.
     pub predictions: Vec<Prediction>,
     /// The split chosen for the live workers and its prediction.
     pub chosen: Option<Prediction>,
@@ -69,6 +70,7 @@ impl Decision {
             action: "idle",
             reason: String::new(),
             rate,
+            planned_rate: rate,
             observed_before,
             backlog,
             transfer_scale: 1.0,

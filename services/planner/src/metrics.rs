@@ -48,19 +48,19 @@ impl PlannerMetrics {
             ),
             planned_rate: gauge(
                 "duet_planner_planned_rate",
-                "Requests per second the last re-plan sized the pools for (the live rate; the burst trigger compares against it).",
+                "Requests per second the last re-plan sized the pools for (the live rate × (1 + --headroom)).",
             ),
             predicted_ttft: gauge(
                 "duet_planner_predicted_ttft_p90_seconds",
-                "Simulated p90 time to first token of the split chosen at the last re-plan, at the live rate.",
+                "Simulated p90 time to first token of the split chosen at the last re-plan, at the planned rate.",
             ),
             predicted_tpot: gauge(
                 "duet_planner_predicted_tpot_p90_seconds",
-                "Simulated p90 time per output token of the split chosen at the last re-plan, at the live rate.",
+                "Simulated p90 time per output token of the split chosen at the last re-plan, at the planned rate.",
             ),
             predicted_attainment: gauge(
                 "duet_planner_predicted_attainment",
-                "Simulated share of requests within both SLOs for the split chosen at the last re-plan, at the live rate.",
+                "Simulated share of requests within both SLOs for the split chosen at the last re-plan, at the planned rate.",
             ),
             decisions: counter_vec(
                 "duet_planner_decisions_total",

@@ -1,11 +1,12 @@
 //! Re-planning by simulation: the live workload (requests drawn from the observed lengths,
-//! arriving as a Poisson process at the live rate, after the requests waiting now) replayed
+//! arriving as a Poisson process at the planned rate, after the requests waiting now) replayed
 //! on the simulator (`duet_planner::simulator`: the router's real policy and the engine's real
 //! scheduler, timed by the profile) for each prefill:decode split.
 
 use duet_planner::PlannerError;
 use duet_planner::arrivals::{ArrivalClock, Arrivals};
 use duet_planner::profile::Profile;
+use duet_planner::search::{self, RatePoint};
 use duet_planner::simulator::{Design, SimConfig, simulate};
 use duet_planner::workload::Job;
 
@@ -73,6 +74,7 @@ impl Model {
         Ok(Prediction {
             split,
             attainment: s.slo_attainment,
+            max_rate: None,
             ttft_p90_ms: s.ttft_ms.p90,
             tpot_p90_ms: s.tpot_ms.p90,
             queue_p90_ms: s.server_ttft_ms.queue_ms.p90,
@@ -98,6 +100,35 @@ impl Model {
                 self.predict(split, load)
             })
             .collect()
+    }
+
+    /// Fills in the goodput of every prediction of `load` meeting `target`: the highest rate of
+    /// the same requests at which the split still does (doubled from the load's rate, then
+    /// bisected: within 1/16 of the bracket). A search that cannot end (too few requests to
+    /// load the split) leaves it unknown.
+    pub fn with_goodput(
+        &self,
+        predictions: &mut [Prediction],
+        load: &LiveLoad,
+        target: f64,
+    ) -> Result<(), PlannerError> {
+        for p in predictions.iter_mut().filter(|p| p.attainment >= target) {
+            let mut eval = |rate: f64| {
+                let at = self.predict(p.split, &load.at_rate(rate))?;
+                Ok(RatePoint {
+                    rate,
+                    attainment: at.attainment,
+                    ttft_p90_ms: at.ttft_p90_ms,
+                    tpot_p90_ms: at.tpot_p90_ms,
+                })
+            };
+            p.max_rate = match search::max_rate(&mut eval, target, load.rate, 4) {
+                Ok((rate, _)) => Some(rate),
+                Err(PlannerError::Invalid(_)) => None,
+                Err(e) => return Err(e),
+            };
+        }
+        Ok(())
     }
 
     /// The best split of `workers` at `load` (the most attainment; the fewest prefill workers

@@ -381,15 +381,20 @@ impl Planner {
         let live = decision.live;
         let (model, config) = (self.model.clone(), self.config.clone());
         let reachable = decide::reachable(views);
+        // The split, like the replicas, is chosen for the live rate with headroom: a margin for a
+        // rate still rising and for the simulation's optimism near saturation.
         let sized = load.at_rate(load.rate * (1.0 + config.headroom));
+        decision.planned_rate = sized.rate;
         let simulated = tokio::task::spawn_blocking(move || {
             let now = model.predict(live, &load)?;
             let (model, scale) =
                 model.calibrated_transfer(observed_transfer_ms, now.kv_transfer_mean_ms);
-            let mut predictions = model.predict_splits(live.workers(), reachable.clone(), &load)?;
+            let mut predictions =
+                model.predict_splits(live.workers(), reachable.clone(), &sized)?;
             if !reachable.contains(&live.prefill) {
-                predictions.push(model.predict(live, &load)?);
+                predictions.push(model.predict(live, &sized)?);
             }
+            model.with_goodput(&mut predictions, &sized, config.attainment)?;
             let desired = decide::desired_replicas(
                 live.workers(),
                 config.min_workers,
@@ -407,7 +412,12 @@ impl Planner {
         self.metrics.desired(desired.split);
         self.sized_for = Some(decision.rate);
         let prediction_of = |split: Split| predictions.iter().find(|p| p.split == split).copied();
-        let choice = decide::choose_split(live, &predictions, self.config.switch_margin);
+        let choice = decide::choose_split(
+            live,
+            &predictions,
+            self.config.attainment,
+            self.config.switch_margin,
+        );
         decision.action = Decision::action_of(&choice);
         decision.chosen = prediction_of(live);
         match choice {
@@ -422,7 +432,7 @@ impl Planner {
             }
         }
         if let Some(chosen) = &decision.chosen {
-            self.metrics.planned(decision.rate, chosen);
+            self.metrics.planned(decision.planned_rate, chosen);
         }
         decision.predictions = predictions;
         Ok(())

@@ -167,6 +167,21 @@ fn simulate_writes_bench_serves_keys_for_the_same_trace_and_plan_writes_values()
             assert!(s["server_ttft_ms"][part]["p50"].is_number(), "{part}");
             assert!(b["server_ttft_ms"][part]["p50"].is_number(), "{part}");
         }
+        // Attainment over time: every request in the window it arrived in.
+        for run in [s, b] {
+            let windows = run["timeline"].as_array().unwrap();
+            let counted: u64 = windows
+                .iter()
+                .map(|w| w["requests"].as_u64().unwrap())
+                .sum();
+            assert_eq!(counted, 24, "{run}");
+            assert_eq!(windows[0]["start_s"], 0.0);
+            assert!(
+                windows
+                    .iter()
+                    .all(|w| w["attained"].as_u64() <= w["requests"].as_u64())
+            );
+        }
     }
     assert_eq!(sim["workload"]["arrivals"]["kind"], "poisson");
     assert_eq!(bench["workload"]["arrivals"]["kind"], "trace");
@@ -260,6 +275,10 @@ fn bad_planner_input_names_its_line_field_or_flag() {
     failed_saying(
         run(&["--device", "cuda", "--ttft-slo-ms", "0"]),
         "--ttft-slo-ms must be a positive number",
+    );
+    failed_saying(
+        run(&["--device", "cuda", "--timeline-window-s", "0"]),
+        "\"0\" is not a positive number of seconds",
     );
     failed_saying(
         run(&["--device", "cuda", "--trace", trace.to_str().unwrap()]),

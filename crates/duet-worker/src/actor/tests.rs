@@ -220,6 +220,7 @@ impl ActorEngine for ScriptedEngine {
             cached_blocks: (self.cached / BLOCK_SIZE).min(blocks),
             num_tokens: tokens.len(),
             hash_seed: 0,
+            hashes: Vec::new(),
             reused: false,
         })
     }
