@@ -63,6 +63,14 @@ pub struct KvReservation {
     pub reused: bool,
 }
 
+impl KvReservation {
+    /// Whether `hashes` are those of `tokens`: the caller gives back the tokens it reserved; a
+    /// prompt of another length is another prompt, hashed itself.
+    fn hashes_hold_for(&self, tokens: &[u32]) -> bool {
+        tokens.len() == self.num_tokens
+    }
+}
+
 /// KV the engine owes the tiers (see [`KvCacheManager::take_moves`]).
 #[derive(Debug, Default)]
 pub struct KvMoves {
@@ -376,8 +384,7 @@ impl KvCacheManager {
             self.release(reservation)?;
             return Err(KvError::DuplicateSequence(seq));
         }
-        // The reservation's hashes are those of `tokens` when they are the tokens reserved.
-        let hashes = match tokens.len() == reservation.num_tokens {
+        let hashes = match reservation.hashes_hold_for(tokens) {
             true => reservation.hashes,
             false => Vec::new(),
         };
@@ -532,7 +539,7 @@ impl KvCacheManager {
         tokens: &[u32],
         reservation: KvReservation,
     ) -> Result<(), KvError> {
-        let hashes = match tokens.len() == reservation.num_tokens {
+        let hashes = match reservation.hashes_hold_for(tokens) {
             true => &reservation.hashes,
             false => &block_hashes(reservation.hash_seed, tokens, self.block_size()),
         };

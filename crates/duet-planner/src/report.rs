@@ -154,9 +154,9 @@ pub struct TtftSplit {
 }
 
 /// Accumulates a run's outcomes into its [`ServeSummary`].
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub struct SummaryBuilder {
-    /// Width of the timeline's windows, in seconds.
+    /// Width of the timeline's windows, in seconds; none (the default): no timeline.
     window_s: f64,
     timeline: Vec<Window>,
     requests: usize,
@@ -179,20 +179,7 @@ impl SummaryBuilder {
     pub fn new(window_s: f64) -> Self {
         Self {
             window_s,
-            timeline: Vec::new(),
-            requests: 0,
-            ok: 0,
-            shed: 0,
-            attained: 0,
-            output_tokens: 0,
-            ttft: Latencies::default(),
-            tpot: Latencies::default(),
-            itl: Latencies::default(),
-            e2e: Latencies::default(),
-            queue: Latencies::default(),
-            prefill: Latencies::default(),
-            transfer: Latencies::default(),
-            server_ttft: Latencies::default(),
+            ..Self::default()
         }
     }
 
@@ -224,6 +211,9 @@ impl SummaryBuilder {
     }
 
     fn count_window(&mut self, arrival_s: f64, attained: bool) {
+        if self.window_s <= 0.0 {
+            return;
+        }
         let i = (arrival_s.max(0.0) / self.window_s) as usize;
         if self.timeline.len() <= i {
             let width = self.window_s;

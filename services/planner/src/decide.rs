@@ -128,7 +128,6 @@ pub fn choose_split(
             reason: format!("the live split {current} was not simulated"),
         };
     };
-    let distance = |s: Split| s.prefill.abs_diff(current.prefill);
     if let Some(live_rate) = now.max_rate.filter(|_| now.attainment >= target) {
         return choose_by_goodput(
             current,
@@ -139,14 +138,9 @@ pub fn choose_split(
             margin,
         );
     }
-    let best = predictions
-        .iter()
-        .max_by(|a, b| {
-            a.attainment
-                .total_cmp(&b.attainment)
-                .then(distance(b.split).cmp(&distance(a.split)))
-        })
-        .expect("the live split is among them");
+    let best = nearest_best(current, predictions.iter().map(|p| (p, p.attainment)))
+        .expect("the live split is among them")
+        .0;
     if best.split == current {
         return SplitChoice::Stay {
             reason: format!(
@@ -191,12 +185,9 @@ fn choose_by_goodput(
     target: f64,
     margin: f64,
 ) -> SplitChoice {
-    let distance = |s: Split| s.prefill.abs_diff(current.prefill);
-    let best = predictions
-        .iter()
-        .filter(|p| p.attainment >= target)
-        .filter_map(|p| Some((p.split, p.max_rate?)))
-        .max_by(|a, b| a.1.total_cmp(&b.1).then(distance(b.0).cmp(&distance(a.0))))
+    let meeting = predictions.iter().filter(|p| p.attainment >= target);
+    let best = nearest_best(current, meeting.filter_map(|p| Some((p, p.max_rate?))))
+        .map(|(p, rate)| (p.split, rate))
         .filter(|&(split, rate)| split != current && rate > live_rate * (1.0 + margin));
     match best {
         Some((split, rate)) => SplitChoice::Move {
@@ -216,6 +207,18 @@ fn choose_by_goodput(
             ),
         },
     }
+}
+
+/// The prediction with the highest score, the fewest switches from `current` among equals.
+fn nearest_best<'a>(
+    current: Split,
+    scored: impl Iterator<Item = (&'a Prediction, f64)>,
+) -> Option<(&'a Prediction, f64)> {
+    let distance = |s: Split| s.prefill.abs_diff(current.prefill);
+    scored.max_by(|a, b| {
+        a.1.total_cmp(&b.1)
+            .then(distance(b.0.split).cmp(&distance(a.0.split)))
+    })
 }
 
 /// One role switch.
