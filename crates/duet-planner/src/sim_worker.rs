@@ -28,11 +28,16 @@ pub enum Role {
 /// What a worker's engine thread takes at its next turn (between steps).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Command {
-    /// A decode worker takes a routed request: reserves KV and hands the prompt to a prefill
-    /// worker, or prefills it itself.
+    /// A decode worker takes a routed request: reserves KV for it, or prefills it itself.
     Admit(usize),
+    /// A decode worker binds the request's reservation to a prefill worker and hands it the
+    /// prompt, or prefills it itself (the decode worker's second call on its engine thread).
+    Bind(usize),
     /// A prefill worker takes a prompt to compute.
     Submit(usize),
+    /// A push's last KV writes land in the decode worker's reservation (the receiver writes at
+    /// its engine thread's turn): the push is acknowledged.
+    Land(usize),
     /// A decode worker's reservation is filled: the request decodes from its first token.
     Activate(usize),
 }

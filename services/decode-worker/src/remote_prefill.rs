@@ -61,7 +61,8 @@ pub async fn run(
         return prefill_here(state, request, PrefillReport::default());
     };
     let id = request.id;
-    let queue_ms = started.elapsed().as_secs_f64() * 1e3;
+    // Until the prefill worker that answers is called: reserving, binding, earlier attempts.
+    let mut queue_ms = started.elapsed().as_secs_f64() * 1e3;
     let block_size = state.engine.info().wire.layout.block_size;
     let mut retries = 0;
     // Why the last attempt failed (none made: the deadline left no time for one).
@@ -107,6 +108,7 @@ pub async fn run(
         };
         let cached_here = (reservation.cached_blocks * block_size) as u32;
         let msg = prefill_request(state, req, key, &reservation);
+        queue_ms = started.elapsed().as_secs_f64() * 1e3;
         match call(&state.channels, &target.address, msg, timeout).await {
             Ok(resp) => {
                 let first = resp.first_token.as_ref().ok_or_else(|| {
