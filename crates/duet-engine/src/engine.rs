@@ -241,7 +241,7 @@ impl EngineOptions {
 // The engine's API names these; they are defined by the part that makes them.
 pub use crate::model_runner::LayerDone;
 pub use crate::scheduler::PlannedSeq;
-pub use duet_kv::{KvReservation, SeqId};
+pub use duet_kv::{KvFence, KvReservation, SeqId};
 
 /// What turns a sequence's logits into output: sampling, stop criteria and text. Its tokens and
 /// blocks are the scheduler's.
@@ -643,6 +643,16 @@ impl<B: Backend> Engine<B> {
     /// transfer).
     pub fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError> {
         Ok(self.scheduler.kv_cache_mut().release(reservation)?)
+    }
+
+    /// Holds the blocks a transfer writes into `reservation` until the fence is lifted,
+    /// whatever becomes of the reservation (see [`KvCacheManager::fence`]).
+    pub fn fence(&mut self, reservation: &KvReservation) -> Result<KvFence, EngineError> {
+        Ok(self.scheduler.kv_cache_mut().fence(reservation)?)
+    }
+
+    pub fn lift_fence(&mut self, fence: KvFence) -> Result<(), EngineError> {
+        Ok(self.scheduler.kv_cache_mut().lift_fence(fence)?)
     }
 
     /// Makes a reservation of `tokens` (whole blocks) whose KV was pulled from a peer a cached

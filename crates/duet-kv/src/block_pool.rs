@@ -350,15 +350,21 @@ impl BlockPool {
         id
     }
 
+    /// Takes one more reference to each block, all in use: they stay out of the free list and
+    /// the cache until [`release`](Self::release)d as often. Validates every id before changing
+    /// anything.
+    pub fn share(&mut self, blocks: &[BlockId]) -> Result<(), KvError> {
+        self.check_in_use(blocks)?;
+        for &b in blocks {
+            self.blocks[b as usize].ref_count += 1;
+        }
+        Ok(())
+    }
+
     /// Drops one reference to each block. Blocks that reach zero become cached (if hashed) or
     /// free. Validates every id before changing anything.
     pub fn release(&mut self, blocks: &[BlockId]) -> Result<(), KvError> {
-        for &b in blocks {
-            self.check(b)?;
-            if self.blocks[b as usize].ref_count == 0 {
-                return Err(KvError::NotInUse(b));
-            }
-        }
+        self.check_in_use(blocks)?;
         for &b in blocks {
             let meta = &mut self.blocks[b as usize];
             // The same id twice in one call must not underflow.
@@ -374,6 +380,17 @@ impl BlockPool {
                     meta.admitted = false;
                     self.free.push(b);
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every one of `blocks` exists and is in use.
+    fn check_in_use(&self, blocks: &[BlockId]) -> Result<(), KvError> {
+        for &b in blocks {
+            self.check(b)?;
+            if self.blocks[b as usize].ref_count == 0 {
+                return Err(KvError::NotInUse(b));
             }
         }
         Ok(())

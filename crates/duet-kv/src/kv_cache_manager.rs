@@ -46,6 +46,13 @@ impl KvBlocks {
     }
 }
 
+/// Blocks held against late writes ([`KvCacheManager::fence`]).
+#[derive(Debug)]
+#[must_use = "a fence's blocks stay held until it is lifted"]
+pub struct KvFence {
+    blocks: Vec<BlockId>,
+}
+
 /// KV blocks held on the decode side for a prompt whose KV is being transferred.
 #[derive(Debug, PartialEq, Eq)]
 pub struct KvReservation {
@@ -531,6 +538,21 @@ impl KvCacheManager {
         self.pool.release(&reservation.blocks)
     }
 
+    /// Fences the blocks of `reservation` that a transfer writes (those past its cached prefix):
+    /// they stay out of every other sequence's reach, whatever becomes of the reservation,
+    /// until the fence is lifted. For a transport whose sender writes the blocks in place (CUDA
+    /// IPC): its copies may still land after the receiver has given the transfer up.
+    pub fn fence(&mut self, reservation: &KvReservation) -> Result<KvFence, KvError> {
+        let blocks = reservation.blocks[reservation.cached_blocks..].to_vec();
+        self.pool.share(&blocks)?;
+        Ok(KvFence { blocks })
+    }
+
+    /// Lets the blocks of `fence` go (to the cache or the free list, if nothing else holds them).
+    pub fn lift_fence(&mut self, fence: KvFence) -> Result<(), KvError> {
+        self.pool.release(&fence.blocks)
+    }
+
     /// Makes a filled reservation of `tokens` (whole blocks, pulled from a peer) a cached
     /// prefix: registers its blocks' hashes and frees it. The blocks are admitted below (a peer
     /// held them: they were reused).
@@ -695,6 +717,32 @@ mod tests {
             3
         );
         assert_ne!(kv.hash_seed("a"), kv.hash_seed(""));
+    }
+
+    #[test]
+    fn a_fence_keeps_a_reservations_written_blocks_from_every_other_sequence_until_lifted() {
+        let mut kv = manager(5);
+        compute_and_remove(&mut kv, 0, &tokens(12), "");
+        // Three blocks from the cache, one to be written by a transfer.
+        let r = kv.reserve(&tokens(14), "").unwrap();
+        let written = r.blocks[3];
+        let fence = kv.fence(&r).unwrap();
+        kv.release(r).unwrap();
+        assert_eq!(kv.pool().stats().in_use, 1);
+        assert_eq!(kv.pool().ref_count(written), 1);
+        // The other four blocks (the cached prefix evicted) go to another prompt, never the
+        // fenced one; nothing is left for a third.
+        let other = kv.reserve(&(100..116).collect::<Vec<u32>>(), "x").unwrap();
+        assert_eq!(other.blocks.len(), 4);
+        assert!(!other.blocks.contains(&written));
+        assert!(matches!(
+            kv.reserve(&(200..204).collect::<Vec<u32>>(), "x"),
+            Err(KvError::Exhausted { available: 0, .. })
+        ));
+        kv.release(other).unwrap();
+        kv.lift_fence(fence).unwrap();
+        assert_eq!(kv.pool().stats().in_use, 0);
+        assert_eq!(kv.pool().available(), 5);
     }
 
     #[test]

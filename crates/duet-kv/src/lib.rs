@@ -34,7 +34,9 @@ pub use frequency_lru::FrequencyLru;
 pub use hashing::{BlockHash, block_hashes, hash_seed, next_block_hash, request_hash_seed};
 pub use held_blocks::{HeldBlocks, Presence};
 pub use host_tier::{HostMemory, HostTier};
-pub use kv_cache_manager::{BlockLoad, KvBlocks, KvCacheManager, KvMoves, KvReservation, SeqId};
+pub use kv_cache_manager::{
+    BlockLoad, KvBlocks, KvCacheManager, KvFence, KvMoves, KvReservation, SeqId,
+};
 pub use lower_tiers::{BlockBytes, LowerTiers, TierStats};
 pub use stopwatch::{Elapsed, Stopwatch};
 pub use tier::{Tier, TierError, TierStore};

@@ -67,13 +67,24 @@ pub enum Command {
     Activate { request: Request, first: Sampled },
     /// The request is gone (client cancelled, deadline, failure): free whatever it holds.
     Cancel(RequestId),
+    /// Holds the blocks a transfer writes into request `id`'s reservation until `until` (or
+    /// [`LiftFence`](Self::LiftFence)), whatever becomes of the reservation: a sender that writes
+    /// them in place (CUDA IPC) may still land copies after the transfer was given up, and no
+    /// other sequence may have them by then. A second fence for the same request lengthens the
+    /// first.
+    Fence { id: RequestId, until: Instant },
+    /// The transfer answered (its copies all landed): request `id`'s fence goes.
+    LiftFence(RequestId),
     /// Sends the KV of blocks `blocks` of the prefix of `tokens` held here through `sender`,
     /// for a peer's pull (see `Engine::send_prefix`), and finishes it; `false` (nothing sent)
-    /// unless every block is held.
+    /// unless every block is held. No layer is sent past `deadline` (the caller's): a sender
+    /// writing into the caller's blocks in place must not start after the caller gave up and
+    /// its fence may have gone.
     SendPrefix {
         tokens: Vec<u32>,
         cache_salt: String,
         blocks: Range<usize>,
+        deadline: Instant,
         sender: Box<dyn KvSender>,
         reply: oneshot::Sender<Result<bool, WorkerError>>,
     },
@@ -183,6 +194,8 @@ pub struct Actor<E: ActorEngine> {
     reservations: HashMap<RequestId, Reserved>,
     /// The reservation each live key names.
     keys: HashMap<ReservationKey, RequestId>,
+    /// Blocks held against late writes, by request, until when.
+    fences: HashMap<RequestId, (Instant, E::Fence)>,
     admitted: BTreeMap<SeqId, Admitted>,
     by_id: HashMap<RequestId, SeqId>,
 }
@@ -211,6 +224,7 @@ impl<E: ActorEngine> Actor<E> {
             prefill_rate: PrefillRate::default(),
             reservations: HashMap::new(),
             keys: HashMap::new(),
+            fences: HashMap::new(),
             admitted: BTreeMap::new(),
             by_id: HashMap::new(),
         }
@@ -258,7 +272,12 @@ impl<E: ActorEngine> Actor<E> {
     }
 
     fn next_expiry(&self) -> Option<Instant> {
-        self.reservations.values().map(|r| r.expires).min()
+        let fences = self.fences.values().map(|(until, _)| *until);
+        self.reservations
+            .values()
+            .map(|r| r.expires)
+            .chain(fences)
+            .min()
     }
 
     pub fn handle(&mut self, cmd: Command) {
@@ -300,14 +319,18 @@ impl<E: ActorEngine> Actor<E> {
                     self.remove(seq);
                 }
             }
+            Command::Fence { id, until } => self.fence(id, until),
+            Command::LiftFence(id) => self.lift_fence(id),
             Command::SendPrefix {
                 tokens,
                 cache_salt,
                 blocks,
+                deadline,
                 sender,
                 reply,
             } => {
-                let _ = reply.send(self.send_prefix(&tokens, &cache_salt, blocks, sender));
+                let sent = self.send_prefix(&tokens, &cache_salt, blocks, deadline, sender);
+                let _ = reply.send(sent);
             }
             Command::CachePulled { id, tokens, reply } => {
                 let _ = reply.send(self.cache_pulled(id, &tokens));
@@ -320,18 +343,29 @@ impl<E: ActorEngine> Actor<E> {
         tokens: &[u32],
         cache_salt: &str,
         blocks: Range<usize>,
+        deadline: Instant,
         mut sender: Box<dyn KvSender>,
     ) -> Result<bool, WorkerError> {
-        let mut failed = None;
+        let mut failed: Option<WorkerError> = None;
         let held =
             self.engine
                 .send_prefix(tokens, cache_salt, blocks.end, &mut |table, done| {
-                    if failed.is_none() {
-                        failed = send_layer(&mut *sender, done, table, blocks.clone()).err();
+                    if failed.is_some() {
+                        return;
                     }
+                    if Instant::now() >= deadline {
+                        failed = Some(WorkerError::DeadlineExceeded(format!(
+                            "the caller's deadline passed before layer {} was sent",
+                            done.layer()
+                        )));
+                        return;
+                    }
+                    failed = send_layer(&mut *sender, done, table, blocks.clone())
+                        .err()
+                        .map(Into::into);
                 })?;
         if let Some(e) = failed {
-            return Err(e.into());
+            return Err(e);
         }
         if held {
             sender.finish();
@@ -572,7 +606,41 @@ impl<E: ActorEngine> Actor<E> {
         }
     }
 
+    fn fence(&mut self, id: RequestId, until: Instant) {
+        if let Some((held, _)) = self.fences.get_mut(&id) {
+            *held = (*held).max(until);
+            return;
+        }
+        let Some(r) = self.reservations.get(&id) else {
+            return; // nothing left to write into
+        };
+        match self.engine.fence(&r.kv) {
+            Ok(fence) => {
+                self.fences.insert(id, (until, fence));
+            }
+            Err(e) => tracing::error!(request = id, "fencing a KV reservation: {e}"),
+        }
+    }
+
+    fn lift_fence(&mut self, id: RequestId) {
+        let Some((_, fence)) = self.fences.remove(&id) else {
+            return;
+        };
+        if let Err(e) = self.engine.lift_fence(fence) {
+            tracing::error!(request = id, "lifting a KV fence: {e}");
+        }
+    }
+
     fn expire_leases(&mut self, now: Instant) {
+        let lifted: Vec<RequestId> = self
+            .fences
+            .iter()
+            .filter(|(_, (until, _))| *until <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in lifted {
+            self.lift_fence(id);
+        }
         let expired: Vec<RequestId> = self
             .reservations
             .iter()

@@ -4,7 +4,7 @@
 use duet_engine::EngineError;
 use duet_engine::backend::{Backend, KvLayout};
 use duet_engine::engine::{
-    Engine, KvReservation, LayerDone, PlannedSeq, Resumed, SeqId, Speculation, StepOutput,
+    Engine, KvFence, KvReservation, LayerDone, PlannedSeq, Resumed, SeqId, Speculation, StepOutput,
 };
 use duet_kv::{KvDigest, KvEvent, PoolStats, TierStats};
 use duet_model::grammar::Grammar;
@@ -67,6 +67,10 @@ pub trait ActorEngine {
     fn remove_sequence(&mut self, seq: SeqId) -> Result<(), EngineError>;
     fn reserve(&mut self, tokens: &[u32], cache_salt: &str) -> Result<KvReservation, EngineError>;
     fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError>;
+    /// Blocks held against a transfer's late writes (`Engine::fence`).
+    type Fence;
+    fn fence(&mut self, reservation: &KvReservation) -> Result<Self::Fence, EngineError>;
+    fn lift_fence(&mut self, fence: Self::Fence) -> Result<(), EngineError>;
     fn cache_reservation(
         &mut self,
         tokens: &[u32],
@@ -163,6 +167,16 @@ impl<B: Backend + 'static> ActorEngine for Engine<B> {
 
     fn release(&mut self, reservation: KvReservation) -> Result<(), EngineError> {
         Engine::release(self, reservation)
+    }
+
+    type Fence = KvFence;
+
+    fn fence(&mut self, reservation: &KvReservation) -> Result<KvFence, EngineError> {
+        Engine::fence(self, reservation)
+    }
+
+    fn lift_fence(&mut self, fence: KvFence) -> Result<(), EngineError> {
+        Engine::lift_fence(self, fence)
     }
 
     fn cache_reservation(

@@ -144,7 +144,11 @@ async fn try_pull(
         first_block: reserved.cached_blocks,
         block_ids: &reserved.block_ids,
     };
+    let fenced = state.fence(id, asked, pull_deadline);
     let mut pulled = pull_into(state, req, source, id, &dest, asked, timeout).await;
+    if fenced && pulled.is_ok() {
+        state.lift_fence(id);
+    }
     if let Err((failure, TransportKind::CudaIpc)) = &pulled
         && retried_over_grpc(failure.0)
     {
@@ -257,6 +261,7 @@ async fn pull_into(
 pub async fn answer(
     state: &WorkerState,
     req: v1::KvPullRequest,
+    deadline: Instant,
 ) -> Result<Vec<v1::KvChunk>, WorkerError> {
     let started = Instant::now();
     let engine = &state.engine;
@@ -319,6 +324,7 @@ pub async fn answer(
             tokens,
             cache_salt,
             blocks: range,
+            deadline,
             sender,
             reply,
         })

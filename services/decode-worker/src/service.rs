@@ -13,7 +13,8 @@ use duet_proto::v1;
 use duet_transfer::choice::transport_name;
 use duet_worker::stats::{Counters, Direction, LocalFallback};
 use duet_worker::{
-    EngineHandle, EngineInfo, Event, Identity, KnownPeers, Request, RoleSwitch, WorkerError,
+    Command, EngineHandle, EngineInfo, Event, Identity, KnownPeers, Request, RequestId, RoleSwitch,
+    WorkerError,
 };
 use futures::Stream;
 use tokio::sync::mpsc;
@@ -53,6 +54,39 @@ pub struct WorkerState {
     pub node: String,
     /// The worker's role now (decode for good unless `--role-switch on`).
     pub role: Arc<RoleSwitch>,
+}
+
+/// How long past a transfer's deadline the blocks of a reservation stay fenced after a
+/// transfer whose sender copies into them in place (CUDA IPC) did not answer: a sender launches
+/// no copy past the deadline it was given (a pull's holder reads it from the call; a prefill
+/// worker's engine drops the request when the call is given up), and a launched copy lands
+/// within milliseconds; a second covers them and the call's trip.
+const LATE_COPY_GRACE: Duration = Duration::from_secs(1);
+
+impl WorkerState {
+    /// Fences the blocks request `id`'s reservation offers a transfer over `transport` due by
+    /// `deadline`, when its sender copies into them in place (CUDA IPC): no other sequence gets
+    /// them before a late copy could have landed, whatever becomes of the transfer or the
+    /// request. Returns whether it fenced (the transfer's answer then lifts it:
+    /// [`lift_fence`](Self::lift_fence)).
+    pub(crate) fn fence(
+        &self,
+        id: RequestId,
+        transport: v1::TransportKind,
+        deadline: Instant,
+    ) -> bool {
+        let fenced = transport == v1::TransportKind::CudaIpc;
+        if fenced {
+            let until = deadline + LATE_COPY_GRACE;
+            let _ = self.engine.send(Command::Fence { id, until });
+        }
+        fenced
+    }
+
+    /// The transfer answered (its copies all landed): request `id`'s fence goes.
+    pub(crate) fn lift_fence(&self, id: RequestId) {
+        let _ = self.engine.send(Command::LiftFence(id));
+    }
 }
 
 #[derive(Clone)]
@@ -360,7 +394,8 @@ impl v1::kv_transfer_server::KvTransfer for TransferService {
         &self,
         request: tonic::Request<v1::KvPullRequest>,
     ) -> Result<Response<PullStream>, Status> {
-        let chunks = crate::peer_pull::answer(&self.state, request.into_inner()).await?;
+        let deadline = duet_proto::serve::deadline(&request).into_std();
+        let chunks = crate::peer_pull::answer(&self.state, request.into_inner(), deadline).await?;
         Ok(Response::new(Box::pin(futures::stream::iter(
             chunks.into_iter().map(Ok),
         ))))

@@ -230,6 +230,21 @@ impl ActorEngine for ScriptedEngine {
         Ok(())
     }
 
+    /// The blocks a fence holds: taken from the free ones until it is lifted, whatever becomes
+    /// of the reservation.
+    type Fence = usize;
+
+    fn fence(&mut self, r: &KvReservation) -> Result<usize, EngineError> {
+        let written = r.blocks.len() - r.cached_blocks;
+        self.free -= written;
+        Ok(written)
+    }
+
+    fn lift_fence(&mut self, blocks: usize) -> Result<(), EngineError> {
+        self.free += blocks;
+        Ok(())
+    }
+
     fn cache_reservation(&mut self, _: &[u32], r: KvReservation) -> Result<(), EngineError> {
         self.release(r)
     }
@@ -520,6 +535,62 @@ fn cancel_frees_a_running_request_and_a_reservation() {
 }
 
 #[test]
+fn a_fence_holds_a_reservations_blocks_past_its_cancel_until_its_time_or_its_lift() {
+    let mut a = actor(2);
+    let reserve = |a: &mut Actor<ScriptedEngine>, id| {
+        ask(a, |reply| Command::Reserve {
+            id,
+            tokens: vec![1; 4],
+            cache_salt: String::new(),
+            reply,
+        })
+        .unwrap()
+    };
+    let now = Instant::now();
+    let secs = Duration::from_secs;
+    reserve(&mut a, 1);
+    a.handle(Command::Fence {
+        id: 1,
+        until: now + secs(5),
+    });
+    a.handle(Command::Cancel(1));
+    a.turn(now);
+    assert_eq!(a.published.get().reservations, 0);
+    assert_eq!(
+        a.published.get().pool.free,
+        NUM_BLOCKS - 2,
+        "held past the cancel"
+    );
+    assert_eq!(
+        a.next_expiry(),
+        Some(now + secs(5)),
+        "the engine thread wakes for it"
+    );
+    a.turn(now + secs(5));
+    assert_eq!(a.published.get().pool.free, NUM_BLOCKS);
+    assert_eq!(a.next_expiry(), None);
+
+    // A second fence lengthens the first; the transfer's answer lifts it at once.
+    reserve(&mut a, 2);
+    for until in [now + secs(10), now + secs(20)] {
+        a.handle(Command::Fence { id: 2, until });
+    }
+    a.handle(Command::Cancel(2));
+    a.turn(now + secs(11));
+    assert_eq!(a.published.get().pool.free, NUM_BLOCKS - 2);
+    a.handle(Command::LiftFence(2));
+    a.turn(now + secs(11));
+    assert_eq!(a.published.get().pool.free, NUM_BLOCKS);
+
+    // No reservation, nothing to hold.
+    a.handle(Command::Fence {
+        id: 3,
+        until: now + secs(30),
+    });
+    assert!(a.fences.is_empty());
+}
+
+#[test]
 fn a_reservation_takes_writes_then_activates_into_a_running_request() {
     let mut a = actor(8);
     let reserve = |a: &mut Actor<ScriptedEngine>, id| {
@@ -759,6 +830,7 @@ fn a_pulled_prefix_is_sent_layer_by_layer_through_the_answers_sender() {
         tokens: (0..3 * BLOCK_SIZE as u32).collect(),
         cache_salt: String::new(),
         blocks: 1..3,
+        deadline: Instant::now() + LEASE,
         sender,
         reply,
     });
@@ -769,4 +841,28 @@ fn a_pulled_prefix_is_sent_layer_by_layer_through_the_answers_sender() {
     // Layer 1's bytes of prefix blocks 1 and 2: physical blocks 11 and 12.
     assert_eq!(s.layers[1].2, [1, 11, 1, 12]);
     assert!(s.finished);
+}
+
+/// A caller gone past its deadline gets no layer: a sender copying into its blocks in place
+/// must not start once its fence may have been lifted.
+#[test]
+fn a_pull_past_its_callers_deadline_sends_nothing() {
+    let mut a = actor(2);
+    let shipped = Arc::new(Mutex::new(Shipped::default()));
+    let sender = Box::new(RecordingSender(shipped.clone()));
+    let sent = ask(&mut a, |reply| Command::SendPrefix {
+        tokens: (0..3 * BLOCK_SIZE as u32).collect(),
+        cache_salt: String::new(),
+        blocks: 1..3,
+        deadline: Instant::now(),
+        sender,
+        reply,
+    });
+    let err = sent.unwrap_err();
+    assert!(
+        matches!(&err, WorkerError::DeadlineExceeded(m) if m.contains("layer 0")),
+        "{err}"
+    );
+    let s = shipped.lock().unwrap();
+    assert!(s.layers.is_empty() && !s.finished);
 }
