@@ -67,14 +67,15 @@ pub enum Command {
     Activate { request: Request, first: Sampled },
     /// The request is gone (client cancelled, deadline, failure): free whatever it holds.
     Cancel(RequestId),
-    /// Holds the blocks a transfer writes into request `id`'s reservation until `until` (or
-    /// [`LiftFence`](Self::LiftFence)), whatever becomes of the reservation: a sender that writes
-    /// them in place (CUDA IPC) may still land copies after the transfer was given up, and no
-    /// other sequence may have them by then. A second fence for the same request lengthens the
-    /// first.
+    /// Holds the blocks a transfer due by `until` writes into request `id`'s reservation until
+    /// then (or [`LiftFence`](Self::LiftFence)), whatever becomes of the reservation: a sender
+    /// that writes them in place (CUDA IPC) may still land copies after the transfer was given
+    /// up, and no other sequence may have them by then. Each attempt fences the blocks it is
+    /// offered (a fresh reservation's too).
     Fence { id: RequestId, until: Instant },
-    /// The transfer answered (its copies all landed): request `id`'s fence goes.
-    LiftFence(RequestId),
+    /// The transfer fenced until `until` answered (its copies all landed): its fence goes. An
+    /// earlier attempt's fence keeps its time: that sender may still be copying.
+    LiftFence { id: RequestId, until: Instant },
     /// Sends the KV of blocks `blocks` of the prefix of `tokens` held here through `sender`,
     /// for a peer's pull (see `Engine::send_prefix`), and finishes it; `false` (nothing sent)
     /// unless every block is held. No layer is sent past `deadline` (the caller's): a sender
@@ -194,8 +195,8 @@ pub struct Actor<E: ActorEngine> {
     reservations: HashMap<RequestId, Reserved>,
     /// The reservation each live key names.
     keys: HashMap<ReservationKey, RequestId>,
-    /// Blocks held against late writes, by request, until when.
-    fences: HashMap<RequestId, (Instant, E::Fence)>,
+    /// Blocks held against late writes: the request, until when, the blocks.
+    fences: Vec<(RequestId, Instant, E::Fence)>,
     admitted: BTreeMap<SeqId, Admitted>,
     by_id: HashMap<RequestId, SeqId>,
 }
@@ -224,7 +225,7 @@ impl<E: ActorEngine> Actor<E> {
             prefill_rate: PrefillRate::default(),
             reservations: HashMap::new(),
             keys: HashMap::new(),
-            fences: HashMap::new(),
+            fences: Vec::new(),
             admitted: BTreeMap::new(),
             by_id: HashMap::new(),
         }
@@ -272,7 +273,7 @@ impl<E: ActorEngine> Actor<E> {
     }
 
     fn next_expiry(&self) -> Option<Instant> {
-        let fences = self.fences.values().map(|(until, _)| *until);
+        let fences = self.fences.iter().map(|&(_, until, _)| until);
         self.reservations
             .values()
             .map(|r| r.expires)
@@ -320,7 +321,9 @@ impl<E: ActorEngine> Actor<E> {
                 }
             }
             Command::Fence { id, until } => self.fence(id, until),
-            Command::LiftFence(id) => self.lift_fence(id),
+            Command::LiftFence { id, until } => {
+                self.lift_fences(|&(i, u, _)| i == id && u == until)
+            }
             Command::SendPrefix {
                 tokens,
                 cache_salt,
@@ -607,40 +610,30 @@ impl<E: ActorEngine> Actor<E> {
     }
 
     fn fence(&mut self, id: RequestId, until: Instant) {
-        if let Some((held, _)) = self.fences.get_mut(&id) {
-            *held = (*held).max(until);
-            return;
-        }
         let Some(r) = self.reservations.get(&id) else {
             return; // nothing left to write into
         };
         match self.engine.fence(&r.kv) {
-            Ok(fence) => {
-                self.fences.insert(id, (until, fence));
-            }
+            Ok(fence) => self.fences.push((id, until, fence)),
             Err(e) => tracing::error!(request = id, "fencing a KV reservation: {e}"),
         }
     }
 
-    fn lift_fence(&mut self, id: RequestId) {
-        let Some((_, fence)) = self.fences.remove(&id) else {
-            return;
-        };
-        if let Err(e) = self.engine.lift_fence(fence) {
-            tracing::error!(request = id, "lifting a KV fence: {e}");
+    /// Lifts the fences `which` picks.
+    fn lift_fences(&mut self, which: impl Fn(&(RequestId, Instant, E::Fence)) -> bool) {
+        let (lifted, kept) = std::mem::take(&mut self.fences)
+            .into_iter()
+            .partition(which);
+        self.fences = kept;
+        for (id, _, fence) in lifted {
+            if let Err(e) = self.engine.lift_fence(fence) {
+                tracing::error!(request = id, "lifting a KV fence: {e}");
+            }
         }
     }
 
     fn expire_leases(&mut self, now: Instant) {
-        let lifted: Vec<RequestId> = self
-            .fences
-            .iter()
-            .filter(|(_, (until, _))| *until <= now)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in lifted {
-            self.lift_fence(id);
-        }
+        self.lift_fences(|&(_, until, _)| until <= now);
         let expired: Vec<RequestId> = self
             .reservations
             .iter()

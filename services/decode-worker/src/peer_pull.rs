@@ -144,10 +144,10 @@ async fn try_pull(
         first_block: reserved.cached_blocks,
         block_ids: &reserved.block_ids,
     };
-    let fenced = state.fence(id, asked, pull_deadline);
+    let fence = state.fence(id, asked, pull_deadline);
     let mut pulled = pull_into(state, req, source, id, &dest, asked, timeout).await;
-    if fenced && pulled.is_ok() {
-        state.lift_fence(id);
+    if pulled.is_ok() {
+        state.lift_fence(id, fence);
     }
     if let Err((failure, TransportKind::CudaIpc)) = &pulled
         && retried_over_grpc(failure.0)

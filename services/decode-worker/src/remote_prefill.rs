@@ -109,12 +109,10 @@ pub async fn run(
         let cached_here = (reservation.cached_blocks * block_size) as u32;
         let msg = prefill_request(state, req, key, &reservation);
         queue_ms = started.elapsed().as_secs_f64() * 1e3;
-        let fenced = state.fence(id, state.kv_transport, Instant::now() + timeout);
+        let fence = state.fence(id, state.kv_transport, Instant::now() + timeout);
         match call(&state.channels, &target.address, msg, timeout).await {
             Ok(resp) => {
-                if fenced {
-                    state.lift_fence(id);
-                }
+                state.lift_fence(id, fence);
                 let first = resp.first_token.as_ref().ok_or_else(|| {
                     WorkerError::Internal("prefill returned no first token".into())
                 })?;

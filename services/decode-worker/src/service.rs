@@ -67,25 +67,27 @@ impl WorkerState {
     /// Fences the blocks request `id`'s reservation offers a transfer over `transport` due by
     /// `deadline`, when its sender copies into them in place (CUDA IPC): no other sequence gets
     /// them before a late copy could have landed, whatever becomes of the transfer or the
-    /// request. Returns whether it fenced (the transfer's answer then lifts it:
-    /// [`lift_fence`](Self::lift_fence)).
+    /// request. The fence's time, if it fenced: the transfer's answer then lifts it
+    /// ([`lift_fence`](Self::lift_fence)).
     pub(crate) fn fence(
         &self,
         id: RequestId,
         transport: v1::TransportKind,
         deadline: Instant,
-    ) -> bool {
-        let fenced = transport == v1::TransportKind::CudaIpc;
-        if fenced {
-            let until = deadline + LATE_COPY_GRACE;
-            let _ = self.engine.send(Command::Fence { id, until });
+    ) -> Option<Instant> {
+        if transport != v1::TransportKind::CudaIpc {
+            return None;
         }
-        fenced
+        let until = deadline + LATE_COPY_GRACE;
+        let _ = self.engine.send(Command::Fence { id, until });
+        Some(until)
     }
 
-    /// The transfer answered (its copies all landed): request `id`'s fence goes.
-    pub(crate) fn lift_fence(&self, id: RequestId) {
-        let _ = self.engine.send(Command::LiftFence(id));
+    /// The transfer fenced until `until` answered (its copies all landed): its fence goes.
+    pub(crate) fn lift_fence(&self, id: RequestId, until: Option<Instant>) {
+        if let Some(until) = until {
+            let _ = self.engine.send(Command::LiftFence { id, until });
+        }
     }
 }
 

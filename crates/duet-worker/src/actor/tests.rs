@@ -535,7 +535,7 @@ fn cancel_frees_a_running_request_and_a_reservation() {
 }
 
 #[test]
-fn a_fence_holds_a_reservations_blocks_past_its_cancel_until_its_time_or_its_lift() {
+fn a_fence_holds_a_reservations_blocks_past_its_cancel_until_its_time_or_its_own_lift() {
     let mut a = actor(2);
     let reserve = |a: &mut Actor<ScriptedEngine>, id| {
         ask(a, |reply| Command::Reserve {
@@ -570,16 +570,22 @@ fn a_fence_holds_a_reservations_blocks_past_its_cancel_until_its_time_or_its_lif
     assert_eq!(a.published.get().pool.free, NUM_BLOCKS);
     assert_eq!(a.next_expiry(), None);
 
-    // A second fence lengthens the first; the transfer's answer lifts it at once.
+    // Two attempts, each fenced: the second's answer lifts its own fence at once, the first's
+    // keeps its time (that sender may still be copying).
     reserve(&mut a, 2);
     for until in [now + secs(10), now + secs(20)] {
         a.handle(Command::Fence { id: 2, until });
     }
     a.handle(Command::Cancel(2));
-    a.turn(now + secs(11));
+    a.turn(now);
+    assert_eq!(a.published.get().pool.free, NUM_BLOCKS - 4);
+    a.handle(Command::LiftFence {
+        id: 2,
+        until: now + secs(20),
+    });
+    a.turn(now);
     assert_eq!(a.published.get().pool.free, NUM_BLOCKS - 2);
-    a.handle(Command::LiftFence(2));
-    a.turn(now + secs(11));
+    a.turn(now + secs(10));
     assert_eq!(a.published.get().pool.free, NUM_BLOCKS);
 
     // No reservation, nothing to hold.
