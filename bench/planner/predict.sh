@@ -4,6 +4,9 @@
 # shared-prefix trace, run by `duet bench serve` and simulated by `duet simulate` with the same
 # flags from a profile measured here; then the table (bench/planner/prediction_table.py).
 #   bench/planner/predict.sh PROFILE OUT_DIR "RATE1 RATE2 RATE3" [REQUESTS]
+# PROFILE `fresh`: each shape is simulated from a profile measured just before its runs
+# (`duet profile --threads 1`, about a minute, written as OUT_DIR/profile-SHAPE.json): a
+# machine whose speed drifts within the quarter hour the runs take is profiled as it runs them.
 set -euo pipefail
 profile=$1 out=$2 rates=$3 requests=${4:-120}
 duet=${DUET:-target/ci/duet}
@@ -16,6 +19,12 @@ shapes=("colocated-1:--launch colocated --decode-workers 1"
         "2P1D:--launch disaggregated --prefill-workers 2 --decode-workers 1")
 for entry in "${shapes[@]}"; do
   name=${entry%%:*}; shape=(${entry#*:})
+  shape_profile=$profile
+  if [ "$profile" = fresh ]; then
+    shape_profile="$out/profile-$name.json"
+    echo "== profile for $name" >&2
+    "$duet" profile --threads 1 --out "$shape_profile" > "$out/profile-$name.txt"
+  fi
   for rate in $rates; do
     for workload in poisson trace; do
       case $workload in
@@ -25,7 +34,7 @@ for entry in "${shapes[@]}"; do
       run="$name-$workload-$rate"
       echo "== $run" >&2
       "$duet" bench serve "${shape[@]}" "${common[@]}" "${load[@]}" --json-out "$out/$run.bench.json" > "$out/$run.bench.txt"
-      "$duet" simulate --profile "$profile" "${shape[@]}" "${common[@]}" "${load[@]}" --json-out "$out/$run.sim.json" > "$out/$run.sim.txt"
+      "$duet" simulate --profile "$shape_profile" "${shape[@]}" "${common[@]}" "${load[@]}" --json-out "$out/$run.sim.json" > "$out/$run.sim.txt"
     done
   done
 done

@@ -20,6 +20,8 @@ use duet_transfer::{KvTransport, KvWire, PushSpec, ReservationKey, TransferError
 use futures::StreamExt;
 use tonic::{Request, Response, Status};
 
+use crate::in_process;
+
 #[derive(Args, Debug)]
 pub struct TransferBenchArgs {
     #[command(flatten)]
@@ -137,32 +139,14 @@ impl TransferRig {
         // The stand-in's address first: the decode worker accepts it in a plan (--prefill).
         let prefill_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let prefill_addr = prefill_listener.local_addr()?;
-        let decode_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let decode_addr = decode_listener.local_addr()?;
-        let decode = duet_decode_worker::DecodeConfig {
-            listen: decode_addr,
-            prefill: vec![prefill_addr.to_string()],
-            worker: duet_worker::WorkerArgs {
-                engine: engine.clone(),
-                ..duet_worker::WorkerArgs::for_model(model.to_path_buf())
-            },
-            ..Default::default()
-        };
-        tokio::spawn(duet_decode_worker::serve(
-            decode,
-            decode_listener,
-            std::future::pending(),
-        ));
-        let url = format!("http://{decode_addr}");
-        let fingerprint = loop {
-            if let Ok(mut c) =
-                v1::worker_control_client::WorkerControlClient::connect(url.clone()).await
-                && let Ok(s) = c.stats(v1::StatsRequest {}).await
-            {
-                break s.into_inner().model_fingerprint;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        let decode = in_process::decode_worker(
+            in_process::listen().await?,
+            model,
+            engine.clone(),
+            vec![prefill_addr.to_string()],
+        )
+        .await?;
+        let (url, fingerprint) = (decode.url, decode.fingerprint);
         let last = Arc::new(Mutex::new(Measured::default()));
         let stand_in = StandIn {
             wire: KvWire {

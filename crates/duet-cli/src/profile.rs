@@ -10,6 +10,9 @@
 //!   prefilled prompt's KV (`duet bench engine`'s method), over batch × context.
 //! - KV transfer: a prompt's KV pushed over gRPC on loopback into a real decode worker by a
 //!   stand-in prefill worker (`duet bench transfer`'s rig), over prompt lengths.
+//! - Serving: decode steps through a real decode worker, beside the decode fit, and prompts
+//!   computed by it and by a real prefill worker pushing their KV (`profile_served`): what
+//!   serving adds to the bare engine's steps.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -31,6 +34,7 @@ use duet_planner::profile::{
 
 use crate::bench_engine::{PrefilledPrompt, cpu_info, decode_point, kernel_threads, prompt_source};
 use crate::bench_transfer::TransferRig;
+use crate::profile_served::{ServedPlan, measure_served};
 use crate::progress::{Progress, Unit};
 
 #[derive(Args, Debug)]
@@ -62,7 +66,24 @@ pub struct ProfileArgs {
     /// Prompt lengths whose KV push over gRPC is measured (none: no transfer measured).
     #[arg(long, value_delimiter = ',', default_values_t = [64, 512, 2048])]
     pub transfer_tokens: Vec<usize>,
-    /// Measurements per point: the median prefill, the best decode and transfer.
+    /// Concurrent streams whose decode steps are timed through a served worker.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 4, 8, 16])]
+    pub served_batches: Vec<usize>,
+    /// Prompt lengths computed through served workers, in turn by the decode worker itself and
+    /// by a prefill worker pushing the KV: what pushing adds to a prompt.
+    #[arg(long, value_delimiter = ',', default_values_t = [64, 128, 256])]
+    pub served_prompt_tokens: Vec<usize>,
+    /// Each served decode stream's prompt tokens.
+    #[arg(long, default_value_t = 128)]
+    pub served_decode_prompt: usize,
+    /// Each served decode stream's generated tokens.
+    #[arg(long, default_value_t = 64)]
+    pub served_decode_tokens: u32,
+    /// Measure no served worker: the profile's decode steps are the fit's (`serving` absent).
+    #[arg(long)]
+    pub skip_served: bool,
+    /// Measurements per point: the median prefill and served decode step, the best decode and
+    /// transfer.
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
     /// Write the profile here (JSON).
@@ -91,6 +112,22 @@ impl ProfileArgs {
             "--decode-contexts: give positive contexts"
         );
         ensure!(self.decode_steps > 0, "--decode-steps must be at least 1");
+        if !self.skip_served {
+            ensure!(
+                !self.served_batches.is_empty()
+                    && self.served_batches.iter().all(|&b| b > 0)
+                    && self.served_batches.is_sorted_by(|a, b| a < b),
+                "--served-batches: give positive stream counts, increasing (or --skip-served)"
+            );
+            ensure!(
+                self.served_prompt_tokens.iter().all(|&t| t > 0),
+                "--served-prompt-tokens: give positive token counts"
+            );
+            ensure!(
+                self.served_decode_prompt > 0 && self.served_decode_tokens >= 4,
+                "--served-decode-prompt must be at least 1 and --served-decode-tokens at least 4"
+            );
+        }
         ensure!(self.repeats > 0, "--repeats must be at least 1");
         Ok(())
     }
@@ -120,6 +157,17 @@ impl ProfileArgs {
             }
         }
         points
+    }
+
+    /// The served measurement, unless skipped.
+    fn served_plan(&self) -> Option<ServedPlan<'_>> {
+        (!self.skip_served).then(|| ServedPlan {
+            batches: &self.served_batches,
+            prompt_tokens: &self.served_prompt_tokens,
+            decode_prompt: self.served_decode_prompt,
+            decode_tokens: self.served_decode_tokens,
+            repeats: self.repeats,
+        })
     }
 
     /// KV tokens the measurements hold at their fullest (the prefix cache is cleared between
@@ -154,9 +202,11 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     if options.device == Device::Cpu {
         options.kv_cache_tokens = options.kv_cache_tokens.max(args.kv_tokens(block_size));
     }
+    let served = args.served_plan();
     let points = args.prefill_points(block_size).len()
         + args.decode_points().len()
-        + args.transfer_tokens.len();
+        + args.transfer_tokens.len()
+        + served.as_ref().map_or(0, |p| p.points());
     let progress = Progress::new("profile", points as u64, Unit::Measurements);
     let started = Instant::now();
     eprintln!(
@@ -169,12 +219,15 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         args: &args,
         progress: &progress,
     })?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let transfers = match args.transfer_tokens.is_empty() {
         true => Vec::new(),
-        false => vec![measure_transfer(&path, &args, &progress)?],
+        false => vec![runtime.block_on(measure_transfer(&path, &args, &progress))?],
     };
-    progress.finish();
-    let profile = Profile {
+    let mut profile = Profile {
         format: PROFILE_FORMAT,
         device: DeviceInfo {
             kind: match options.device {
@@ -217,7 +270,21 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         prefill: fit_prefill(measured.prefill)?,
         decode: fit_decode(measured.decode)?,
         transfer: transfers,
+        serving: None,
     };
+    if let Some(plan) = &served {
+        // The engine options as given: the worker's own step budget and KV cache.
+        let serving = runtime.block_on(measure_served(
+            &path,
+            args.engine.clone(),
+            measured.vocab_size,
+            &profile,
+            plan,
+            &progress,
+        ))?;
+        profile.serving = Some(serving);
+    }
+    progress.finish();
     profile
         .check()
         .map_err(|e| anyhow::anyhow!("the measured profile is unusable: {e}"))?;
@@ -248,6 +315,7 @@ struct Measured {
     kv_dtype: String,
     block_bytes: u64,
     kv_memory_bytes: Option<u64>,
+    vocab_size: usize,
 }
 
 struct Measure<'a> {
@@ -263,6 +331,22 @@ impl WithEngine for Measure<'_> {
         let block_size = engine.options().block_size;
         let mut prompt = prompt_source(engine.config().vocab_size);
         let context_limit = engine.config().max_position_embeddings;
+        // Checked before measuring anything: the served measurement comes last.
+        if let Some(plan) = args.served_plan() {
+            let longest = plan.prompt_tokens.iter().max().map_or(0, |t| t + 1);
+            ensure!(
+                longest < context_limit,
+                "--served-prompt-tokens {} passes the model's context of {context_limit}",
+                longest - 1
+            );
+            ensure!(
+                plan.decode_prompt + (plan.decode_tokens as usize) < context_limit,
+                "--served-decode-prompt {} and --served-decode-tokens {} pass the model's \
+                 context of {context_limit}",
+                plan.decode_prompt,
+                plan.decode_tokens
+            );
+        }
         // One untimed step first: the first forward pass allocates its buffers.
         let warm = prompt(engine.options().step_tokens().min(64));
         let (id, _) = prefill_one(&mut engine, warm)?;
@@ -324,6 +408,7 @@ impl WithEngine for Measure<'_> {
             kv_dtype: format!("{:?}", layout.dtype).to_lowercase(),
             block_bytes,
             kv_memory_bytes,
+            vocab_size: engine.config().vocab_size,
         })
     }
 }
@@ -409,32 +494,25 @@ fn prefill_point(
 }
 
 /// The gRPC push of each of `--transfer-tokens`' prompts' KV, the best of `--repeats`.
-fn measure_transfer(
+async fn measure_transfer(
     path: &std::path::Path,
     args: &ProfileArgs,
     progress: &Progress,
 ) -> Result<TransferProfile> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
     let largest = *args.transfer_tokens.iter().max().unwrap_or(&0);
-    let samples = runtime.block_on(async {
-        let mut rig = TransferRig::start(path, largest).await?;
-        let mut samples = Vec::new();
-        for &tokens in &args.transfer_tokens {
-            let mut best = f64::INFINITY;
-            let mut bytes = 0;
-            for _ in 0..args.repeats {
-                let m = rig.push(tokens).await?;
-                best = best.min(m.seconds * 1e3);
-                bytes = m.bytes;
-            }
-            samples.push(TransferSample { bytes, ms: best });
-            progress.inc(1);
+    let mut rig = TransferRig::start(path, largest).await?;
+    let mut samples = Vec::new();
+    for &tokens in &args.transfer_tokens {
+        let mut best = f64::INFINITY;
+        let mut bytes = 0;
+        for _ in 0..args.repeats {
+            let m = rig.push(tokens).await?;
+            best = best.min(m.seconds * 1e3);
+            bytes = m.bytes;
         }
-        anyhow::Ok(samples)
-    })?;
+        samples.push(TransferSample { bytes, ms: best });
+        progress.inc(1);
+    }
     let points: Vec<([f64; 2], f64)> = samples
         .iter()
         .map(|s| ([1.0, s.bytes as f64 / (1u64 << 20) as f64], s.ms))
@@ -521,6 +599,33 @@ fn print_profile(p: &Profile, took_s: f64) {
             t.fit.a_ms,
             t.fit.ms_per_mib,
             err(&t.error)
+        );
+    }
+    if let Some(s) = &p.serving {
+        let steps: Vec<String> = s
+            .decode
+            .iter()
+            .map(|s| format!("{} rows {:.2}/{:.2} ms", s.batch, s.served_ms, s.engine_ms))
+            .collect();
+        println!(
+            "served decode step (served/fit, context {}): {}",
+            s.decode.first().map_or(0, |s| s.context),
+            steps.join(", ")
+        );
+        let prompts: Vec<String> = s
+            .prefill
+            .iter()
+            .map(|s| {
+                format!(
+                    "{} tokens {:.1}/{:.1} ms",
+                    s.tokens, s.pushed_ms, s.local_ms
+                )
+            })
+            .collect();
+        println!(
+            "served prompt pushing its KV: ×{:.3} ({}, prefill worker/decode worker)",
+            s.prefill_push_factor,
+            prompts.join(", ")
         );
     }
 }

@@ -13,6 +13,13 @@
 //! - A KV transfer of `bytes` takes `a + bytes / bandwidth` when pushed alone; pushed layer by
 //!   layer while the prompt computes, only what compute did not hide shows (see
 //!   [`Profile::exposed_transfer_ms`]).
+//! - A served worker's decode step takes longer than the bare engine's that the forms above were
+//!   fitted to (its engine thread also answers its channels, and each token is detokenized and
+//!   streamed), and the linear form misses small batches (a step of one row reads every weight
+//!   however little it computes). Where the profile measured a served worker
+//!   ([`ServingProfile`]), a step with decode rows costs what served steps of as many rows
+//!   measured beyond the fit, and a prefill worker's step what pushing its KV as it computes
+//!   added to a prompt.
 
 use std::path::Path;
 
@@ -41,6 +48,10 @@ pub struct Profile {
     pub decode: DecodeProfile,
     /// One entry per KV transport measured.
     pub transfer: Vec<TransferProfile>,
+    /// What a served worker's steps cost beyond the bare engine's; absent: not measured (a
+    /// profile derived from elsewhere, or `duet profile --skip-served`), steps cost the fits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving: Option<ServingProfile>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -173,6 +184,109 @@ pub struct TransferProfile {
     pub error: FitError,
 }
 
+/// A decode step measured through a served worker beside what the bare engine's fit predicts
+/// for it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServedSample {
+    /// Concurrent streams: the step's rows.
+    pub batch: usize,
+    /// Each row's context (the middle of the timed steps).
+    pub context: usize,
+    /// The median gap between a stream's tokens at the client while every stream decoded.
+    pub served_ms: f64,
+    /// What the bare engine's fit predicts for the same step.
+    pub engine_ms: f64,
+}
+
+/// A prompt computed by a served prefill worker while its KV streamed out to a decode worker,
+/// beside the same length computed by the decode worker itself, measured in turn (so that a
+/// machine's drift cancels), each the worker's own `Timings.prefill_ms`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PushedSample {
+    pub tokens: usize,
+    /// The median as the prefill worker computed it, pushing.
+    pub pushed_ms: f64,
+    /// The median as the decode worker computed it, its KV staying.
+    pub local_ms: f64,
+}
+
+/// What serving adds to a step, measured through workers in the profiling process (gRPC on
+/// loopback, requests sent as the router sends them).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServingProfile {
+    /// Decode steps of a decode worker, one sample per batch of concurrent streams, batches
+    /// increasing.
+    pub decode: Vec<ServedSample>,
+    /// Prompts computed by a prefill worker and by a decode worker in turn.
+    pub prefill: Vec<PushedSample>,
+    /// A prefill worker's step over the same step computed where its KV stays: the median of
+    /// the prompt samples' ratios (1 without any). Its KV streams out layer by layer as it
+    /// computes, and copying, checksumming and sending it takes CPU and memory bandwidth.
+    pub prefill_push_factor: f64,
+}
+
+impl ServingProfile {
+    /// Milliseconds a served decode step of `rows` sequences takes beyond the fit's: the
+    /// measured difference, interpolated between the batches measured and held beyond them.
+    /// It carries both what serving adds and where the fit's linear form misses the measured
+    /// batches (a step of one row reads every weight however little it computes).
+    pub fn decode_overhead_ms(&self, rows: usize) -> f64 {
+        let diff = |s: &ServedSample| s.served_ms - s.engine_ms;
+        let rows = rows as f64;
+        let Some(first) = self.decode.first() else {
+            return 0.0;
+        };
+        if rows <= first.batch as f64 {
+            return diff(first);
+        }
+        for w in self.decode.windows(2) {
+            let (lo, hi) = (w[0].batch as f64, w[1].batch as f64);
+            if rows <= hi {
+                let t = (rows - lo) / (hi - lo);
+                return diff(&w[0]) + t * (diff(&w[1]) - diff(&w[0]));
+            }
+        }
+        self.decode.last().map_or(0.0, diff)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let positive = |v: f64, field: String| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "`serving.{field}` is {v}: it must be a finite number above 0"
+                ))
+            }
+        };
+        for (i, s) in self.decode.iter().enumerate() {
+            positive(s.served_ms, format!("decode[{i}].served_ms"))?;
+            positive(s.engine_ms, format!("decode[{i}].engine_ms"))?;
+        }
+        for (i, s) in self.prefill.iter().enumerate() {
+            positive(s.pushed_ms, format!("prefill[{i}].pushed_ms"))?;
+            positive(s.local_ms, format!("prefill[{i}].local_ms"))?;
+        }
+        positive(self.prefill_push_factor, "prefill_push_factor".into())?;
+        if let Some(i) = self
+            .decode
+            .windows(2)
+            .position(|w| w[1].batch <= w[0].batch)
+        {
+            return Err(format!(
+                "`serving.decode[{}].batch` is {}, after {}: the batches must increase",
+                i + 1,
+                self.decode[i + 1].batch,
+                self.decode[i].batch
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// What one step computes, as the latency forms see it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StepShape {
@@ -184,6 +298,9 @@ pub struct StepShape {
     pub decode_rows: usize,
     /// Σctx over decode rows.
     pub decode_context: f64,
+    /// The prompt chunks' KV streams out to a decode worker as they compute (a prefill
+    /// worker's step).
+    pub kv_pushed: bool,
 }
 
 impl StepShape {
@@ -261,6 +378,9 @@ impl Profile {
                     .into(),
             );
         }
+        if let Some(s) = &self.serving {
+            s.check()?;
+        }
         for (i, t) in self.transfer.iter().enumerate() {
             non_negative(t.fit.a_ms, &format!("transfer[{i}].fit.a_ms"))?;
             non_negative(t.fit.ms_per_mib, &format!("transfer[{i}].fit.ms_per_mib"))?;
@@ -280,12 +400,28 @@ impl Profile {
         Ok(())
     }
 
-    /// Milliseconds one step of `shape` takes on this device alone.
+    /// Milliseconds one step of `shape` takes on this device alone, in a served worker where
+    /// the profile measured one.
     pub fn step_ms(&self, shape: &StepShape) -> f64 {
+        let engine = self.engine_step_ms(shape);
+        match &self.serving {
+            Some(s) if shape.decode_rows == 0 && shape.kv_pushed => engine * s.prefill_push_factor,
+            Some(s) if shape.decode_rows > 0 => {
+                let decode = engine - self.prompt_ms(shape);
+                // Never below half the fit's: a difference measured at short contexts, applied
+                // far from them, must not make a step free.
+                let served = (decode + s.decode_overhead_ms(shape.decode_rows)).max(decode / 2.0);
+                engine - decode + served
+            }
+            _ => engine,
+        }
+    }
+
+    /// Milliseconds one step of `shape` takes in the bare engine: the fits alone.
+    pub fn engine_step_ms(&self, shape: &StepShape) -> f64 {
         let p = &self.prefill.fit;
         let d = &self.decode.fit;
-        let prompt = p.b_ms_per_token * shape.prefill_tokens
-            + p.c_ms_per_attended_token * shape.prefill_attention;
+        let prompt = self.prompt_ms(shape);
         if shape.decode_rows == 0 {
             p.a_ms + prompt
         } else {
@@ -294,6 +430,13 @@ impl Profile {
                 + d.c_ms_per_sequence * shape.decode_rows as f64
                 + prompt
         }
+    }
+
+    /// The per-token part of a step's prompt chunks.
+    fn prompt_ms(&self, shape: &StepShape) -> f64 {
+        let p = &self.prefill.fit;
+        p.b_ms_per_token * shape.prefill_tokens
+            + p.c_ms_per_attended_token * shape.prefill_attention
     }
 
     /// The transfer fit of `transport`, or an error listing those measured.
@@ -398,6 +541,48 @@ mod tests {
     }
 
     #[test]
+    fn a_served_step_costs_what_serving_adds() {
+        let mut p = synthetic();
+        let sample = |batch, served_ms, engine_ms| ServedSample {
+            batch,
+            context: 1000,
+            served_ms,
+            engine_ms,
+        };
+        p.serving = Some(ServingProfile {
+            // Served steps 0.5 ms over the fit at 1 row, 0.3 under at 4 rows.
+            decode: vec![sample(1, 6.7, 6.2), sample(4, 8.7, 9.0)],
+            prefill: Vec::new(),
+            prefill_push_factor: 1.05,
+        });
+        // A prompt alone: the fit's; on a prefill worker, pushing its KV, 5% more.
+        let mut s = StepShape::default();
+        s.chunk(0, 100);
+        assert!((p.step_ms(&s) - 12.0).abs() < 1e-9);
+        s.kv_pushed = true;
+        assert!((p.step_ms(&s) - 12.6).abs() < 1e-9);
+        // Two decode rows: 7.4 ms bare, and a third of the way from +0.5 to −0.3.
+        let mut s = StepShape::default();
+        s.row(1000);
+        s.row(1000);
+        let two = 7.4 + 0.5 - 0.8 / 3.0;
+        assert!((p.step_ms(&s) - two).abs() < 1e-9, "{}", p.step_ms(&s));
+        // Mixed: the prompt's 10 ms per-token part beside the served decode.
+        s.chunk(0, 100);
+        assert!((p.step_ms(&s) - (two + 10.0)).abs() < 1e-9);
+        assert!((p.engine_step_ms(&s) - 17.4).abs() < 1e-9);
+        // Held beyond the batches measured.
+        let serving = p.serving.as_ref().unwrap();
+        assert!((serving.decode_overhead_ms(32) + 0.3).abs() < 1e-9);
+        assert!((serving.decode_overhead_ms(1) - 0.5).abs() < 1e-9);
+        // Far below the fit at 4 rows: never under half the fit's decode.
+        p.serving.as_mut().unwrap().decode[1].served_ms = 1.0;
+        let mut s = StepShape::default();
+        (0..4).for_each(|_| s.row(10));
+        assert!((p.step_ms(&s) - p.engine_step_ms(&s) / 2.0).abs() < 1e-9);
+    }
+
+    #[test]
     fn a_transfer_shows_only_what_compute_did_not_hide() {
         let p = synthetic();
         let fit = *p.transfer("grpc").unwrap();
@@ -464,5 +649,26 @@ mod tests {
         .unwrap();
         let err = Profile::load(&path).unwrap_err().to_string();
         assert!(err.contains("`format` is 99"), "{err}");
+        let mut v = serde_json::to_value(synthetic()).unwrap();
+        let step = |batch, served_ms| serde_json::json!({"batch": batch, "context": 160, "served_ms": served_ms, "engine_ms": 3.0});
+        v["serving"] = serde_json::json!({
+            "decode": [step(1, 3.2)], "prefill": [], "prefill_push_factor": 0.0,
+        });
+        std::fs::write(&path, v.to_string()).unwrap();
+        let err = Profile::load(&path).unwrap_err().to_string();
+        assert!(err.contains("serving.prefill_push_factor"), "{err}");
+        v["serving"]["prefill_push_factor"] = serde_json::json!(1.0);
+        v["serving"]["decode"] = serde_json::json!([step(4, 5.0), step(1, 3.2)]);
+        std::fs::write(&path, v.to_string()).unwrap();
+        let err = Profile::load(&path).unwrap_err().to_string();
+        assert!(err.contains("serving.decode[1].batch"), "{err}");
+        v["serving"]["decode"] = serde_json::json!([step(1, -1.0)]);
+        std::fs::write(&path, v.to_string()).unwrap();
+        let err = Profile::load(&path).unwrap_err().to_string();
+        assert!(err.contains("serving.decode[0].served_ms"), "{err}");
+        // A profile without the section (measured before it, or derived) still loads.
+        v.as_object_mut().unwrap().remove("serving");
+        std::fs::write(&path, v.to_string()).unwrap();
+        assert_eq!(Profile::load(&path).unwrap().serving, None);
     }
 }

@@ -669,9 +669,10 @@ impl<'a> Sim<'a> {
             }
         }
         let requests = &self.requests;
-        let (shape, prompt_tokens) = step_shape(&plan, |seq| {
+        let (mut shape, prompt_tokens) = step_shape(&plan, |seq| {
             requests[seq as usize].as_ref().map_or(0, |r| r.prompt_left)
         });
+        shape.kv_pushed = self.workers[w].role == Role::Prefill;
         let work_ms = self.profile.step_ms(&shape);
         self.workers[w].step = Some(Step {
             plan,

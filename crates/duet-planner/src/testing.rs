@@ -68,6 +68,7 @@ pub fn synthetic() -> Profile {
             },
             error: FitError::default(),
         }],
+        serving: None,
     }
 }
 

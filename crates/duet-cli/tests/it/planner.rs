@@ -49,7 +49,17 @@ fn profile(dir: &Path) -> PathBuf {
                 "--decode-steps",
                 "2",
             ])
-            .args(["--transfer-tokens", "16,128", "--repeats", "2", "--out"])
+            .args(["--transfer-tokens", "16,128", "--repeats", "2"])
+            // Long answers: the tiny model's steps are so short that a stream of a few tokens
+            // ends before the next one starts.
+            .args(["--served-batches", "1,2", "--served-decode-prompt", "16"])
+            .args([
+                "--served-decode-tokens",
+                "200",
+                "--served-prompt-tokens",
+                "16,48",
+            ])
+            .arg("--out")
             .arg(&out)
             .arg("--model")
             .arg(tiny())
@@ -76,6 +86,54 @@ fn profile_fits_every_form_and_says_how_well() {
         assert!(e["samples"].as_u64().unwrap() >= 2, "{form}");
     }
     assert!(p["decode"]["fit"]["a_ms"].as_f64().unwrap() > 0.0);
+    // Decode steps through a served worker, beside the fit's prediction at the same context.
+    let served = p["serving"]["decode"].as_array().unwrap();
+    assert_eq!(served.len(), 2, "{served:?}");
+    for (s, batch) in served.iter().zip([1, 2]) {
+        assert_eq!(s["batch"], batch);
+        assert_eq!(s["context"], 16 + 200 / 2);
+        assert!(s["served_ms"].as_f64().unwrap() > 0.0, "{s}");
+        assert!(s["engine_ms"].as_f64().unwrap() > 0.0, "{s}");
+    }
+    // Prompts computed by the decode worker and by the prefill worker pushing their KV.
+    let prompts = p["serving"]["prefill"].as_array().unwrap();
+    assert_eq!(prompts.len(), 2, "{prompts:?}");
+    for (s, tokens) in prompts.iter().zip([16, 48]) {
+        assert_eq!(s["tokens"], tokens);
+        assert!(s["pushed_ms"].as_f64().unwrap() > 0.0, "{s}");
+        assert!(s["local_ms"].as_f64().unwrap() > 0.0, "{s}");
+    }
+    assert!(p["serving"]["prefill_push_factor"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn profile_refuses_served_batches_out_of_order_before_measuring() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = duet()
+        .args(["profile", "--served-batches", "4,1", "--out"])
+        .arg(dir.path().join("p.json"))
+        .arg("--model")
+        .arg(tiny())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--served-batches"), "{err}");
+    assert!(!dir.path().join("p.json").exists());
+    // A served prompt longer than the model's context (256 tokens), refused before measuring.
+    let out = duet()
+        .args(["profile", "--served-prompt-tokens", "300", "--out"])
+        .arg(dir.path().join("p.json"))
+        .arg("--model")
+        .arg(tiny())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--served-prompt-tokens 300") && err.contains("context of 256"),
+        "{err}"
+    );
 }
 
 #[test]
