@@ -7,6 +7,10 @@
 # PROFILE `fresh`: each shape is simulated from a profile measured just before its runs
 # (`duet profile --threads 1`, about a minute, written as OUT_DIR/profile-SHAPE.json): a
 # machine whose speed drifts within the quarter hour the runs take is profiled as it runs them.
+# CALIBRATE=1 (with `fresh`): a short engine benchmark (bench/planner/speed_ratio.py) runs right
+# after each profile and again right before each run; the simulation of that run takes the ratio
+# as --compute-scale (the machine's speed now against when it was profiled), written beside it
+# as RUN.scale.txt. It uses nothing of the run it predicts.
 set -euo pipefail
 profile=$1 out=$2 rates=$3 requests=${4:-120}
 duet=${DUET:-target/ci/duet}
@@ -24,6 +28,9 @@ for entry in "${shapes[@]}"; do
     shape_profile="$out/profile-$name.json"
     echo "== profile for $name" >&2
     "$duet" profile --threads 1 --out "$shape_profile" > "$out/profile-$name.txt"
+    if [ "${CALIBRATE:-0}" = 1 ]; then
+      python3 bench/planner/speed_ratio.py measure "$duet" "$out/speed-$name.json"
+    fi
   fi
   for rate in $rates; do
     for workload in poisson trace; do
@@ -33,8 +40,14 @@ for entry in "${shapes[@]}"; do
       esac
       run="$name-$workload-$rate"
       echo "== $run" >&2
+      scale=1
+      if [ "$profile" = fresh ] && [ "${CALIBRATE:-0}" = 1 ]; then
+        python3 bench/planner/speed_ratio.py measure "$duet" "$out/speed-$run.json"
+        scale=$(python3 bench/planner/speed_ratio.py ratio "$out/speed-$name.json" "$out/speed-$run.json")
+        echo "$scale" > "$out/$run.scale.txt"
+      fi
       "$duet" bench serve "${shape[@]}" "${common[@]}" "${load[@]}" --json-out "$out/$run.bench.json" > "$out/$run.bench.txt"
-      "$duet" simulate --profile "$shape_profile" "${shape[@]}" "${common[@]}" "${load[@]}" --json-out "$out/$run.sim.json" > "$out/$run.sim.txt"
+      "$duet" simulate --profile "$shape_profile" --compute-scale "$scale" "${shape[@]}" "${common[@]}" "${load[@]}" --json-out "$out/$run.sim.json" > "$out/$run.sim.txt"
     done
   done
 done

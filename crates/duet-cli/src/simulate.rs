@@ -37,6 +37,11 @@ pub struct TimingArgs {
     /// Cores of the machine the workers share with --processes (0: this machine's).
     #[arg(long, env = "DUET_MACHINE_CORES", default_value_t = 0)]
     pub machine_cores: usize,
+    /// Every compute step takes this many times the profile's time; KV transfers keep theirs.
+    /// For a machine whose speed moved since it was profiled (the ratio of one short `duet
+    /// bench engine` run then and now), or a what-if for a slower or faster device.
+    #[arg(long, env = "DUET_COMPUTE_SCALE", default_value_t = 1.0)]
+    pub compute_scale: f64,
 }
 
 impl TimingArgs {
@@ -45,7 +50,9 @@ impl TimingArgs {
     pub fn load(&self, shape: &ShapeArgs) -> Result<Profile> {
         let profile = Profile::load(&self.profile)?;
         check_profile(&profile, shape, self.model.as_deref())?;
-        Ok(profile)
+        profile
+            .scale_compute(self.compute_scale)
+            .context("--compute-scale")
     }
 }
 
@@ -159,7 +166,10 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         workload: args
             .workload
             .report(runs.first().map_or(0, |r| r.summary.requests), arrivals),
-        profile: args.timing.profile.display().to_string(),
+        profile: match args.timing.compute_scale {
+            1.0 => args.timing.profile.display().to_string(),
+            scale => format!("{} (compute ×{scale})", args.timing.profile.display()),
+        },
         runs,
     };
     crate::bench_engine::print_json(&report, args.json_out.as_deref())

@@ -439,6 +439,34 @@ impl Profile {
             + p.c_ms_per_attended_token * shape.prefill_attention
     }
 
+    /// This profile on a device whose compute takes `scale`× the time: every step's fit and
+    /// served step scaled, KV transfers (the link's) kept. For a machine whose speed moved
+    /// since it was profiled (the same short benchmark run then and now gives the factor), or
+    /// a what-if for a slower or faster device.
+    pub fn scale_compute(mut self, scale: f64) -> Result<Self, PlannerError> {
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(PlannerError::Profile(format!(
+                "a compute scale of {scale}: it must be a finite number above 0"
+            )));
+        }
+        let p = &mut self.prefill.fit;
+        p.a_ms *= scale;
+        p.b_ms_per_token *= scale;
+        p.c_ms_per_attended_token *= scale;
+        let d = &mut self.decode.fit;
+        d.a_ms *= scale;
+        d.b_ms_per_context_token *= scale;
+        d.c_ms_per_sequence *= scale;
+        for s in self.serving.iter_mut().flat_map(|s| s.decode.iter_mut()) {
+            s.served_ms *= scale;
+            s.engine_ms *= scale;
+        }
+        if scale != 1.0 {
+            self.source = format!("{} (compute ×{scale})", self.source);
+        }
+        Ok(self)
+    }
+
     /// The transfer fit of `transport`, or an error listing those measured.
     pub fn transfer(&self, transport: &str) -> Result<&TransferFit, PlannerError> {
         self.transfer
@@ -580,6 +608,34 @@ mod tests {
         let mut s = StepShape::default();
         (0..4).for_each(|_| s.row(10));
         assert!((p.step_ms(&s) - p.engine_step_ms(&s) / 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_scaled_profile_slows_compute_and_keeps_the_link() {
+        let mut p = synthetic();
+        p.serving = Some(ServingProfile {
+            decode: vec![ServedSample {
+                batch: 1,
+                context: 1000,
+                served_ms: 6.7,
+                engine_ms: 6.2,
+            }],
+            prefill: Vec::new(),
+            prefill_push_factor: 1.05,
+        });
+        let mut prompt = StepShape::default();
+        prompt.chunk(0, 100);
+        let mut row = StepShape::default();
+        row.row(1000);
+        let (prompt_ms, row_ms) = (p.step_ms(&prompt), p.step_ms(&row));
+        let link = *p.transfer("grpc").unwrap();
+        let slow = p.clone().scale_compute(1.25).unwrap();
+        assert!((slow.step_ms(&prompt) - 1.25 * prompt_ms).abs() < 1e-9);
+        assert!((slow.step_ms(&row) - 1.25 * row_ms).abs() < 1e-9);
+        assert_eq!(*slow.transfer("grpc").unwrap(), link);
+        assert!(slow.source.ends_with("(compute ×1.25)"), "{}", slow.source);
+        let err = p.scale_compute(0.0).unwrap_err().to_string();
+        assert!(err.contains("compute scale of 0"), "{err}");
     }
 
     #[test]

@@ -169,6 +169,26 @@ fn simulate_writes_bench_serves_keys_for_the_same_trace_and_plan_writes_values()
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("TTFT p50 as the servers saw it"));
     let sim = json(&sim);
+    // The same requests on a device whose compute takes twice the profile's time: slower.
+    let slow = dir.path().join("slow.json");
+    succeeded(
+        duet()
+            .arg("simulate")
+            .arg("--profile")
+            .arg(&profile)
+            .args(&workload)
+            .args(["--compute-scale", "2", "--json-out"])
+            .arg(&slow)
+            .output()
+            .unwrap(),
+    );
+    let slow = json(&slow);
+    let e2e_p50 = |report: &serde_json::Value| report["runs"][0]["e2e_ms"]["p50"].as_f64().unwrap();
+    assert!(e2e_p50(&slow) > e2e_p50(&sim), "{slow}");
+    assert!(
+        slow["profile"].as_str().unwrap().ends_with("(compute ×2)"),
+        "{slow}"
+    );
     // The same requests at the same times, through a real cluster.
     let bench = dir.path().join("bench.json");
     succeeded(
