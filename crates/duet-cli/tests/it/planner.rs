@@ -106,30 +106,30 @@ fn profile_fits_every_form_and_says_how_well() {
     assert!(p["serving"]["prefill_push_factor"].as_f64().unwrap() > 0.0);
 }
 
+/// `duet profile` with `args` on the tiny fixture, which must fail without writing a profile:
+/// its error.
+fn profile_refused(dir: &Path, args: &[&str]) -> String {
+    let out = duet()
+        .arg("profile")
+        .args(args)
+        .arg("--out")
+        .arg(dir.join("p.json"))
+        .arg("--model")
+        .arg(tiny())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(!dir.join("p.json").exists());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 #[test]
 fn profile_refuses_served_batches_out_of_order_before_measuring() {
     let dir = tempfile::tempdir().unwrap();
-    let out = duet()
-        .args(["profile", "--served-batches", "4,1", "--out"])
-        .arg(dir.path().join("p.json"))
-        .arg("--model")
-        .arg(tiny())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = profile_refused(dir.path(), &["--served-batches", "4,1"]);
     assert!(err.contains("--served-batches"), "{err}");
-    assert!(!dir.path().join("p.json").exists());
     // A served prompt longer than the model's context (256 tokens), refused before measuring.
-    let out = duet()
-        .args(["profile", "--served-prompt-tokens", "300", "--out"])
-        .arg(dir.path().join("p.json"))
-        .arg("--model")
-        .arg(tiny())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = profile_refused(dir.path(), &["--served-prompt-tokens", "300"]);
     assert!(
         err.contains("--served-prompt-tokens 300") && err.contains("context of 256"),
         "{err}"
