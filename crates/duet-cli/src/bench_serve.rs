@@ -20,7 +20,7 @@ use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_planner::arrivals::{ArrivalClock, Arrivals};
 use duet_planner::report::{
-    Outcome, Percentiles, ServeSummary, Slo, SummaryBuilder, TtftSplit, percentiles,
+    Outcome, Percentiles, ServeSummary, Slo, SummaryBuilder, TtftSplit, percentiles, write_outcomes,
 };
 use duet_planner::simulator::Design;
 use duet_planner::workload::{Job, Prompt};
@@ -154,6 +154,9 @@ pub struct RunReport {
     /// pulls between decode workers.
     pub kv_tiers: Vec<TierReport>,
     pub peer_pulls: BTreeMap<String, u64>,
+    /// Every served request's outcome (`--requests-out`), not in the JSON report.
+    #[serde(skip)]
+    pub outcomes: Vec<Outcome>,
 }
 
 /// One turn of the conversations.
@@ -439,6 +442,12 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         engine_alone,
     };
     crate::bench_engine::print_json(&report, args.json_out.as_deref())?;
+    if let Some(path) = &args.workload.requests_out {
+        let runs = runs
+            .iter()
+            .map(|r| (r.summary.design.as_str(), &r.outcomes[..]));
+        write_outcomes(path, runs).with_context(|| format!("--requests-out {}", path.display()))?;
+    }
     if let Some(p) = &args.plot_out {
         let summaries: Vec<ServeSummary> = runs.iter().map(|r| r.summary.clone()).collect();
         plot::latency_percentiles(&summaries, p)?;
@@ -970,6 +979,9 @@ fn summarize(
         tpot_ms: args.workload.tpot_slo_ms,
     };
     let mut summary = SummaryBuilder::new(args.workload.timeline_window_s);
+    if args.workload.requests_out.is_some() {
+        summary.keep_outcomes();
+    }
     for s in samples {
         let arrival_s = s.sent.map_or(0.0, |t| (t - start).as_secs_f64());
         if !s.ok {
@@ -981,6 +993,8 @@ fn summarize(
         }
         let outcome = Outcome {
             arrival_s,
+            prompt_tokens: s.prompt_tokens as usize,
+            cached_tokens: s.cached_tokens as usize,
             ttft_ms: s.ttft_ms,
             tpot_ms: s.tpot_ms,
             e2e_ms: s.e2e_ms,
@@ -1022,6 +1036,7 @@ fn summarize(
     let rate = |part: f64, whole: f64| if whole > 0.0 { part / whole } else { 0.0 };
     RunReport {
         summary: summary.build(design, duration),
+        outcomes: summary.take_outcomes(),
         full_concurrency,
         prefix_hit_rate: rate(cached_tokens as f64, prompt_tokens as f64),
         ideal_prefix_hit_rate: rate(ideal as f64, token_prompts as f64),

@@ -168,6 +168,12 @@ pub struct WorkloadArgs {
     /// window they arrived in), in seconds.
     #[arg(long, default_value_t = 10.0, value_parser = positive_seconds)]
     pub timeline_window_s: f64,
+    /// Write every served request here, one JSON line each in the order they arrived: arrival,
+    /// prompt and cached tokens, TTFT, TPOT, end-to-end latency, output tokens and the servers'
+    /// split of the TTFT (`server_queue_ms`, ...). `duet bench serve` and `duet simulate` write
+    /// the same fields, so a run and its simulation compare request by request.
+    #[arg(long)]
+    pub requests_out: Option<PathBuf>,
     #[command(flatten, next_help_heading = "Shared-prefix workload")]
     pub shared_prefix: SharedPrefixArgs,
 }

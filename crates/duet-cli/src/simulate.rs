@@ -12,7 +12,7 @@ use duet_engine::device::Device;
 use duet_model::model_path::model_name;
 use duet_planner::arrivals::{ArrivalClock, Arrivals};
 use duet_planner::profile::{Profile, Target};
-use duet_planner::report::Slo;
+use duet_planner::report::{Slo, write_outcomes};
 use duet_planner::sim_worker::Sharing;
 use duet_planner::simulator::{Design, RouterShape, SimConfig, SimResult, simulate};
 use duet_planner::trace::TraceWriter;
@@ -97,14 +97,17 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     let total = planned_requests(&args.workload)?;
     let mut runs = Vec::new();
     for &design in &args.shape.launch {
-        let config = sim_config(
-            &args.shape,
-            design,
-            &profile,
-            slo,
-            args.timing.machine_cores,
-            args.workload.timeline_window_s,
-        );
+        let config = SimConfig {
+            keep_outcomes: args.workload.requests_out.is_some(),
+            ..sim_config(
+                &args.shape,
+                design,
+                &profile,
+                slo,
+                args.timing.machine_cores,
+                args.workload.timeline_window_s,
+            )
+        };
         let progress = Progress::new(
             format!("[{design:?} simulated]").to_lowercase(),
             total,
@@ -161,6 +164,12 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         let summaries: Vec<_> = runs.iter().map(|r| r.summary.clone()).collect();
         crate::plot::latency_percentiles(&summaries, p)?;
         eprintln!("plot written to {}", p.display());
+    }
+    if let Some(path) = &args.workload.requests_out {
+        let runs = runs
+            .iter()
+            .map(|r| (r.summary.design.as_str(), &r.outcomes[..]));
+        write_outcomes(path, runs).with_context(|| format!("--requests-out {}", path.display()))?;
     }
     let report = SimulateReport {
         workload: args
@@ -247,6 +256,7 @@ pub(crate) fn sim_config(
         transport: shape.transport_name().into(),
         slo,
         timeline_window_s,
+        keep_outcomes: false,
     }
 }
 

@@ -131,26 +131,71 @@ pub fn percentiles(values: impl IntoIterator<Item = f64>) -> Percentiles {
     l.percentiles()
 }
 
-/// One request's outcome, as a run's summary counts it.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// One request's outcome, as a run's summary counts it, and as `--requests-out` writes it (one
+/// JSON line each, the split's fields inline under `server_`): a measured and a simulated run of
+/// one workload then compare request by request, not only by percentile.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Outcome {
     /// When it arrived, in seconds from the run's start.
     pub arrival_s: f64,
+    pub prompt_tokens: usize,
+    /// Prompt tokens found in a prefix cache.
+    pub cached_tokens: usize,
     pub ttft_ms: f64,
     pub tpot_ms: f64,
     pub e2e_ms: f64,
     pub output_tokens: usize,
     /// The servers' split of the TTFT, when they reported one.
+    #[serde(flatten, serialize_with = "server_split")]
     pub split: Option<TtftSplit>,
 }
 
 /// The servers' account of a request's time to first token.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct TtftSplit {
     pub queue_ms: f64,
     pub prefill_ms: f64,
     pub transfer_ms: f64,
     pub ttft_ms: f64,
+}
+
+/// A request's split as its record's `server_queue_ms`, `server_prefill_ms`,
+/// `server_transfer_ms` and `server_ttft_ms` (none when the servers reported none).
+fn server_split<S: serde::Serializer>(split: &Option<TtftSplit>, s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut map = s.serialize_map(None)?;
+    if let Some(t) = split {
+        map.serialize_entry("server_queue_ms", &t.queue_ms)?;
+        map.serialize_entry("server_prefill_ms", &t.prefill_ms)?;
+        map.serialize_entry("server_transfer_ms", &t.transfer_ms)?;
+        map.serialize_entry("server_ttft_ms", &t.ttft_ms)?;
+    }
+    map.end()
+}
+
+/// Writes the served requests of each run as JSON lines, each with its run's design, in the
+/// order they arrived (`--requests-out`).
+pub fn write_outcomes<'a>(
+    path: &std::path::Path,
+    runs: impl IntoIterator<Item = (&'a str, &'a [Outcome])>,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    #[derive(Serialize)]
+    struct Line<'a> {
+        design: &'a str,
+        #[serde(flatten)]
+        outcome: &'a Outcome,
+    }
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for (design, outcomes) in runs {
+        let mut in_order: Vec<&Outcome> = outcomes.iter().collect();
+        in_order.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
+        for outcome in in_order {
+            serde_json::to_writer(&mut out, &Line { design, outcome })?;
+            out.write_all(b"\n")?;
+        }
+    }
+    out.flush()
 }
 
 /// Accumulates a run's outcomes into its [`ServeSummary`].
@@ -172,6 +217,8 @@ pub struct SummaryBuilder {
     prefill: Latencies,
     transfer: Latencies,
     server_ttft: Latencies,
+    /// Every served request's outcome, when asked to keep them ([`Self::keep_outcomes`]).
+    kept: Option<Vec<Outcome>>,
 }
 
 impl SummaryBuilder {
@@ -183,8 +230,21 @@ impl SummaryBuilder {
         }
     }
 
+    /// Keeps every served request's outcome besides counting it (for `--requests-out`).
+    pub fn keep_outcomes(&mut self) {
+        self.kept.get_or_insert_with(Vec::new);
+    }
+
+    /// The outcomes kept, in the order they ended (none unless [`Self::keep_outcomes`]).
+    pub fn take_outcomes(&mut self) -> Vec<Outcome> {
+        self.kept.take().unwrap_or_default()
+    }
+
     /// A request that ended with its answer.
     pub fn served(&mut self, o: &Outcome, slo: &Slo) {
+        if let Some(kept) = &mut self.kept {
+            kept.push(*o);
+        }
         self.requests += 1;
         self.ok += 1;
         self.output_tokens += o.output_tokens as u64;
@@ -284,7 +344,7 @@ mod tests {
             tpot_ms,
             e2e_ms: ttft_ms + 10.0 * tpot_ms,
             output_tokens: 11,
-            split: None,
+            ..Outcome::default()
         };
         b.served(&o(50.0, 5.0), &slo);
         b.served(&o(150.0, 5.0), &slo);
@@ -315,5 +375,74 @@ mod tests {
             .to_string()
             .contains("--ttft-slo-ms")
         );
+    }
+
+    /// `--requests-out`: the requests kept, one JSON line each in the order they arrived, with
+    /// the servers' split where there was one, every run's after the one before.
+    #[test]
+    fn kept_outcomes_are_written_one_line_each_in_arrival_order() {
+        let slo = Slo {
+            ttft_ms: 100.0,
+            tpot_ms: 10.0,
+        };
+        let outcome = |arrival_s, split| Outcome {
+            arrival_s,
+            prompt_tokens: 640,
+            cached_tokens: 512,
+            ttft_ms: 50.0,
+            tpot_ms: 5.0,
+            e2e_ms: 100.0,
+            output_tokens: 11,
+            split,
+        };
+        let split = TtftSplit {
+            queue_ms: 1.0,
+            prefill_ms: 40.0,
+            transfer_ms: 2.0,
+            ttft_ms: 45.0,
+        };
+        let mut counted = SummaryBuilder::new(1.0);
+        counted.served(&outcome(0.5, None), &slo);
+        assert!(counted.take_outcomes().is_empty(), "kept only when asked");
+        let mut kept = SummaryBuilder::new(1.0);
+        kept.keep_outcomes();
+        kept.served(&outcome(2.0, Some(split)), &slo);
+        kept.served(&outcome(1.0, None), &slo);
+        let outcomes = kept.take_outcomes();
+        assert_eq!(outcomes.len(), 2);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("requests.jsonl");
+        let colocated = [outcome(0.25, None)];
+        write_outcomes(
+            &path,
+            [
+                ("disaggregated", &outcomes[..]),
+                ("colocated", &colocated[..]),
+            ],
+        )
+        .unwrap();
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let field = |i: usize, k: &str| lines[i][k].clone();
+        assert_eq!(lines.len(), 3);
+        assert_eq!(
+            [
+                field(0, "arrival_s"),
+                field(1, "arrival_s"),
+                field(2, "arrival_s")
+            ],
+            [1.0, 2.0, 0.25].map(|v| serde_json::json!(v))
+        );
+        assert_eq!(field(0, "design"), "disaggregated");
+        assert_eq!(field(2, "design"), "colocated");
+        assert_eq!(field(0, "cached_tokens"), 512);
+        assert!(field(0, "server_prefill_ms").is_null(), "{}", lines[0]);
+        assert_eq!(field(1, "server_prefill_ms"), 40.0);
+        assert_eq!(field(1, "server_queue_ms"), 1.0);
+        assert_eq!(field(1, "server_transfer_ms"), 2.0);
+        assert_eq!(field(1, "server_ttft_ms"), 45.0);
     }
 }

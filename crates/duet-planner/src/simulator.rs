@@ -66,6 +66,8 @@ pub struct SimConfig {
     pub slo: Slo,
     /// Width of the windows of [`ServeSummary::timeline`], in seconds.
     pub timeline_window_s: f64,
+    /// Keep every request's outcome ([`SimResult::outcomes`]).
+    pub keep_outcomes: bool,
 }
 
 /// The router's settings that shape routing (its flags of the same names).
@@ -94,6 +96,9 @@ pub struct SimResult {
     pub preemptions: u64,
     /// Events processed (what the simulation's own speed is measured in).
     pub events: u64,
+    /// Every served request's outcome, when [`SimConfig::keep_outcomes`] asked for them.
+    #[serde(skip)]
+    pub outcomes: Vec<Outcome>,
 }
 
 /// Simulates `jobs` arriving as `arrivals` say on the cluster `config` describes, timed by
@@ -372,7 +377,13 @@ impl<'a> Sim<'a> {
             ended: 0,
             reported: 0,
             last_end: 0.0,
-            summary: SummaryBuilder::new(config.timeline_window_s),
+            summary: {
+                let mut summary = SummaryBuilder::new(config.timeline_window_s);
+                if config.keep_outcomes {
+                    summary.keep_outcomes();
+                }
+                summary
+            },
             decisions: [0; 5],
             fallbacks: 0,
             prompt_tokens: 0,
@@ -1006,6 +1017,8 @@ impl<'a> Sim<'a> {
         };
         let outcome = Outcome {
             arrival_s: r.arrival,
+            prompt_tokens: r.prompt.len(),
+            cached_tokens: r.cached_tokens,
             ttft_ms,
             tpot_ms,
             e2e_ms: (now - r.arrival) * 1e3,
@@ -1059,7 +1072,7 @@ impl<'a> Sim<'a> {
         }
     }
 
-    fn result(self) -> SimResult {
+    fn result(mut self) -> SimResult {
         let preemptions = self.workers.iter().map(|w| w.scheduler.preemptions()).sum();
         let design = match self.config.design {
             Design::Disaggregated => "disaggregated",
@@ -1078,6 +1091,7 @@ impl<'a> Sim<'a> {
             local_prefill_fallbacks: self.fallbacks,
             preemptions,
             events: self.processed,
+            outcomes: self.summary.take_outcomes(),
         }
     }
 }

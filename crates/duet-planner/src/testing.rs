@@ -103,5 +103,6 @@ pub fn config(design: Design, prefill: usize, decode: usize) -> SimConfig {
             tpot_ms: 100.0,
         },
         timeline_window_s: 1.0,
+        keep_outcomes: false,
     }
 }

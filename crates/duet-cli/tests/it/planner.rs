@@ -154,6 +154,10 @@ fn simulate_writes_bench_serves_keys_for_the_same_trace_and_plan_writes_values()
         "0",
     ];
     let workload = [&load[..], &["--requests", "24"]].concat();
+    let (sim_requests, bench_requests) = (
+        dir.path().join("sim-requests.jsonl"),
+        dir.path().join("bench-requests.jsonl"),
+    );
     let out = succeeded(
         duet()
             .arg("simulate")
@@ -164,6 +168,8 @@ fn simulate_writes_bench_serves_keys_for_the_same_trace_and_plan_writes_values()
             .arg(&sim)
             .arg("--trace-out")
             .arg(&trace)
+            .arg("--requests-out")
+            .arg(&sim_requests)
             .output()
             .unwrap(),
     );
@@ -209,10 +215,42 @@ fn simulate_writes_bench_serves_keys_for_the_same_trace_and_plan_writes_values()
             .arg(tiny())
             .arg("--json-out")
             .arg(&bench)
+            .arg("--requests-out")
+            .arg(&bench_requests)
             .output()
             .unwrap(),
     );
     let bench = json(&bench);
+    // Request by request: the same prompts at the same times, each with its servers' split.
+    let records = |path: &std::path::Path| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let (simulated, measured) = (records(&sim_requests), records(&bench_requests));
+    assert_eq!(simulated.len(), 48, "24 requests of each design");
+    assert_eq!(measured.len(), 48);
+    for (s, b) in simulated.iter().zip(&measured) {
+        assert_eq!(s["design"], b["design"]);
+        assert_eq!(s["prompt_tokens"], b["prompt_tokens"], "{s} / {b}");
+        let (at_s, at_b) = (
+            s["arrival_s"].as_f64().unwrap(),
+            b["arrival_s"].as_f64().unwrap(),
+        );
+        assert!((at_s - at_b).abs() < 0.5, "{s} / {b}");
+        for key in [
+            "ttft_ms",
+            "tpot_ms",
+            "e2e_ms",
+            "server_prefill_ms",
+            "server_queue_ms",
+        ] {
+            assert!(s[key].as_f64().unwrap() >= 0.0, "{key}: {s}");
+            assert!(b[key].as_f64().unwrap() >= 0.0, "{key}: {b}");
+        }
+    }
     for (s, b) in sim["runs"]
         .as_array()
         .unwrap()
