@@ -1004,6 +1004,7 @@ fn summarize(
                 prefill_ms: t.prefill_ms,
                 transfer_ms: t.transfer_ms,
                 ttft_ms: t.ttft_ms,
+                prefill_local: t.prefill_local,
             }),
         };
         summary.served(&outcome, &slo);

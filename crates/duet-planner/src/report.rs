@@ -157,10 +157,13 @@ pub struct TtftSplit {
     pub prefill_ms: f64,
     pub transfer_ms: f64,
     pub ttft_ms: f64,
+    /// The decode worker computed the prompt itself (no prefill worker, no KV transfer).
+    pub prefill_local: bool,
 }
 
 /// A request's split as its record's `server_queue_ms`, `server_prefill_ms`,
-/// `server_transfer_ms` and `server_ttft_ms` (none when the servers reported none).
+/// `server_transfer_ms`, `server_ttft_ms` and `server_prefill_local` (none when the servers
+/// reported none).
 fn server_split<S: serde::Serializer>(split: &Option<TtftSplit>, s: S) -> Result<S::Ok, S::Error> {
     use serde::ser::SerializeMap;
     let mut map = s.serialize_map(None)?;
@@ -169,6 +172,7 @@ fn server_split<S: serde::Serializer>(split: &Option<TtftSplit>, s: S) -> Result
         map.serialize_entry("server_prefill_ms", &t.prefill_ms)?;
         map.serialize_entry("server_transfer_ms", &t.transfer_ms)?;
         map.serialize_entry("server_ttft_ms", &t.ttft_ms)?;
+        map.serialize_entry("server_prefill_local", &t.prefill_local)?;
     }
     map.end()
 }
@@ -400,6 +404,7 @@ mod tests {
             prefill_ms: 40.0,
             transfer_ms: 2.0,
             ttft_ms: 45.0,
+            prefill_local: false,
         };
         let mut counted = SummaryBuilder::new(1.0);
         counted.served(&outcome(0.5, None), &slo);
@@ -444,5 +449,6 @@ mod tests {
         assert_eq!(field(1, "server_queue_ms"), 1.0);
         assert_eq!(field(1, "server_transfer_ms"), 2.0);
         assert_eq!(field(1, "server_ttft_ms"), 45.0);
+        assert_eq!(field(1, "server_prefill_local"), false);
     }
 }

@@ -1007,12 +1007,14 @@ impl<'a> Sim<'a> {
                 prefill_ms: (r.prefilled_at - r.scheduled_at.unwrap_or(r.prefilled_at)) * 1e3,
                 transfer_ms: (r.transferred_at - r.prefilled_at) * 1e3,
                 ttft_ms,
+                prefill_local: false,
             },
             None => TtftSplit {
                 queue_ms: (r.scheduled_at.unwrap_or(first) - r.arrival) * 1e3,
                 prefill_ms: (first - r.scheduled_at.unwrap_or(first)) * 1e3,
                 transfer_ms: 0.0,
                 ttft_ms,
+                prefill_local: true,
             },
         };
         let outcome = Outcome {

@@ -193,8 +193,11 @@ fn prometheus_scrapes_duet_up_and_answers_the_dashboards_queries() {
         "the readiness probe succeeded once at least"
     );
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let prompt: Vec<u32> = (1..=40).collect();
     for i in 0..REQUESTS {
+        // A first token of its own each: no prompt finds the one before it in the decode
+        // worker's prefix cache, which would let the router prefill its short rest there (no
+        // transfer).
+        let prompt: Vec<u32> = std::iter::once(300 + i as u32).chain(1..40).collect();
         let mut req = greedy_request(&prompt, 4 + i as u32);
         req.request_id = format!("prometheus-{i}");
         let (ids, _, _) = rt.block_on(generate(router, req)).expect("generate");

@@ -240,6 +240,11 @@ fn simulate_writes_bench_serves_keys_for_the_same_trace_and_plan_writes_values()
             b["arrival_s"].as_f64().unwrap(),
         );
         assert!((at_s - at_b).abs() < 0.5, "{s} / {b}");
+        // A colocated worker prefills every prompt itself.
+        if s["design"] == "colocated" {
+            assert_eq!(s["server_prefill_local"], true, "{s}");
+            assert_eq!(b["server_prefill_local"], true, "{b}");
+        }
         for key in [
             "ttft_ms",
             "tpot_ms",
