@@ -20,7 +20,7 @@ use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_planner::arrivals::{ArrivalClock, Arrivals};
 use duet_planner::report::{
-    Outcome, Percentiles, ServeSummary, Slo, SummaryBuilder, TtftSplit, percentiles, write_outcomes,
+    Outcome, Percentiles, ServeSummary, Slo, SummaryBuilder, TtftSplit, percentiles,
 };
 use duet_planner::simulator::Design;
 use duet_planner::workload::{Job, Prompt};
@@ -36,7 +36,7 @@ use crate::chaos::{self, ChaosArgs, ChaosReport, ChaosSpec, DifferingStream, Str
 use crate::cluster::{Cluster, ClusterSpec};
 use crate::plot;
 use crate::progress::{Progress, Unit};
-use crate::serve_args::{ShapeArgs, WorkloadArgs, WorkloadReport, WorkloadShape};
+use crate::serve_args::{RequestsOut, ShapeArgs, WorkloadArgs, WorkloadReport, WorkloadShape};
 use crate::serve_report::{self, TableRow};
 use crate::shared_prefix::{self, Seen};
 
@@ -254,6 +254,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
     };
     let arrivals = args.workload.arrivals()?;
     args.workload.slo()?;
+    let requests_out = RequestsOut::create(args.workload.requests_out.as_deref())?;
     let jobs: Vec<Job> = args.workload.jobs()?.collect::<Result<_, _>>()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -442,11 +443,11 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         engine_alone,
     };
     crate::bench_engine::print_json(&report, args.json_out.as_deref())?;
-    if let Some(path) = &args.workload.requests_out {
-        let runs = runs
-            .iter()
-            .map(|r| (r.summary.design.as_str(), &r.outcomes[..]));
-        write_outcomes(path, runs).with_context(|| format!("--requests-out {}", path.display()))?;
+    if let Some(out) = requests_out {
+        out.write(
+            runs.iter()
+                .map(|r| (r.summary.design.as_str(), &r.outcomes[..])),
+        )?;
     }
     if let Some(p) = &args.plot_out {
         let summaries: Vec<ServeSummary> = runs.iter().map(|r| r.summary.clone()).collect();

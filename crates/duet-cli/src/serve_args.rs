@@ -3,7 +3,7 @@
 //! ([`WorkloadArgs`]: the jobs, when they arrive, and the SLOs they are held to).
 
 use std::io::BufReader;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
@@ -11,7 +11,7 @@ use duet_engine::device::Device;
 use duet_engine::engine::EngineOptions;
 use duet_planner::PlannerError;
 use duet_planner::arrivals::Arrivals;
-use duet_planner::report::Slo;
+use duet_planner::report::{Outcome, Slo, write_outcomes};
 use duet_planner::simulator::Design;
 use duet_planner::trace::TraceReader;
 use duet_planner::workload::{Job, Prompt, Range, TokenSource, random_jobs};
@@ -342,5 +342,34 @@ impl WorkloadArgs {
             ttft_slo_ms: self.ttft_slo_ms,
             tpot_slo_ms: self.tpot_slo_ms,
         }
+    }
+}
+
+/// `--requests-out`, created before the run: a path that cannot be written is refused before
+/// anything runs, not after a long run.
+pub struct RequestsOut {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl RequestsOut {
+    pub fn create(path: Option<&Path>) -> Result<Option<Self>> {
+        let Some(path) = path else {
+            return Ok(None);
+        };
+        let file = std::fs::File::create(path)
+            .with_context(|| format!("--requests-out {}", path.display()))?;
+        Ok(Some(Self {
+            path: path.to_path_buf(),
+            file,
+        }))
+    }
+
+    /// Writes every run's served requests (see [`write_outcomes`]).
+    pub fn write<'a>(self, runs: impl IntoIterator<Item = (&'a str, &'a [Outcome])>) -> Result<()> {
+        write_outcomes(self.file, runs)
+            .with_context(|| format!("--requests-out {}", self.path.display()))?;
+        eprintln!("requests written to {}", self.path.display());
+        Ok(())
     }
 }

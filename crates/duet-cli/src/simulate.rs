@@ -12,7 +12,7 @@ use duet_engine::device::Device;
 use duet_model::model_path::model_name;
 use duet_planner::arrivals::{ArrivalClock, Arrivals};
 use duet_planner::profile::{Profile, Target};
-use duet_planner::report::{Slo, write_outcomes};
+use duet_planner::report::Slo;
 use duet_planner::sim_worker::Sharing;
 use duet_planner::simulator::{Design, RouterShape, SimConfig, SimResult, simulate};
 use duet_planner::trace::TraceWriter;
@@ -21,7 +21,7 @@ use duet_prefill_worker::PrefillConfig;
 use serde::Serialize;
 
 use crate::progress::{Progress, Unit};
-use crate::serve_args::{ShapeArgs, WorkloadArgs, WorkloadReport};
+use crate::serve_args::{RequestsOut, ShapeArgs, WorkloadArgs, WorkloadReport};
 use crate::serve_report::{self, TableRow};
 
 /// What times a simulated cluster: the flags `duet simulate` and `duet plan` share.
@@ -90,6 +90,7 @@ struct SimulateReport<'a> {
 pub fn run(args: SimulateArgs) -> Result<()> {
     let profile = args.timing.load(&args.shape)?;
     let arrivals = args.workload.arrivals()?;
+    let requests_out = RequestsOut::create(args.workload.requests_out.as_deref())?;
     let slo = args.workload.slo()?;
     if let Some(out) = &args.trace_out {
         write_trace(&args.workload, arrivals, out)?;
@@ -165,11 +166,11 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         crate::plot::latency_percentiles(&summaries, p)?;
         eprintln!("plot written to {}", p.display());
     }
-    if let Some(path) = &args.workload.requests_out {
-        let runs = runs
-            .iter()
-            .map(|r| (r.summary.design.as_str(), &r.outcomes[..]));
-        write_outcomes(path, runs).with_context(|| format!("--requests-out {}", path.display()))?;
+    if let Some(out) = requests_out {
+        out.write(
+            runs.iter()
+                .map(|r| (r.summary.design.as_str(), &r.outcomes[..])),
+        )?;
     }
     let report = SimulateReport {
         workload: args

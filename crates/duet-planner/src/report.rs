@@ -177,10 +177,10 @@ fn server_split<S: serde::Serializer>(split: &Option<TtftSplit>, s: S) -> Result
     map.end()
 }
 
-/// Writes the served requests of each run as JSON lines, each with its run's design, in the
-/// order they arrived (`--requests-out`).
+/// Writes the served requests of each run to `out` as JSON lines, each with its run's design,
+/// in the order they arrived (`--requests-out`).
 pub fn write_outcomes<'a>(
-    path: &std::path::Path,
+    out: impl std::io::Write,
     runs: impl IntoIterator<Item = (&'a str, &'a [Outcome])>,
 ) -> std::io::Result<()> {
     use std::io::Write;
@@ -190,7 +190,7 @@ pub fn write_outcomes<'a>(
         #[serde(flatten)]
         outcome: &'a Outcome,
     }
-    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let mut out = std::io::BufWriter::new(out);
     for (design, outcomes) in runs {
         let mut in_order: Vec<&Outcome> = outcomes.iter().collect();
         in_order.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
@@ -415,18 +415,14 @@ mod tests {
         kept.served(&outcome(1.0, None), &slo);
         let outcomes = kept.take_outcomes();
         assert_eq!(outcomes.len(), 2);
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("requests.jsonl");
         let colocated = [outcome(0.25, None)];
-        write_outcomes(
-            &path,
-            [
-                ("disaggregated", &outcomes[..]),
-                ("colocated", &colocated[..]),
-            ],
-        )
-        .unwrap();
-        let lines: Vec<serde_json::Value> = std::fs::read_to_string(&path)
+        let mut written = Vec::new();
+        let runs = [
+            ("disaggregated", &outcomes[..]),
+            ("colocated", &colocated[..]),
+        ];
+        write_outcomes(&mut written, runs).unwrap();
+        let lines: Vec<serde_json::Value> = String::from_utf8(written)
             .unwrap()
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())

@@ -405,6 +405,22 @@ fn bad_planner_input_names_its_line_field_or_flag() {
         run(&["--device", "cuda", "--trace", trace.to_str().unwrap()]),
         "bad.jsonl:2: not a trace line: missing field `input_length`",
     );
+    // A requests file that cannot be written is refused before simulating: no report either.
+    let report = dir.path().join("report.json");
+    let nowhere = dir.path().join("no-such-dir").join("requests.jsonl");
+    let (report_arg, nowhere_arg) = (report.to_str().unwrap(), nowhere.to_str().unwrap());
+    failed_saying(
+        run(&[
+            "--device",
+            "cuda",
+            "--json-out",
+            report_arg,
+            "--requests-out",
+            nowhere_arg,
+        ]),
+        &format!("--requests-out {nowhere_arg}"),
+    );
+    assert!(!report.exists());
     p["decode"]["fit"]["a_ms"] = serde_json::json!(-2.0);
     std::fs::write(&measured, p.to_string()).unwrap();
     failed_saying(run(&["--device", "cuda"]), "`decode.fit.a_ms` is -2");
