@@ -145,36 +145,26 @@ pub struct Outcome {
     pub tpot_ms: f64,
     pub e2e_ms: f64,
     pub output_tokens: usize,
-    /// The servers' split of the TTFT, when they reported one.
-    #[serde(flatten, serialize_with = "server_split")]
+    /// The servers' split of the TTFT, when they reported one (a record's `server_*` fields).
+    #[serde(flatten)]
     pub split: Option<TtftSplit>,
 }
 
-/// The servers' account of a request's time to first token.
+/// The servers' account of a request's time to first token; in a `--requests-out` record its
+/// fields are named `server_*`, beside the client's own TTFT.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct TtftSplit {
+    #[serde(rename = "server_queue_ms")]
     pub queue_ms: f64,
+    #[serde(rename = "server_prefill_ms")]
     pub prefill_ms: f64,
+    #[serde(rename = "server_transfer_ms")]
     pub transfer_ms: f64,
+    #[serde(rename = "server_ttft_ms")]
     pub ttft_ms: f64,
     /// The decode worker computed the prompt itself (no prefill worker, no KV transfer).
+    #[serde(rename = "server_prefill_local")]
     pub prefill_local: bool,
-}
-
-/// A request's split as its record's `server_queue_ms`, `server_prefill_ms`,
-/// `server_transfer_ms`, `server_ttft_ms` and `server_prefill_local` (none when the servers
-/// reported none).
-fn server_split<S: serde::Serializer>(split: &Option<TtftSplit>, s: S) -> Result<S::Ok, S::Error> {
-    use serde::ser::SerializeMap;
-    let mut map = s.serialize_map(None)?;
-    if let Some(t) = split {
-        map.serialize_entry("server_queue_ms", &t.queue_ms)?;
-        map.serialize_entry("server_prefill_ms", &t.prefill_ms)?;
-        map.serialize_entry("server_transfer_ms", &t.transfer_ms)?;
-        map.serialize_entry("server_ttft_ms", &t.ttft_ms)?;
-        map.serialize_entry("server_prefill_local", &t.prefill_local)?;
-    }
-    map.end()
 }
 
 /// Writes the served requests of each run to `out` as JSON lines, each with its run's design,
