@@ -88,12 +88,22 @@ pub fn endpoint(address: &str, tls: Option<&ClientTlsConfig>) -> Result<Endpoint
     }
 }
 
+/// What a channel may receive unread: per call, and over the connection. Fixed rather than
+/// adaptive, because h2 closes a connection (GOAWAY `ENHANCE_YOUR_CALM`, `too_many_data_frames`)
+/// once its unread small DATA frames pass a budget of half the connection window: adaptive
+/// windows start at 64 KiB and grow only with bytes, so a token stream (one small frame a
+/// token) read late by about 140 tokens would lose every call on its connection. 16 MiB makes
+/// that about 35,000 tokens, and more than a KV pull's bandwidth-delay product in a cluster.
+const STREAM_WINDOW_BYTES: u32 = 4 << 20;
+const CONNECTION_WINDOW_BYTES: u32 = 16 << 20;
+
 /// A lazily connected channel to `address` (`host:port`, or a URI) authenticated by `auth`.
 pub fn channel(address: &str, auth: &PeerAuth) -> Result<PeerChannel, BadAddress> {
     let channel = endpoint(address, auth.tls.as_ref())?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
-        .http2_adaptive_window(true)
+        .initial_stream_window_size(STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
         .connect_lazy();
     Ok(InterceptedService::new(
         channel,
@@ -157,6 +167,64 @@ mod tests {
         assert_eq!(channels.by_address.lock().unwrap().len(), 2);
         let err = channels.get("bad address with spaces").unwrap_err();
         assert!(err.to_string().contains("bad address with spaces"), "{err}");
+    }
+
+    /// A decode worker streaming one token a message, a millisecond apart (each message its
+    /// own DATA frame, as an engine's steps make them).
+    struct OneTokenAMessage(u32);
+
+    #[tonic::async_trait]
+    impl crate::v1::decode_worker_server::DecodeWorker for OneTokenAMessage {
+        type DecodeStream =
+            futures::stream::BoxStream<'static, Result<crate::v1::DecodeResponse, tonic::Status>>;
+
+        async fn decode(
+            &self,
+            _: tonic::Request<crate::v1::DecodeRequest>,
+        ) -> Result<tonic::Response<Self::DecodeStream>, tonic::Status> {
+            let n = self.0;
+            let tokens = futures::stream::unfold(0, move |i| async move {
+                (i < n).then_some(())?;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                let message = crate::v1::DecodeResponse {
+                    token_ids: vec![i],
+                    ..Default::default()
+                };
+                Some((Ok(message), i + 1))
+            });
+            Ok(tonic::Response::new(Box::pin(tokens)))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_token_stream_read_late_keeps_its_connection() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(crate::v1::decode_worker_server::DecodeWorkerServer::new(
+                    OneTokenAMessage(600),
+                ))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let mut client = crate::v1::decode_worker_client::DecodeWorkerClient::new(
+            channel(&address.to_string(), &PeerAuth::default()).unwrap(),
+        );
+        let mut stream = client
+            .decode(crate::v1::DecodeRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        // A reader held up (a router whose cores are busy): all 600 small frames arrive before
+        // it reads the first. h2 closes a connection whose unread small frames pass its budget
+        // (GOAWAY ENHANCE_YOUR_CALM, `too_many_data_frames`), which a 64 KiB window puts at
+        // about 140 of them.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let mut tokens = Vec::new();
+        while let Some(message) = stream.message().await.unwrap() {
+            tokens.extend(message.token_ids);
+        }
+        assert_eq!(tokens, (0..600).collect::<Vec<_>>());
     }
 
     #[tokio::test]
