@@ -7,7 +7,10 @@
 # Each pair: at 0 ms a 64-token prompt (A) answering 150 tokens (`busy`) or 2 (`idle`), at 150
 # ms a 256-token prompt (B) answering 2; pairs 1.5 s apart. Prints, for each arm, B's prefill
 # time and TTFT (median, measured / simulated) and A's TPOT; writes the runs' requests to
-# OUT_DIR (`--requests-out`).
+# OUT_DIR (`--requests-out`) and what each duet thread did in each run (`thread_times.py`:
+# CPU, run-queue wait, kernel time, page faults) to OUT_DIR/ARM-ROUND.threads.md. A third arm,
+# `idle-bare`, runs the idle trace beside a bare `duet bench engine` decoding on the other core
+# (measured only: the simulator knows no bare engine).
 set -euo pipefail
 profile=$1 out=$2 pairs=${3:-10}
 duet=${DUET:-target/ci/duet}
@@ -26,11 +29,32 @@ EOF
 done
 flags=(--launch disaggregated --prefill-workers 1 --decode-workers 1 --processes --threads 1
        --local-prefill-threshold 32 --ttft-slo-ms 2000 --tpot-slo-ms 100)
-# Alternated twice, so that the machine's drift falls on both arms.
+here=$(dirname "$0")
+# A bare engine decoding at batch 1 until killed (each run 8,000 steps: within the context).
+bare_decode() {
+  trap 'kill "$child" 2>/dev/null; exit 0' TERM
+  while true; do
+    "$duet" bench engine --threads 1 --prefill-tokens 16 --decode-steps 8000 --repeats 1 \
+      --contexts 64 --batch 1 > /dev/null 2>&1 &
+    child=$!
+    wait "$child" || return
+  done
+}
+# Alternated twice, so that the machine's drift falls on every arm.
 for round in 1 2; do
-  for arm in busy idle; do
-    "$duet" bench serve "${flags[@]}" --trace "$out/$arm.jsonl" \
+  for arm in busy idle idle-bare; do
+    trace=${arm%-bare}
+    bare=
+    if [ "$arm" = idle-bare ]; then
+      bare_decode & bare=$!
+      sleep 3 # the model loaded and decoding
+    fi
+    python3 "$here/thread_times.py" --out "$out/$arm-$round.threads.md" -- \
+      "$duet" bench serve "${flags[@]}" --trace "$out/$trace.jsonl" \
       --json-out "$out/$arm-$round.bench.json" --requests-out "$out/$arm-$round.bench.requests.jsonl" > /dev/null
+    if [ -n "$bare" ]; then
+      kill "$bare"; wait "$bare" 2>/dev/null || true
+    fi
   done
 done
 for arm in busy idle; do
@@ -50,8 +74,8 @@ def medians(records):
             statistics.median(r["tpot_ms"] for r in a), sum(r["server_prefill_local"] for r in records))
 print("| arm | round | B prefill ms | B TTFT ms | A TPOT ms | prefilled on the decode worker |")
 print("|---|---|---|---|---|---|")
-for arm in ("busy", "idle"):
-    for run in ("1", "2", "sim"):
+for arm in ("busy", "idle", "idle-bare"):
+    for run in ("1", "2") if arm == "idle-bare" else ("1", "2", "sim"):
         path = f"{out}/{arm}.sim.requests.jsonl" if run == "sim" else f"{out}/{arm}-{run}.bench.requests.jsonl"
         p, t, a, local = medians(load(path))
         print(f"| {arm} | {'simulated' if run == 'sim' else 'measured ' + run} | {p:.1f} | {t:.1f} | {a:.2f} | {local} |")

@@ -16,11 +16,14 @@
 # median prediction, beside how far the measured values spread over the rounds: on a machine
 # whose speed drifts, that spread is how close any prediction can be expected to come.
 # Every run also writes its requests one by one (RUN.bench.requests.jsonl, RUN.sim.requests.jsonl).
+# SIMULATE_ONLY=1: measures nothing; simulates again the runs already in OUT_DIR (with `fresh`,
+# from the profiles there), with the same flags: the same measured runs, against a changed
+# simulator or changed profiles.
 set -euo pipefail
 profile=$1 out=$2 rates=$3 requests=${4:-120} rounds=${ROUNDS:-1}
 duet=${DUET:-target/ci/duet}
 mkdir -p "$out"
-python3 bench/planner/make_trace.py --requests "$requests" --rate 1 --out "$out/shared-prefix.jsonl"
+[ "${SIMULATE_ONLY:-0}" = 1 ] || python3 bench/planner/make_trace.py --requests "$requests" --rate 1 --out "$out/shared-prefix.jsonl"
 trace=$out/shared-prefix.jsonl
 top=$out
 common=(--processes --threads 1 --ttft-slo-ms 2000 --tpot-slo-ms 100 --local-prefill-threshold 32)
@@ -36,7 +39,7 @@ for round in $(seq 1 "$rounds"); do
     if [ "$profile" = fresh ]; then
       shape_profile="$out/profile-$name.json"
       echo "== profile for $name" >&2
-      "$duet" profile --threads 1 --out "$shape_profile" > "$out/profile-$name.txt"
+      [ "${SIMULATE_ONLY:-0}" = 1 ] || "$duet" profile --threads 1 --out "$shape_profile" > "$out/profile-$name.txt"
       if [ "${CALIBRATE:-0}" = 1 ]; then
         python3 bench/planner/speed_ratio.py measure "$duet" "$out/speed-$name.json"
       fi
@@ -55,7 +58,7 @@ for round in $(seq 1 "$rounds"); do
           scale=$(python3 bench/planner/speed_ratio.py ratio "$out/speed-$name.json" "$out/speed-$run.json")
           echo "$scale" > "$out/$run.scale.txt"
         fi
-        "$duet" bench serve "${shape[@]}" "${common[@]}" "${load[@]}" --json-out "$out/$run.bench.json" --requests-out "$out/$run.bench.requests.jsonl" > "$out/$run.bench.txt"
+        [ "${SIMULATE_ONLY:-0}" = 1 ] || "$duet" bench serve "${shape[@]}" "${common[@]}" "${load[@]}" --json-out "$out/$run.bench.json" --requests-out "$out/$run.bench.requests.jsonl" > "$out/$run.bench.txt"
         "$duet" simulate --profile "$shape_profile" --compute-scale "$scale" "${shape[@]}" "${common[@]}" "${load[@]}" --json-out "$out/$run.sim.json" --requests-out "$out/$run.sim.requests.jsonl" > "$out/$run.sim.txt"
       done
     done

@@ -1,6 +1,6 @@
-//! Real workers started in this process for a measurement (`duet profile`, `duet bench
-//! transfer`): each serves on a loopback port with the engine settings given, and is ready once
-//! it answers `Stats`.
+//! A real decode worker started in this process for a measurement (`duet bench transfer`): it
+//! serves on a loopback port with the engine settings given, and is ready once it answers
+//! `Stats`.
 
 use std::path::Path;
 use std::time::Duration;
@@ -14,13 +14,10 @@ use tokio::task::JoinHandle;
 /// A worker serving in this process.
 pub(crate) struct Worker {
     pub(crate) url: String,
-    pub(crate) address: String,
-    pub(crate) worker_id: String,
     pub(crate) fingerprint: String,
 }
 
-/// A loopback listener on a free port: bound before the workers start, so that each can be
-/// told the other's address.
+/// A loopback listener on a free port.
 pub(crate) async fn listen() -> Result<TcpListener> {
     Ok(TcpListener::bind("127.0.0.1:0").await?)
 }
@@ -55,29 +52,6 @@ pub(crate) async fn decode_worker(
     answering("decode", address, server).await
 }
 
-/// A prefill worker serving `model` on `listener`, pushing KV to the decode workers at
-/// `decode`.
-pub(crate) async fn prefill_worker(
-    listener: TcpListener,
-    model: &Path,
-    engine: EngineOptions,
-    decode: Vec<String>,
-) -> Result<Worker> {
-    let config = duet_prefill_worker::PrefillConfig {
-        listen: listener.local_addr()?,
-        decode,
-        worker: worker_args(model, engine),
-        ..Default::default()
-    };
-    let address = config.listen.to_string();
-    let server = tokio::spawn(duet_prefill_worker::serve(
-        config,
-        listener,
-        std::future::pending(),
-    ));
-    answering("prefill", address, server).await
-}
-
 /// Waits until the worker `server` runs at `address` answers, or fails as it starts.
 async fn answering(kind: &str, address: String, server: JoinHandle<Result<()>>) -> Result<Worker> {
     let url = format!("http://{address}");
@@ -95,8 +69,6 @@ async fn answering(kind: &str, address: String, server: JoinHandle<Result<()>>) 
             let s = s.into_inner();
             return Ok(Worker {
                 url,
-                address,
-                worker_id: s.worker_id,
                 fingerprint: s.model_fingerprint,
             });
         }

@@ -11,8 +11,9 @@
 //! - KV transfer: a prompt's KV pushed over gRPC on loopback into a real decode worker by a
 //!   stand-in prefill worker (`duet bench transfer`'s rig), over prompt lengths.
 //! - Serving: decode steps through a real decode worker, beside the decode fit, and prompts
-//!   computed by it and by a real prefill worker pushing their KV (`profile_served`): what
-//!   serving adds to the bare engine's steps.
+//!   computed by it and by a real prefill worker pushing their KV, alone and beside a decoding
+//!   stream (`profile_served`, the workers as processes): what serving adds to the bare
+//!   engine's steps, and what two served workers computing at once cost each other.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -34,7 +35,8 @@ use duet_planner::profile::{
 
 use crate::bench_engine::{PrefilledPrompt, cpu_info, decode_point, kernel_threads, prompt_source};
 use crate::bench_transfer::TransferRig;
-use crate::profile_served::{ServedPlan, measure_served};
+use crate::cluster::Cluster;
+use crate::profile_served::{ServedPlan, measure_served, served_cluster};
 use crate::progress::{Progress, Unit};
 
 #[derive(Args, Debug)]
@@ -69,8 +71,10 @@ pub struct ProfileArgs {
     /// Concurrent streams whose decode steps are timed through a served worker.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 4, 8, 16])]
     pub served_batches: Vec<usize>,
-    /// Prompt lengths computed through served workers, in turn by the decode worker itself and
-    /// by a prefill worker pushing the KV: what pushing adds to a prompt.
+    /// Prompt lengths computed through served workers, in turn by the decode worker itself, by
+    /// a prefill worker pushing the KV (what pushing adds to a prompt), and by it again while the
+    /// decode worker decodes a stream (what two served workers computing at once cost each
+    /// other).
     #[arg(long, value_delimiter = ',', default_values_t = [64, 128, 256])]
     pub served_prompt_tokens: Vec<usize>,
     /// Each served decode stream's prompt tokens.
@@ -274,10 +278,15 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     };
     if let Some(plan) = &served {
         // The engine options as given: the worker's own step budget and KV cache.
-        let serving = runtime.block_on(measure_served(
+        let cluster = Cluster::start(&served_cluster(
             &path,
             args.engine.clone(),
-            measured.vocab_size,
+            plan,
+            measured.context_limit,
+        )?)?;
+        let serving = runtime.block_on(measure_served(
+            &cluster,
+            (measured.vocab_size, measured.context_limit),
             &profile,
             plan,
             &progress,
@@ -316,6 +325,7 @@ struct Measured {
     block_bytes: u64,
     kv_memory_bytes: Option<u64>,
     vocab_size: usize,
+    context_limit: usize,
 }
 
 struct Measure<'a> {
@@ -409,6 +419,7 @@ impl WithEngine for Measure<'_> {
             block_bytes,
             kv_memory_bytes,
             vocab_size: engine.config().vocab_size,
+            context_limit,
         })
     }
 }
@@ -627,5 +638,15 @@ fn print_profile(p: &Profile, took_s: f64) {
             s.prefill_push_factor,
             prompts.join(", ")
         );
+        match &s.contention {
+            Some(c) => println!(
+                "two served workers computing at once: prompts ×{:.3}, decode steps ×{:.3}",
+                c.prefill_factor, c.decode_factor
+            ),
+            None => println!(
+                "two served workers computing at once: not measured (no decode step fell inside \
+                 a prompt)"
+            ),
+        }
     }
 }

@@ -20,6 +20,10 @@
 //!   ([`ServingProfile`]), a step with decode rows costs what served steps of as many rows
 //!   measured beyond the fit, and a prefill worker's step what pushing its KV as it computes
 //!   added to a prompt.
+//! - Two served workers computing at once on a machine whose cores their kernel threads fill
+//!   run slower than either alone: the threads that serve them find no idle core. Where the
+//!   profile measured it ([`Contention`]), the simulator slows such steps by the factor
+//!   measured (see `sim_worker::Machine`).
 
 use std::path::Path;
 
@@ -226,6 +230,41 @@ pub struct ServingProfile {
     /// the prompt samples' ratios (1 without any). Its KV streams out layer by layer as it
     /// computes, and copying, checksumming and sending it takes CPU and memory bandwidth.
     pub prefill_push_factor: f64,
+    /// What a step loses when two served workers compute at once (absent: not measured, as in
+    /// profiles of earlier builds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub contention: Option<Contention>,
+}
+
+/// Two served workers computing at once, with the profile's kernel threads each: a prefill
+/// worker pushing prompts to a decode worker that decodes a stream meanwhile. Where their
+/// kernel threads fill the machine's cores (one each on 2 cores), the threads that serve them
+/// (RPC, pushes, the stream's tokens) find no idle core and take the engines' time, and each
+/// engine thread also runs slower itself. Where cores are left over, both factors come out
+/// near 1.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Contention {
+    /// A pushed prompt's compute beside the decoding stream over the same prompt pushed to an
+    /// idle decode worker (the median of pairs measured in turn): a prefill worker's steps.
+    pub prefill_factor: f64,
+    /// The stream's decode steps while the prompt computes over its steps just before it (the
+    /// median over the pairs): the steps of a worker whose KV stays, whatever they compute.
+    pub decode_factor: f64,
+}
+
+impl Contention {
+    /// The factor for a step of `shape`. A prefill worker's step pays for its KV push's
+    /// threads too; a decode or colocated worker's, prompt chunks or not, has no push (the
+    /// prompts' factor made a decode worker's local prefills 30% slower than measured:
+    /// `bench/results/planner/contention-zen5/`).
+    pub fn factor(&self, shape: &StepShape) -> f64 {
+        if shape.kv_pushed {
+            self.prefill_factor
+        } else {
+            self.decode_factor
+        }
+    }
 }
 
 impl ServingProfile {
@@ -271,6 +310,10 @@ impl ServingProfile {
             positive(s.local_ms, format!("prefill[{i}].local_ms"))?;
         }
         positive(self.prefill_push_factor, "prefill_push_factor".into())?;
+        if let Some(c) = &self.contention {
+            positive(c.prefill_factor, "contention.prefill_factor".into())?;
+            positive(c.decode_factor, "contention.decode_factor".into())?;
+        }
         if let Some(i) = self
             .decode
             .windows(2)
@@ -415,6 +458,15 @@ impl Profile {
             }
             _ => engine,
         }
+    }
+
+    /// How much slower a step of `shape` runs while served workers fill every core
+    /// ([`Contention`]); 1 where the profile did not measure it.
+    pub fn contended_factor(&self, shape: &StepShape) -> f64 {
+        self.serving
+            .as_ref()
+            .and_then(|s| s.contention)
+            .map_or(1.0, |c| c.factor(shape))
     }
 
     /// Milliseconds one step of `shape` takes in the bare engine: the fits alone.
@@ -582,6 +634,7 @@ mod tests {
             decode: vec![sample(1, 6.7, 6.2), sample(4, 8.7, 9.0)],
             prefill: Vec::new(),
             prefill_push_factor: 1.05,
+            contention: None,
         });
         // A prompt alone: the fit's; on a prefill worker, pushing its KV, 5% more.
         let mut s = StepShape::default();
@@ -599,6 +652,22 @@ mod tests {
         s.chunk(0, 100);
         assert!((p.step_ms(&s) - (two + 10.0)).abs() < 1e-9);
         assert!((p.engine_step_ms(&s) - 17.4).abs() < 1e-9);
+        // No contention measured: none.
+        assert_eq!(p.contended_factor(&s), 1.0);
+        p.serving.as_mut().unwrap().contention = Some(Contention {
+            prefill_factor: 1.25,
+            decode_factor: 1.1,
+        });
+        // A prefill worker's step pays the push's; any other, prompt chunks or not, the
+        // decode worker's.
+        assert_eq!(p.contended_factor(&s), 1.1);
+        let mut rows = StepShape::default();
+        rows.row(1000);
+        assert_eq!(p.contended_factor(&rows), 1.1);
+        let mut pushed = StepShape::default();
+        pushed.chunk(0, 100);
+        pushed.kv_pushed = true;
+        assert_eq!(p.contended_factor(&pushed), 1.25);
         // Held beyond the batches measured.
         let serving = p.serving.as_ref().unwrap();
         assert!((serving.decode_overhead_ms(32) + 0.3).abs() < 1e-9);
@@ -622,6 +691,7 @@ mod tests {
             }],
             prefill: Vec::new(),
             prefill_push_factor: 1.05,
+            contention: None,
         });
         let mut prompt = StepShape::default();
         prompt.chunk(0, 100);
@@ -722,6 +792,17 @@ mod tests {
         std::fs::write(&path, v.to_string()).unwrap();
         let err = Profile::load(&path).unwrap_err().to_string();
         assert!(err.contains("serving.decode[0].served_ms"), "{err}");
+        v["serving"]["decode"] = serde_json::json!([step(1, 3.2)]);
+        v["serving"]["contention"] =
+            serde_json::json!({"prefill_factor": 1.2, "decode_factor": -1.0});
+        std::fs::write(&path, v.to_string()).unwrap();
+        let err = Profile::load(&path).unwrap_err().to_string();
+        assert!(err.contains("serving.contention.decode_factor"), "{err}");
+        // Measured before contention was: none.
+        v["serving"].as_object_mut().unwrap().remove("contention");
+        std::fs::write(&path, v.to_string()).unwrap();
+        let serving = Profile::load(&path).unwrap().serving.unwrap();
+        assert_eq!(serving.contention, None);
         // A profile without the section (measured before it, or derived) still loads.
         v.as_object_mut().unwrap().remove("serving");
         std::fs::write(&path, v.to_string()).unwrap();

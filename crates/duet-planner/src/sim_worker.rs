@@ -49,6 +49,9 @@ pub struct Step {
     pub work_ms: f64,
     /// Milliseconds of `work_ms` still to do (shared machines).
     pub remaining_ms: f64,
+    /// How much slower it runs while served workers fill every core
+    /// ([`crate::profile::Profile::contended_factor`]).
+    pub contended_factor: f64,
     /// When it got the machine.
     pub started: Option<f64>,
     /// Prompt tokens it computes (what the worker's measured prefill rate counts).
@@ -191,7 +194,9 @@ pub enum Sharing {
     TakeTurns,
     /// The workers are processes with `threads` kernel threads each on `cores` cores: while
     /// more threads compute than there are cores, every running step slows down in proportion
-    /// (processor sharing; memory bandwidth is taken to share the same way).
+    /// (processor sharing; memory bandwidth is taken to share the same way). While two or more
+    /// workers' steps fill the cores, each also runs its profiled contention factor slower: the
+    /// threads serving them (RPC, KV pushes, token streams) find no idle core.
     Cores { cores: usize, threads: usize },
 }
 
@@ -216,7 +221,7 @@ impl Machine {
         }
     }
 
-    /// How fast each running step goes, as a share of its speed alone.
+    /// How fast each running step goes, as a share of its speed alone, before contention.
     pub fn speed(&self) -> f64 {
         match self.sharing {
             Sharing::Cores { cores, threads } => {
@@ -224,6 +229,25 @@ impl Machine {
                 (cores as f64 / demand as f64).min(1.0)
             }
             Sharing::Dedicated | Sharing::TakeTurns => 1.0,
+        }
+    }
+
+    /// Whether the running steps are served workers' that fill every core, so that each runs
+    /// its [`Step::contended_factor`] slower.
+    pub fn contended(&self) -> bool {
+        match self.sharing {
+            Sharing::Cores { cores, threads } => {
+                self.running.len() >= 2 && threads * self.running.len() >= cores
+            }
+            Sharing::Dedicated | Sharing::TakeTurns => false,
+        }
+    }
+
+    /// How fast `step` goes now, as a share of its speed alone.
+    pub fn step_speed(&self, step: &Step) -> f64 {
+        match self.contended() {
+            true => self.speed() / step.contended_factor,
+            false => self.speed(),
         }
     }
 }
@@ -270,5 +294,41 @@ mod tests {
         m.running.push(2);
         assert!((m.speed() - 2.0 / 3.0).abs() < 1e-12);
         assert_eq!(Machine::new(Sharing::TakeTurns).speed(), 1.0);
+    }
+
+    #[test]
+    fn steps_slow_by_their_contention_only_while_workers_fill_the_cores() {
+        let step = Step {
+            plan: Vec::new(),
+            work_ms: 10.0,
+            remaining_ms: 10.0,
+            contended_factor: 1.25,
+            started: None,
+            prompt_tokens: 0,
+        };
+        let mut m = Machine::new(Sharing::Cores {
+            cores: 4,
+            threads: 1,
+        });
+        // One worker alone, or two on four cores: a core is left for what serves them.
+        m.running = vec![0];
+        assert_eq!(m.step_speed(&step), 1.0);
+        m.running = vec![0, 1];
+        assert_eq!(m.step_speed(&step), 1.0);
+        // Two workers of two threads on four cores fill them.
+        m.sharing = Sharing::Cores {
+            cores: 4,
+            threads: 2,
+        };
+        assert!((m.step_speed(&step) - 0.8).abs() < 1e-12);
+        // Past the cores, the share and the contention both.
+        m.running.push(2);
+        assert!((m.step_speed(&step) - 4.0 / 6.0 / 1.25).abs() < 1e-12);
+        // A single worker whose threads fill the cores is the profile's own case.
+        m.running = vec![0];
+        assert_eq!(m.step_speed(&step), 1.0);
+        m.sharing = Sharing::TakeTurns;
+        m.running = vec![0, 1];
+        assert_eq!(m.step_speed(&step), 1.0);
     }
 }

@@ -689,6 +689,7 @@ impl<'a> Sim<'a> {
             plan,
             work_ms,
             remaining_ms: work_ms,
+            contended_factor: self.profile.contended_factor(&shape),
             started: None,
             prompt_tokens,
         });
@@ -735,23 +736,24 @@ impl<'a> Sim<'a> {
     /// Processor sharing: takes the work done since the last change off every running step.
     fn advance(&mut self, m: usize) {
         let machine = &mut self.machines[m];
-        let done_ms = (self.now - machine.updated) * 1e3 * machine.speed();
+        let elapsed_ms = (self.now - machine.updated) * 1e3;
         machine.updated = self.now;
         for &w in &machine.running {
             if let Some(step) = self.workers[w].step.as_mut() {
+                let done_ms = elapsed_ms * machine.step_speed(step);
                 step.remaining_ms = (step.remaining_ms - done_ms).max(0.0);
             }
         }
     }
 
-    /// Processor sharing: schedules every running step's end at the machine's speed now.
+    /// Processor sharing: schedules every running step's end at its speed now.
     fn reschedule(&mut self, m: usize) {
-        let speed = self.machines[m].speed();
         let running = self.machines[m].running.clone();
         for w in running {
             let worker = &mut self.workers[w];
             worker.epoch += 1;
             let step = worker.step.as_ref().expect("a running step");
+            let speed = self.machines[m].step_speed(step);
             let (at, epoch) = (self.now + step.remaining_ms / 1e3 / speed, worker.epoch);
             self.at(at, Event::StepEnd { worker: w, epoch });
         }
@@ -1110,6 +1112,7 @@ fn decision_index(d: Decision) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::profile::{Contention, ServingProfile};
     use crate::testing::{config, synthetic};
 
     fn job(prompt: Vec<u32>, max_tokens: u32, at_ms: u64) -> Result<Job, PlannerError> {
@@ -1239,6 +1242,42 @@ mod tests {
         let r = run(&c, two(), TRACE);
         assert!(
             close(r.summary.ttft_ms.p50, 24.0) && close(r.summary.ttft_ms.p99, 24.0),
+            "{:?}",
+            r.summary.ttft_ms
+        );
+        // Two cores, filled: each at full speed, slowed by the contention the profile measured.
+        c.sharing = Sharing::Cores {
+            cores: 2,
+            threads: 1,
+        };
+        let r = run(&c, two(), TRACE);
+        assert!(
+            close(r.summary.ttft_ms.p99, 12.0),
+            "{:?}",
+            r.summary.ttft_ms
+        );
+        let mut profile = synthetic();
+        profile.serving = Some(ServingProfile {
+            decode: Vec::new(),
+            prefill: Vec::new(),
+            prefill_push_factor: 1.0,
+            // Colocated workers push no KV: their steps, prompts too, take the decode factor.
+            contention: Some(Contention {
+                prefill_factor: 1.1,
+                decode_factor: 1.5,
+            }),
+        });
+        let r = simulate(&profile, &c, &mut two().into_iter(), TRACE, 1, &mut |_| {}).unwrap();
+        assert!(
+            close(r.summary.ttft_ms.p50, 18.0) && close(r.summary.ttft_ms.p99, 18.0),
+            "{:?}",
+            r.summary.ttft_ms
+        );
+        // One of them alone leaves a core free: no contention.
+        let one = two().into_iter().take(1).collect::<Vec<_>>();
+        let r = simulate(&profile, &c, &mut one.into_iter(), TRACE, 1, &mut |_| {}).unwrap();
+        assert!(
+            close(r.summary.ttft_ms.p99, 12.0),
             "{:?}",
             r.summary.ttft_ms
         );

@@ -104,6 +104,11 @@ fn profile_fits_every_form_and_says_how_well() {
         assert!(s["local_ms"].as_f64().unwrap() > 0.0, "{s}");
     }
     assert!(p["serving"]["prefill_push_factor"].as_f64().unwrap() > 0.0);
+    // Each prompt once more beside a decoding stream: both workers' contention.
+    let contention = &p["serving"]["contention"];
+    for factor in ["prefill_factor", "decode_factor"] {
+        assert!(contention[factor].as_f64().unwrap() > 0.0, "{contention}");
+    }
 }
 
 /// `duet profile` with `args` on the tiny fixture, which must fail without writing a profile:
