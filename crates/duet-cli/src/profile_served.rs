@@ -437,8 +437,8 @@ async fn stream_until(
             s.arrivals.push((Instant::now(), msg.token_ids.len()));
             tokens += msg.token_ids.len();
         }
-        if ready.as_ref().is_some_and(|(n, _)| tokens >= *n) {
-            let _ = ready.take().map(|(_, tx)| tx.send(()));
+        if let Some((_, tx)) = ready.take_if(|(n, _)| tokens >= *n) {
+            let _ = tx.send(());
         }
         s.timings = msg.timings.or(s.timings);
     }
