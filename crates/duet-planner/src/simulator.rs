@@ -19,7 +19,7 @@ use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 use std::time::Duration;
 
-use duet_kv::KvReservation;
+use duet_kv::{KvReservation, SeqId};
 use duet_routing::{Decision, NoRoute, PolicyParams, PolicyRequest, RoutingPolicy, WorkerSnapshot};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -218,6 +218,19 @@ impl Ord for Scheduled {
     }
 }
 
+/// A request's sequence id in a worker's scheduler: the order it was admitted there, as the
+/// engine numbers its sequences (the scheduler plans the oldest first, so admission order is
+/// what is fair), above the request's slot (reused, so no order), which the low half keeps.
+fn sequence_id(admitted: u64, slot: usize) -> SeqId {
+    debug_assert!(admitted <= u32::MAX as u64 && slot <= u32::MAX as usize);
+    admitted << 32 | slot as u64
+}
+
+/// The slot of the request a sequence id names.
+fn slot_of(seq: SeqId) -> usize {
+    (seq & u32::MAX as u64) as usize
+}
+
 /// A request in the cluster.
 struct Request {
     /// Unique over the run (a slot is reused).
@@ -234,6 +247,8 @@ struct Request {
     /// The router's planned-tokens ticket, on `planned_on`.
     ticket: u64,
     planned_on: usize,
+    /// Its sequence id in the scheduler of the worker computing it now ([`sequence_id`]).
+    seq: SeqId,
     /// Prompt tokens still to compute where it is being prefilled.
     prompt_left: usize,
     cached_tokens: usize,
@@ -283,6 +298,8 @@ struct Sim<'a> {
     requests: Vec<Option<Request>>,
     free_slots: Vec<usize>,
     serial: u64,
+    /// Sequences admitted to the workers' schedulers so far ([`sequence_id`]).
+    admitted: u64,
     next_ticket: u64,
     rng: SmallRng,
     block_size: usize,
@@ -368,6 +385,7 @@ impl<'a> Sim<'a> {
             requests: Vec::new(),
             free_slots: Vec::new(),
             serial: 0,
+            admitted: 0,
             next_ticket: 0,
             rng: SmallRng::seed_from_u64(seed ^ 0x5EED),
             block_size,
@@ -486,6 +504,7 @@ impl<'a> Sim<'a> {
             reservation: None,
             ticket: 0,
             planned_on: 0,
+            seq: 0,
             prompt_left: 0,
             cached_tokens: 0,
             generated: 0,
@@ -672,7 +691,7 @@ impl<'a> Sim<'a> {
         }
         let now = self.now;
         for p in &plan {
-            let r = self.requests[p.seq as usize]
+            let r = self.requests[slot_of(p.seq)]
                 .as_mut()
                 .expect("a planned request");
             if r.scheduled_at.is_none() && r.prompt_left > 0 {
@@ -681,7 +700,7 @@ impl<'a> Sim<'a> {
         }
         let requests = &self.requests;
         let (mut shape, prompt_tokens) = step_shape(&plan, |seq| {
-            requests[seq as usize].as_ref().map_or(0, |r| r.prompt_left)
+            requests[slot_of(seq)].as_ref().map_or(0, |r| r.prompt_left)
         });
         shape.kv_pushed = self.workers[w].role == Role::Prefill;
         let work_ms = self.profile.step_ms(&shape);
@@ -791,7 +810,7 @@ impl<'a> Sim<'a> {
         // Commands the step's outcomes send this worker wait for its next turn.
         self.workers[w].in_turn = true;
         for p in &step.plan {
-            let slot = p.seq as usize;
+            let slot = slot_of(p.seq);
             let r = self.requests[slot].as_mut().expect("a planned request");
             let computed = p.len.min(r.prompt_left);
             r.prompt_left -= computed;
@@ -885,9 +904,10 @@ impl<'a> Sim<'a> {
     /// A worker's scheduler takes the request's prompt, reusing its cached prefix.
     fn admit_sequence(&mut self, w: usize, slot: usize, tokens: Vec<u32>) {
         let n = tokens.len();
+        let seq = self.admitted_sequence(slot);
         let cached = self.workers[w]
             .scheduler
-            .add_sequence(slot as u64, tokens, "")
+            .add_sequence(seq, tokens, "")
             .expect("a fresh sequence id");
         self.workers[w].sequences += 1;
         self.workers[w].queued_tokens -= cached as u64;
@@ -895,6 +915,14 @@ impl<'a> Sim<'a> {
         r.prompt_left = n - cached;
         r.cached_tokens = r.cached_tokens.max(cached);
         r.scheduled_at = None;
+    }
+
+    /// The request's next sequence id, for the worker's scheduler admitting it now.
+    fn admitted_sequence(&mut self, slot: usize) -> SeqId {
+        self.admitted += 1;
+        let seq = sequence_id(self.admitted, slot);
+        self.request(slot).seq = seq;
+        seq
     }
 
     /// A prefill worker takes a prompt (at its engine's turn).
@@ -915,7 +943,8 @@ impl<'a> Sim<'a> {
     /// A prefill worker computed the request's whole prompt: its KV goes to the decode worker.
     fn prefilled(&mut self, w: usize, slot: usize) {
         let now = self.now;
-        let _ = self.workers[w].scheduler.remove(slot as u64);
+        let seq = self.request(slot).seq;
+        let _ = self.workers[w].scheduler.remove(seq);
         self.workers[w].sequences -= 1;
         let profile = self.profile;
         let fit = self.transfer.expect("a disaggregated cluster's transport");
@@ -954,9 +983,10 @@ impl<'a> Sim<'a> {
                 r.reservation.take().expect("a reserved request"),
             )
         };
+        let seq = self.admitted_sequence(slot);
         self.workers[w]
             .scheduler
-            .add_prefilled(slot as u64, tokens, reservation)
+            .add_prefilled(seq, tokens, reservation)
             .expect("a fresh sequence id and its reservation");
         self.workers[w].sequences += 1;
         self.request(slot).prompt_left = 0;
@@ -981,17 +1011,18 @@ impl<'a> Sim<'a> {
         if r.generated >= r.max_tokens {
             return self.finish(w, slot);
         }
-        let token = answer_token(r.serial, r.generated);
+        let (seq, token) = (r.seq, answer_token(r.serial, r.generated));
         self.workers[w]
             .scheduler
-            .append_token(slot as u64, token)
+            .append_token(seq, token)
             .expect("a scheduled sequence");
     }
 
     /// The request's last token is out.
     fn finish(&mut self, w: usize, slot: usize) {
         let now = self.now;
-        let _ = self.workers[w].scheduler.remove(slot as u64);
+        let seq = self.request(slot).seq;
+        let _ = self.workers[w].scheduler.remove(seq);
         self.workers[w].sequences -= 1;
         self.workers[w].in_flight -= 1;
         let r = self.requests[slot].take().expect("a live request");
@@ -1374,11 +1405,43 @@ mod tests {
             .collect()
     }
 
+    /// The scheduler plans the oldest prompt first, as the engine's does: a request that takes a
+    /// finished request's slot still waits behind the prompts admitted before it.
+    #[test]
+    fn prompts_are_computed_in_admission_order_whatever_slot_they_reuse() {
+        let mut c = config(Design::Colocated, 0, 1);
+        // A 64-token prompt takes 4 steps of 16 tokens: the later ones queue.
+        c.max_step_tokens = 16;
+        c.keep_outcomes = true;
+        let prompt = |i: u32| (i * 1000..i * 1000 + 64).collect::<Vec<u32>>();
+        let jobs = vec![
+            // Done in one step, it frees its slot before the last request arrives.
+            job((0..16).collect(), 1, 0),
+            job(prompt(1), 2, 1),
+            job(prompt(2), 2, 2),
+            job(prompt(3), 2, 3),
+            job(prompt(4), 2, 10),
+        ];
+        let r = run(&c, jobs, TRACE);
+        let mut first_tokens: Vec<(f64, f64)> = r
+            .outcomes
+            .iter()
+            .map(|o| (o.arrival_s, o.arrival_s + o.ttft_ms / 1e3))
+            .collect();
+        first_tokens.sort_by(|a, b| a.0.total_cmp(&b.0));
+        assert_eq!(first_tokens.len(), 5);
+        assert!(
+            first_tokens.windows(2).all(|w| w[0].1 < w[1].1),
+            "first tokens out of arrival order: {first_tokens:?}"
+        );
+    }
+
     /// The simulation is deterministic for a seed, and its speed-ups change nothing: the reports
     /// of a disaggregated and a colocated run are pinned (`tests/golden/simulated-reports.json`:
     /// the colocated one written before the hot paths were optimised, the disaggregated one
     /// rewritten when the decode worker's bind and the push's landing began to wait for its
-    /// turns, a change of the model, not of its speed).
+    /// turns, and both when sequences began to be numbered in admission order instead of by
+    /// their reused slots: changes of the model, not of its speed).
     #[test]
     fn a_fixed_seed_gives_the_pinned_reports() {
         let mut disaggregated = config(Design::Disaggregated, 2, 3);
