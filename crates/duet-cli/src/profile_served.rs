@@ -52,8 +52,9 @@ pub(crate) struct ServedPlan<'a> {
 }
 
 impl ServedPlan<'_> {
+    /// Steps of the progress bar: each stream count's repeats, and each prompt length.
     pub(crate) fn points(&self) -> usize {
-        self.batches.len() + self.prompt_tokens.len()
+        self.batches.len() * self.repeats + self.prompt_tokens.len()
     }
 
     /// The most tokens the contention stream may answer in a model of `context` tokens; it is
@@ -162,10 +163,12 @@ pub(crate) async fn measure_served(
     )
     .await?;
 
-    let mut decode = Vec::new();
-    for &batch in plan.batches {
-        let mut gaps = Vec::new();
-        for _ in 0..plan.repeats {
+    // The repeats go round the stream counts rather than one count after another, so that the
+    // machine's drift over the measurement (and whatever the workers' first steps still cost)
+    // falls on every count alike, not on the first.
+    let mut gaps = vec![Vec::new(); plan.batches.len()];
+    for _ in 0..plan.repeats {
+        for (&batch, gaps) in plan.batches.iter().zip(&mut gaps) {
             let streams = futures::future::try_join_all((0..batch).map(|_| {
                 stream(
                     client.clone(),
@@ -176,7 +179,11 @@ pub(crate) async fn measure_served(
             }))
             .await?;
             gaps.extend(decoding_gaps(&streams));
+            progress.inc(1);
         }
+    }
+    let mut decode = Vec::new();
+    for (&batch, mut gaps) in plan.batches.iter().zip(gaps) {
         ensure!(
             !gaps.is_empty(),
             "no decode step of {batch} streams was timed: raise --served-decode-tokens"
@@ -192,7 +199,6 @@ pub(crate) async fn measure_served(
             served_ms: median(&mut gaps),
             engine_ms: profile.engine_step_ms(&shape),
         });
-        progress.inc(1);
     }
 
     let mut prefill = Vec::new();
