@@ -12,13 +12,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use duet_cluster::ClusterArgs;
 use duet_decode_worker::{DecodeConfig, PeerPullArgs};
 use duet_engine::device::Switch;
 use duet_engine::engine::EngineOptions;
 use duet_model::model_path::ModelArgs;
 use duet_proto::v1;
-use duet_router::RouterConfig;
 use duet_worker::WorkerArgs;
 use futures::StreamExt;
 use serde::Serialize;
@@ -71,14 +69,7 @@ struct Report {
 
 pub fn run(args: KvPullBenchArgs) -> Result<()> {
     let spec = ClusterSpec {
-        router: RouterConfig {
-            listen: crate::cluster::free_port(std::net::Ipv4Addr::LOCALHOST.into())?,
-            cluster: ClusterArgs {
-                cluster: "bench-kv-pull".into(),
-                ..ClusterArgs::default()
-            },
-            ..RouterConfig::default()
-        },
+        router: crate::cluster::loopback_router("bench-kv-pull")?,
         prefill: Default::default(),
         decode: DecodeConfig {
             worker: WorkerArgs {

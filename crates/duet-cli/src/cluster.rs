@@ -473,6 +473,19 @@ fn free_ports(n: usize) -> Result<Vec<SocketAddr>> {
         .collect()
 }
 
+/// A router for a measurement's own cluster: on a free loopback port, in cluster `name`, with
+/// every other setting at its default.
+pub fn loopback_router(name: &str) -> Result<RouterConfig> {
+    Ok(RouterConfig {
+        listen: free_port(std::net::Ipv4Addr::LOCALHOST.into())?,
+        cluster: ClusterArgs {
+            cluster: name.into(),
+            ..ClusterArgs::default()
+        },
+        ..RouterConfig::default()
+    })
+}
+
 /// A port on `ip` that nothing listens on, for a service or a test server to bind soon after.
 ///
 /// Checking a port and binding it later leaves a window in which a port the kernel picks (a

@@ -21,7 +21,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use anyhow::{Result, ensure};
-use duet_cluster::ClusterArgs;
 use duet_decode_worker::DecodeConfig;
 use duet_engine::device::Device;
 use duet_engine::engine::EngineOptions;
@@ -30,7 +29,6 @@ use duet_planner::profile::{
 };
 use duet_prefill_worker::PrefillConfig;
 use duet_proto::v1;
-use duet_router::RouterConfig;
 use duet_worker::WorkerArgs;
 use futures::StreamExt;
 
@@ -97,14 +95,7 @@ pub(crate) fn served_cluster(
         ..WorkerArgs::default()
     };
     Ok(ClusterSpec {
-        router: RouterConfig {
-            listen: crate::cluster::free_port(std::net::Ipv4Addr::LOCALHOST.into())?,
-            cluster: ClusterArgs {
-                cluster: "duet-profile".into(),
-                ..ClusterArgs::default()
-            },
-            ..RouterConfig::default()
-        },
+        router: crate::cluster::loopback_router("duet-profile")?,
         prefill: PrefillConfig {
             worker: worker.clone(),
             ..PrefillConfig::default()

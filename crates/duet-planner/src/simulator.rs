@@ -222,7 +222,10 @@ impl Ord for Scheduled {
 /// engine numbers its sequences (the scheduler plans the oldest first, so admission order is
 /// what is fair), above the request's slot (reused, so no order), which the low half keeps.
 fn sequence_id(admitted: u64, slot: usize) -> SeqId {
-    debug_assert!(admitted <= u32::MAX as u64 && slot <= u32::MAX as usize);
+    assert!(
+        admitted <= u32::MAX as u64 && slot <= u32::MAX as usize,
+        "more than 2^32 sequences admitted or requests in flight: sequence ids would collide"
+    );
     admitted << 32 | slot as u64
 }
 
